@@ -1,0 +1,38 @@
+"""Loads the op library and registers the fake (meta) kernels used by torch.compile/export.
+
+Loading the library registers the ops in `torch.ops.adaattn`; it does not initialise CUDA.
+"""
+import glob
+import os
+
+import torch
+
+_LIB_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _load_library():
+    candidates = sorted(glob.glob(os.path.join(_LIB_DIR, "_C*.so")))
+    if not candidates:
+        raise ImportError(
+            "adaattn: the compiled op library (adaattn/_C*.so) was not found; build it with "
+            "`pip install --no-build-isolation -e .` (see README.md)")
+    torch.ops.load_library(candidates[0])
+
+
+_load_library()
+ops = torch.ops.adaattn
+
+
+@torch.library.register_fake("adaattn::flash_fwd")
+def _flash_fwd_fake(q, k, v, seqlens, softmax_scale, causal, window_left, window_right):
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = q.new_empty(q.shape[:3], dtype=torch.float32)
+    return out, lse
+
+
+@torch.library.register_fake("adaattn::flash_bwd")
+def _flash_bwd_fake(grad_out, q, k, v, out, lse, seqlens, softmax_scale, causal, window_left,
+                    window_right, deterministic):
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            torch.empty_like(k, memory_format=torch.contiguous_format),
+            torch.empty_like(v, memory_format=torch.contiguous_format))

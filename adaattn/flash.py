@@ -1,0 +1,51 @@
+"""Exact softmax attention (flash attention), forward and backward on CPU and CUDA."""
+from typing import Optional, Tuple, Union
+
+import torch
+
+from ._ops import ops
+
+Window = Tuple[int, int]
+
+
+def _window_pair(window) -> Window:
+    if (not isinstance(window, (tuple, list)) or len(window) != 2
+            or not all(isinstance(w, int) and not isinstance(w, bool) for w in window)):
+        raise ValueError(f"adaattn: window must be a pair of ints (left, right), got {window!r}")
+    left, right = window
+    if left < -1 or right < -1:
+        raise ValueError(
+            f"adaattn: window entries must be >= 0 or -1 (unbounded), got {tuple(window)}")
+    return left, right
+
+
+def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
+               softmax_scale: Optional[float] = None, window: Window = (-1, -1),
+               seqlens: Optional[torch.Tensor] = None, return_lse: bool = False,
+               deterministic: bool = False
+               ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    """Exact softmax attention with O(L) memory (tiled, online softmax, recomputing backward).
+
+    Args:
+        q: ``[B, Hq, Lq, D]``. Any strides with a contiguous last dim, e.g. a ``(B, L, H, D)``
+            tensor passed as ``.transpose(1, 2)`` (no copy is made).
+        k: ``[B, Hkv, Lk, D]`` with ``Hq % Hkv == 0`` (GQA/MQA: query head ``h`` reads kv head
+            ``h // (Hq // Hkv)``).
+        v: ``[B, Hkv, Lk, D]``.
+        causal: query row ``r`` sees key ``c`` iff ``c <= r + (Lk - Lq)`` (bottom-right aligned).
+        softmax_scale: multiplies ``q @ k^T``; defaults to ``D ** -0.5``.
+        window: ``(left, right)`` sliding window around the same diagonal; ``-1`` = unbounded.
+        seqlens: optional int32 ``[B]`` for right-padded batches: keys and query rows at or
+            past ``seqlens[b]`` are padding (padding rows give 0).
+        return_lse: also return the float32 log-sum-exp ``[B, Hq, Lq]`` (``-inf`` for a row
+            that sees no key; such rows give ``out = 0``).
+        deterministic: backward without order-dependent accumulation. The kernels are always
+            deterministic; the flag is accepted for flash-attn compatibility.
+
+    Returns:
+        ``out [B, Hq, Lq, D]`` (dtype of q), and ``lse`` when ``return_lse``.
+    """
+    left, right = _window_pair(window)
+    out, lse = ops.flash_attn(q, k, v, seqlens, softmax_scale, bool(causal), left, right,
+                              bool(deterministic))
+    return (out, lse) if return_lse else out

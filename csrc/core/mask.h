@@ -1,0 +1,73 @@
+// Mask policy: which keys a query row may attend to.
+//
+// Every mask of the flash family (causal, sliding window, right-padded `seqlens`, and later
+// varlen) is a contiguous key range [lo, hi) per query row whose ends never decrease as the row
+// grows. Kernels only rely on that monotonicity: a tile of rows [m0, m1) needs key tiles
+// covering [range(m0).lo, range(m1 - 1).hi), and a (row tile, key tile) pair needs no
+// element-wise masking when it lies inside every row's range.
+#pragma once
+
+#include "params.h"
+
+#if defined(__CUDACC__)
+#define ADAATTN_HD __host__ __device__ __forceinline__
+#else
+#define ADAATTN_HD inline
+#endif
+
+namespace adaattn {
+
+struct KeyRange {
+  int lo;  // first key the row may see
+  int hi;  // one past the last key; hi <= lo means the row sees nothing
+};
+
+// Valid (unpadded) lengths of one batch element.
+struct SeqLens {
+  int q;
+  int k;
+};
+
+ADAATTN_HD SeqLens seq_lens(const AttnParams& p, int b) {
+  if (p.seqlens == nullptr) return {p.len_q, p.len_k};
+  int s = p.seqlens[b];
+  s = s < 0 ? 0 : s;
+  return {s < p.len_q ? s : p.len_q, s < p.len_k ? s : p.len_k};
+}
+
+// Causal and window limits are relative to the bottom-right aligned diagonal
+// diag = row + (Lk - Lq) (flash-attn semantics).
+ADAATTN_HD KeyRange key_range(const AttnParams& p, SeqLens lens, int row) {
+  if (row >= lens.q) return {0, 0};
+  const int diag = row + p.len_k - p.len_q;
+  int lo = 0;
+  int hi = lens.k;
+  if (p.window_left >= 0) {
+    const int l = diag - p.window_left;
+    lo = l > 0 ? l : 0;
+  }
+  if (p.window_right >= 0) {
+    const int h = diag + p.window_right + 1;
+    hi = h < hi ? h : hi;
+  }
+  return {lo, hi};
+}
+
+// Key range needed by rows [m0, m1) (m0 < m1): the union of their ranges.
+ADAATTN_HD KeyRange tile_key_range(const AttnParams& p, SeqLens lens, int m0, int m1) {
+  const int last = (m1 < lens.q ? m1 : lens.q) - 1;
+  if (last < m0) return {0, 0};
+  const KeyRange first = key_range(p, lens, m0);
+  const KeyRange end = key_range(p, lens, last);
+  return {first.lo, end.hi};
+}
+
+// True when every row of [m0, m1) may see every key of [n0, n1): no element masking needed.
+ADAATTN_HD bool tile_is_full(const AttnParams& p, SeqLens lens, int m0, int m1, int n0, int n1) {
+  if (m1 > lens.q) return false;
+  const KeyRange first = key_range(p, lens, m0);
+  const KeyRange last = key_range(p, lens, m1 - 1);
+  return n0 >= last.lo && n1 <= first.hi;
+}
+
+}  // namespace adaattn

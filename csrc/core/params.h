@@ -1,0 +1,55 @@
+// Kernel parameters shared by every attention kernel (CPU and CUDA).
+// Plain data only: it is passed by value to CUDA kernels.
+#pragma once
+
+#include <cstdint>
+
+namespace adaattn {
+
+// Strides are in elements; the last dim of every tensor is contiguous (stride 1).
+struct AttnParams {
+  // ---- forward inputs -------------------------------------------------------------------
+  const void* q;  // [B, Hq, Lq, D]
+  const void* k;  // [B, Hkv, Lk, D]
+  const void* v;  // [B, Hkv, Lk, D]
+  int64_t q_batch_stride, q_head_stride, q_row_stride;
+  int64_t k_batch_stride, k_head_stride, k_row_stride;
+  int64_t v_batch_stride, v_head_stride, v_row_stride;
+
+  // ---- forward outputs ------------------------------------------------------------------
+  void* out;   // [B, Hq, Lq, D]
+  float* lse;  // [B, Hq, Lq] contiguous, natural log; -inf for a row that sees no key
+  int64_t o_batch_stride, o_head_stride, o_row_stride;
+
+  // ---- backward inputs / outputs (unused by forward kernels) ----------------------------
+  const void* dout;  // [B, Hq, Lq, D]
+  int64_t do_batch_stride, do_head_stride, do_row_stride;
+  void* dq;  // [B, Hq, Lq, D]
+  void* dk;  // [B, Hkv, Lk, D]
+  void* dv;  // [B, Hkv, Lk, D]
+  int64_t dq_batch_stride, dq_head_stride, dq_row_stride;
+  int64_t dk_batch_stride, dk_head_stride, dk_row_stride;
+  int64_t dv_batch_stride, dv_head_stride, dv_row_stride;
+  float* delta;     // [B, Hq, Lq] contiguous scratch: rowsum(dO * O)
+  float* dq_accum;  // fp32 scratch for kernels that accumulate dq across KV blocks (may be null)
+
+  // ---- sizes ----------------------------------------------------------------------------
+  int batch;     // B
+  int heads_q;   // Hq
+  int heads_kv;  // Hkv; Hq % Hkv == 0, query head h reads kv head h / (Hq / Hkv)
+  int len_q;     // Lq
+  int len_k;     // Lk
+  int head_dim;  // D (== Dv)
+
+  // ---- mask (see mask.h) ----------------------------------------------------------------
+  const int* seqlens;  // [B] int32 or null: rows/keys at or past seqlens[b] are padding
+  int window_left;     // -1 = unbounded; keys j >= diag - window_left
+  int window_right;    // -1 = unbounded; keys j <= diag + window_right (causal => 0)
+
+  // ---- math -----------------------------------------------------------------------------
+  float scale;       // multiplies q.k
+  float scale_log2;  // scale * log2(e), for exp2-based online softmax
+  bool deterministic;  // backward: no order-dependent floating-point accumulation
+};
+
+}  // namespace adaattn

@@ -1,0 +1,108 @@
+// CUDA registration of the flash ops: fp16/bf16 go to the tensor-core kernels, fp32/fp64 to the
+// exact kernels. Launches on the current stream; no host synchronisation.
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include "../flash_api.h"
+#include "../flash_ops.h"
+
+namespace adaattn {
+namespace {
+
+bool use_tensor_cores(at::ScalarType t) { return t == at::kHalf || t == at::kBFloat16; }
+
+// cp.async moves 16-byte chunks: base pointers and batch/head/row strides must be multiples of
+// 8 elements. Other layouts are copied once (rare: odd strides or a misaligned storage offset).
+at::Tensor tc_aligned(const at::Tensor& t) {
+  auto ok = [](const at::Tensor& x) {
+    return reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 && x.stride(0) % 8 == 0 &&
+           x.stride(1) % 8 == 0 && x.stride(2) % 8 == 0;
+  };
+  if (ok(t)) return t;
+  at::Tensor c = t.contiguous();
+  return ok(c) ? c : c.clone();
+}
+
+void check_cuda_head_dim(const at::Tensor& q) {
+  if (use_tensor_cores(q.scalar_type())) {
+    TORCH_CHECK(tc_supports_head_dim(static_cast<int>(q.size(3))),
+                "adaattn: head dim D = ", q.size(3), " is not supported for ", q.scalar_type(),
+                " on CUDA; supported: D in ", tc_head_dims(),
+                " (float32/float64 accept any D <= 256)");
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> flash_fwd_cuda_op(const at::Tensor& q_in,
+                                                     const at::Tensor& k_in,
+                                                     const at::Tensor& v_in,
+                                                     const std::optional<at::Tensor>& seqlens,
+                                                     std::optional<double> softmax_scale,
+                                                     bool causal, int64_t window_left,
+                                                     int64_t window_right) {
+  check_flash_inputs(q_in, k_in, v_in, seqlens);
+  check_cuda_head_dim(q_in);
+  const bool tc = use_tensor_cores(q_in.scalar_type()) && q_in.numel() > 0 && k_in.numel() > 0;
+  const at::Tensor q = tc ? tc_aligned(q_in) : q_in;
+  const at::Tensor k = tc ? tc_aligned(k_in) : k_in;
+  const at::Tensor v = tc ? tc_aligned(v_in) : v_in;
+  const FlashOptions opt =
+      resolve_flash_options(q, softmax_scale, causal, window_left, window_right, false);
+  const c10::cuda::CUDAGuard guard(q.device());
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  at::Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
+  if (q.numel() == 0) return {out, lse};
+  AttnParams p = make_params(q, k, v, seqlens, opt);
+  set_fwd_outputs(p, out, lse);
+  if (use_tensor_cores(q.scalar_type())) {
+    flash_fwd_tc_cuda(p, q.scalar_type());
+  } else {
+    flash_fwd_exact_cuda(p, q.scalar_type());
+  }
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_bwd_cuda_op(
+    const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in,
+    const at::Tensor& v_in, const at::Tensor& out_in, const at::Tensor& lse,
+    const std::optional<at::Tensor>& seqlens, std::optional<double> softmax_scale, bool causal,
+    int64_t window_left, int64_t window_right, bool deterministic) {
+  check_flash_inputs(q_in, k_in, v_in, seqlens);
+  check_flash_bwd_inputs(dout_in, q_in, out_in, lse);
+  check_cuda_head_dim(q_in);
+  const bool tc = use_tensor_cores(q_in.scalar_type()) && q_in.numel() > 0 && k_in.numel() > 0;
+  const at::Tensor q = tc ? tc_aligned(q_in) : q_in;
+  const at::Tensor k = tc ? tc_aligned(k_in) : k_in;
+  const at::Tensor v = tc ? tc_aligned(v_in) : v_in;
+  const at::Tensor out = tc ? tc_aligned(out_in) : out_in;
+  const at::Tensor dout = tc ? tc_aligned(dout_in) : dout_in;
+  const FlashOptions opt = resolve_flash_options(q, softmax_scale, causal, window_left,
+                                                 window_right, deterministic);
+  const c10::cuda::CUDAGuard guard(q.device());
+  at::Tensor dq = at::empty(q.sizes(), q.options());
+  at::Tensor dk = at::empty(k.sizes(), k.options());
+  at::Tensor dv = at::empty(v.sizes(), v.options());
+  if (q.numel() == 0 || k.numel() == 0) {
+    dq.zero_();
+    dk.zero_();
+    dv.zero_();
+    return {dq, dk, dv};
+  }
+  at::Tensor delta = at::empty(lse.sizes(), lse.options());
+  AttnParams p = make_params(q, k, v, seqlens, opt);
+  set_bwd_tensors(p, dout, out, lse, dq, dk, dv, delta);
+  if (use_tensor_cores(q.scalar_type())) {
+    flash_bwd_tc_cuda(p, q.scalar_type());
+  } else {
+    flash_bwd_exact_cuda(p, q.scalar_type());
+  }
+  return {dq, dk, dv};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(adaattn, CUDA, m) {
+  m.impl("flash_fwd", &flash_fwd_cuda_op);
+  m.impl("flash_bwd", &flash_bwd_cuda_op);
+}
+
+}  // namespace adaattn

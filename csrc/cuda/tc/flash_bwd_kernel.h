@@ -1,0 +1,371 @@
+// Tensor-core backward of the flash family, deterministic by construction (no atomics):
+//   1. delta kernel:  Delta_i = dO_i . O_i
+//   2. dK/dV kernel:  one CTA per (key tile, batch, kv head); warps own key rows and compute the
+//      transposed scores S^T = K Q^T directly, so P^T and dS^T are already A-fragments for
+//      dV += P^T dO and dK += dS^T Q. It loops over the query heads of its GQA group, so K/V are
+//      never expanded to Hq heads and dK/dV are reduced in registers.
+//   3. dQ kernel:     one CTA per (query tile, batch, head), like the forward.
+// The dQ kernel recomputes S and dP (two extra products) instead of accumulating dQ with
+// atomics across key tiles: that keeps results bit-reproducible and needs no fp32 dQ buffer.
+#pragma once
+
+#include <cmath>
+
+#include "../../core/mask.h"
+#include "../../core/params.h"
+#include "flash_fwd_kernel.h"
+#include "mma.h"
+
+namespace adaattn {
+namespace tc {
+
+template <typename T, int D>
+__global__ void flash_bwd_delta_kernel(const AttnParams p) {
+  // One warp per row; rows are (b, h, i) in lse order.
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int64_t rows = static_cast<int64_t>(p.batch) * p.heads_q * p.len_q;
+  if (row >= rows) return;
+  const int i = static_cast<int>(row % p.len_q);
+  const int64_t bh = row / p.len_q;
+  const int h = static_cast<int>(bh % p.heads_q);
+  const int b = static_cast<int>(bh / p.heads_q);
+  const T* o = static_cast<const T*>(p.out) + b * p.o_batch_stride + h * p.o_head_stride +
+               i * p.o_row_stride;
+  const T* d = static_cast<const T*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride +
+               i * p.do_row_stride;
+  float acc = 0.f;
+#pragma unroll
+  for (int c = lane; c < D; c += 32) acc += static_cast<float>(o[c]) * static_cast<float>(d[c]);
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffff, acc, off);
+  if (lane == 0) p.delta[row] = acc;
+}
+
+// log2-domain lse for recomputing P = exp2(s * scale_log2 - lse2); rows that saw nothing (and
+// rows past the tensor) get +inf so that P = 0 exactly.
+__device__ __forceinline__ float lse_log2(const float* lse, int row, int len) {
+  if (row >= len) return INFINITY;
+  const float l = lse[row];
+  return l == -INFINITY ? INFINITY : l * float(M_LOG2E);
+}
+
+template <typename T, int D, int NWARPS, int MI_K, int BM>
+struct BwdKVTraits {
+  static constexpr int kThreads = NWARPS * 32;
+  static constexpr int kBlockN = NWARPS * 16 * MI_K;  // keys per CTA
+  static constexpr int kBlockM = BM;                  // queries per step
+  // K, V, and double-buffered Q, dO tiles, then lse2/delta of both buffers.
+  static constexpr int kSmemBytes =
+      (2 * kBlockN + 4 * kBlockM) * D * sizeof(T) + 4 * kBlockM * sizeof(float);
+};
+
+// First query row in [0, len) for which pred(row) holds, for a predicate that is monotone
+// (false...false true...true) over the rows.
+template <typename Pred>
+__device__ __forceinline__ int first_row_where(int len, Pred pred) {
+  int lo = 0, hi = len;
+  while (lo < hi) {
+    const int mid = lo + (hi - lo) / 2;
+    if (pred(mid)) {
+      hi = mid;
+    } else {
+      lo = mid + 1;
+    }
+  }
+  return lo;
+}
+
+template <typename Traits, typename T, int D, int MI, int BM>
+__global__ void __launch_bounds__(Traits::kThreads)
+    flash_bwd_dkdv_kernel(const AttnParams p) {
+  constexpr int kBlockN = Traits::kBlockN;
+  constexpr int kThreads = Traits::kThreads;
+  constexpr int NT = BM / 8;  // query n-tiles of S^T per warp
+  constexpr int DT = D / 8;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* sK = reinterpret_cast<T*>(smem_raw);
+  T* sV = sK + kBlockN * D;
+  // Buffer `buf` of the double-buffered Q/dO tiles and their lse2/delta vectors.
+  T* const sQ0 = sV + kBlockN * D;
+  T* const sdO0 = sQ0 + 2 * BM * D;
+  float* const sLse0 = reinterpret_cast<float*>(sdO0 + 2 * BM * D);
+  float* const sDelta0 = sLse0 + 2 * BM;
+  auto sQ = [&](int buf) { return sQ0 + buf * BM * D; };
+  auto sdO = [&](int buf) { return sdO0 + buf * BM * D; };
+  auto sLse = [&](int buf) { return sLse0 + buf * BM; };
+  auto sDelta = [&](int buf) { return sDelta0 + buf * BM; };
+
+  const int tid = threadIdx.x;
+  const int warp = tid / 32;
+  const int lane = tid % 32;
+  const int g = lane >> 2;
+  const int t = lane & 3;
+  const int bh_count = p.batch * p.heads_kv;
+  const int bh = blockIdx.x % bh_count;
+  const int n_block = blockIdx.x / bh_count;
+  const int b = bh / p.heads_kv;
+  const int h_kv = bh % p.heads_kv;
+  const int group = p.heads_q / p.heads_kv;
+  const int n0 = n_block * kBlockN;
+  const int warp_row0 = warp * 16 * MI;
+
+  const SeqLens lens = seq_lens(p, b);
+  // Query rows whose key range meets [n0, n0 + kBlockN): ranges only move right as rows grow.
+  const int n1 = n0 + kBlockN;
+  const int row_begin =
+      first_row_where(lens.q, [&](int r) { return key_range(p, lens, r).hi > n0; });
+  const int row_end =
+      first_row_where(lens.q, [&](int r) { return key_range(p, lens, r).lo >= n1; });
+
+  const T* kptr = static_cast<const T*>(p.k) + b * p.k_batch_stride + h_kv * p.k_head_stride +
+                  n0 * p.k_row_stride;
+  const T* vptr = static_cast<const T*>(p.v) + b * p.v_batch_stride + h_kv * p.v_head_stride +
+                  n0 * p.v_row_stride;
+  const int valid_k = p.len_k - n0;
+
+  float dk[MI][DT][4];
+  float dv[MI][DT][4];
+  zero(dk);
+  zero(dv);
+
+  const int m_begin = row_begin / BM;
+  const int m_end = row_end > row_begin ? (row_end + BM - 1) / BM : m_begin;
+  const int steps_per_head = m_end - m_begin;
+  const int steps = steps_per_head * group;
+
+  // Step s covers query head group*h_kv + s / steps_per_head, query tile m_begin + s % steps.
+  auto issue_step = [&](int s, int buf) {
+    const int h = h_kv * group + s / steps_per_head;
+    const int m0 = (m_begin + s % steps_per_head) * BM;
+    const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride +
+                 m0 * p.q_row_stride;
+    const T* d = static_cast<const T*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride +
+                 m0 * p.do_row_stride;
+    load_tile_async<BM, D, kThreads>(sQ(buf), q, p.q_row_stride, p.len_q - m0, tid);
+    load_tile_async<BM, D, kThreads>(sdO(buf), d, p.do_row_stride, p.len_q - m0, tid);
+    const int64_t lse_off = (static_cast<int64_t>(b) * p.heads_q + h) * p.len_q;
+    for (int i = tid; i < BM; i += kThreads) {
+      sLse(buf)[i] = lse_log2(p.lse + lse_off, m0 + i, p.len_q);
+      sDelta(buf)[i] = m0 + i < p.len_q ? p.delta[lse_off + m0 + i] : 0.f;
+    }
+  };
+
+  if (steps > 0) {
+    load_tile_async<kBlockN, D, kThreads>(sK, kptr, p.k_row_stride, valid_k, tid);
+    load_tile_async<kBlockN, D, kThreads>(sV, vptr, p.v_row_stride, valid_k, tid);
+    issue_step(0, 0);
+    cp_async_commit();
+  }
+
+  for (int s = 0; s < steps; ++s) {
+    const int buf = s & 1;
+    const int m0 = (m_begin + s % steps_per_head) * BM;
+    cp_async_wait_all();
+    __syncthreads();
+    if (s + 1 < steps) {
+      issue_step(s + 1, buf ^ 1);
+      cp_async_commit();
+    }
+
+    // S^T[key, query] in log2 units, then P^T.
+    float st[MI][NT][4];
+    zero(st);
+    warp_gemm_nt<MI, NT, D>(st, sK, warp_row0, sQ(buf), 0, lane);
+    const bool full = tile_is_full(p, lens, m0, m0 + BM, n0 + warp_row0, n0 + warp_row0 + 16 * MI);
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+      for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int qcol = ni * 8 + 2 * t + (e & 1);
+          float pe = exp2f(st[mi][ni][e] * p.scale_log2 - sLse(buf)[qcol]);
+          if (!full) {
+            const int key = n0 + warp_row0 + mi * 16 + g + 8 * (e >> 1);
+            const KeyRange r = key_range(p, lens, m0 + qcol);
+            if (key < r.lo || key >= r.hi) pe = 0.f;
+          }
+          st[mi][ni][e] = pe;
+        }
+
+    // dP^T = V dO^T; dS^T = P^T * (dP^T - Delta).
+    float dpt[MI][NT][4];
+    zero(dpt);
+    warp_gemm_nt<MI, NT, D>(dpt, sV, warp_row0, sdO(buf), 0, lane);
+
+    uint32_t pa[MI][NT / 2][4];
+    to_a_frags<MI, NT, T>(st, pa);
+    warp_gemm_rs<MI, DT, NT / 2, D>(dv, pa, sdO(buf), 0, lane);
+
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+      for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int qcol = ni * 8 + 2 * t + (e & 1);
+          dpt[mi][ni][e] = st[mi][ni][e] * (dpt[mi][ni][e] - sDelta(buf)[qcol]);
+        }
+    uint32_t dsa[MI][NT / 2][4];
+    to_a_frags<MI, NT, T>(dpt, dsa);
+    warp_gemm_rs<MI, DT, NT / 2, D>(dk, dsa, sQ(buf), 0, lane);
+  }
+
+  // Stage through the warp's own rows of sK (all reads of sK/sV are done after this barrier).
+  __syncthreads();
+  float kscale[MI][2];
+  float one[MI][2];
+#pragma unroll
+  for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      kscale[mi][hh] = p.scale;
+      one[mi][hh] = 1.f;
+    }
+  T* dkptr = static_cast<T*>(p.dk) + b * p.dk_batch_stride + h_kv * p.dk_head_stride +
+             n0 * p.dk_row_stride;
+  T* dvptr = static_cast<T*>(p.dv) + b * p.dv_batch_stride + h_kv * p.dv_head_stride +
+             n0 * p.dv_row_stride;
+  store_rows<MI, DT, D>(dk, kscale, sK, warp_row0, dkptr, p.dk_row_stride, valid_k, lane);
+  store_rows<MI, DT, D>(dv, one, sV, warp_row0, dvptr, p.dv_row_stride, valid_k, lane);
+}
+
+template <typename T, int D, int NWARPS, int MI, int BN>
+struct BwdQTraits {
+  static constexpr int kThreads = NWARPS * 32;
+  static constexpr int kBlockM = NWARPS * 16 * MI;
+  static constexpr int kBlockN = BN;
+  // Q, dO, and double-buffered K, V tiles.
+  static constexpr int kSmemBytes = (2 * kBlockM + 4 * kBlockN) * D * sizeof(T);
+};
+
+template <typename Traits, typename T, int D, int MI, int BN>
+__global__ void __launch_bounds__(Traits::kThreads)
+    flash_bwd_dq_kernel(const AttnParams p) {
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kThreads = Traits::kThreads;
+  constexpr int NT = BN / 8;
+  constexpr int DT = D / 8;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* sQ = reinterpret_cast<T*>(smem_raw);
+  T* sdO = sQ + kBlockM * D;
+  T* const sK0 = sdO + kBlockM * D;
+  T* const sV0 = sK0 + 2 * BN * D;
+  auto sK = [&](int buf) { return sK0 + buf * BN * D; };
+  auto sV = [&](int buf) { return sV0 + buf * BN * D; };
+
+  const int tid = threadIdx.x;
+  const int warp = tid / 32;
+  const int lane = tid % 32;
+  const int g = lane >> 2;
+  const int bh_count = p.batch * p.heads_q;
+  const int bh = blockIdx.x % bh_count;
+  const int num_m_blocks = (p.len_q + kBlockM - 1) / kBlockM;
+  const int m_block = num_m_blocks - 1 - blockIdx.x / bh_count;
+  const int b = bh / p.heads_q;
+  const int h = bh % p.heads_q;
+  const int h_kv = h / (p.heads_q / p.heads_kv);
+  const int m0 = m_block * kBlockM;
+  const int warp_row0 = warp * 16 * MI;
+
+  const SeqLens lens = seq_lens(p, b);
+  const KeyRange tile_keys = tile_key_range(p, lens, m0, m0 + kBlockM);
+  const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride +
+               m0 * p.q_row_stride;
+  const T* dout = static_cast<const T*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride +
+                  m0 * p.do_row_stride;
+  const T* k = static_cast<const T*>(p.k) + b * p.k_batch_stride + h_kv * p.k_head_stride;
+  const T* v = static_cast<const T*>(p.v) + b * p.v_batch_stride + h_kv * p.v_head_stride;
+  const int64_t lse_off = (static_cast<int64_t>(b) * p.heads_q + h) * p.len_q;
+
+  RowRanges<MI> rr;
+  float lse2[MI][2];
+  float delta[MI][2];
+#pragma unroll
+  for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int row = m0 + warp_row0 + mi * 16 + g + 8 * hh;
+      const KeyRange r = key_range(p, lens, row);
+      rr.lo[mi][hh] = r.lo;
+      rr.hi[mi][hh] = r.hi;
+      lse2[mi][hh] = lse_log2(p.lse + lse_off, row, p.len_q);
+      delta[mi][hh] = row < p.len_q ? p.delta[lse_off + row] : 0.f;
+    }
+
+  float dq[MI][DT][4];
+  zero(dq);
+  const int valid_q = p.len_q - m0;
+  if (tile_keys.hi > tile_keys.lo) {
+    const int n_begin = tile_keys.lo / BN;
+    const int n_end = (tile_keys.hi + BN - 1) / BN;
+    auto issue_kv = [&](int n_block, int buf) {
+      const int n0 = n_block * BN;
+      load_tile_async<BN, D, kThreads>(sK(buf), k + static_cast<int64_t>(n0) * p.k_row_stride,
+                                       p.k_row_stride, p.len_k - n0, tid);
+      load_tile_async<BN, D, kThreads>(sV(buf), v + static_cast<int64_t>(n0) * p.v_row_stride,
+                                       p.v_row_stride, p.len_k - n0, tid);
+    };
+    load_tile_async<kBlockM, D, kThreads>(sQ, q, p.q_row_stride, valid_q, tid);
+    load_tile_async<kBlockM, D, kThreads>(sdO, dout, p.do_row_stride, valid_q, tid);
+    issue_kv(n_begin, 0);
+    cp_async_commit();
+
+    for (int n_block = n_begin; n_block < n_end; ++n_block) {
+      const int buf = (n_block - n_begin) & 1;
+      const int n0 = n_block * BN;
+      cp_async_wait_all();
+      __syncthreads();
+      if (n_block + 1 < n_end) {
+        issue_kv(n_block + 1, buf ^ 1);
+        cp_async_commit();
+      }
+      float s[MI][NT][4];
+      zero(s);
+      warp_gemm_nt<MI, NT, D>(s, sQ, warp_row0, sK(buf), 0, lane);
+      const bool full =
+          tile_is_full(p, lens, m0 + warp_row0, m0 + warp_row0 + 16 * MI, n0, n0 + BN);
+#pragma unroll
+      for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+        for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[mi][ni][e] = s[mi][ni][e] * p.scale_log2;
+      if (!full) mask_scores(s, rr, n0, lane);
+#pragma unroll
+      for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+        for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[mi][ni][e] = exp2f(s[mi][ni][e] - lse2[mi][e >> 1]);
+
+      float dp[MI][NT][4];
+      zero(dp);
+      warp_gemm_nt<MI, NT, D>(dp, sdO, warp_row0, sV(buf), 0, lane);
+#pragma unroll
+      for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+        for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            dp[mi][ni][e] = s[mi][ni][e] * (dp[mi][ni][e] - delta[mi][e >> 1]);
+      uint32_t dsa[MI][NT / 2][4];
+      to_a_frags<MI, NT, T>(dp, dsa);
+      warp_gemm_rs<MI, DT, NT / 2, D>(dq, dsa, sK(buf), 0, lane);
+    }
+  }
+
+  __syncthreads();
+  float qscale[MI][2];
+#pragma unroll
+  for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) qscale[mi][hh] = p.scale;
+  T* dqptr = static_cast<T*>(p.dq) + b * p.dq_batch_stride + h * p.dq_head_stride +
+             m0 * p.dq_row_stride;
+  store_rows<MI, DT, D>(dq, qscale, sQ, warp_row0, dqptr, p.dq_row_stride, valid_q, lane);
+}
+
+}  // namespace tc
+}  // namespace adaattn

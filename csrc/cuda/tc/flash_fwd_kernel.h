@@ -1,0 +1,207 @@
+// Tensor-core forward of the flash family (FlashAttention-2 style): one CTA per (query tile,
+// batch, head); each warp owns 16*MI query rows, keeps O and the online-softmax state in
+// registers, and streams K/V tiles through shared memory with cp.async (the V load overlaps
+// Q K^T, the next K load overlaps P V). The mask is a policy (mask.h): key tiles outside the
+// tile's key range are never visited and only boundary tiles are masked element-wise.
+#pragma once
+
+#include <cmath>
+
+#include "../../core/mask.h"
+#include "../../core/params.h"
+#include "mma.h"
+
+namespace adaattn {
+namespace tc {
+
+template <typename T, int D, int NWARPS, int MI, int BN>
+struct FwdTraits {
+  static constexpr int kThreads = NWARPS * 32;
+  static constexpr int kBlockM = NWARPS * 16 * MI;
+  static constexpr int kBlockN = BN;
+  static constexpr int kSmemBytes = (kBlockM + 2 * kBlockN) * D * sizeof(T);
+};
+
+// Per-thread view of the rows it holds in accumulator fragments: rows g and g + 8 of each of
+// the warp's MI 16-row groups.
+template <int MI>
+struct RowRanges {
+  int lo[MI][2];
+  int hi[MI][2];
+};
+
+// Sets scores outside each row's key range to -inf. Scores are [MI][NT] fragments whose column
+// n-tile ni starts at key n0 + 8 * ni.
+template <int MI, int NT>
+__device__ __forceinline__ void mask_scores(float (&s)[MI][NT][4], const RowRanges<MI>& rr, int n0,
+                                            int lane) {
+  const int t = lane & 3;
+#pragma unroll
+  for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+    for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int h = e >> 1;
+        const int col = n0 + ni * 8 + 2 * t + (e & 1);
+        if (col < rr.lo[mi][h] || col >= rr.hi[mi][h]) s[mi][ni][e] = -INFINITY;
+      }
+}
+
+template <typename Traits, typename T, int D, int MI, int BN>
+__global__ void __launch_bounds__(Traits::kThreads)
+    flash_fwd_kernel(const AttnParams p) {
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kThreads = Traits::kThreads;
+  constexpr int NT = BN / 8;  // score n-tiles per warp
+  constexpr int DT = D / 8;   // output n-tiles per warp
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* sQ = reinterpret_cast<T*>(smem_raw);
+  T* sK = sQ + kBlockM * D;
+  T* sV = sK + BN * D;
+
+  const int tid = threadIdx.x;
+  const int warp = tid / 32;
+  const int lane = tid % 32;
+  // Heavy (late, under causal) query tiles first: the slowest index walks tiles backwards.
+  const int bh_count = p.batch * p.heads_q;
+  const int bh = blockIdx.x % bh_count;
+  const int num_m_blocks = (p.len_q + kBlockM - 1) / kBlockM;
+  const int m_block = num_m_blocks - 1 - blockIdx.x / bh_count;
+  const int b = bh / p.heads_q;
+  const int h = bh % p.heads_q;
+  const int h_kv = h / (p.heads_q / p.heads_kv);
+  const int m0 = m_block * kBlockM;
+
+  const SeqLens lens = seq_lens(p, b);
+  const KeyRange tile_keys = tile_key_range(p, lens, m0, m0 + kBlockM);
+
+  const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride +
+               m0 * p.q_row_stride;
+  const T* k = static_cast<const T*>(p.k) + b * p.k_batch_stride + h_kv * p.k_head_stride;
+  const T* v = static_cast<const T*>(p.v) + b * p.v_batch_stride + h_kv * p.v_head_stride;
+  T* out = static_cast<T*>(p.out) + b * p.o_batch_stride + h * p.o_head_stride +
+           m0 * p.o_row_stride;
+  float* lse = p.lse + (static_cast<int64_t>(b) * p.heads_q + h) * p.len_q;
+
+  const int warp_row0 = warp * 16 * MI;
+  const int g = lane >> 2;
+  RowRanges<MI> rr;
+#pragma unroll
+  for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const KeyRange r = key_range(p, lens, m0 + warp_row0 + mi * 16 + g + 8 * hh);
+      rr.lo[mi][hh] = r.lo;
+      rr.hi[mi][hh] = r.hi;
+    }
+
+  float o[MI][DT][4];
+  zero(o);
+  float row_max[MI][2];
+  float row_sum[MI][2];
+#pragma unroll
+  for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      row_max[mi][hh] = -INFINITY;
+      row_sum[mi][hh] = 0.f;
+    }
+
+  const int valid_q = p.len_q - m0;
+  if (tile_keys.hi > tile_keys.lo) {
+    const int n_begin = tile_keys.lo / BN;
+    const int n_end = (tile_keys.hi + BN - 1) / BN;
+    load_tile_async<kBlockM, D, kThreads>(sQ, q, p.q_row_stride, valid_q, tid);
+    load_tile_async<BN, D, kThreads>(sK, k + static_cast<int64_t>(n_begin) * BN * p.k_row_stride,
+                                     p.k_row_stride, p.len_k - n_begin * BN, tid);
+    cp_async_commit();
+
+    for (int n_block = n_begin; n_block < n_end; ++n_block) {
+      const int n0 = n_block * BN;
+      cp_async_wait_all();
+      __syncthreads();
+      load_tile_async<BN, D, kThreads>(sV, v + static_cast<int64_t>(n0) * p.v_row_stride,
+                                       p.v_row_stride, p.len_k - n0, tid);
+      cp_async_commit();
+
+      float s[MI][NT][4];
+      zero(s);
+      warp_gemm_nt<MI, NT, D>(s, sQ, warp_row0, sK, 0, lane);
+#pragma unroll
+      for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+        for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[mi][ni][e] *= p.scale_log2;
+      if (!tile_is_full(p, lens, m0 + warp_row0, m0 + warp_row0 + 16 * MI, n0, n0 + BN)) {
+        mask_scores(s, rr, n0, lane);
+      }
+
+      // Online softmax in base 2; quad lanes (same g) share a row.
+#pragma unroll
+      for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          float mx = row_max[mi][hh];
+#pragma unroll
+          for (int ni = 0; ni < NT; ++ni)
+            mx = fmaxf(mx, fmaxf(s[mi][ni][2 * hh], s[mi][ni][2 * hh + 1]));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+          const float base = mx == -INFINITY ? 0.f : mx;
+          const float corr = exp2f(row_max[mi][hh] - base);
+          row_max[mi][hh] = mx;
+          float sum = 0.f;
+#pragma unroll
+          for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const float pe = exp2f(s[mi][ni][2 * hh + e] - base);
+              s[mi][ni][2 * hh + e] = pe;
+              sum += pe;
+            }
+          row_sum[mi][hh] = row_sum[mi][hh] * corr + sum;
+#pragma unroll
+          for (int di = 0; di < DT; ++di) {
+            o[mi][di][2 * hh] *= corr;
+            o[mi][di][2 * hh + 1] *= corr;
+          }
+        }
+
+      uint32_t pa[MI][NT / 2][4];
+      to_a_frags<MI, NT, T>(s, pa);
+
+      cp_async_wait_all();
+      __syncthreads();
+      if (n_block + 1 < n_end) {
+        load_tile_async<BN, D, kThreads>(sK, k + static_cast<int64_t>(n0 + BN) * p.k_row_stride,
+                                         p.k_row_stride, p.len_k - n0 - BN, tid);
+        cp_async_commit();
+      }
+      warp_gemm_rs<MI, DT, NT / 2, D>(o, pa, sV, 0, lane);
+    }
+  }
+
+  // Finalise: out = O / l, lse = ln(sum) + max (natural log); rows that saw nothing: 0, -inf.
+  float inv[MI][2];
+#pragma unroll
+  for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      float l = row_sum[mi][hh];
+      l += __shfl_xor_sync(0xffffffff, l, 1);
+      l += __shfl_xor_sync(0xffffffff, l, 2);
+      inv[mi][hh] = l > 0.f ? 1.f / l : 0.f;
+      const int row = m0 + warp_row0 + mi * 16 + g + 8 * hh;
+      if ((lane & 3) == 0 && row < p.len_q) {
+        lse[row] = l > 0.f ? (row_max[mi][hh] + log2f(l)) * float(M_LN2) : -INFINITY;
+      }
+    }
+  // Each warp reuses its own rows of sQ as the staging buffer; nobody else reads them now.
+  __syncthreads();
+  store_rows<MI, DT, D>(o, inv, sQ, warp_row0, out, p.o_row_stride, valid_q, lane);
+}
+
+}  // namespace tc
+}  // namespace adaattn

@@ -1,0 +1,219 @@
+// Warp-level tensor-core building blocks (mma.sync m16n8k16, ldmatrix, cp.async) shared by every
+// tensor-core attention kernel. Tiles in shared memory are [rows][D] row-major with an XOR
+// swizzle of 16-byte chunks so that ldmatrix reads of 8 consecutive rows hit distinct banks.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+namespace adaattn {
+namespace tc {
+
+// Element offset of (row, col) in a swizzled [rows][D] tile; D is a multiple of 64 so each row
+// has at least 8 chunks of 8 elements.
+template <int D>
+__device__ __forceinline__ int swz(int row, int col) {
+  static_assert(D % 64 == 0, "swizzle needs D to be a multiple of 64");
+  return row * D + ((((col >> 3) ^ (row & 7))) << 3) + (col & 7);
+}
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16-byte async copy global -> shared; when !valid the destination is zero-filled and nothing
+// is read (src must still be a mapped address).
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+  const int bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
+               "r"(bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::); }
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+}
+
+template <typename T>
+struct MmaOp;
+
+template <>
+struct MmaOp<__nv_bfloat16> {
+  __device__ __forceinline__ static void run(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                             uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+  __device__ __forceinline__ static uint32_t pack(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
+};
+
+template <>
+struct MmaOp<__half> {
+  __device__ __forceinline__ static void run(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                             uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+  __device__ __forceinline__ static uint32_t pack(float lo, float hi) {
+    __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
+};
+
+// Copies a [ROWS][D] tile whose row r lives at src + r * row_stride into swizzled shared memory.
+// Rows >= valid_rows are zero-filled (their source address falls back to row 0).
+template <int ROWS, int D, int THREADS, typename T>
+__device__ __forceinline__ void load_tile_async(T* dst, const T* src, int64_t row_stride,
+                                                int valid_rows, int tid) {
+  constexpr int kChunksPerRow = D / 8;
+  constexpr int kChunks = ROWS * kChunksPerRow;
+  static_assert(kChunks % THREADS == 0, "tile chunks must divide evenly among threads");
+#pragma unroll
+  for (int i = 0; i < kChunks / THREADS; ++i) {
+    const int c = tid + i * THREADS;
+    const int r = c / kChunksPerRow;
+    const int col = (c % kChunksPerRow) * 8;
+    const bool valid = r < valid_rows;
+    cp_async16(dst + swz<D>(r, col), src + (valid ? r * row_stride : 0) + col, valid);
+  }
+}
+
+// acc[MI][NT] (16 x 8 fragments) += A * B^T where A = rows [a_row0, a_row0 + 16*MI) and
+// B = rows [b_row0, b_row0 + 8*NT) of two swizzled [rows][D] tiles, reduced over all D columns.
+// (S = Q K^T, dP = dO V^T and their transposes.)
+template <int MI, int NT, int D, typename T>
+__device__ __forceinline__ void warp_gemm_nt(float (&acc)[MI][NT][4], const T* sA, int a_row0,
+                                             const T* sB, int b_row0, int lane) {
+  static_assert(NT % 2 == 0, "NT must be even (x4 ldmatrix loads two n-tiles)");
+#pragma unroll
+  for (int k0 = 0; k0 < D; k0 += 16) {
+    uint32_t a[MI][4];
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi) {
+      const int row = a_row0 + mi * 16 + (lane & 15);
+      ldmatrix_x4(a[mi], sA + swz<D>(row, k0 + (lane >> 4) * 8));
+    }
+#pragma unroll
+    for (int ni = 0; ni < NT; ni += 2) {
+      uint32_t b[4];
+      const int row = b_row0 + ni * 8 + (lane & 7) + ((lane >> 4) << 3);
+      ldmatrix_x4(b, sB + swz<D>(row, k0 + ((lane >> 3) & 1) * 8));
+#pragma unroll
+      for (int mi = 0; mi < MI; ++mi) {
+        MmaOp<T>::run(acc[mi][ni], a[mi], b[0], b[1]);
+        MmaOp<T>::run(acc[mi][ni + 1], a[mi], b[2], b[3]);
+      }
+    }
+  }
+}
+
+// acc[MI][NT] += A * B where A is in registers as A-fragments a[MI][KT] (16 x 16 each, e.g. the
+// probabilities P from to_a_frags) and B = rows [b_row0, b_row0 + 16*KT) of a swizzled [rows][D]
+// tile, columns [0, 8*NT). (O += P V, dQ += dS K, dV += P^T dO, dK += dS^T Q.)
+template <int MI, int NT, int KT, int D, typename T>
+__device__ __forceinline__ void warp_gemm_rs(float (&acc)[MI][NT][4],
+                                             const uint32_t (&a)[MI][KT][4], const T* sB,
+                                             int b_row0, int lane) {
+  static_assert(NT % 2 == 0, "NT must be even (x4 ldmatrix loads two n-tiles)");
+#pragma unroll
+  for (int kt = 0; kt < KT; ++kt) {
+#pragma unroll
+    for (int ni = 0; ni < NT; ni += 2) {
+      uint32_t b[4];
+      const int row = b_row0 + kt * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
+      ldmatrix_x4_trans(b, sB + swz<D>(row, ni * 8 + (lane >> 4) * 8));
+#pragma unroll
+      for (int mi = 0; mi < MI; ++mi) {
+        MmaOp<T>::run(acc[mi][ni], a[mi][kt], b[0], b[1]);
+        MmaOp<T>::run(acc[mi][ni + 1], a[mi][kt], b[2], b[3]);
+      }
+    }
+  }
+}
+
+// Re-packs accumulator fragments (16 x 8, fp32) as A-fragments (16 x 16, T): the accumulator
+// layout of two neighbouring n-tiles is exactly the A layout, so no data moves between lanes.
+template <int MI, int NT, typename T>
+__device__ __forceinline__ void to_a_frags(const float (&acc)[MI][NT][4],
+                                           uint32_t (&a)[MI][NT / 2][4]) {
+#pragma unroll
+  for (int mi = 0; mi < MI; ++mi) {
+#pragma unroll
+    for (int kt = 0; kt < NT / 2; ++kt) {
+      a[mi][kt][0] = MmaOp<T>::pack(acc[mi][2 * kt][0], acc[mi][2 * kt][1]);
+      a[mi][kt][1] = MmaOp<T>::pack(acc[mi][2 * kt][2], acc[mi][2 * kt][3]);
+      a[mi][kt][2] = MmaOp<T>::pack(acc[mi][2 * kt + 1][0], acc[mi][2 * kt + 1][1]);
+      a[mi][kt][3] = MmaOp<T>::pack(acc[mi][2 * kt + 1][2], acc[mi][2 * kt + 1][3]);
+    }
+  }
+}
+
+template <int MI, int NT>
+__device__ __forceinline__ void zero(float (&acc)[MI][NT][4]) {
+#pragma unroll
+  for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+    for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[mi][ni][e] = 0.f;
+}
+
+// Writes a warp's accumulator rows (16*MI rows x 8*NT cols, scaled) to global memory through
+// the warp's own rows of a swizzled smem tile, so global stores are 16-byte and coalesced.
+// Rows >= valid_rows are not written.
+template <int MI, int NT, int D, typename T>
+__device__ __forceinline__ void store_rows(const float (&acc)[MI][NT][4], const float (&row_scale)[MI][2],
+                                           T* s_tile, int row0, T* dst, int64_t row_stride,
+                                           int valid_rows, int lane) {
+  static_assert(8 * NT == D, "store_rows writes full rows");
+  const int g = lane >> 2;
+  const int t = lane & 3;
+#pragma unroll
+  for (int mi = 0; mi < MI; ++mi) {
+#pragma unroll
+    for (int ni = 0; ni < NT; ++ni) {
+      const int col = ni * 8 + 2 * t;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = row0 + mi * 16 + g + 8 * h;
+        const uint32_t v = MmaOp<T>::pack(acc[mi][ni][2 * h] * row_scale[mi][h],
+                                          acc[mi][ni][2 * h + 1] * row_scale[mi][h]);
+        *reinterpret_cast<uint32_t*>(s_tile + swz<D>(row, col)) = v;
+      }
+    }
+  }
+  __syncwarp();
+  constexpr int kChunksPerRow = D / 8;
+#pragma unroll
+  for (int i = 0; i < 16 * MI * kChunksPerRow / 32; ++i) {
+    const int c = lane + 32 * i;
+    const int r = c / kChunksPerRow;
+    const int col = (c % kChunksPerRow) * 8;
+    if (r < valid_rows - row0) {
+      *reinterpret_cast<uint4*>(dst + (row0 + r) * row_stride + col) =
+          *reinterpret_cast<const uint4*>(s_tile + swz<D>(row0 + r, col));
+    }
+  }
+}
+
+}  // namespace tc
+}  // namespace adaattn

@@ -1,0 +1,30 @@
+// Launchers of the flash family, one per device path. Each takes fully validated parameters
+// (see ops.cpp) whose outputs are allocated; it writes every output element.
+#pragma once
+
+#include <c10/core/ScalarType.h>
+
+#include "core/params.h"
+
+namespace adaattn {
+
+// CPU, fp32 or fp64 (ops.cpp upcasts fp16/bf16). Tiled, O(L) extra memory, parallel over
+// batch x heads. Forward writes out and lse; backward reads out, lse, dout and writes dq, dk, dv
+// (and uses p.delta as scratch).
+void flash_fwd_cpu(const AttnParams& p, c10::ScalarType dtype);
+void flash_bwd_cpu(const AttnParams& p, c10::ScalarType dtype);
+
+#ifdef ADAATTN_WITH_CUDA
+// CUDA exact path, fp32 or fp64 scalar arithmetic (validation and gradcheck). Current stream.
+void flash_fwd_exact_cuda(const AttnParams& p, c10::ScalarType dtype);
+void flash_bwd_exact_cuda(const AttnParams& p, c10::ScalarType dtype);
+
+// CUDA tensor-core path, fp16 or bf16 with fp32 accumulation, head dims in tc_head_dims().
+// Current stream.
+void flash_fwd_tc_cuda(const AttnParams& p, c10::ScalarType dtype);
+void flash_bwd_tc_cuda(const AttnParams& p, c10::ScalarType dtype);
+bool tc_supports_head_dim(int head_dim);
+const char* tc_head_dims();  // e.g. "{64, 128}", for error messages
+#endif
+
+}  // namespace adaattn

@@ -1,0 +1,62 @@
+"""Builds adaattn._C, the op library (no pybind: it registers ops through TORCH_LIBRARY).
+
+Knobs (environment variables):
+  ADAATTN_CUDA=0|1        force the CPU-only build, or require the CUDA build (default: CUDA when
+                          nvcc is found and torch was built with CUDA)
+  ADAATTN_CUDA_ARCHS      semicolon list of SM versions to compile for (default "80;90")
+  MAX_JOBS                parallel compile jobs (torch's ninja build)
+"""
+import glob
+import os
+import shutil
+
+from setuptools import find_packages, setup
+
+import torch
+from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension, CUDA_HOME
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def want_cuda():
+    knob = os.environ.get("ADAATTN_CUDA")
+    found = torch.version.cuda is not None and (
+        CUDA_HOME is not None or shutil.which("nvcc") is not None)
+    if knob == "1" and not found:
+        raise RuntimeError("ADAATTN_CUDA=1 but no nvcc / CUDA-enabled torch was found")
+    return found if knob is None else knob == "1"
+
+
+def gencode_flags():
+    archs = os.environ.get("ADAATTN_CUDA_ARCHS", "80;90").replace(",", ";").split(";")
+    flags = []
+    for arch in filter(None, (a.strip() for a in archs)):
+        flags.append(f"-gencode=arch=compute_{arch},code=sm_{arch}")
+    return flags
+
+
+def sources(pattern):
+    return sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern), recursive=True))
+
+
+def extension():
+    cpp = sources("csrc/*.cpp") + sources("csrc/cpu/*.cpp")
+    cxx_flags = ["-O3", "-std=c++17"]
+    if not want_cuda():
+        return CppExtension("adaattn._C", cpp, extra_compile_args={"cxx": cxx_flags},
+                            py_limited_api=True)
+    cuda = sources("csrc/cuda/*.cpp") + sources("csrc/cuda/**/*.cu")
+    nvcc_flags = ["-O3", "-std=c++17", "--use_fast_math", "--expt-relaxed-constexpr",
+                  "-DADAATTN_WITH_CUDA", "-lineinfo"] + gencode_flags()
+    return CUDAExtension("adaattn._C", cpp + cuda,
+                         extra_compile_args={"cxx": cxx_flags + ["-DADAATTN_WITH_CUDA"],
+                                             "nvcc": nvcc_flags},
+                         py_limited_api=True)
+
+
+setup(
+    packages=find_packages(include=["adaattn", "adaattn.*"]),
+    ext_modules=[extension()],
+    cmdclass={"build_ext": BuildExtension},
+    options={"bdist_wheel": {"py_limited_api": "cp39"}},
+)
