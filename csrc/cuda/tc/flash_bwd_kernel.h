@@ -36,7 +36,7 @@ __global__ void flash_bwd_delta_kernel(const AttnParams p) {
                i * p.do_row_stride;
   float acc = 0.f;
 #pragma unroll
-  for (int c = lane; c < D; c += 32) acc += static_cast<float>(o[c]) * static_cast<float>(d[c]);
+  for (int c = lane; c < D; c += 32) acc += to_float(o[c]) * to_float(d[c]);
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffff, acc, off);
   if (lane == 0) p.delta[row] = acc;

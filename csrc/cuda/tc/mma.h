@@ -44,6 +44,10 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* 
                : "r"(smem_addr(p)));
 }
 
+// Explicit conversions: torch builds with __CUDA_NO_HALF_CONVERSIONS__ and friends.
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+
 template <typename T>
 struct MmaOp;
 
