@@ -1,7 +1,7 @@
 """adaattn: fused attention kernels for PyTorch (CPU and CUDA, forward and backward)."""
-from . import reference
+from . import nn, reference
 from ._ops import ops
 from .flash import flash_attn
 
-__all__ = ["flash_attn", "ops", "reference"]
+__all__ = ["flash_attn", "nn", "ops", "reference"]
 __version__ = "0.1.0"

@@ -15,12 +15,22 @@ namespace tc {
 
 // Tile shapes per head dim: warps per CTA, 16-row groups per warp (MI), and the streamed tile
 // size. Two row groups per warp halve the shared-memory reads per MMA, which bound these
-// kernels on Hopper; at D = 128 they would spill registers, so D = 128 keeps one.
+// kernels on Hopper, as long as the accumulators still fit in registers.
 template <int D>
-struct FlashConfig {
-  static constexpr int kFwdWarps = 4, kFwdMI = D <= 64 ? 2 : 1, kFwdBlockN = 64;
+struct FlashConfig;
+
+template <>
+struct FlashConfig<64> {
+  static constexpr int kFwdWarps = 4, kFwdMI = 2, kFwdBlockN = 64;
   static constexpr int kKVWarps = 4, kKVMI = 1, kKVBlockM = 64;
-  static constexpr int kQWarps = 4, kQMI = 1, kQBlockN = 64;
+  static constexpr int kQWarps = 4, kQMI = 2, kQBlockN = 64;
+};
+
+template <>
+struct FlashConfig<128> {
+  static constexpr int kFwdWarps = 4, kFwdMI = 2, kFwdBlockN = 32;
+  static constexpr int kKVWarps = 4, kKVMI = 1, kKVBlockM = 64;
+  static constexpr int kQWarps = 4, kQMI = 2, kQBlockN = 32;
 };
 
 inline int grid_size(int64_t blocks) {

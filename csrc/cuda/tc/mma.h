@@ -108,7 +108,8 @@ template <int MI, int NT, int D, typename T>
 __device__ __forceinline__ void warp_gemm_nt(float (&acc)[MI][NT][4], const T* sA, int a_row0,
                                              const T* sB, int b_row0, int lane) {
   static_assert(NT % 2 == 0, "NT must be even (x4 ldmatrix loads two n-tiles)");
-#pragma unroll
+  // Full unrolling at D = 128 lets ptxas hoist every ldmatrix and spill; two steps do not.
+#pragma unroll(D <= 64 ? D / 16 : 2)
   for (int k0 = 0; k0 < D; k0 += 16) {
     uint32_t a[MI][4];
 #pragma unroll
