@@ -22,7 +22,7 @@ struct FlashConfig;
 template <>
 struct FlashConfig<64> {
   static constexpr int kFwdWarps = 4, kFwdMI = 2, kFwdBlockN = 64;
-  static constexpr int kKVWarps = 4, kKVMI = 1, kKVBlockM = 64;
+  static constexpr int kKVWarps = 4, kKVMI = 2, kKVBlockM = 32;
   static constexpr int kQWarps = 4, kQMI = 2, kQBlockN = 64;
 };
 
