@@ -1,0 +1,435 @@
+// Exact CUDA flash attention in fp32/fp64 (scalar arithmetic; validation and gradcheck path).
+//
+// One warp owns one output row: a query row (forward, backward dq) or a key row (backward
+// dk/dv). Lane l holds elements d = l, l + 32, ... of the row's vectors in registers, dot
+// products are reduced with xor shuffles (every lane ends with the same bits), and keys (or
+// query rows) are visited 32 at a time so that each lane evaluates one exponential per chunk.
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAFunctions.h>
+
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+
+#include "../core/mask.h"
+#include "../flash_api.h"
+
+namespace adaattn {
+namespace {
+
+constexpr int kWarp = 32;
+constexpr int kWarpsPerBlock = 4;
+constexpr unsigned kFullMask = 0xffffffffu;
+constexpr int64_t kMaxBlocks = int64_t{1} << 30;  // grid-stride loops cover the rest
+
+// --use_fast_math turns expf/logf into approximate intrinsics (errors of several ulp that grow
+// with |x|); going through double keeps the fp32 path within 1e-5 of fp64.
+__device__ __forceinline__ float exact_exp(float x) {
+  return static_cast<float>(exp(static_cast<double>(x)));
+}
+__device__ __forceinline__ double exact_exp(double x) { return exp(x); }
+
+// Log-sum-exp of a row from its running max and sum, in double.
+template <typename T>
+__device__ __forceinline__ double row_lse(T row_max, T row_sum) {
+  return static_cast<double>(row_max) + log(static_cast<double>(row_sum));
+}
+
+template <typename T>
+__device__ __forceinline__ T warp_sum(T x) {
+#pragma unroll
+  for (int offset = kWarp / 2; offset > 0; offset >>= 1) x += __shfl_xor_sync(kFullMask, x, offset);
+  return x;
+}
+
+template <typename T>
+__device__ __forceinline__ T warp_max(T x) {
+#pragma unroll
+  for (int offset = kWarp / 2; offset > 0; offset >>= 1) {
+    const T other = __shfl_xor_sync(kFullMask, x, offset);
+    x = other > x ? other : x;
+  }
+  return x;
+}
+
+template <typename T, int kSlots>
+__device__ __forceinline__ void load_slice(const T* row, int dim, int lane, T (&x)[kSlots]) {
+#pragma unroll
+  for (int s = 0; s < kSlots; ++s) {
+    const int d = lane + s * kWarp;
+    x[s] = d < dim ? row[d] : T(0);
+  }
+}
+
+// This lane's share of x . row.
+template <typename T, int kSlots>
+__device__ __forceinline__ T slice_dot(const T (&x)[kSlots], const T* row, int dim, int lane) {
+  T acc = 0;
+#pragma unroll
+  for (int s = 0; s < kSlots; ++s) {
+    const int d = lane + s * kWarp;
+    if (d < dim) acc += x[s] * row[d];
+  }
+  return acc;
+}
+
+// acc += a * row (this lane's elements).
+template <typename T, int kSlots>
+__device__ __forceinline__ void slice_axpy(T a, const T* row, int dim, int lane, T (&acc)[kSlots]) {
+#pragma unroll
+  for (int s = 0; s < kSlots; ++s) {
+    const int d = lane + s * kWarp;
+    if (d < dim) acc[s] += a * row[d];
+  }
+}
+
+template <typename T, int kSlots>
+__device__ __forceinline__ void slice_scale(T a, T (&acc)[kSlots]) {
+#pragma unroll
+  for (int s = 0; s < kSlots; ++s) acc[s] *= a;
+}
+
+template <typename T, int kSlots>
+__device__ __forceinline__ void store_slice(const T (&x)[kSlots], T* row, int dim, int lane) {
+#pragma unroll
+  for (int s = 0; s < kSlots; ++s) {
+    const int d = lane + s * kWarp;
+    if (d < dim) row[d] = x[s];
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ const T* row_ptr(const void* base, int64_t batch_stride,
+                                            int64_t head_stride, int64_t row_stride, int b, int h,
+                                            int i) {
+  return static_cast<const T*>(base) + b * batch_stride + h * head_stride + i * row_stride;
+}
+
+template <typename T>
+__device__ __forceinline__ T* row_ptr(void* base, int64_t batch_stride, int64_t head_stride,
+                                      int64_t row_stride, int b, int h, int i) {
+  return static_cast<T*>(base) + b * batch_stride + h * head_stride + i * row_stride;
+}
+
+// Query rows [first, last) of a batch element that may see key j: both ends of a row's key
+// range never decrease with the row, so rows ending after j form a suffix and rows starting at
+// or before j a prefix.
+struct RowSpan {
+  int first, last;
+};
+
+__device__ RowSpan rows_seeing_key(const AttnParams& p, SeqLens lens, int j) {
+  int lo = 0, hi = lens.q;
+  while (lo < hi) {
+    const int mid = lo + (hi - lo) / 2;
+    if (key_range(p, lens, mid).hi > j) hi = mid; else lo = mid + 1;
+  }
+  const int first = lo;
+  hi = lens.q;
+  while (lo < hi) {
+    const int mid = lo + (hi - lo) / 2;
+    if (key_range(p, lens, mid).lo > j) hi = mid; else lo = mid + 1;
+  }
+  return {first, lo};
+}
+
+// One warp per query row: online softmax over the row's key range.
+template <typename T, int kSlots>
+__global__ void __launch_bounds__(kWarpsPerBlock * kWarp)
+    flash_fwd_exact_kernel(const AttnParams p) {
+  const int lane = threadIdx.x % kWarp;
+  const int group = p.heads_q / p.heads_kv;
+  const int dim = p.head_dim;
+  const T scale = static_cast<T>(p.scale);
+  const int64_t rows_total = static_cast<int64_t>(p.batch) * p.heads_q * p.len_q;
+  for (int64_t row = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarp;
+       row < rows_total; row += static_cast<int64_t>(gridDim.x) * kWarpsPerBlock) {
+    const int i = static_cast<int>(row % p.len_q);
+    const int h = static_cast<int>((row / p.len_q) % p.heads_q);
+    const int b = static_cast<int>(row / p.len_q / p.heads_q);
+    const int g = h / group;
+    const KeyRange range = key_range(p, seq_lens(p, b), i);
+
+    T q_reg[kSlots];
+    load_slice(row_ptr<T>(p.q, p.q_batch_stride, p.q_head_stride, p.q_row_stride, b, h, i), dim,
+               lane, q_reg);
+    const T* k_head = row_ptr<T>(p.k, p.k_batch_stride, p.k_head_stride, 0, b, g, 0);
+    const T* v_head = row_ptr<T>(p.v, p.v_batch_stride, p.v_head_stride, 0, b, g, 0);
+
+    T acc[kSlots] = {};
+    T row_max = -std::numeric_limits<T>::infinity();
+    T row_sum = 0;
+    for (int n0 = range.lo; n0 < range.hi; n0 += kWarp) {
+      const int count = min(kWarp, range.hi - n0);
+      T my_score = -std::numeric_limits<T>::infinity();  // lane t: score of key n0 + t
+      for (int t = 0; t < count; ++t) {
+        const T s = warp_sum(slice_dot(q_reg, k_head + (n0 + t) * p.k_row_stride, dim, lane));
+        if (lane == t) my_score = s * scale;
+      }
+      const T chunk_max = warp_max(my_score);
+      const T new_max = chunk_max > row_max ? chunk_max : row_max;
+      const T rescale = exact_exp(row_max - new_max);  // 0 on the first chunk (row_max = -inf)
+      const T my_weight = lane < count ? exact_exp(my_score - new_max) : T(0);
+      row_sum = row_sum * rescale + warp_sum(my_weight);
+      slice_scale(rescale, acc);
+      for (int t = 0; t < count; ++t) {
+        const T weight = __shfl_sync(kFullMask, my_weight, t);
+        slice_axpy(weight, v_head + (n0 + t) * p.v_row_stride, dim, lane, acc);
+      }
+      row_max = new_max;
+    }
+
+    const bool seen = row_sum > T(0);
+    T* out_row = row_ptr<T>(p.out, p.o_batch_stride, p.o_head_stride, p.o_row_stride, b, h, i);
+#pragma unroll
+    for (int s = 0; s < kSlots; ++s) acc[s] = seen ? acc[s] / row_sum : T(0);
+    store_slice(acc, out_row, dim, lane);
+    if (lane == 0) {
+      p.lse[row] = seen ? static_cast<float>(row_lse(row_max, row_sum))
+                        : -std::numeric_limits<float>::infinity();
+    }
+  }
+}
+
+// Backward pass 1, one warp per query row: recomputes the row's log-sum-exp in T (the op's
+// float32 lse is too coarse for fp64 gradients) while accumulating dq unnormalised and rescaled
+// like the forward accumulator; stores (lse, Delta) for pass 2.
+template <typename T, int kSlots>
+__global__ void __launch_bounds__(kWarpsPerBlock * kWarp)
+    flash_bwd_dq_exact_kernel(const AttnParams p, T* row_stats) {
+  const int lane = threadIdx.x % kWarp;
+  const int group = p.heads_q / p.heads_kv;
+  const int dim = p.head_dim;
+  const T scale = static_cast<T>(p.scale);
+  const int64_t rows_total = static_cast<int64_t>(p.batch) * p.heads_q * p.len_q;
+  for (int64_t row = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarp;
+       row < rows_total; row += static_cast<int64_t>(gridDim.x) * kWarpsPerBlock) {
+    const int i = static_cast<int>(row % p.len_q);
+    const int h = static_cast<int>((row / p.len_q) % p.heads_q);
+    const int b = static_cast<int>(row / p.len_q / p.heads_q);
+    const int g = h / group;
+    const KeyRange range = key_range(p, seq_lens(p, b), i);
+
+    T q_reg[kSlots], dout_reg[kSlots], out_reg[kSlots];
+    load_slice(row_ptr<T>(p.q, p.q_batch_stride, p.q_head_stride, p.q_row_stride, b, h, i), dim,
+               lane, q_reg);
+    load_slice(row_ptr<T>(p.dout, p.do_batch_stride, p.do_head_stride, p.do_row_stride, b, h, i),
+               dim, lane, dout_reg);
+    load_slice(row_ptr<T>(p.out, p.o_batch_stride, p.o_head_stride, p.o_row_stride, b, h, i),
+               dim, lane, out_reg);
+    T delta_part = 0;
+#pragma unroll
+    for (int s = 0; s < kSlots; ++s) delta_part += dout_reg[s] * out_reg[s];
+    const T delta = warp_sum(delta_part);
+    const T* k_head = row_ptr<T>(p.k, p.k_batch_stride, p.k_head_stride, 0, b, g, 0);
+    const T* v_head = row_ptr<T>(p.v, p.v_batch_stride, p.v_head_stride, 0, b, g, 0);
+
+    T dq_acc[kSlots] = {};
+    T row_max = -std::numeric_limits<T>::infinity();
+    T row_sum = 0;
+    for (int n0 = range.lo; n0 < range.hi; n0 += kWarp) {
+      const int count = min(kWarp, range.hi - n0);
+      T my_score = -std::numeric_limits<T>::infinity();
+      T my_dprob = 0;
+      for (int t = 0; t < count; ++t) {
+        const T s = warp_sum(slice_dot(q_reg, k_head + (n0 + t) * p.k_row_stride, dim, lane));
+        const T dp = warp_sum(slice_dot(dout_reg, v_head + (n0 + t) * p.v_row_stride, dim, lane));
+        if (lane == t) {
+          my_score = s * scale;
+          my_dprob = dp;
+        }
+      }
+      const T chunk_max = warp_max(my_score);
+      const T new_max = chunk_max > row_max ? chunk_max : row_max;
+      const T rescale = exact_exp(row_max - new_max);
+      const T my_weight = lane < count ? exact_exp(my_score - new_max) : T(0);
+      const T my_dscore = my_weight * (my_dprob - delta);
+      row_sum = row_sum * rescale + warp_sum(my_weight);
+      slice_scale(rescale, dq_acc);
+      for (int t = 0; t < count; ++t) {
+        const T dscore = __shfl_sync(kFullMask, my_dscore, t);
+        slice_axpy(dscore, k_head + (n0 + t) * p.k_row_stride, dim, lane, dq_acc);
+      }
+      row_max = new_max;
+    }
+
+    const bool seen = row_sum > T(0);
+#pragma unroll
+    for (int s = 0; s < kSlots; ++s) dq_acc[s] = seen ? dq_acc[s] / row_sum * scale : T(0);
+    store_slice(dq_acc, row_ptr<T>(p.dq, p.dq_batch_stride, p.dq_head_stride, p.dq_row_stride, b,
+                                   h, i),
+                dim, lane);
+    if (lane == 0) {
+      row_stats[2 * row] =
+          seen ? static_cast<T>(row_lse(row_max, row_sum)) : -std::numeric_limits<T>::infinity();
+      row_stats[2 * row + 1] = delta;
+    }
+  }
+}
+
+// Backward pass 2, one warp per key row of a kv head: sums over the group's query heads and the
+// query rows that see the key, so dk/dv are written once each, in a fixed order.
+template <typename T, int kSlots>
+__global__ void __launch_bounds__(kWarpsPerBlock * kWarp)
+    flash_bwd_dkdv_exact_kernel(const AttnParams p, const T* row_stats) {
+  const int lane = threadIdx.x % kWarp;
+  const int group = p.heads_q / p.heads_kv;
+  const int dim = p.head_dim;
+  const T scale = static_cast<T>(p.scale);
+  const int64_t keys_total = static_cast<int64_t>(p.batch) * p.heads_kv * p.len_k;
+  for (int64_t key = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarp;
+       key < keys_total; key += static_cast<int64_t>(gridDim.x) * kWarpsPerBlock) {
+    const int j = static_cast<int>(key % p.len_k);
+    const int g = static_cast<int>((key / p.len_k) % p.heads_kv);
+    const int b = static_cast<int>(key / p.len_k / p.heads_kv);
+    const SeqLens lens = seq_lens(p, b);
+
+    T dk_acc[kSlots] = {};
+    T dv_acc[kSlots] = {};
+    // Padding keys (j >= lens.k) are seen by no row and keep zero gradients.
+    if (j < lens.k) {
+      T k_reg[kSlots], v_reg[kSlots];
+      load_slice(row_ptr<T>(p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride, b, g, j), dim,
+                 lane, k_reg);
+      load_slice(row_ptr<T>(p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride, b, g, j), dim,
+                 lane, v_reg);
+      const RowSpan span = rows_seeing_key(p, lens, j);
+      for (int h = g * group; h < (g + 1) * group; ++h) {
+        const T* q_head = row_ptr<T>(p.q, p.q_batch_stride, p.q_head_stride, 0, b, h, 0);
+        const T* dout_head = row_ptr<T>(p.dout, p.do_batch_stride, p.do_head_stride, 0, b, h, 0);
+        const T* head_stats = row_stats + 2 * (static_cast<int64_t>(b) * p.heads_q + h) * p.len_q;
+        for (int i0 = span.first; i0 < span.last; i0 += kWarp) {
+          const int count = min(kWarp, span.last - i0);
+          T my_score = 0, my_dprob = 0;  // lane t: query row i0 + t
+          for (int t = 0; t < count; ++t) {
+            const T s = warp_sum(slice_dot(k_reg, q_head + (i0 + t) * p.q_row_stride, dim, lane));
+            const T dp =
+                warp_sum(slice_dot(v_reg, dout_head + (i0 + t) * p.do_row_stride, dim, lane));
+            if (lane == t) {
+              my_score = s * scale;
+              my_dprob = dp;
+            }
+          }
+          T my_prob = 0, my_dscore = 0;
+          if (lane < count) {
+            const int i = i0 + lane;
+            const KeyRange range = key_range(p, lens, i);
+            if (range.lo <= j && j < range.hi) {
+              my_prob = exact_exp(my_score - head_stats[2 * i]);
+              my_dscore = my_prob * (my_dprob - head_stats[2 * i + 1]);
+            }
+          }
+          for (int t = 0; t < count; ++t) {
+            const T prob = __shfl_sync(kFullMask, my_prob, t);
+            const T dscore = __shfl_sync(kFullMask, my_dscore, t);
+            slice_axpy(dscore, q_head + (i0 + t) * p.q_row_stride, dim, lane, dk_acc);
+            slice_axpy(prob, dout_head + (i0 + t) * p.do_row_stride, dim, lane, dv_acc);
+          }
+        }
+      }
+    }
+    slice_scale(scale, dk_acc);
+    store_slice(dk_acc, row_ptr<T>(p.dk, p.dk_batch_stride, p.dk_head_stride, p.dk_row_stride, b,
+                                   g, j),
+                dim, lane);
+    store_slice(dv_acc, row_ptr<T>(p.dv, p.dv_batch_stride, p.dv_head_stride, p.dv_row_stride, b,
+                                   g, j),
+                dim, lane);
+  }
+}
+
+unsigned grid_for(int64_t warps) {
+  const int64_t blocks = (warps + kWarpsPerBlock - 1) / kWarpsPerBlock;
+  return static_cast<unsigned>(blocks < kMaxBlocks ? blocks : kMaxBlocks);
+}
+
+// Calls fn(std::integral_constant<int, kSlots>) with the smallest register slice that holds a
+// row of head_dim elements across a warp.
+template <typename Fn>
+void dispatch_slots(int head_dim, Fn&& fn) {
+  TORCH_CHECK(head_dim > 0 && head_dim <= 8 * kWarp,
+              "adaattn: the exact CUDA flash kernel takes head dim D in [1, 256], got ", head_dim);
+  if (head_dim <= kWarp) {
+    fn(std::integral_constant<int, 1>{});
+  } else if (head_dim <= 2 * kWarp) {
+    fn(std::integral_constant<int, 2>{});
+  } else if (head_dim <= 4 * kWarp) {
+    fn(std::integral_constant<int, 4>{});
+  } else {
+    fn(std::integral_constant<int, 8>{});
+  }
+}
+
+template <typename T>
+void launch_fwd(const AttnParams& p) {
+  const int64_t rows_total = static_cast<int64_t>(p.batch) * p.heads_q * p.len_q;
+  if (rows_total == 0) return;
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  dispatch_slots(p.head_dim, [&](auto slots) {
+    flash_fwd_exact_kernel<T, decltype(slots)::value>
+        <<<grid_for(rows_total), kWarpsPerBlock * kWarp, 0, stream>>>(p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
+template <typename T>
+void launch_bwd(const AttnParams& p) {
+  const int64_t rows_total = static_cast<int64_t>(p.batch) * p.heads_q * p.len_q;
+  const int64_t keys_total = static_cast<int64_t>(p.batch) * p.heads_kv * p.len_k;
+  if (rows_total == 0 && keys_total == 0) return;
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  // Freed when this function returns; the stream-ordered caching allocator keeps it alive for
+  // the kernels queued on this stream.
+  const at::Tensor row_stats =
+      at::empty({rows_total * 2}, at::TensorOptions()
+                                      .dtype(c10::CppTypeToScalarType<T>::value)
+                                      .device(at::kCUDA, c10::cuda::current_device()));
+  T* stats = static_cast<T*>(row_stats.data_ptr());
+  dispatch_slots(p.head_dim, [&](auto slots) {
+    constexpr int kSlots = decltype(slots)::value;
+    if (rows_total > 0) {
+      flash_bwd_dq_exact_kernel<T, kSlots>
+          <<<grid_for(rows_total), kWarpsPerBlock * kWarp, 0, stream>>>(p, stats);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+    if (keys_total > 0) {
+      flash_bwd_dkdv_exact_kernel<T, kSlots>
+          <<<grid_for(keys_total), kWarpsPerBlock * kWarp, 0, stream>>>(p, stats);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+  });
+}
+
+}  // namespace
+
+void flash_fwd_exact_cuda(const AttnParams& p, c10::ScalarType dtype) {
+  switch (dtype) {
+    case c10::kFloat:
+      launch_fwd<float>(p);
+      break;
+    case c10::kDouble:
+      launch_fwd<double>(p);
+      break;
+    default:
+      TORCH_CHECK(false, "adaattn: the exact CUDA flash kernel takes float32 or float64, got ",
+                  dtype);
+  }
+}
+
+void flash_bwd_exact_cuda(const AttnParams& p, c10::ScalarType dtype) {
+  switch (dtype) {
+    case c10::kFloat:
+      launch_bwd<float>(p);
+      break;
+    case c10::kDouble:
+      launch_bwd<double>(p);
+      break;
+    default:
+      TORCH_CHECK(false, "adaattn: the exact CUDA flash kernel takes float32 or float64, got ",
+                  dtype);
+  }
+}
+
+}  // namespace adaattn

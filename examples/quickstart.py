@@ -1,0 +1,108 @@
+"""adaattn quickstart: flash attention forward+backward, checked and timed.
+
+Picks CUDA (bfloat16) when a GPU is present, else the CPU (float32); runs adaattn.flash_attn
+forward and backward on a causal problem, checks the output and gradients against the float64
+reference with the spec's tolerance (§4), and times it against F.scaled_dot_product_attention.
+
+    python examples/quickstart.py
+"""
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import adaattn  # noqa: E402
+from adaattn import reference  # noqa: E402
+
+
+def ours(q, k, v):
+    """adaattn, causal."""
+    return adaattn.flash_attn(q, k, v, causal=True)
+
+
+def sdpa(q, k, v):
+    """The PyTorch baseline, causal."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def pick_setup():
+    """(device, dtype, (B, H, L, D)) for the machine at hand."""
+    if torch.cuda.is_available():
+        return "cuda", torch.bfloat16, (4, 16, 4096, 128)
+    return "cpu", torch.float32, (2, 4, 512, 64)
+
+
+def forward_backward(attn, q, k, v, dout):
+    """Output and (dq, dk, dv) of ``attn`` (a function of q, k, v)."""
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out = attn(q, k, v)
+    return (out.detach(),) + torch.autograd.grad(out, (q, k, v), dout)
+
+
+def reference_results(q, k, v, dout, dtype):
+    """Reference output and gradients computed in ``dtype``, one batch element at a time so
+    that the L x L float64 matrices stay small."""
+    parts = [forward_backward(lambda q, k, v: reference.flash_attn(q, k, v, causal=True)[0],
+                              q[b:b + 1].to(dtype), k[b:b + 1].to(dtype), v[b:b + 1].to(dtype),
+                              dout[b:b + 1].to(dtype))
+             for b in range(q.shape[0])]
+    return [torch.cat(ts) for ts in zip(*parts)]
+
+
+def check(results, q, k, v, dout):
+    """Spec §4: float32 relative error <= 1e-5 vs float64; fp16/bf16: max error <= 2x that of
+    the reference run in the same dtype, + 1e-5."""
+    exact = reference_results(q, k, v, dout, torch.float64)
+    low = q.dtype in (torch.float16, torch.bfloat16)
+    same_dtype = reference_results(q, k, v, dout, q.dtype) if low else exact
+    for name, a, e, r in zip(("out", "dq", "dk", "dv"), results, exact, same_dtype):
+        a = a.double()
+        rel = ((a - e).norm() / e.norm()).item()
+        if low:
+            err, bar = (a - e).abs().max().item(), 2 * (r.double() - e).abs().max().item() + 1e-5
+        else:
+            err, bar = rel, 1e-5
+        print(f"  {name}: relative error {rel:.2e}  (checked: {err:.2e} <= {bar:.2e})")
+        assert err <= bar, f"{name} misses the tolerance"
+
+
+def time_ms(fn, device, reps):
+    """Median wall time of ``fn`` in ms, after two warm-up calls."""
+    def sync():
+        if device == "cuda":
+            torch.cuda.synchronize()
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(reps):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append((time.perf_counter() - start) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def main():
+    device, dtype, (b, h, length, d) = pick_setup()
+    torch.manual_seed(0)
+    q, k, v, dout = (torch.randn(b, h, length, d, device=device, dtype=dtype) for _ in range(4))
+    print(f"device {device}, {dtype}, B={b} H={h} L={length} D={d}, causal")
+
+    check(forward_backward(ours, q, k, v, dout), q, k, v, dout)
+
+    reps = 20 if device == "cuda" else 5
+    print("time (median ms)        forward   forward+backward")
+    for name, attn in (("adaattn.flash_attn", ours), ("F.scaled_dot_product_attention", sdpa)):
+        with torch.no_grad():
+            fwd = time_ms(lambda: attn(q, k, v), device, reps)
+        both = time_ms(lambda: forward_backward(attn, q, k, v, dout), device, reps)
+        print(f"  {name:<30} {fwd:8.2f}   {both:8.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,684 @@
+"""Tests of adaattn.flash_attn (spec §1, §2, §3.1 and the correctness rules of §4).
+
+Ground truth is ``adaattn.reference.flash_attn`` run in float64. Bars:
+* float64: ``torch.autograd.gradcheck`` of q, k, v (and the forward against the reference);
+* float32: relative error ``||a - b|| / ||b|| <= 1e-5`` for out, lse, dq, dk, dv;
+* float16/bfloat16: ``err(ours) <= 2 * err(reference in the same dtype) + 1e-5`` with
+  ``err = max |x - x_float64|`` (flash-attn's rule), for out, lse, dq, dk, dv.
+Every test runs with NaN-poisoned allocations (see conftest.py), so unwritten output elements fail.
+CUDA cases carry the ``cuda`` marker and skip at run time without a GPU; the CPU grid is kept small
+(B, H <= 8, one or two long sequences) so that the CPU part finishes in minutes on two cores.
+"""
+import dataclasses
+import os
+import subprocess
+import sys
+from typing import Optional, Tuple
+
+import pytest
+import torch
+
+import adaattn
+from adaattn import reference
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+FP32_RTOL = 1e-5
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One attention problem: shapes and masking options."""
+
+    b: int = 1
+    hq: int = 2
+    hkv: int = 2
+    lq: int = 17
+    lk: int = 17
+    d: int = 32
+    causal: bool = False
+    window: Tuple[int, int] = (-1, -1)
+    seqlens: Optional[Tuple[int, ...]] = None
+    transposed: bool = False
+    scale: Optional[float] = None
+
+    def __str__(self):
+        parts = [f"b{self.b}h{self.hq}x{self.hkv}", f"l{self.lq}x{self.lk}", f"d{self.d}"]
+        if self.causal:
+            parts.append("causal")
+        if self.window != (-1, -1):
+            parts.append(f"win{self.window[0]}_{self.window[1]}")
+        if self.seqlens is not None:
+            parts.append("seq" + "_".join(map(str, self.seqlens)))
+        if self.transposed:
+            parts.append("T")
+        if self.scale is not None:
+            parts.append(f"scale{self.scale}")
+        return "-".join(parts)
+
+
+def _randn(b, h, length, d, dtype, device, transposed):
+    """Seeded CPU draw (identical across devices), optionally as a (B, L, H, D) transposed view."""
+    if transposed:
+        t = torch.randn(b, length, h, d, dtype=torch.float64).to(device, dtype).transpose(1, 2)
+    else:
+        t = torch.randn(b, h, length, d, dtype=torch.float64).to(device, dtype)
+    return t.detach()
+
+
+def make_inputs(case: Case, dtype, device, requires_grad=True):
+    """Returns leaf ``q, k, v`` (strided as the case asks), ``seqlens`` and ``dout``."""
+    q = _randn(case.b, case.hq, case.lq, case.d, dtype, device, case.transposed)
+    k = _randn(case.b, case.hkv, case.lk, case.d, dtype, device, case.transposed)
+    v = _randn(case.b, case.hkv, case.lk, case.d, dtype, device, case.transposed)
+    dout = _randn(case.b, case.hq, case.lq, case.d, dtype, device, case.transposed)
+    seqlens = None
+    if case.seqlens is not None:
+        seqlens = torch.tensor(case.seqlens, dtype=torch.int32, device=device)
+    if requires_grad:
+        for t in (q, k, v):
+            t.requires_grad_()
+    return q, k, v, seqlens, dout
+
+
+def run_ours(case: Case, q, k, v, seqlens, dout, deterministic=False):
+    """``(out, lse, dq, dk, dv)`` from adaattn.flash_attn."""
+    out, lse = adaattn.flash_attn(q, k, v, causal=case.causal, softmax_scale=case.scale,
+                                  window=case.window, seqlens=seqlens, return_lse=True,
+                                  deterministic=deterministic)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.device == q.device
+    assert lse.shape == q.shape[:3] and lse.dtype == torch.float32
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    for g, x in zip(grads, (q, k, v)):
+        assert g.shape == x.shape and g.dtype == x.dtype
+    return (out, lse) + tuple(grads)
+
+
+def run_reference(case: Case, q, k, v, seqlens, dout, dtype):
+    """``(out, lse, dq, dk, dv)`` from the materialised reference computed in ``dtype``."""
+    q, k, v = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
+    out, lse = reference.flash_attn(q, k, v, causal=case.causal, softmax_scale=case.scale,
+                                    window=case.window, seqlens=seqlens)
+    grads = torch.autograd.grad(out, (q, k, v), dout.to(dtype))
+    return (out, lse) + tuple(grads)
+
+
+NAMES = ("out", "lse", "dq", "dk", "dv")
+
+
+def _split_lse(name, actual, expected):
+    """Checks that ``-inf`` (no key seen) sits exactly where the reference has it, no NaN/+inf
+    anywhere; returns the finite entries of both."""
+    actual = actual.double()
+    expected = expected.double()
+    assert not torch.isnan(actual).any(), f"{name}: NaN"
+    if name != "lse":
+        assert torch.isfinite(actual).all(), f"{name}: non-finite values"
+        return actual, expected
+    assert not torch.isposinf(actual).any(), f"{name}: +inf"
+    assert torch.equal(torch.isneginf(actual), torch.isneginf(expected)), (
+        f"{name}: -inf pattern differs from the reference")
+    finite = torch.isfinite(expected)
+    return actual[finite], expected[finite]
+
+
+def assert_rel_close(name, actual, expected, rtol):
+    """``||actual - expected|| <= rtol * ||expected||`` (finite entries; lse -inf pattern exact)."""
+    a, e = _split_lse(name, actual, expected)
+    diff = torch.linalg.vector_norm(a - e).item()
+    norm = torch.linalg.vector_norm(e).item()
+    detail = (f"relative error {diff / norm:.3e}" if norm
+              else f"expected zeros, error norm {diff:.3e}")
+    assert diff <= rtol * norm, f"{name}: {detail} > {rtol}"
+
+
+def _max_abs_err(a, e):
+    return (a - e).abs().max().item() if a.numel() else 0.0
+
+
+def assert_low_precision_rule(name, ours, ref_low, ref64):
+    """flash-attn's rule: ``err(ours) <= 2 * err(ref_low) + 1e-5`` against float64."""
+    a, e = _split_lse(name, ours, ref64)
+    lo, _ = _split_lse(name, ref_low, ref64)
+    err, base = _max_abs_err(a, e), _max_abs_err(lo, e)
+    assert err <= 2 * base + 1e-5, f"{name}: max error {err:.3e} > 2 * {base:.3e} + 1e-5"
+
+
+# --------------------------------------------------------------------------------------------
+# float64: gradcheck
+# --------------------------------------------------------------------------------------------
+
+GRADCHECK_CASES = [
+    Case(lq=5, lk=5, d=4),
+    Case(lq=5, lk=7, d=4, causal=True),
+    Case(lq=6, lk=4, d=4, causal=True),  # the first two rows see no key
+    Case(lq=3, lk=1, d=3),
+    Case(lq=6, lk=6, d=4, window=(1, 0)),
+    Case(lq=5, lk=8, d=4, window=(2, 1)),
+    Case(hq=4, hkv=2, lq=4, lk=6, d=3, causal=True),
+    Case(b=3, lq=5, lk=5, d=4, causal=True, seqlens=(0, 3, 5)),
+    Case(b=2, hkv=1, lq=5, lk=4, d=4, transposed=True),
+    Case(lq=4, lk=6, d=5, scale=0.7),
+]
+
+
+@pytest.mark.parametrize("case", GRADCHECK_CASES, ids=str)
+def test_gradcheck_fp64(device, case):
+    q, k, v, seqlens, _ = make_inputs(case, torch.float64, device)
+
+    def fn(q, k, v):
+        return adaattn.flash_attn(q, k, v, causal=case.causal, softmax_scale=case.scale,
+                                  window=case.window, seqlens=seqlens)
+
+    ref_out, _ = reference.flash_attn(q.detach(), k.detach(), v.detach(), causal=case.causal,
+                                      softmax_scale=case.scale, window=case.window,
+                                      seqlens=seqlens)
+    # The float64 forward must at least clear the float32 bar; gradcheck runs at its defaults
+    # (the saved lse is float32 by spec, which bounds the backward's accuracy near 1e-7).
+    assert_rel_close("out", fn(q, k, v).detach(), ref_out, FP32_RTOL)
+    assert torch.autograd.gradcheck(fn, (q, k, v))
+
+
+# --------------------------------------------------------------------------------------------
+# float32: relative error <= 1e-5 against float64
+# --------------------------------------------------------------------------------------------
+
+# Shared by CPU and CUDA. No case lets a row see exactly one key (Lk == 1, window (0, 0)): dq then
+# vanishes identically and a relative error is undefined; those shapes are covered by gradcheck,
+# the low-precision rule (absolute) and test_rows_without_keys.
+FP32_CASES = [
+    Case(lq=1, lk=17, d=64),
+    Case(lq=1, lk=1025, d=32, causal=True),
+    Case(b=2, lq=17, lk=17, d=32, causal=True),
+    Case(hq=4, hkv=2, lq=97, lk=97, d=96),
+    Case(hq=8, hkv=1, lq=128, lk=128, d=128, causal=True),
+    Case(lq=1000, lk=1000, d=64),
+    Case(hq=2, hkv=1, lq=1025, lk=1025, d=64, causal=True),
+    Case(lq=17, lk=128, d=64, causal=True),
+    Case(lq=128, lk=17, d=32, causal=True),  # rows before the diagonal see no key
+    Case(lq=97, lk=1025, d=32),
+    Case(lq=1025, lk=97, d=64, causal=True),
+    Case(lq=128, lk=97, d=64, window=(16, 0)),
+    Case(lq=97, lk=128, d=64, window=(32, 8)),
+    Case(lq=97, lk=97, d=32, window=(1, 1)),
+    Case(lq=128, lk=128, d=64, window=(-1, 3)),
+    Case(lq=97, lk=128, d=64, window=(5, -1)),
+    Case(lq=128, lk=128, d=32, causal=True, window=(8, -1)),
+    Case(b=3, lq=97, lk=97, d=64, causal=True, seqlens=(0, 50, 97)),
+    Case(b=2, lq=128, lk=97, d=32, seqlens=(1, 97)),
+    Case(b=2, hq=4, hkv=2, lq=97, lk=128, d=64, causal=True, transposed=True),
+    Case(lq=97, lk=97, d=256),
+    Case(lq=33, lk=45, d=5, scale=0.3),
+]
+
+FP32_CUDA_GRID = [
+    Case(b=2, hq=4, hkv=hkv, lq=length, lk=length, d=d, causal=causal)
+    for length in (17, 97, 128, 1000, 1025)
+    for d, hkv in ((32, 4), (64, 2), (96, 1), (128, 2), (256, 4))
+    for causal in (False, True)
+]
+
+
+def _check_fp32(case, device):
+    q, k, v, seqlens, dout = make_inputs(case, torch.float32, device)
+    ours = run_ours(case, q, k, v, seqlens, dout)
+    ref = run_reference(case, q, k, v, seqlens, dout, torch.float64)
+    for name, a, e in zip(NAMES, ours, ref):
+        assert_rel_close(name, a, e, FP32_RTOL)
+
+
+@pytest.mark.parametrize("case", FP32_CASES, ids=str)
+def test_fp32_matches_reference(device, case):
+    _check_fp32(case, device)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", FP32_CUDA_GRID, ids=str)
+def test_fp32_cuda_grid(case):
+    _check_fp32(case, "cuda")
+
+
+# --------------------------------------------------------------------------------------------
+# float16 / bfloat16: err(ours) <= 2 * err(reference in the same dtype) + 1e-5
+# --------------------------------------------------------------------------------------------
+
+SEQ_PAIRS = [(1, 1), (17, 17), (97, 97), (128, 128), (1000, 1000), (1025, 1025), (1, 1025),
+             (17, 128), (128, 17), (1025, 1000)]
+GQA_HEADS = [(8, 8), (8, 4), (8, 1)]  # ratios 1, 2, 8
+
+
+def _low_precision_cuda_grid():
+    """Every sequence pair x D in {64, 128} x causal, GQA ratio rotating so that each sequence
+    pair meets all three ratios; then windows, seqlens, transposed inputs and a custom scale."""
+    cases = []
+    for lq, lk in SEQ_PAIRS:
+        for d in (64, 128):
+            for causal in (False, True):
+                hq, hkv = GQA_HEADS[len(cases) % len(GQA_HEADS)]
+                cases.append(Case(b=2, hq=hq, hkv=hkv, lq=lq, lk=lk, d=d, causal=causal))
+    cases += [
+        Case(b=2, hq=8, hkv=2, lq=1025, lk=1025, d=128, window=(64, 0)),
+        Case(b=2, hq=4, hkv=4, lq=1000, lk=1025, d=64, window=(32, 32)),
+        Case(b=2, hq=4, hkv=2, lq=128, lk=128, d=64, window=(0, 0)),
+        Case(b=2, hq=4, hkv=4, lq=97, lk=97, d=128, window=(-1, 7)),
+        Case(b=2, hq=8, hkv=1, lq=1025, lk=1025, d=64, causal=True, window=(256, -1)),
+        Case(b=4, hq=4, hkv=2, lq=1025, lk=1025, d=128, causal=True, seqlens=(0, 1, 500, 1025)),
+        Case(b=3, hq=4, hkv=4, lq=97, lk=128, d=64, seqlens=(17, 0, 97)),
+        Case(b=2, hq=8, hkv=2, lq=1000, lk=1025, d=128, causal=True, transposed=True),
+        Case(b=2, hq=8, hkv=8, lq=97, lk=97, d=64, transposed=True),
+        Case(b=2, hq=4, hkv=1, lq=128, lk=128, d=64, scale=0.05),
+    ]
+    return cases
+
+
+LOW_PRECISION_CPU_CASES = [
+    Case(b=2, hq=4, hkv=2, lq=97, lk=128, d=64, causal=True),
+    Case(b=3, hq=2, hkv=1, lq=128, lk=128, d=32, window=(16, 4), seqlens=(0, 70, 128),
+         transposed=True),
+]
+
+
+def _check_low_precision(case, dtype, device):
+    q, k, v, seqlens, dout = make_inputs(case, dtype, device)
+    ours = run_ours(case, q, k, v, seqlens, dout)
+    ref64 = run_reference(case, q, k, v, seqlens, dout, torch.float64)
+    ref_low = run_reference(case, q, k, v, seqlens, dout, dtype)
+    for name, a, lo, e in zip(NAMES, ours, ref_low, ref64):
+        assert_low_precision_rule(name, a, lo, e)
+
+
+@pytest.mark.parametrize("dtype", LOW_PRECISION, ids=str)
+@pytest.mark.parametrize("case", LOW_PRECISION_CPU_CASES, ids=str)
+def test_low_precision_cpu(case, dtype):
+    _check_low_precision(case, dtype, "cpu")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", LOW_PRECISION, ids=str)
+@pytest.mark.parametrize("case", _low_precision_cuda_grid(), ids=str)
+def test_low_precision_cuda(case, dtype):
+    _check_low_precision(case, dtype, "cuda")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", LOW_PRECISION, ids=str)
+@pytest.mark.parametrize("d", [32, 80, 96, 256])
+def test_low_precision_cuda_other_head_dims(d, dtype):
+    """Spec §1: tensor-core head dims beyond {64, 128} either work (and meet the rule) or are
+    refused with a RuntimeError naming the supported set (D = 80 is the usual refusal)."""
+    case = Case(b=2, hq=4, hkv=2, lq=97, lk=128, d=d, causal=True)
+    try:
+        _check_low_precision(case, dtype, "cuda")
+    except RuntimeError as e:
+        msg = str(e)
+        assert "head dim" in msg and "supported" in msg and "64" in msg and "128" in msg, msg
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("d", [32, 96])
+def test_exact_path_cuda_head_dims(d):
+    """fp32 exact path on CUDA takes any D <= 256 (32/96 next to the tensor-core dims)."""
+    _check_fp32(Case(b=2, hq=4, hkv=2, lq=1025, lk=1000, d=d, causal=True), "cuda")
+
+
+# --------------------------------------------------------------------------------------------
+# Empty inputs and rows without keys
+# --------------------------------------------------------------------------------------------
+
+EMPTY_SHAPES = [  # (B, Hq, Hkv, Lq, Lk, D)
+    (0, 2, 2, 5, 7, 64),
+    (1, 2, 2, 0, 7, 64),
+    (1, 2, 2, 5, 0, 64),
+    (2, 4, 2, 0, 0, 64),
+    (2, 4, 2, 5, 0, 64),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("with_seqlens", [False, True])
+@pytest.mark.parametrize("shape", EMPTY_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_empty_inputs(device, shape, with_seqlens, causal, dtype):
+    b, hq, hkv, lq, lk, d = shape
+    case = Case(b=b, hq=hq, hkv=hkv, lq=lq, lk=lk, d=d, causal=causal,
+                seqlens=tuple([min(lq, lk)] * b) if with_seqlens else None)
+    q, k, v, seqlens, dout = make_inputs(case, dtype, device)
+    out, lse, dq, dk, dv = run_ours(case, q, k, v, seqlens, dout)
+    assert torch.isfinite(out).all() and not torch.isnan(lse).any()
+    if lk == 0:
+        assert (out == 0).all() and torch.isneginf(lse).all()
+    for g in (dq, dk, dv):
+        assert (g == 0).all(), "gradients of an empty problem must be zeros"
+
+
+NO_KEY_CASES = [
+    Case(lq=8, lk=3, d=64, causal=True),  # rows 0..4 are before the diagonal
+    Case(lq=6, lk=3, d=64, window=(0, 0)),  # row r sees only key r - 3
+    Case(lq=12, lk=4, d=64, window=(2, 1)),  # rows 0..6 see nothing
+    Case(b=2, hq=4, hkv=2, lq=6, lk=6, d=64, causal=True, seqlens=(0, 4)),
+    Case(b=2, lq=7, lk=9, d=64, window=(1, 1), seqlens=(3, 0)),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, *LOW_PRECISION], ids=str)
+@pytest.mark.parametrize("case", NO_KEY_CASES, ids=str)
+def test_rows_without_keys(device, case, dtype):
+    """A row that sees no key gives out 0, lse -inf, zero gradients; keys no row sees get zero
+    dk/dv; nothing is NaN. Exact zeros are required (they are structural, not rounding)."""
+    q, k, v, seqlens, dout = make_inputs(case, dtype, device)
+    out, lse, dq, dk, dv = run_ours(case, q, k, v, seqlens, dout)
+    mask = reference.flash_key_mask(case.lq, case.lk, causal=case.causal, window=case.window,
+                                    seqlens=seqlens, batch=case.b, device=device)[:, 0]
+    empty_rows = ~mask.any(-1)  # [B, Lq]
+    unseen_keys = ~mask.any(-2)  # [B, Lk]
+    assert empty_rows.any(), "the case must contain a row without keys"
+    for name, t in (("out", out), ("dq", dq), ("dk", dk), ("dv", dv)):
+        assert torch.isfinite(t).all(), f"{name}: non-finite values"
+    rows = empty_rows[:, None, :].expand(-1, case.hq, -1)
+    assert (out[rows] == 0).all() and (dq[rows] == 0).all()
+    assert torch.isneginf(lse[rows]).all() and torch.isfinite(lse[~rows]).all()
+    keys = unseen_keys[:, None, :].expand(-1, case.hkv, -1)
+    assert (dk[keys] == 0).all() and (dv[keys] == 0).all()
+
+
+# --------------------------------------------------------------------------------------------
+# Bad input
+# --------------------------------------------------------------------------------------------
+
+def _qkv(device, b=1, hq=2, hkv=2, lq=8, lk=8, d=16, dtype=torch.float32):
+    return (torch.randn(b, hq, lq, d, device=device, dtype=dtype),
+            torch.randn(b, hkv, lk, d, device=device, dtype=dtype),
+            torch.randn(b, hkv, lk, d, device=device, dtype=dtype))
+
+
+def _bad_call(kind, device):
+    q, k, v = _qkv(device)
+    f = adaattn.flash_attn
+    if kind == "q_rank":
+        return f(q[0], k, v)
+    if kind == "k_rank":
+        return f(q, k[None], v)
+    if kind == "dtype_mix":
+        return f(q, k.double(), v)
+    if kind == "integer_dtype":
+        return f(q.int(), k.int(), v.int())
+    if kind == "q_strided_last_dim":
+        return f(torch.randn(1, 2, 8, 32, device=device)[..., ::2], k, v)
+    if kind == "v_strided_last_dim":
+        return f(q, k, torch.randn(1, 2, 16, 8, device=device).transpose(2, 3))
+    if kind == "heads_not_multiple":
+        q, k, v = _qkv(device, hq=3, hkv=2)
+        return f(q, k, v)
+    if kind == "head_dim_mismatch":
+        return f(q, k[..., :8], v[..., :8])
+    if kind == "v_head_dim_mismatch":
+        return f(q, k, v[..., :8])
+    if kind == "batch_mismatch":
+        _, k2, v2 = _qkv(device, b=2)
+        return f(q, k2, v2)
+    if kind == "kv_length_mismatch":
+        return f(q, k, v[:, :, :5])
+    if kind == "head_dim_too_large":
+        q, k, v = _qkv(device, d=257)
+        return f(q, k, v)
+    if kind == "window_below_minus_one":
+        return f(q, k, v, window=(-2, 0))
+    if kind == "window_not_pair":
+        return f(q, k, v, window=(1, 2, 3))
+    if kind == "window_scalar":
+        return f(q, k, v, window=4)
+    if kind == "window_float":
+        return f(q, k, v, window=(1.5, 0))
+    if kind == "op_window":
+        return torch.ops.adaattn.flash_fwd(q, k, v, None, None, False, -3, 0)
+    if kind == "seqlens_shape":
+        return f(q, k, v, seqlens=torch.tensor([8, 8], dtype=torch.int32, device=device))
+    if kind == "seqlens_rank":
+        return f(q, k, v, seqlens=torch.tensor([[8]], dtype=torch.int32, device=device))
+    if kind == "seqlens_dtype":
+        return f(q, k, v, seqlens=torch.tensor([8], dtype=torch.int64, device=device))
+    if kind == "bwd_lse_dtype":
+        out, lse = torch.ops.adaattn.flash_fwd(q, k, v, None, None, False, -1, -1)
+        return torch.ops.adaattn.flash_bwd(torch.ones_like(out), q, k, v, out, lse.double(),
+                                           None, None, False, -1, -1, False)
+    if kind == "bwd_grad_out_shape":
+        out, lse = torch.ops.adaattn.flash_fwd(q, k, v, None, None, False, -1, -1)
+        return torch.ops.adaattn.flash_bwd(out[:, :1], q, k, v, out, lse, None, None, False,
+                                           -1, -1, False)
+    raise AssertionError(kind)
+
+
+# kind -> regex the message must match (it names the argument and what was expected).
+BAD_INPUTS = {
+    "q_rank": r"\bq\b.*4 dims",
+    "k_rank": r"\bk\b.*4 dims",
+    "dtype_mix": r"\bk\b.*dtype|dtype.*\bk\b",
+    "integer_dtype": r"\bq\b.*float",
+    "q_strided_last_dim": r"\bq\b.*contiguous last dim",
+    "v_strided_last_dim": r"\bv\b.*contiguous last dim",
+    "heads_not_multiple": r"heads.*multiple|multiple.*heads",
+    "head_dim_mismatch": r"head dim",
+    "v_head_dim_mismatch": r"\bv\b.*head dim",
+    "batch_mismatch": r"batch",
+    "kv_length_mismatch": r"\bk\b.*\bv\b.*length|length.*\bk\b.*\bv\b",
+    "head_dim_too_large": r"head dim.*256",
+    "window_below_minus_one": r"window",
+    "window_not_pair": r"window",
+    "window_scalar": r"window",
+    "window_float": r"window",
+    "op_window": r"window",
+    "seqlens_shape": r"seqlens.*shape",
+    "seqlens_rank": r"seqlens.*shape",
+    "seqlens_dtype": r"seqlens.*int32",
+    "bwd_lse_dtype": r"\blse\b",
+    "bwd_grad_out_shape": r"grad_out",
+}
+
+
+@pytest.mark.parametrize("kind", list(BAD_INPUTS))
+def test_bad_input(device, kind):
+    with pytest.raises((RuntimeError, ValueError), match=BAD_INPUTS[kind]):
+        _bad_call(kind, device)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("which", ["k", "v", "seqlens"])
+def test_bad_input_device_mix(which):
+    q, k, v = _qkv("cuda")
+    seqlens = torch.tensor([8], dtype=torch.int32, device="cuda")
+    if which == "k":
+        k = k.cpu()
+    elif which == "v":
+        v = v.cpu()
+    else:
+        seqlens = seqlens.cpu()
+    with pytest.raises((RuntimeError, ValueError), match=rf"\b{which}\b.*(device|cuda|cpu)"):
+        adaattn.flash_attn(q, k, v, seqlens=seqlens)
+
+
+# --------------------------------------------------------------------------------------------
+# Registration: opcheck, torch.compile
+# --------------------------------------------------------------------------------------------
+
+OPCHECK_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor",
+                 "test_aot_dispatch_dynamic")
+OPCHECK_CASES = [
+    Case(b=2, hq=4, hkv=2, lq=17, lk=33, d=64, causal=True),
+    Case(b=2, lq=33, lk=17, d=64, window=(4, 2), seqlens=(0, 12), scale=0.2, transposed=True),
+]
+
+
+def _opcheck_dtype(device):
+    return torch.bfloat16 if device == "cuda" else torch.float32
+
+
+def _op_args(case, q, k, v, seqlens):
+    return (q, k, v, seqlens, case.scale, case.causal, case.window[0], case.window[1])
+
+
+@pytest.mark.parametrize("case", OPCHECK_CASES, ids=str)
+def test_opcheck_flash_attn(device, case):
+    q, k, v, seqlens, _ = make_inputs(case, _opcheck_dtype(device), device)
+    torch.library.opcheck(torch.ops.adaattn.flash_attn.default,
+                          _op_args(case, q, k, v, seqlens) + (False,),
+                          test_utils=OPCHECK_UTILS)
+
+
+@pytest.mark.parametrize("case", OPCHECK_CASES, ids=str)
+def test_opcheck_flash_fwd_bwd(device, case):
+    """The backend ops are called without grad. test_autograd_registration refuses inputs that
+    do not require grad, so it runs on requires-grad copies: it then checks that no output of
+    these autograd-less ops claims to require grad."""
+    q, k, v, seqlens, dout = make_inputs(case, _opcheck_dtype(device), device,
+                                         requires_grad=False)
+    fwd_args = _op_args(case, q, k, v, seqlens)
+    out, lse = torch.ops.adaattn.flash_fwd(*fwd_args)
+    bwd_args = (dout, q, k, v, out, lse) + fwd_args[3:] + (False,)
+    no_grad_utils = tuple(u for u in OPCHECK_UTILS if u != "test_autograd_registration")
+    for op, args in ((torch.ops.adaattn.flash_fwd.default, fwd_args),
+                     (torch.ops.adaattn.flash_bwd.default, bwd_args)):
+        torch.library.opcheck(op, args, test_utils=no_grad_utils)
+        grad_args = tuple(a.detach().requires_grad_() if isinstance(a, torch.Tensor)
+                          and a.is_floating_point() else a for a in args)
+        torch.library.opcheck(op, grad_args, test_utils=("test_autograd_registration",))
+
+
+class TinyAttention(torch.nn.Module):
+    """Pre-projection attention block: q/kv/o Linear layers around adaattn.flash_attn (GQA 2,
+    causal), with (B, L, H, D) -> (B, H, L, D) transposed views as real models produce."""
+
+    def __init__(self, dim=256, heads=4, kv_heads=2):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
+        self.q_proj = torch.nn.Linear(dim, dim)
+        self.kv_proj = torch.nn.Linear(dim, 2 * kv_heads * self.head_dim)
+        self.o_proj = torch.nn.Linear(dim, dim)
+
+    def forward(self, x, seqlens):
+        b, length, _ = x.shape
+        q = self.q_proj(x).view(b, length, self.heads, self.head_dim).transpose(1, 2)
+        k, v = self.kv_proj(x).view(b, length, 2, self.kv_heads, self.head_dim).unbind(2)
+        out = adaattn.flash_attn(q, k.transpose(1, 2), v.transpose(1, 2), causal=True,
+                                 seqlens=seqlens)
+        return self.o_proj(out.transpose(1, 2).reshape(b, length, -1))
+
+
+@pytest.mark.parametrize("device,backend,dtype", [
+    pytest.param("cpu", "aot_eager", torch.float32, id="cpu-aot_eager-fp32"),
+    pytest.param("cpu", "inductor", torch.float32, id="cpu-inductor-fp32"),
+    pytest.param("cuda", "inductor", torch.float32, marks=pytest.mark.cuda,
+                 id="cuda-inductor-fp32"),
+    pytest.param("cuda", "inductor", torch.bfloat16, marks=pytest.mark.cuda,
+                 id="cuda-inductor-bf16"),
+])
+def test_torch_compile_fullgraph(device, backend, dtype):
+    torch._dynamo.reset()
+    model = TinyAttention().to(device, dtype)
+    x = torch.randn(2, 33, 256, device=device, dtype=dtype)
+    seqlens = torch.tensor([33, 20], dtype=torch.int32, device=device)
+    params = [x] + list(model.parameters())
+
+    def run(fn):
+        x.grad = None
+        model.zero_grad(set_to_none=True)
+        x.requires_grad_()
+        out = fn(x, seqlens)
+        out.backward(torch.ones_like(out))
+        return [out.detach()] + [p.grad.detach().clone() for p in params]
+
+    eager = run(model)
+    compiled = run(torch.compile(model, backend=backend, fullgraph=True))
+    for i, (c, e) in enumerate(zip(compiled, eager)):
+        assert torch.isfinite(c).all(), f"tensor {i}: non-finite values"
+        torch.testing.assert_close(c, e, msg=lambda m: f"tensor {i}: {m}")
+
+
+# --------------------------------------------------------------------------------------------
+# Determinism, streams, import side effects
+# --------------------------------------------------------------------------------------------
+
+DETERMINISM_CASES = [
+    (Case(b=2, hq=8, hkv=1, lq=1025, lk=1000, d=128, causal=True), torch.bfloat16),
+    (Case(b=2, hq=8, hkv=2, lq=1000, lk=1025, d=64), torch.float16),
+    (Case(b=2, hq=4, hkv=1, lq=257, lk=300, d=64, window=(32, 8)), torch.float32),
+]
+
+
+@pytest.mark.parametrize("case,dtype", DETERMINISM_CASES, ids=lambda x: str(x))
+def test_deterministic_backward(device, case, dtype):
+    """deterministic=True: two backward runs give bit-identical gradients (GQA 8 included, where
+    dk/dv gather contributions of several query heads)."""
+    if device == "cpu":
+        case = dataclasses.replace(case, b=1, lq=min(case.lq, 300), lk=min(case.lk, 300))
+    q, k, v, seqlens, dout = make_inputs(case, dtype, device)
+    first = run_ours(case, q, k, v, seqlens, dout, deterministic=True)
+    second = run_ours(case, q, k, v, seqlens, dout, deterministic=True)
+    for name, a, b in zip(NAMES, first, second):
+        assert torch.equal(a, b), f"{name} differs between two runs"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_gqa_does_not_expand_kv(dtype):
+    """Spec §1: GQA must not materialise K/V (or dK/dV) expanded to Hq heads. With Lk >> Lq and
+    Hq / Hkv = 64, one expanded K dwarfs every legitimate buffer (out, lse, dq, dk, dv, delta and
+    even fp32 accumulators for them), so a quarter of it bounds each pass's extra memory."""
+    case = Case(b=1, hq=64, hkv=1, lq=128, lk=8192, d=128)
+    q, k, v, _, dout = make_inputs(case, dtype, "cuda")
+    expanded = case.hq * case.lk * case.d * dtype.itemsize
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = adaattn.flash_attn(q, k, v)
+    torch.cuda.synchronize()
+    fwd_extra = torch.cuda.max_memory_allocated() - base
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out.backward(dout)
+    torch.cuda.synchronize()
+    bwd_extra = torch.cuda.max_memory_allocated() - base
+    assert fwd_extra < expanded / 4, f"forward used {fwd_extra / 2**20:.1f} MiB"
+    assert bwd_extra < expanded / 4, f"backward used {bwd_extra / 2**20:.1f} MiB"
+
+
+@pytest.mark.cuda
+def test_cuda_side_stream():
+    """The op launches on the current stream: results computed on a side stream match."""
+    case = Case(b=2, hq=8, hkv=2, lq=1025, lk=1025, d=128, causal=True)
+    q, k, v, seqlens, dout = make_inputs(case, torch.bfloat16, "cuda")
+    expected = run_ours(case, q, k, v, seqlens, dout)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        got = run_ours(case, q, k, v, seqlens, dout)
+    torch.cuda.current_stream().wait_stream(stream)
+    for name, a, b in zip(NAMES, got, expected):
+        assert torch.equal(a, b), f"{name} differs on a side stream"
+
+
+def test_import_does_not_initialise_cuda():
+    """Importing adaattn (and running a CPU op) must not create a CUDA context (spec §4)."""
+    code = ("import torch, adaattn\n"
+            "assert not torch.cuda.is_initialized(), 'import initialised CUDA'\n"
+            "q = torch.randn(1, 2, 8, 16)\n"
+            "adaattn.flash_attn(q, q, q, causal=True)\n"
+            "assert not torch.cuda.is_initialized(), 'a CPU call initialised CUDA'\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_return_lse_flag_and_default_scale(device):
+    """return_lse=False returns the output alone; softmax_scale=None means D ** -0.5."""
+    q, k, v = _qkv(device, d=64)
+    out = adaattn.flash_attn(q, k, v)
+    assert isinstance(out, torch.Tensor)
+    explicit = adaattn.flash_attn(q, k, v, softmax_scale=64 ** -0.5)
+    assert torch.equal(out, explicit)
+
+
+def test_poisoning_is_active(device):
+    """Guards the suite's premise: fresh allocations are NaN while tests run (conftest.py)."""
+    assert torch.isnan(torch.empty(16, device=device)).all()
