@@ -221,6 +221,9 @@ def render_table(rows: List[Row]) -> str:
 
 
 def _git_commit() -> str:
+    """HEAD of the checkout, or $ADAATTN_COMMIT where the tree was copied without .git."""
+    if os.environ.get("ADAATTN_COMMIT"):
+        return os.environ["ADAATTN_COMMIT"]
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, check=True,
                                 capture_output=True, text=True, timeout=30).stdout.strip()
@@ -229,6 +232,25 @@ def _git_commit() -> str:
         return commit + ("+dirty" if dirty.strip() else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
+
+
+def render_ratios(rows: List[Row], baseline: str = "sdpa-flash") -> str:
+    """adaattn's speed and peak memory relative to ``baseline``, one line per config."""
+    by_key = {(r.cfg, r.peer): r for r in rows}
+    lines = [f"| D | L | causal | fwd speed vs {baseline} | fwd+bwd speed vs {baseline} "
+             f"| peak memory vs {baseline} |", "|---:|---:|:---:|---:|---:|---:|"]
+    for cfg in dict.fromkeys(r.cfg for r in rows):
+        ours, base = by_key.get((cfg, "adaattn")), by_key.get((cfg, baseline))
+        if ours is None or base is None:
+            continue
+
+        def ratio(a, b):
+            return "—" if a is None or b is None else f"{a / b:.2f}x"
+        lines.append(f"| {cfg.d} | {cfg.length} | {'yes' if cfg.causal else 'no'} "
+                     f"| {ratio(base.fwd_ms, ours.fwd_ms)} "
+                     f"| {ratio(base.fwdbwd_ms, ours.fwdbwd_ms)} "
+                     f"| {ratio(ours.peak_mib, base.peak_mib)} |")
+    return "\n".join(lines)
 
 
 def run_metadata(argv: List[str]) -> str:
@@ -305,11 +327,14 @@ def main(argv: Optional[List[str]] = None) -> int:
             rows.append(row)
             print(render_table([row]).splitlines()[-1], flush=True)
         if args.out:  # after every config, so a run cut short still leaves its results
-            update_results(args.out, key, f"{title}\n\n{meta}\n\n{render_table(rows)}")
+            update_results(args.out, key, f"{title}\n\n{meta}\n\n{render_table(rows)}"
+                                          f"\n\n{render_ratios(rows)}")
     print()
     print(title)
     print(meta)
     print(render_table(rows))
+    print()
+    print(render_ratios(rows))
     return 0
 
 

@@ -124,7 +124,7 @@ AttnParams make_params(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   p.seqlens = seqlens.has_value() ? seqlens->data_ptr<int>() : nullptr;
   p.window_left = opt.window_left;
   p.window_right = opt.window_right;
-  p.scale = static_cast<float>(opt.scale);
+  p.scale = opt.scale;
   p.scale_log2 = static_cast<float>(opt.scale * M_LOG2E);
   p.deterministic = opt.deterministic;
   return p;

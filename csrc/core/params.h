@@ -47,7 +47,7 @@ struct AttnParams {
   int window_right;    // -1 = unbounded; keys j <= diag + window_right (causal => 0)
 
   // ---- math -----------------------------------------------------------------------------
-  float scale;       // multiplies q.k
+  double scale;      // multiplies q.k (double so the fp64 exact path is not rounded to fp32)
   float scale_log2;  // scale * log2(e), for exp2-based online softmax
   bool deterministic;  // backward: no order-dependent floating-point accumulation
 };
