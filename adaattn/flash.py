@@ -39,11 +39,8 @@ def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: boo
             past ``seqlens[b]`` are padding (padding rows give 0).
         return_lse: also return the float32 log-sum-exp ``[B, Hq, Lq]`` (``-inf`` for a row
             that sees no key; such rows give ``out = 0``).
-        deterministic: backward without order-dependent accumulation. By default the CUDA
-            fp16/bf16 backward adds dq across key tiles with fp32 atomics (fastest; the last bits
-            of dq may vary between runs); ``True`` computes dq in a separate pass instead, so
-            repeated runs give bit-identical gradients. CPU and fp32/fp64 paths are always
-            deterministic.
+        deterministic: backward without order-dependent accumulation. The kernels are always
+            deterministic; the flag is accepted for flash-attn compatibility.
 
     Returns:
         ``out [B, Hq, Lq, D]`` (dtype of q), and ``lse`` when ``return_lse``.

@@ -91,12 +91,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_bwd_cuda_op(
   AttnParams p = make_params(q, k, v, seqlens, opt);
   set_bwd_tensors(p, dout, out, lse, dq, dk, dv, delta);
   if (use_tensor_cores(q.scalar_type())) {
-    // The non-deterministic backward adds dQ across key tiles with fp32 atomics.
-    at::Tensor dq_accum;
-    if (!deterministic) {
-      dq_accum = at::zeros(q.sizes(), q.options().dtype(at::kFloat));
-      p.dq_accum = dq_accum.data_ptr<float>();
-    }
     flash_bwd_tc_cuda(p, q.scalar_type());
   } else {
     flash_bwd_exact_cuda(p, q.scalar_type());

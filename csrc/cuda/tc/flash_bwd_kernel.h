@@ -4,12 +4,9 @@
 //      transposed scores S^T = K Q^T directly, so P^T and dS^T are already A-fragments for
 //      dV += P^T dO and dK += dS^T Q. It loops over the query heads of its GQA group, so K/V are
 //      never expanded to Hq heads and dK/dV are reduced in registers.
-//   3. dQ, two ways:
-//      - default: the dK/dV kernel also forms dQ += dS K for its key tile (dS^T goes through
-//        shared memory to become dS) and adds it to an fp32 buffer with atomics; a last kernel
-//        scales and casts it. Five products per tile, as in FlashAttention-2.
-//      - deterministic: a separate dQ kernel, one CTA per (query tile, batch, head), recomputes
-//        S and dP (two extra products) so no floating-point sum depends on scheduling order.
+//   3. dQ kernel:     one CTA per (query tile, batch, head), like the forward.
+// The dQ kernel recomputes S and dP (two extra products) instead of accumulating dQ with
+// atomics across key tiles: that keeps results bit-reproducible and needs no fp32 dQ buffer.
 #pragma once
 
 #include <cmath>
@@ -53,61 +50,15 @@ __device__ __forceinline__ float lse_log2(const float* lse, int row, int len) {
   return l == -INFINITY ? INFINITY : l * float(M_LOG2E);
 }
 
-template <typename T, int D, int NWARPS, int MI_K, int BM, bool ATOMIC_DQ>
+template <typename T, int D, int NWARPS, int MI_K, int BM>
 struct BwdKVTraits {
   static constexpr int kThreads = NWARPS * 32;
   static constexpr int kBlockN = NWARPS * 16 * MI_K;  // keys per CTA
   static constexpr int kBlockM = BM;                  // queries per step
-  static constexpr bool kAtomicDQ = ATOMIC_DQ;
-  // K, V, double-buffered Q and dO tiles, lse2/delta of both buffers, and (atomic dQ) the dS
-  // tile [BM][kBlockN].
-  static constexpr int kSmemBytes = (2 * kBlockN + 4 * kBlockM) * D * sizeof(T) +
-                                    4 * kBlockM * sizeof(float) +
-                                    (ATOMIC_DQ ? kBlockM * kBlockN * sizeof(T) : 0);
+  // K, V, and double-buffered Q, dO tiles, then lse2/delta of both buffers.
+  static constexpr int kSmemBytes =
+      (2 * kBlockN + 4 * kBlockM) * D * sizeof(T) + 4 * kBlockM * sizeof(float);
 };
-
-// dq_accum[rows of this warp] += dS K for one step: A = dS rows [16 * warp, +16) of the
-// swizzled [BM][KN] smem tile, B = K tile [KN][D]. Columns go in chunks of 32 to keep the
-// accumulator small next to the dK/dV accumulators that stay live.
-template <int KN, int D, typename T>
-__device__ __forceinline__ void accumulate_dq(const T* sdS, const T* sK, int warp, int lane,
-                                              float* dq_rows, int valid_rows) {
-  constexpr int KT = KN / 16;
-  constexpr int kChunk = 32;
-  uint32_t a[1][KT][4];
-#pragma unroll
-  for (int kt = 0; kt < KT; ++kt) {
-    const int row = warp * 16 + (lane & 15);
-    ldmatrix_x4(a[0][kt], sdS + swz<KN>(row, kt * 16 + (lane >> 4) * 8));
-  }
-  const int g = lane >> 2;
-  const int t = lane & 3;
-#pragma unroll
-  for (int c0 = 0; c0 < D; c0 += kChunk) {
-    float acc[1][kChunk / 8][4];
-    zero(acc);
-#pragma unroll
-    for (int kt = 0; kt < KT; ++kt) {
-#pragma unroll
-      for (int ni = 0; ni < kChunk / 8; ni += 2) {
-        uint32_t b[4];
-        const int row = kt * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
-        ldmatrix_x4_trans(b, sK + swz<D>(row, c0 + ni * 8 + (lane >> 4) * 8));
-        MmaOp<T>::run(acc[0][ni], a[0][kt], b[0], b[1]);
-        MmaOp<T>::run(acc[0][ni + 1], a[0][kt], b[2], b[3]);
-      }
-    }
-#pragma unroll
-    for (int ni = 0; ni < kChunk / 8; ++ni)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int row = warp * 16 + g + 8 * (e >> 1);
-        if (row < valid_rows) {
-          atomicAdd(dq_rows + row * D + c0 + ni * 8 + 2 * t + (e & 1), acc[0][ni][e]);
-        }
-      }
-  }
-}
 
 // First query row in [0, len) for which pred(row) holds, for a predicate that is monotone
 // (false...false true...true) over the rows.
@@ -132,8 +83,6 @@ __global__ void __launch_bounds__(Traits::kThreads)
   constexpr int kThreads = Traits::kThreads;
   constexpr int NT = BM / 8;  // query n-tiles of S^T per warp
   constexpr int DT = D / 8;
-  static_assert(!Traits::kAtomicDQ || BM == kThreads / 2,
-                "atomic dQ gives each warp 16 query rows of the step");
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* sK = reinterpret_cast<T*>(smem_raw);
   T* sV = sK + kBlockN * D;
@@ -142,7 +91,6 @@ __global__ void __launch_bounds__(Traits::kThreads)
   T* const sdO0 = sQ0 + 2 * BM * D;
   float* const sLse0 = reinterpret_cast<float*>(sdO0 + 2 * BM * D);
   float* const sDelta0 = sLse0 + 2 * BM;
-  T* const sdS = reinterpret_cast<T*>(sDelta0 + 2 * BM);  // [BM][kBlockN], atomic dQ only
   auto sQ = [&](int buf) { return sQ0 + buf * BM * D; };
   auto sdO = [&](int buf) { return sdO0 + buf * BM * D; };
   auto sLse = [&](int buf) { return sLse0 + buf * BM; };
@@ -261,27 +209,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
         }
     uint32_t dsa[MI][NT / 2][4];
     to_a_frags<MI, NT, T>(dpt, dsa);
-    if constexpr (Traits::kAtomicDQ) {
-      // dS = (dS^T)^T through shared memory, as [query][key].
-#pragma unroll
-      for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-        for (int ni = 0; ni < NT; ++ni)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int key = warp_row0 + mi * 16 + g + 8 * (e >> 1);
-            const int qrow = ni * 8 + 2 * t + (e & 1);
-            sdS[swz<kBlockN>(qrow, key)] = MmaOp<T>::from_float(dpt[mi][ni][e]);
-          }
-    }
     warp_gemm_rs<MI, DT, NT / 2, D>(dk, dsa, sQ(buf), 0, lane);
-    if constexpr (Traits::kAtomicDQ) {
-      __syncthreads();
-      const int h = h_kv * group + s / steps_per_head;
-      float* dq_rows =
-          p.dq_accum + ((static_cast<int64_t>(b) * p.heads_q + h) * p.len_q + m0) * D;
-      accumulate_dq<kBlockN, D>(sdS, sK, warp, lane, dq_rows, p.len_q - m0);
-    }
   }
 
   // Stage through the warp's own rows of sK (all reads of sK/sV are done after this barrier).
@@ -437,32 +365,6 @@ __global__ void __launch_bounds__(Traits::kThreads)
   T* dqptr = static_cast<T*>(p.dq) + b * p.dq_batch_stride + h * p.dq_head_stride +
              m0 * p.dq_row_stride;
   store_rows<MI, DT, D>(dq, qscale, sQ, warp_row0, dqptr, p.dq_row_stride, valid_q, lane);
-}
-
-// dq = scale * dq_accum, cast to T; one thread per 8 consecutive elements of a row.
-template <typename T, int D>
-__global__ void flash_bwd_dq_convert_kernel(const AttnParams p) {
-  constexpr int kVec = 8;
-  const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t total = static_cast<int64_t>(p.batch) * p.heads_q * p.len_q * (D / kVec);
-  if (idx >= total) return;
-  const int col = static_cast<int>(idx % (D / kVec)) * kVec;
-  const int64_t row = idx / (D / kVec);
-  const int i = static_cast<int>(row % p.len_q);
-  const int h = static_cast<int>((row / p.len_q) % p.heads_q);
-  const int b = static_cast<int>(row / (static_cast<int64_t>(p.len_q) * p.heads_q));
-  const float4* src = reinterpret_cast<const float4*>(p.dq_accum + row * D + col);
-  const float4 lo = src[0];
-  const float4 hi = src[1];
-  const float scale = static_cast<float>(p.scale);
-  uint4 packed;
-  packed.x = MmaOp<T>::pack(lo.x * scale, lo.y * scale);
-  packed.y = MmaOp<T>::pack(lo.z * scale, lo.w * scale);
-  packed.z = MmaOp<T>::pack(hi.x * scale, hi.y * scale);
-  packed.w = MmaOp<T>::pack(hi.z * scale, hi.w * scale);
-  T* dst = static_cast<T*>(p.dq) + b * p.dq_batch_stride + h * p.dq_head_stride +
-           i * p.dq_row_stride + col;
-  *reinterpret_cast<uint4*>(dst) = packed;
 }
 
 }  // namespace tc

@@ -23,7 +23,6 @@ template <>
 struct FlashConfig<64> {
   static constexpr int kFwdWarps = 4, kFwdMI = 2, kFwdBlockN = 64;
   static constexpr int kKVWarps = 4, kKVMI = 2, kKVBlockM = 32;
-  static constexpr int kKVMIAtomic = 1, kKVBlockMAtomic = 64;
   static constexpr int kQWarps = 4, kQMI = 2, kQBlockN = 64;
 };
 
@@ -31,7 +30,6 @@ template <>
 struct FlashConfig<128> {
   static constexpr int kFwdWarps = 4, kFwdMI = 2, kFwdBlockN = 32;
   static constexpr int kKVWarps = 4, kKVMI = 1, kKVBlockM = 64;
-  static constexpr int kKVMIAtomic = 1, kKVBlockMAtomic = 64;
   static constexpr int kQWarps = 4, kQMI = 2, kQBlockN = 32;
 };
 
@@ -61,18 +59,6 @@ void run_flash_fwd(const AttnParams& p) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-template <typename Traits, typename T, int D, int MI, int BM>
-void launch_dkdv(const AttnParams& p, cudaStream_t stream) {
-  auto kernel = flash_bwd_dkdv_kernel<Traits, T, D, MI, BM>;
-  set_smem(kernel, Traits::kSmemBytes);
-  const int64_t n_blocks = (p.len_k + Traits::kBlockN - 1) / Traits::kBlockN;
-  const int grid = grid_size(n_blocks * p.batch * p.heads_kv);
-  kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
-// Deterministic: delta, dK/dV, then a separate dQ kernel. Otherwise: delta, dK/dV with dQ
-// accumulated atomically into p.dq_accum (zeroed by the caller), then the scale-and-cast pass.
 template <typename T, int D>
 void run_flash_bwd(const AttnParams& p) {
   using C = FlashConfig<D>;
@@ -84,19 +70,14 @@ void run_flash_bwd(const AttnParams& p) {
     flash_bwd_delta_kernel<T, D><<<grid, kRowsPerBlock * 32, 0, stream>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
-  if (!p.deterministic) {
-    using Traits = BwdKVTraits<T, D, C::kKVWarps, C::kKVMIAtomic, C::kKVBlockMAtomic, true>;
-    launch_dkdv<Traits, T, D, C::kKVMIAtomic, C::kKVBlockMAtomic>(p, stream);
-    constexpr int kThreads = 256;
-    const int64_t vecs = static_cast<int64_t>(p.batch) * p.heads_q * p.len_q * (D / 8);
-    flash_bwd_dq_convert_kernel<T, D>
-        <<<grid_size((vecs + kThreads - 1) / kThreads), kThreads, 0, stream>>>(p);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    return;
-  }
   {
-    using Traits = BwdKVTraits<T, D, C::kKVWarps, C::kKVMI, C::kKVBlockM, false>;
-    launch_dkdv<Traits, T, D, C::kKVMI, C::kKVBlockM>(p, stream);
+    using Traits = BwdKVTraits<T, D, C::kKVWarps, C::kKVMI, C::kKVBlockM>;
+    auto kernel = flash_bwd_dkdv_kernel<Traits, T, D, C::kKVMI, C::kKVBlockM>;
+    set_smem(kernel, Traits::kSmemBytes);
+    const int64_t n_blocks = (p.len_k + Traits::kBlockN - 1) / Traits::kBlockN;
+    const int grid = grid_size(n_blocks * p.batch * p.heads_kv);
+    kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   {
     using Traits = BwdQTraits<T, D, C::kQWarps, C::kQMI, C::kQBlockN>;

@@ -65,9 +65,6 @@ struct MmaOp<__nv_bfloat16> {
     __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
     return *reinterpret_cast<uint32_t*>(&v);
   }
-  __device__ __forceinline__ static __nv_bfloat16 from_float(float x) {
-    return __float2bfloat16_rn(x);
-  }
 };
 
 template <>
@@ -84,7 +81,6 @@ struct MmaOp<__half> {
     __half2 v = __floats2half2_rn(lo, hi);
     return *reinterpret_cast<uint32_t*>(&v);
   }
-  __device__ __forceinline__ static __half from_float(float x) { return __float2half_rn(x); }
 };
 
 // Copies a [ROWS][D] tile whose row r lives at src + r * row_stride into swizzled shared memory.
