@@ -55,6 +55,7 @@ struct BwdKVTraits {
   static constexpr int kThreads = NWARPS * 32;
   static constexpr int kBlockN = NWARPS * 16 * MI_K;  // keys per CTA
   static constexpr int kBlockM = BM;                  // queries per step
+  static constexpr int kMI = MI_K;
   // K, V, and double-buffered Q, dO tiles, then lse2/delta of both buffers.
   static constexpr int kSmemBytes =
       (2 * kBlockN + 4 * kBlockM) * D * sizeof(T) + 4 * kBlockM * sizeof(float);
@@ -76,9 +77,9 @@ __device__ __forceinline__ int first_row_where(int len, Pred pred) {
   return lo;
 }
 
+// dK/dV for key tile `block` (key tile index is the slowest-varying part of `block`).
 template <typename Traits, typename T, int D, int MI, int BM>
-__global__ void __launch_bounds__(Traits::kThreads)
-    flash_bwd_dkdv_kernel(const AttnParams p) {
+__device__ __forceinline__ void bwd_dkdv_block(const AttnParams& p, int block) {
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kThreads = Traits::kThreads;
   constexpr int NT = BM / 8;  // query n-tiles of S^T per warp
@@ -102,8 +103,8 @@ __global__ void __launch_bounds__(Traits::kThreads)
   const int g = lane >> 2;
   const int t = lane & 3;
   const int bh_count = p.batch * p.heads_kv;
-  const int bh = blockIdx.x % bh_count;
-  const int n_block = blockIdx.x / bh_count;
+  const int bh = block % bh_count;
+  const int n_block = block / bh_count;
   const int b = bh / p.heads_kv;
   const int h_kv = bh % p.heads_kv;
   const int group = p.heads_q / p.heads_kv;
@@ -234,15 +235,16 @@ __global__ void __launch_bounds__(Traits::kThreads)
 template <typename T, int D, int NWARPS, int MI, int BN>
 struct BwdQTraits {
   static constexpr int kThreads = NWARPS * 32;
+  static constexpr int kMI = MI;
   static constexpr int kBlockM = NWARPS * 16 * MI;
   static constexpr int kBlockN = BN;
   // Q, dO, and double-buffered K, V tiles.
   static constexpr int kSmemBytes = (2 * kBlockM + 4 * kBlockN) * D * sizeof(T);
 };
 
+// dQ for query tile `block` (heavy, late query tiles first).
 template <typename Traits, typename T, int D, int MI, int BN>
-__global__ void __launch_bounds__(Traits::kThreads)
-    flash_bwd_dq_kernel(const AttnParams p) {
+__device__ __forceinline__ void bwd_dq_block(const AttnParams& p, int block) {
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kThreads = Traits::kThreads;
   constexpr int NT = BN / 8;
@@ -260,9 +262,9 @@ __global__ void __launch_bounds__(Traits::kThreads)
   const int lane = tid % 32;
   const int g = lane >> 2;
   const int bh_count = p.batch * p.heads_q;
-  const int bh = blockIdx.x % bh_count;
+  const int bh = block % bh_count;
   const int num_m_blocks = (p.len_q + kBlockM - 1) / kBlockM;
-  const int m_block = num_m_blocks - 1 - blockIdx.x / bh_count;
+  const int m_block = num_m_blocks - 1 - block / bh_count;
   const int b = bh / p.heads_q;
   const int h = bh % p.heads_q;
   const int h_kv = h / (p.heads_q / p.heads_kv);
@@ -365,6 +367,20 @@ __global__ void __launch_bounds__(Traits::kThreads)
   T* dqptr = static_cast<T*>(p.dq) + b * p.dq_batch_stride + h * p.dq_head_stride +
              m0 * p.dq_row_stride;
   store_rows<MI, DT, D>(dq, qscale, sQ, warp_row0, dqptr, p.dq_row_stride, valid_q, lane);
+}
+
+// The dK/dV and dQ passes are independent (both only read delta), so one launch runs both:
+// the first kv_blocks CTAs do dK/dV, the rest dQ. Sharing the grid lets each pass fill the
+// other's last partial wave.
+template <typename KVTraits, typename QTraits, typename T, int D>
+__global__ void __launch_bounds__(KVTraits::kThreads)
+    flash_bwd_kernel(const AttnParams p, int kv_blocks) {
+  static_assert(KVTraits::kThreads == QTraits::kThreads, "both passes share the block shape");
+  if (static_cast<int>(blockIdx.x) < kv_blocks) {
+    bwd_dkdv_block<KVTraits, T, D, KVTraits::kMI, KVTraits::kBlockM>(p, blockIdx.x);
+  } else {
+    bwd_dq_block<QTraits, T, D, QTraits::kMI, QTraits::kBlockN>(p, blockIdx.x - kv_blocks);
+  }
 }
 
 }  // namespace tc

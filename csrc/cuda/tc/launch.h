@@ -70,24 +70,18 @@ void run_flash_bwd(const AttnParams& p) {
     flash_bwd_delta_kernel<T, D><<<grid, kRowsPerBlock * 32, 0, stream>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
-  {
-    using Traits = BwdKVTraits<T, D, C::kKVWarps, C::kKVMI, C::kKVBlockM>;
-    auto kernel = flash_bwd_dkdv_kernel<Traits, T, D, C::kKVMI, C::kKVBlockM>;
-    set_smem(kernel, Traits::kSmemBytes);
-    const int64_t n_blocks = (p.len_k + Traits::kBlockN - 1) / Traits::kBlockN;
-    const int grid = grid_size(n_blocks * p.batch * p.heads_kv);
-    kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(p);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
-  {
-    using Traits = BwdQTraits<T, D, C::kQWarps, C::kQMI, C::kQBlockN>;
-    auto kernel = flash_bwd_dq_kernel<Traits, T, D, C::kQMI, C::kQBlockN>;
-    set_smem(kernel, Traits::kSmemBytes);
-    const int64_t m_blocks = (p.len_q + Traits::kBlockM - 1) / Traits::kBlockM;
-    const int grid = grid_size(m_blocks * p.batch * p.heads_q);
-    kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(p);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
+  using KV = BwdKVTraits<T, D, C::kKVWarps, C::kKVMI, C::kKVBlockM>;
+  using Q = BwdQTraits<T, D, C::kQWarps, C::kQMI, C::kQBlockN>;
+  auto kernel = flash_bwd_kernel<KV, Q, T, D>;
+  constexpr int kSmem = KV::kSmemBytes > Q::kSmemBytes ? KV::kSmemBytes : Q::kSmemBytes;
+  set_smem(kernel, kSmem);
+  const int64_t kv_blocks =
+      (p.len_k + KV::kBlockN - 1) / KV::kBlockN * p.batch * static_cast<int64_t>(p.heads_kv);
+  const int64_t q_blocks =
+      (p.len_q + Q::kBlockM - 1) / Q::kBlockM * p.batch * static_cast<int64_t>(p.heads_q);
+  kernel<<<grid_size(kv_blocks + q_blocks), KV::kThreads, kSmem, stream>>>(
+      p, grid_size(kv_blocks));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 }  // namespace tc
