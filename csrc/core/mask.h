@@ -70,4 +70,35 @@ ADAATTN_HD bool tile_is_full(const AttnParams& p, SeqLens lens, int m0, int m1, 
   return n0 >= last.lo && n1 <= first.hi;
 }
 
+// Query rows [first, last) whose key ranges may meet keys [n0, n1): both ends of a row's range
+// never decrease with the row, so the rows ending after n0 form a suffix and the rows starting
+// before n1 a prefix (two binary searches). Rows inside may still miss some keys; callers mask.
+struct RowSpan {
+  int first;
+  int last;
+};
+
+ADAATTN_HD RowSpan rows_meeting_keys(const AttnParams& p, SeqLens lens, int n0, int n1) {
+  int lo = 0, hi = lens.q;
+  while (lo < hi) {
+    const int mid = lo + (hi - lo) / 2;
+    if (key_range(p, lens, mid).hi > n0) {
+      hi = mid;
+    } else {
+      lo = mid + 1;
+    }
+  }
+  const int first = lo;
+  hi = lens.q;
+  while (lo < hi) {
+    const int mid = lo + (hi - lo) / 2;
+    if (key_range(p, lens, mid).lo >= n1) {
+      hi = mid;
+    } else {
+      lo = mid + 1;
+    }
+  }
+  return {first, lo};
+}
+
 }  // namespace adaattn

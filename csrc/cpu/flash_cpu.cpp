@@ -73,26 +73,31 @@ T dot(const T* __restrict__ x, const T* __restrict__ y, int dim) {
   return acc;
 }
 
-// Query rows [first, last) of batch element b whose key ranges may meet keys [n0, n1). Both
-// ends of a row's range never decrease with the row, so the rows ending after n0 form a suffix
-// and the rows starting before n1 a prefix. Rows inside may still miss the keys; callers clamp.
-struct RowSpan {
-  int first, last;
-};
-
-RowSpan rows_meeting_keys(const AttnParams& p, SeqLens lens, int n0, int n1) {
-  int lo = 0, hi = lens.q;
-  while (lo < hi) {
-    const int mid = lo + (hi - lo) / 2;
-    if (key_range(p, lens, mid).hi > n0) hi = mid; else lo = mid + 1;
+// One online-softmax step of a row over tile columns [c0, c1) (all inside the row's key range):
+// scales the scores, raises the running max, rescales the row's accumulator and running sum, and
+// passes each column's unnormalised weight exp(s - max) to add(c, weight).
+template <typename T, typename Add>
+void online_softmax_step(T* __restrict__ scores, int c0, int c1, T scale, T& row_max,
+                         T& row_sum, T* acc_row, int dim, Add&& add) {
+  T tile_max = neg_inf<T>();
+  for (int c = c0; c < c1; ++c) {
+    scores[c] *= scale;
+    tile_max = std::max(tile_max, scores[c]);
   }
-  const int first = lo;
-  hi = lens.q;
-  while (lo < hi) {
-    const int mid = lo + (hi - lo) / 2;
-    if (key_range(p, lens, mid).lo >= n1) hi = mid; else lo = mid + 1;
+  const T new_max = std::max(row_max, tile_max);
+  // exp(-inf) = 0 on a row's first tile: the zero accumulator stays zero.
+  const T rescale = std::exp(row_max - new_max);
+  if (rescale != T(1)) {
+    for (int d = 0; d < dim; ++d) acc_row[d] *= rescale;
   }
-  return {first, lo};
+  T sum = row_sum * rescale;
+  for (int c = c0; c < c1; ++c) {
+    const T weight = std::exp(scores[c] - new_max);
+    sum += weight;
+    add(c, weight);
+  }
+  row_sum = sum;
+  row_max = new_max;
 }
 
 template <typename T>
@@ -140,26 +145,11 @@ void flash_fwd_impl(const AttnParams& p) {
           const int c1 = std::min(ranges[r].hi, n0 + cols) - n0;
           if (c0 >= c1) continue;
           dot_tile(q.row(b, h, m0 + r), key_tile.data(), dim, c0, c1, scores.data());
-          T tile_max = neg_inf<T>();
-          for (int c = c0; c < c1; ++c) {
-            scores[c] *= scale;
-            tile_max = std::max(tile_max, scores[c]);
-          }
-          const T new_max = std::max(row_max[r], tile_max);
-          // exp(-inf) = 0 on a row's first tile: the zero accumulator stays zero.
-          const T rescale = std::exp(row_max[r] - new_max);
           T* acc_row = acc.data() + static_cast<size_t>(r) * dim;
-          if (rescale != T(1)) {
-            for (int d = 0; d < dim; ++d) acc_row[d] *= rescale;
-          }
-          T sum = row_sum[r] * rescale;
-          for (int c = c0; c < c1; ++c) {
-            const T weight = std::exp(scores[c] - new_max);
-            sum += weight;
-            axpy(weight, v.row(b, g, n0 + c), acc_row, dim);
-          }
-          row_sum[r] = sum;
-          row_max[r] = new_max;
+          online_softmax_step(scores.data(), c0, c1, scale, row_max[r], row_sum[r], acc_row, dim,
+                              [&](int c, T weight) {
+                                axpy(weight, v.row(b, g, n0 + c), acc_row, dim);
+                              });
         }
       }
 
@@ -239,26 +229,13 @@ void flash_bwd_impl(const AttnParams& p) {
           if (c0 >= c1) continue;
           dot_tile(q.row(b, h, m0 + r), key_tile.data(), dim, c0, c1, scores.data());
           dot_tile(dout.row(b, h, m0 + r), value_tile.data(), dim, c0, c1, dprobs.data());
-          T tile_max = neg_inf<T>();
-          for (int c = c0; c < c1; ++c) {
-            scores[c] *= scale;
-            tile_max = std::max(tile_max, scores[c]);
-          }
-          const T new_max = std::max(row_max[r], tile_max);
-          const T rescale = std::exp(row_max[r] - new_max);
           T* acc_row = dq_acc.data() + static_cast<size_t>(r) * dim;
-          if (rescale != T(1)) {
-            for (int d = 0; d < dim; ++d) acc_row[d] *= rescale;
-          }
-          T sum = row_sum[r] * rescale;
-          for (int c = c0; c < c1; ++c) {
-            // Unnormalised weight; dq is divided by the row sum once the row is complete.
-            const T weight = std::exp(scores[c] - new_max);
-            sum += weight;
-            axpy(weight * (dprobs[c] - delta[r]), k.row(b, g, n0 + c), acc_row, dim);
-          }
-          row_sum[r] = sum;
-          row_max[r] = new_max;
+          // Unnormalised weights; dq is divided by the row sum once the row is complete.
+          online_softmax_step(scores.data(), c0, c1, scale, row_max[r], row_sum[r], acc_row, dim,
+                              [&](int c, T weight) {
+                                axpy(weight * (dprobs[c] - delta[r]), k.row(b, g, n0 + c),
+                                     acc_row, dim);
+                              });
         }
       }
 

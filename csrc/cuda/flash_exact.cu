@@ -113,28 +113,6 @@ __device__ __forceinline__ T* row_ptr(void* base, int64_t batch_stride, int64_t 
   return static_cast<T*>(base) + b * batch_stride + h * head_stride + i * row_stride;
 }
 
-// Query rows [first, last) of a batch element that may see key j: both ends of a row's key
-// range never decrease with the row, so rows ending after j form a suffix and rows starting at
-// or before j a prefix.
-struct RowSpan {
-  int first, last;
-};
-
-__device__ RowSpan rows_seeing_key(const AttnParams& p, SeqLens lens, int j) {
-  int lo = 0, hi = lens.q;
-  while (lo < hi) {
-    const int mid = lo + (hi - lo) / 2;
-    if (key_range(p, lens, mid).hi > j) hi = mid; else lo = mid + 1;
-  }
-  const int first = lo;
-  hi = lens.q;
-  while (lo < hi) {
-    const int mid = lo + (hi - lo) / 2;
-    if (key_range(p, lens, mid).lo > j) hi = mid; else lo = mid + 1;
-  }
-  return {first, lo};
-}
-
 // One warp per query row: online softmax over the row's key range.
 template <typename T, int kSlots>
 __global__ void __launch_bounds__(kWarpsPerBlock * kWarp)
@@ -295,7 +273,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kWarp)
                  lane, k_reg);
       load_slice(row_ptr<T>(p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride, b, g, j), dim,
                  lane, v_reg);
-      const RowSpan span = rows_seeing_key(p, lens, j);
+      const RowSpan span = rows_meeting_keys(p, lens, j, j + 1);
       for (int h = g * group; h < (g + 1) * group; ++h) {
         const T* q_head = row_ptr<T>(p.q, p.q_batch_stride, p.q_head_stride, 0, b, h, 0);
         const T* dout_head = row_ptr<T>(p.dout, p.do_batch_stride, p.do_head_stride, 0, b, h, 0);

@@ -61,22 +61,6 @@ struct BwdKVTraits {
       (2 * kBlockN + 4 * kBlockM) * D * sizeof(T) + 4 * kBlockM * sizeof(float);
 };
 
-// First query row in [0, len) for which pred(row) holds, for a predicate that is monotone
-// (false...false true...true) over the rows.
-template <typename Pred>
-__device__ __forceinline__ int first_row_where(int len, Pred pred) {
-  int lo = 0, hi = len;
-  while (lo < hi) {
-    const int mid = lo + (hi - lo) / 2;
-    if (pred(mid)) {
-      hi = mid;
-    } else {
-      lo = mid + 1;
-    }
-  }
-  return lo;
-}
-
 // dK/dV for key tile `block` (key tile index is the slowest-varying part of `block`).
 template <typename Traits, typename T, int D, int MI, int BM>
 __device__ __forceinline__ void bwd_dkdv_block(const AttnParams& p, int block) {
@@ -112,12 +96,7 @@ __device__ __forceinline__ void bwd_dkdv_block(const AttnParams& p, int block) {
   const int warp_row0 = warp * 16 * MI;
 
   const SeqLens lens = seq_lens(p, b);
-  // Query rows whose key range meets [n0, n0 + kBlockN): ranges only move right as rows grow.
-  const int n1 = n0 + kBlockN;
-  const int row_begin =
-      first_row_where(lens.q, [&](int r) { return key_range(p, lens, r).hi > n0; });
-  const int row_end =
-      first_row_where(lens.q, [&](int r) { return key_range(p, lens, r).lo >= n1; });
+  const RowSpan rows = rows_meeting_keys(p, lens, n0, n0 + kBlockN);
 
   const T* kptr = static_cast<const T*>(p.k) + b * p.k_batch_stride + h_kv * p.k_head_stride +
                   n0 * p.k_row_stride;
@@ -130,8 +109,8 @@ __device__ __forceinline__ void bwd_dkdv_block(const AttnParams& p, int block) {
   zero(dk);
   zero(dv);
 
-  const int m_begin = row_begin / BM;
-  const int m_end = row_end > row_begin ? (row_end + BM - 1) / BM : m_begin;
+  const int m_begin = rows.first / BM;
+  const int m_end = rows.last > rows.first ? (rows.last + BM - 1) / BM : m_begin;
   const int steps_per_head = m_end - m_begin;
   const int steps = steps_per_head * group;
 
