@@ -50,6 +50,20 @@ struct AttnParams {
   double scale;      // multiplies q.k (double so the fp64 exact path is not rounded to fp32)
   float scale_log2;  // scale * log2(e), for exp2-based online softmax
   bool deterministic;  // backward: no order-dependent floating-point accumulation
+
+  // ---- lazy attention (spec 3.2); unused by the flash family ----------------------------
+  // Causal (window_left = -1, window_right = 0). Query row r has position i = r + Lk - Lq.
+  // s_ij = scale q_i.k_j + (0 <= i-j < W ? bias[h, i-j] : 0); a_ij = max(0, p_ij + tau_h/(i+1)).
+  const float* tau;   // [Hq] float32
+  const float* bias;  // [Hq, bias_window] float32, contiguous
+  int bias_window;    // W >= 1
+  // Backward: p.delta holds Delta_i = g_i.o_i - tau_h/(i+1) G_i (= sum_j M_ij p_ij dA_ij).
+  float* row_g;  // [B, Hq, Lq] scratch: G_i = sum_j M_ij dA_ij
+  float* dtau;   // [Hq] float32 output, or null: skip the parameter gradients
+  float* dbias;  // [Hq, W] float32 output; null exactly when dtau is null
+  // Forward statistics, or null: int64 counters {zero weights, attended weights, skipped key
+  // tiles, visited key tiles} of the weight pass (a tile is skipped when all its a_ij are 0).
+  int64_t* stats;
 };
 
 }  // namespace adaattn

@@ -1,0 +1,25 @@
+// Device-independent halves of the lazy ops: validation and AttnParams construction, shared by
+// the CPU registration (ops.cpp) and the CUDA one (cuda/lazy_cuda_ops.cpp).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+
+#include "core/params.h"
+
+namespace adaattn {
+
+// Validates q, k, v, seqlens (as flash), plus Lq <= Lk, tau float32 [Hq], bias float32 [Hq, W]
+// with W >= 1, both contiguous and on q's device. Errors name the argument.
+void check_lazy_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                       const at::Tensor& tau, const at::Tensor& bias,
+                       const std::optional<at::Tensor>& seqlens);
+
+// Causal params with tau/bias set; outputs/scratch pointers are null (callers set them).
+AttnParams make_lazy_params(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const at::Tensor& tau, const at::Tensor& bias,
+                            const std::optional<at::Tensor>& seqlens,
+                            std::optional<double> softmax_scale);
+
+}  // namespace adaattn
