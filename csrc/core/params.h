@@ -61,6 +61,9 @@ struct AttnParams {
   float* row_g;  // [B, Hq, Lq] scratch: G_i = sum_j M_ij dA_ij
   float* dtau;   // [Hq] float32 output, or null: skip the parameter gradients
   float* dbias;  // [Hq, W] float32 output; null exactly when dtau is null
+  // Tensor-core backward scratch for a deterministic dbias: per-CTA partial sums, zeroed by the
+  // launcher (layout [B, Hq, key tiles, min(W, Lk)]).
+  float* dbias_partial;
   // Forward statistics, or null: int64 counters {zero weights, attended weights, skipped key
   // tiles, visited key tiles} of the weight pass (a tile is skipped when all its a_ij are 0).
   int64_t* stats;

@@ -5,32 +5,10 @@
 
 #include "../flash_api.h"
 #include "../flash_ops.h"
+#include "cuda_inputs.h"
 
 namespace adaattn {
 namespace {
-
-bool use_tensor_cores(at::ScalarType t) { return t == at::kHalf || t == at::kBFloat16; }
-
-// cp.async moves 16-byte chunks: base pointers and batch/head/row strides must be multiples of
-// 8 elements. Other layouts are copied once (rare: odd strides or a misaligned storage offset).
-at::Tensor tc_aligned(const at::Tensor& t) {
-  auto ok = [](const at::Tensor& x) {
-    return reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 && x.stride(0) % 8 == 0 &&
-           x.stride(1) % 8 == 0 && x.stride(2) % 8 == 0;
-  };
-  if (ok(t)) return t;
-  at::Tensor c = t.contiguous();
-  return ok(c) ? c : c.clone();
-}
-
-void check_cuda_head_dim(const at::Tensor& q) {
-  if (use_tensor_cores(q.scalar_type())) {
-    TORCH_CHECK(tc_supports_head_dim(static_cast<int>(q.size(3))),
-                "adaattn: head dim D = ", q.size(3), " is not supported for ", q.scalar_type(),
-                " on CUDA; supported: D in ", tc_head_dims(),
-                " (float32/float64 accept any D <= 256)");
-  }
-}
 
 std::tuple<at::Tensor, at::Tensor> flash_fwd_cuda_op(const at::Tensor& q_in,
                                                      const at::Tensor& k_in,

@@ -7,6 +7,12 @@
 //   3. dQ kernel:     one CTA per (query tile, batch, head), like the forward.
 // The dQ kernel recomputes S and dP (two extra products) instead of accumulating dQ with
 // atomics across key tiles: that keeps results bit-reproducible and needs no fp32 dQ buffer.
+//
+// The elastic softmax of lazy attention (variant.h) replaces step 1 by a row pass over the keys
+// (the dQ kernel's loop without its last product) that accumulates G_i = sum_j M_ij dA_ij and
+// Delta_i = sum_j M_ij p_ij dA_ij; steps 2 and 3 then use dS = P (M dA - Delta) and weights A
+// instead of P for dV, skip dA and P^T dO wherever a warp tile's weights are all zero, and the
+// dK/dV CTAs add their dS diagonals into per-CTA dbias partials (reduced in a fixed order later).
 #pragma once
 
 #include <cmath>
@@ -15,6 +21,7 @@
 #include "../../core/params.h"
 #include "flash_fwd_kernel.h"
 #include "mma.h"
+#include "variant.h"
 
 namespace adaattn {
 namespace tc {
@@ -50,20 +57,28 @@ __device__ __forceinline__ float lse_log2(const float* lse, int row, int len) {
   return l == -INFINITY ? INFINITY : l * float(M_LOG2E);
 }
 
-template <typename T, int D, int NWARPS, int MI_K, int BM>
+template <typename T, int D, int NWARPS, int MI_K, int BM, typename Variant>
 struct BwdKVTraits {
   static constexpr int kThreads = NWARPS * 32;
   static constexpr int kBlockN = NWARPS * 16 * MI_K;  // keys per CTA
   static constexpr int kBlockM = BM;                  // queries per step
   static constexpr int kMI = MI_K;
-  // K, V, and double-buffered Q, dO tiles, then lse2/delta of both buffers.
-  static constexpr int kSmemBytes =
-      (2 * kBlockN + 4 * kBlockM) * D * sizeof(T) + 4 * kBlockM * sizeof(float);
+  // K, V, and double-buffered Q, dO tiles, then lse2/delta (elastic: and shift) of both
+  // buffers; elastic: an fp32 [kStageKeys][BM] dS^T staging tile for the dbias diagonals,
+  // filled in rounds of kStageKeys keys. Rounds of at most 2048 floats keep the D=128 kernel
+  // at two CTAs per SM.
+  static constexpr int kRowVectors = Variant::kElastic ? 3 : 2;
+  static constexpr int kStageKeys = kBlockN * kBlockM > 2048 ? 2048 / kBlockM : kBlockN;
+  static_assert(kStageKeys % (16 * MI_K) == 0, "a staging round holds whole warps' key rows");
+  static constexpr int kStageFloats = Variant::kElastic ? kStageKeys * kBlockM : 0;
+  static constexpr int kSmemBytes = (2 * kBlockN + 4 * kBlockM) * D * sizeof(T) +
+                                    (2 * kRowVectors * kBlockM + kStageFloats) * sizeof(float);
 };
 
 // dK/dV for key tile `block` (key tile index is the slowest-varying part of `block`).
-template <typename Traits, typename T, int D, int MI, int BM>
+template <typename Traits, typename T, int D, int MI, int BM, typename Variant>
 __device__ __forceinline__ void bwd_dkdv_block(const AttnParams& p, int block) {
+  constexpr bool kElastic = Variant::kElastic;
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kThreads = Traits::kThreads;
   constexpr int NT = BM / 8;  // query n-tiles of S^T per warp
@@ -71,15 +86,18 @@ __device__ __forceinline__ void bwd_dkdv_block(const AttnParams& p, int block) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* sK = reinterpret_cast<T*>(smem_raw);
   T* sV = sK + kBlockN * D;
-  // Buffer `buf` of the double-buffered Q/dO tiles and their lse2/delta vectors.
+  // Buffer `buf` of the double-buffered Q/dO tiles and their row vectors.
   T* const sQ0 = sV + kBlockN * D;
   T* const sdO0 = sQ0 + 2 * BM * D;
   float* const sLse0 = reinterpret_cast<float*>(sdO0 + 2 * BM * D);
   float* const sDelta0 = sLse0 + 2 * BM;
+  float* const sShift0 = sDelta0 + 2 * BM;                     // elastic only
+  float* const sStage = sLse0 + 2 * Traits::kRowVectors * BM;  // elastic only
   auto sQ = [&](int buf) { return sQ0 + buf * BM * D; };
   auto sdO = [&](int buf) { return sdO0 + buf * BM * D; };
   auto sLse = [&](int buf) { return sLse0 + buf * BM; };
   auto sDelta = [&](int buf) { return sDelta0 + buf * BM; };
+  auto sShift = [&](int buf) { return sShift0 + buf * BM; };
 
   const int tid = threadIdx.x;
   const int warp = tid / 32;
@@ -113,6 +131,9 @@ __device__ __forceinline__ void bwd_dkdv_block(const AttnParams& p, int block) {
   const int m_end = rows.last > rows.first ? (rows.last + BM - 1) / BM : m_begin;
   const int steps_per_head = m_end - m_begin;
   const int steps = steps_per_head * group;
+  const bool param_grads = kElastic && p.dbias != nullptr;
+  const int bias_span = p.bias_window < p.len_k ? p.bias_window : p.len_k;  // distances < Lk
+  const int key_tiles = (p.len_k + kBlockN - 1) / kBlockN;
 
   // Step s covers query head group*h_kv + s / steps_per_head, query tile m_begin + s % steps.
   auto issue_step = [&](int s, int buf) {
@@ -126,8 +147,10 @@ __device__ __forceinline__ void bwd_dkdv_block(const AttnParams& p, int block) {
     load_tile_async<BM, D, kThreads>(sdO(buf), d, p.do_row_stride, p.len_q - m0, tid);
     const int64_t lse_off = (static_cast<int64_t>(b) * p.heads_q + h) * p.len_q;
     for (int i = tid; i < BM; i += kThreads) {
+      const bool valid = m0 + i < p.len_q;
       sLse(buf)[i] = lse_log2(p.lse + lse_off, m0 + i, p.len_q);
-      sDelta(buf)[i] = m0 + i < p.len_q ? p.delta[lse_off + m0 + i] : 0.f;
+      sDelta(buf)[i] = valid ? p.delta[lse_off + m0 + i] : 0.f;
+      if (kElastic) sShift(buf)[i] = valid ? lazy_shift<float>(p, h, lazy_position(p, m0 + i)) : 0.f;
     }
   };
 
@@ -140,6 +163,7 @@ __device__ __forceinline__ void bwd_dkdv_block(const AttnParams& p, int block) {
 
   for (int s = 0; s < steps; ++s) {
     const int buf = s & 1;
+    const int h = h_kv * group + s / steps_per_head;
     const int m0 = (m_begin + s % steps_per_head) * BM;
     cp_async_wait_all();
     __syncthreads();
@@ -148,11 +172,29 @@ __device__ __forceinline__ void bwd_dkdv_block(const AttnParams& p, int block) {
       cp_async_commit();
     }
 
-    // S^T[key, query] in log2 units, then P^T.
+    // S^T[key, query] in log2 units, then P^T (and the weights A^T when elastic).
     float st[MI][NT][4];
     zero(st);
     warp_gemm_nt<MI, NT, D>(st, sK, warp_row0, sQ(buf), 0, lane);
+    if (kElastic && tile_meets_bias(p, m0, n0 + warp_row0 + 16 * MI - 1)) {
+#pragma unroll
+      for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+        for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) st[mi][ni][e] *= p.scale_log2;
+      add_bias_keys(st, p, h, n0 + warp_row0, m0, lane);
+    } else {
+#pragma unroll
+      for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+        for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) st[mi][ni][e] *= p.scale_log2;
+    }
     const bool full = tile_is_full(p, lens, m0, m0 + BM, n0 + warp_row0, n0 + warp_row0 + 16 * MI);
+    float at[MI][NT][4];  // elastic weights A^T
+    bool any_weight = true;
 #pragma unroll
     for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
@@ -160,24 +202,40 @@ __device__ __forceinline__ void bwd_dkdv_block(const AttnParams& p, int block) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int qcol = ni * 8 + 2 * t + (e & 1);
-          float pe = exp2f(st[mi][ni][e] * p.scale_log2 - sLse(buf)[qcol]);
+          float pe = exp2f(st[mi][ni][e] - sLse(buf)[qcol]);
+          bool attended = true;
           if (!full) {
             const int key = n0 + warp_row0 + mi * 16 + g + 8 * (e >> 1);
             const KeyRange r = key_range(p, lens, m0 + qcol);
-            if (key < r.lo || key >= r.hi) pe = 0.f;
+            attended = key >= r.lo && key < r.hi;
+            if (!attended) pe = 0.f;
           }
           st[mi][ni][e] = pe;
+          if (kElastic) at[mi][ni][e] = attended ? fmaxf(0.f, pe + sShift(buf)[qcol]) : 0.f;
         }
+    if (kElastic) {
+      bool any = false;
+#pragma unroll
+      for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+        for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) any |= at[mi][ni][e] > 0.f;
+      any_weight = __any_sync(0xffffffff, any);
+    }
 
-    // dP^T = V dO^T; dS^T = P^T * (dP^T - Delta).
+    // dA^T = dP^T = V dO^T (elastic: only where some weight is live).
     float dpt[MI][NT][4];
     zero(dpt);
-    warp_gemm_nt<MI, NT, D>(dpt, sV, warp_row0, sdO(buf), 0, lane);
+    if (any_weight) warp_gemm_nt<MI, NT, D>(dpt, sV, warp_row0, sdO(buf), 0, lane);
 
-    uint32_t pa[MI][NT / 2][4];
-    to_a_frags<MI, NT, T>(st, pa);
-    warp_gemm_rs<MI, DT, NT / 2, D>(dv, pa, sdO(buf), 0, lane);
+    if (any_weight) {
+      uint32_t pa[MI][NT / 2][4];
+      to_a_frags<MI, NT, T>(kElastic ? at : st, pa);
+      warp_gemm_rs<MI, DT, NT / 2, D>(dv, pa, sdO(buf), 0, lane);
+    }
 
+    // dS^T = P^T * (M dA^T - Delta)   (softmax: M = 1).
 #pragma unroll
     for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
@@ -185,8 +243,44 @@ __device__ __forceinline__ void bwd_dkdv_block(const AttnParams& p, int block) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int qcol = ni * 8 + 2 * t + (e & 1);
-          dpt[mi][ni][e] = st[mi][ni][e] * (dpt[mi][ni][e] - sDelta(buf)[qcol]);
+          const float da = !kElastic || at[mi][ni][e] > 0.f ? dpt[mi][ni][e] : 0.f;
+          dpt[mi][ni][e] = st[mi][ni][e] * (da - sDelta(buf)[qcol]);
         }
+
+    if (param_grads && tile_meets_bias(p, m0, n0 + kBlockN - 1)) {
+      // dbias: stage dS^T, then thread i sums diagonals i, i + kThreads, ... (distance
+      // d = pos(query) - key) in a fixed order into this CTA's partial for head h.
+      constexpr int kStageKeys = Traits::kStageKeys;
+      float* partial = p.dbias_partial +
+                       ((static_cast<int64_t>(b) * p.heads_q + h) * key_tiles + n_block) * bias_span;
+      const int base = lazy_position(p, m0) - n0;
+      for (int r0 = 0; r0 < kBlockN; r0 += kStageKeys) {
+        if (warp_row0 >= r0 && warp_row0 < r0 + kStageKeys) {
+#pragma unroll
+          for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+            for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+              for (int e = 0; e < 4; ++e) {
+                const int key = warp_row0 - r0 + mi * 16 + g + 8 * (e >> 1);
+                sStage[key * BM + ni * 8 + 2 * t + (e & 1)] = dpt[mi][ni][e];
+              }
+        }
+        __syncthreads();
+        // o = query - key; keys [r0, r0 + kStageKeys) meet queries [0, BM).
+        for (int o = tid - (r0 + kStageKeys - 1); o < BM - r0; o += kThreads) {
+          const int d = base + o;
+          if (d < 0 || d >= bias_span) continue;
+          const int k_lo = -o > r0 ? -o : r0;
+          const int k_hi = BM - o < r0 + kStageKeys ? BM - o : r0 + kStageKeys;
+          float sum = 0.f;
+          for (int kr = k_lo; kr < k_hi; ++kr) sum += sStage[(kr - r0) * BM + kr + o];
+          partial[d] += sum;
+        }
+        __syncthreads();
+      }
+    }
+
     uint32_t dsa[MI][NT / 2][4];
     to_a_frags<MI, NT, T>(dpt, dsa);
     warp_gemm_rs<MI, DT, NT / 2, D>(dk, dsa, sQ(buf), 0, lane);
@@ -221,9 +315,12 @@ struct BwdQTraits {
   static constexpr int kSmemBytes = (2 * kBlockM + 4 * kBlockN) * D * sizeof(T);
 };
 
-// dQ for query tile `block` (heavy, late query tiles first).
-template <typename Traits, typename T, int D, int MI, int BN>
+// dQ for query tile `block` (heavy, late query tiles first). Elastic with kRowPass: the same
+// loop accumulates G and Delta per row (written to p.row_g / p.delta) instead of dQ.
+template <typename Traits, typename T, int D, int MI, int BN, typename Variant, bool kRowPass>
 __device__ __forceinline__ void bwd_dq_block(const AttnParams& p, int block) {
+  constexpr bool kElastic = Variant::kElastic;
+  static_assert(kElastic || !kRowPass, "only the elastic softmax needs a row pass");
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kThreads = Traits::kThreads;
   constexpr int NT = BN / 8;
@@ -263,6 +360,9 @@ __device__ __forceinline__ void bwd_dq_block(const AttnParams& p, int block) {
   RowRanges<MI> rr;
   float lse2[MI][2];
   float delta[MI][2];
+  float shift[MI][2];    // elastic
+  float row_g[MI][2];    // row pass: partial G of this thread's columns
+  float row_dl[MI][2];   // row pass: partial Delta
 #pragma unroll
   for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
@@ -272,7 +372,10 @@ __device__ __forceinline__ void bwd_dq_block(const AttnParams& p, int block) {
       rr.lo[mi][hh] = r.lo;
       rr.hi[mi][hh] = r.hi;
       lse2[mi][hh] = lse_log2(p.lse + lse_off, row, p.len_q);
-      delta[mi][hh] = row < p.len_q ? p.delta[lse_off + row] : 0.f;
+      delta[mi][hh] = !kRowPass && row < p.len_q ? p.delta[lse_off + row] : 0.f;
+      if (kElastic) shift[mi][hh] = lazy_shift<float>(p, h, lazy_position(p, row));
+      row_g[mi][hh] = 0.f;
+      row_dl[mi][hh] = 0.f;
     }
 
   float dq[MI][DT][4];
@@ -313,53 +416,154 @@ __device__ __forceinline__ void bwd_dq_block(const AttnParams& p, int block) {
         for (int ni = 0; ni < NT; ++ni)
 #pragma unroll
           for (int e = 0; e < 4; ++e) s[mi][ni][e] = s[mi][ni][e] * p.scale_log2;
+      if (kElastic && tile_meets_bias(p, m0 + warp_row0, n0 + BN - 1)) {
+        add_bias_rows(s, p, h, m0 + warp_row0, n0, lane);
+      }
       if (!full) mask_scores(s, rr, n0, lane);
+      // P, and the elastic live mask M (as the weight a > 0) kept in `live`.
+      uint32_t live[MI] = {};
+      bool any_live = true;
 #pragma unroll
       for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
         for (int ni = 0; ni < NT; ++ni)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) s[mi][ni][e] = exp2f(s[mi][ni][e] - lse2[mi][e >> 1]);
+          for (int e = 0; e < 4; ++e) {
+            const bool attended = s[mi][ni][e] != -INFINITY;
+            const float pe = exp2f(s[mi][ni][e] - lse2[mi][e >> 1]);
+            s[mi][ni][e] = pe;
+            if (kElastic && attended && pe + shift[mi][e >> 1] > 0.f) {
+              live[mi] |= 1u << (ni * 4 + e);
+            }
+          }
+      if (kElastic) {
+        uint32_t mine = 0;
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi) mine |= live[mi];
+        any_live = __any_sync(0xffffffff, mine != 0);
+      }
 
       float dp[MI][NT][4];
       zero(dp);
-      warp_gemm_nt<MI, NT, D>(dp, sdO, warp_row0, sV(buf), 0, lane);
+      if (any_live) warp_gemm_nt<MI, NT, D>(dp, sdO, warp_row0, sV(buf), 0, lane);
+      if constexpr (kRowPass) {
 #pragma unroll
-      for (int mi = 0; mi < MI; ++mi)
+        for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
-        for (int ni = 0; ni < NT; ++ni)
+          for (int ni = 0; ni < NT; ++ni)
 #pragma unroll
-          for (int e = 0; e < 4; ++e)
-            dp[mi][ni][e] = s[mi][ni][e] * (dp[mi][ni][e] - delta[mi][e >> 1]);
-      uint32_t dsa[MI][NT / 2][4];
-      to_a_frags<MI, NT, T>(dp, dsa);
-      warp_gemm_rs<MI, DT, NT / 2, D>(dq, dsa, sK(buf), 0, lane);
+            for (int e = 0; e < 4; ++e) {
+              if (live[mi] & (1u << (ni * 4 + e))) {
+                row_g[mi][e >> 1] += dp[mi][ni][e];
+                row_dl[mi][e >> 1] += s[mi][ni][e] * dp[mi][ni][e];
+              }
+            }
+      } else {
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+          for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const float da =
+                  !kElastic || (live[mi] & (1u << (ni * 4 + e))) ? dp[mi][ni][e] : 0.f;
+              dp[mi][ni][e] = s[mi][ni][e] * (da - delta[mi][e >> 1]);
+            }
+        uint32_t dsa[MI][NT / 2][4];
+        to_a_frags<MI, NT, T>(dp, dsa);
+        warp_gemm_rs<MI, DT, NT / 2, D>(dq, dsa, sK(buf), 0, lane);
+      }
     }
   }
 
-  __syncthreads();
-  float qscale[MI][2];
+  if constexpr (kRowPass) {
 #pragma unroll
-  for (int mi = 0; mi < MI; ++mi)
+    for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
-    for (int hh = 0; hh < 2; ++hh) qscale[mi][hh] = static_cast<float>(p.scale);
-  T* dqptr = static_cast<T*>(p.dq) + b * p.dq_batch_stride + h * p.dq_head_stride +
-             m0 * p.dq_row_stride;
-  store_rows<MI, DT, D>(dq, qscale, sQ, warp_row0, dqptr, p.dq_row_stride, valid_q, lane);
+      for (int hh = 0; hh < 2; ++hh) {
+        float gs = row_g[mi][hh], ds = row_dl[mi][hh];
+        gs += __shfl_xor_sync(0xffffffff, gs, 1);
+        gs += __shfl_xor_sync(0xffffffff, gs, 2);
+        ds += __shfl_xor_sync(0xffffffff, ds, 1);
+        ds += __shfl_xor_sync(0xffffffff, ds, 2);
+        const int row = m0 + warp_row0 + mi * 16 + g + 8 * hh;
+        if ((lane & 3) == 0 && row < p.len_q) {
+          p.row_g[lse_off + row] = gs;
+          p.delta[lse_off + row] = ds;
+        }
+      }
+  } else {
+    __syncthreads();
+    float qscale[MI][2];
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) qscale[mi][hh] = static_cast<float>(p.scale);
+    T* dqptr = static_cast<T*>(p.dq) + b * p.dq_batch_stride + h * p.dq_head_stride +
+               m0 * p.dq_row_stride;
+    store_rows<MI, DT, D>(dq, qscale, sQ, warp_row0, dqptr, p.dq_row_stride, valid_q, lane);
+  }
 }
 
 // The dK/dV and dQ passes are independent (both only read delta), so one launch runs both:
 // the first kv_blocks CTAs do dK/dV, the rest dQ. Sharing the grid lets each pass fill the
 // other's last partial wave.
-template <typename KVTraits, typename QTraits, typename T, int D>
+template <typename KVTraits, typename QTraits, typename T, int D, typename Variant>
 __global__ void __launch_bounds__(KVTraits::kThreads)
     flash_bwd_kernel(const AttnParams p, int kv_blocks) {
   static_assert(KVTraits::kThreads == QTraits::kThreads, "both passes share the block shape");
   if (static_cast<int>(blockIdx.x) < kv_blocks) {
-    bwd_dkdv_block<KVTraits, T, D, KVTraits::kMI, KVTraits::kBlockM>(p, blockIdx.x);
+    bwd_dkdv_block<KVTraits, T, D, KVTraits::kMI, KVTraits::kBlockM, Variant>(p, blockIdx.x);
   } else {
-    bwd_dq_block<QTraits, T, D, QTraits::kMI, QTraits::kBlockN>(p, blockIdx.x - kv_blocks);
+    bwd_dq_block<QTraits, T, D, QTraits::kMI, QTraits::kBlockN, Variant, false>(
+        p, blockIdx.x - kv_blocks);
   }
+}
+
+// Elastic softmax, backward step 1: G and Delta of every query row.
+template <typename QTraits, typename T, int D>
+__global__ void __launch_bounds__(QTraits::kThreads) lazy_bwd_rows_kernel(const AttnParams p) {
+  bwd_dq_block<QTraits, T, D, QTraits::kMI, QTraits::kBlockN, LazyVariant, true>(p, blockIdx.x);
+}
+
+// dtau[h] = sum over (b, rows) of G_i / (i + 1): one CTA per head, fixed-order tree reduction.
+template <int kThreads>
+__global__ void __launch_bounds__(kThreads) lazy_dtau_kernel(const AttnParams p) {
+  __shared__ float partial[kThreads];
+  const int h = blockIdx.x;
+  float acc = 0.f;
+  for (int b = 0; b < p.batch; ++b) {
+    const float* g = p.row_g + (static_cast<int64_t>(b) * p.heads_q + h) * p.len_q;
+    for (int r = threadIdx.x; r < p.len_q; r += kThreads) {
+      acc += g[r] / static_cast<float>(lazy_position(p, r) + 1);
+    }
+  }
+  partial[threadIdx.x] = acc;
+  __syncthreads();
+  for (int width = kThreads / 2; width > 0; width >>= 1) {
+    if (static_cast<int>(threadIdx.x) < width) partial[threadIdx.x] += partial[threadIdx.x + width];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) p.dtau[h] = partial[0];
+}
+
+// dbias[h, d] = sum over (b, key tiles) of the dK/dV CTAs' partials, in a fixed order;
+// distances >= min(W, Lk) never occur and get 0.
+__global__ void lazy_dbias_kernel(const AttnParams p, int key_tiles) {
+  const int bias_span = p.bias_window < p.len_k ? p.bias_window : p.len_k;
+  const int64_t item = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (item >= static_cast<int64_t>(p.heads_q) * p.bias_window) return;
+  const int h = static_cast<int>(item / p.bias_window);
+  const int d = static_cast<int>(item % p.bias_window);
+  float acc = 0.f;
+  if (d < bias_span) {
+    for (int b = 0; b < p.batch; ++b) {
+      const float* part =
+          p.dbias_partial + (static_cast<int64_t>(b) * p.heads_q + h) * key_tiles * bias_span + d;
+      for (int n = 0; n < key_tiles; ++n) acc += part[static_cast<int64_t>(n) * bias_span];
+    }
+  }
+  p.dbias[item] = acc;
 }
 
 }  // namespace tc

@@ -1,8 +1,11 @@
 // Tensor-core forward of the flash family (FlashAttention-2 style): one CTA per (query tile,
-// batch, head); each warp owns 16*MI query rows, keeps O and the online-softmax state in
-// registers, and streams K/V tiles through shared memory with cp.async (the V load overlaps
-// Q K^T, the next K load overlaps P V). The mask is a policy (mask.h): key tiles outside the
-// tile's key range are never visited and only boundary tiles are masked element-wise.
+// batch, head); each warp owns 16*MI query rows, keeps O and the softmax state in registers,
+// and streams K/V tiles through shared memory with cp.async (the V load overlaps Q K^T, the
+// next K load overlaps P V). The mask is a policy (mask.h): key tiles outside the tile's key
+// range are never visited and only boundary tiles are masked element-wise. The variant
+// (variant.h) picks the score modifier and the probability transform: softmax runs one online
+// pass; the elastic softmax of lazy attention runs an lse pass over K, then a weight pass that
+// skips the P V product of every warp tile whose weights are all zero.
 #pragma once
 
 #include <cmath>
@@ -10,6 +13,7 @@
 #include "../../core/mask.h"
 #include "../../core/params.h"
 #include "mma.h"
+#include "variant.h"
 
 namespace adaattn {
 namespace tc {
@@ -48,9 +52,104 @@ __device__ __forceinline__ void mask_scores(float (&s)[MI][NT][4], const RowRang
       }
 }
 
-template <typename Traits, typename T, int D, int MI, int BN>
+// Online max/sum update of one score tile (log2 units) for the rows this thread holds; returns
+// the factor by which earlier partial results of each row must be rescaled.
+template <int MI, int NT>
+__device__ __forceinline__ void online_softmax(float (&s)[MI][NT][4], float (&row_max)[MI][2],
+                                               float (&row_sum)[MI][2], float (&corr)[MI][2]) {
+#pragma unroll
+  for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      float mx = row_max[mi][hh];
+#pragma unroll
+      for (int ni = 0; ni < NT; ++ni)
+        mx = fmaxf(mx, fmaxf(s[mi][ni][2 * hh], s[mi][ni][2 * hh + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+      const float base = mx == -INFINITY ? 0.f : mx;
+      corr[mi][hh] = exp2f(row_max[mi][hh] - base);
+      row_max[mi][hh] = mx;
+      float sum = 0.f;
+#pragma unroll
+      for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float pe = exp2f(s[mi][ni][2 * hh + e] - base);
+          s[mi][ni][2 * hh + e] = pe;
+          sum += pe;
+        }
+      row_sum[mi][hh] = row_sum[mi][hh] * corr[mi][hh] + sum;
+    }
+}
+
+// Weight-pass counters of one thread (lazy statistics, see AttnParams::stats).
+struct WeightStats {
+  int zeros = 0;
+  int attended = 0;
+  int skipped = 0;
+  int visited = 0;
+};
+
+// Elastic softmax transform in place: a = max(0, exp2(s - lse2) + shift) on attended scores,
+// 0 on masked ones (s = -inf). Returns whether any weight of the warp's tile is non-zero.
+template <int MI, int NT, bool kCount>
+__device__ __forceinline__ bool elastic_weights(float (&s)[MI][NT][4], const float (&lse2)[MI][2],
+                                                const float (&shift)[MI][2], WeightStats& st,
+                                                int lane) {
+  bool any = false;
+  int zeros = 0, attended = 0;
+#pragma unroll
+  for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+    for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float sv = s[mi][ni][e];
+        float a = 0.f;
+        if (sv != -INFINITY) {
+          a = fmaxf(0.f, exp2f(sv - lse2[mi][e >> 1]) + shift[mi][e >> 1]);
+          if (kCount) {
+            ++attended;
+            zeros += a == 0.f;
+          }
+        }
+        s[mi][ni][e] = a;
+        any |= a > 0.f;
+      }
+  any = __any_sync(0xffffffff, any);
+  if (kCount) {
+    st.zeros += zeros;
+    st.attended += attended;
+    const bool visited = __any_sync(0xffffffff, attended > 0);
+    if (lane == 0 && visited) {
+      ++st.visited;
+      st.skipped += !any;
+    }
+  }
+  return any;
+}
+
+__device__ __forceinline__ void flush_stats(int64_t* stats, const WeightStats& st) {
+  int zeros = st.zeros, attended = st.attended;
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    zeros += __shfl_xor_sync(0xffffffff, zeros, off);
+    attended += __shfl_xor_sync(0xffffffff, attended, off);
+  }
+  if ((threadIdx.x & 31) == 0) {
+    auto* c = reinterpret_cast<unsigned long long*>(stats);
+    atomicAdd(c + 0, static_cast<unsigned long long>(zeros));
+    atomicAdd(c + 1, static_cast<unsigned long long>(attended));
+    atomicAdd(c + 2, static_cast<unsigned long long>(st.skipped));
+    atomicAdd(c + 3, static_cast<unsigned long long>(st.visited));
+  }
+}
+
+template <typename Traits, typename T, int D, int MI, int BN, typename Variant>
 __global__ void __launch_bounds__(Traits::kThreads)
     flash_fwd_kernel(const AttnParams p) {
+  constexpr bool kElastic = Variant::kElastic;
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kThreads = Traits::kThreads;
   constexpr int NT = BN / 8;  // score n-tiles per warp
@@ -87,27 +186,51 @@ __global__ void __launch_bounds__(Traits::kThreads)
   const int warp_row0 = warp * 16 * MI;
   const int g = lane >> 2;
   RowRanges<MI> rr;
+  float shift[MI][2];  // elastic: tau_h / (i + 1) of each row
 #pragma unroll
   for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
-      const KeyRange r = key_range(p, lens, m0 + warp_row0 + mi * 16 + g + 8 * hh);
+      const int row = m0 + warp_row0 + mi * 16 + g + 8 * hh;
+      const KeyRange r = key_range(p, lens, row);
       rr.lo[mi][hh] = r.lo;
       rr.hi[mi][hh] = r.hi;
+      if (kElastic) shift[mi][hh] = lazy_shift<float>(p, h, lazy_position(p, row));
     }
 
   float o[MI][DT][4];
   zero(o);
   float row_max[MI][2];
   float row_sum[MI][2];
+  float lse2[MI][2];  // elastic: log2-domain lse from the first pass (+inf: row sees nothing)
 #pragma unroll
   for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       row_max[mi][hh] = -INFINITY;
       row_sum[mi][hh] = 0.f;
+      lse2[mi][hh] = INFINITY;
     }
 
+  // Scores of key tile n0 against sK in log2 units: scaled, modified, masked.
+  auto scores = [&](float (&s)[MI][NT][4], const T* sk, int n0) {
+    zero(s);
+    warp_gemm_nt<MI, NT, D>(s, sQ, warp_row0, sk, 0, lane);
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+      for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[mi][ni][e] *= p.scale_log2;
+    if (kElastic && tile_meets_bias(p, m0 + warp_row0, n0 + BN - 1)) {
+      add_bias_rows(s, p, h, m0 + warp_row0, n0, lane);
+    }
+    if (!tile_is_full(p, lens, m0 + warp_row0, m0 + warp_row0 + 16 * MI, n0, n0 + BN)) {
+      mask_scores(s, rr, n0, lane);
+    }
+  };
+
+  WeightStats stats;
   const int valid_q = p.len_q - m0;
   if (tile_keys.hi > tile_keys.lo) {
     const int n_begin = tile_keys.lo / BN;
@@ -116,6 +239,40 @@ __global__ void __launch_bounds__(Traits::kThreads)
     load_tile_async<BN, D, kThreads>(sK, k + static_cast<int64_t>(n_begin) * BN * p.k_row_stride,
                                      p.k_row_stride, p.len_k - n_begin * BN, tid);
     cp_async_commit();
+
+    if constexpr (kElastic) {
+      // Pass 1: row max and sum only; sK and sV double-buffer K.
+      for (int n_block = n_begin; n_block < n_end; ++n_block) {
+        const int n0 = n_block * BN;
+        T* const cur = (n_block - n_begin) % 2 == 0 ? sK : sV;
+        cp_async_wait_all();
+        __syncthreads();
+        if (n_block + 1 < n_end) {
+          load_tile_async<BN, D, kThreads>(cur == sK ? sV : sK,
+                                           k + static_cast<int64_t>(n0 + BN) * p.k_row_stride,
+                                           p.k_row_stride, p.len_k - n0 - BN, tid);
+          cp_async_commit();
+        }
+        float s[MI][NT][4];
+        scores(s, cur, n0);
+        float corr[MI][2];
+        online_softmax(s, row_max, row_sum, corr);
+      }
+#pragma unroll
+      for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          float l = row_sum[mi][hh];
+          l += __shfl_xor_sync(0xffffffff, l, 1);
+          l += __shfl_xor_sync(0xffffffff, l, 2);
+          row_sum[mi][hh] = l;
+          if (l > 0.f) lse2[mi][hh] = row_max[mi][hh] + log2f(l);
+        }
+      __syncthreads();  // every warp is done with sK/sV before pass 2 refills them
+      load_tile_async<BN, D, kThreads>(sK, k + static_cast<int64_t>(n_begin) * BN * p.k_row_stride,
+                                       p.k_row_stride, p.len_k - n_begin * BN, tid);
+      cp_async_commit();
+    }
 
     for (int n_block = n_begin; n_block < n_end; ++n_block) {
       const int n0 = n_block * BN;
@@ -126,48 +283,21 @@ __global__ void __launch_bounds__(Traits::kThreads)
       cp_async_commit();
 
       float s[MI][NT][4];
-      zero(s);
-      warp_gemm_nt<MI, NT, D>(s, sQ, warp_row0, sK, 0, lane);
+      scores(s, sK, n0);
+      bool any = true;
+      if constexpr (kElastic) {
+        any = p.stats != nullptr ? elastic_weights<MI, NT, true>(s, lse2, shift, stats, lane)
+                                 : elastic_weights<MI, NT, false>(s, lse2, shift, stats, lane);
+      } else {
+        float corr[MI][2];
+        online_softmax(s, row_max, row_sum, corr);
 #pragma unroll
-      for (int mi = 0; mi < MI; ++mi)
+        for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
-        for (int ni = 0; ni < NT; ++ni)
+          for (int di = 0; di < DT; ++di)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) s[mi][ni][e] *= p.scale_log2;
-      if (!tile_is_full(p, lens, m0 + warp_row0, m0 + warp_row0 + 16 * MI, n0, n0 + BN)) {
-        mask_scores(s, rr, n0, lane);
+            for (int e = 0; e < 4; ++e) o[mi][di][e] *= corr[mi][e >> 1];
       }
-
-      // Online softmax in base 2; quad lanes (same g) share a row.
-#pragma unroll
-      for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          float mx = row_max[mi][hh];
-#pragma unroll
-          for (int ni = 0; ni < NT; ++ni)
-            mx = fmaxf(mx, fmaxf(s[mi][ni][2 * hh], s[mi][ni][2 * hh + 1]));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
-          const float base = mx == -INFINITY ? 0.f : mx;
-          const float corr = exp2f(row_max[mi][hh] - base);
-          row_max[mi][hh] = mx;
-          float sum = 0.f;
-#pragma unroll
-          for (int ni = 0; ni < NT; ++ni)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              const float pe = exp2f(s[mi][ni][2 * hh + e] - base);
-              s[mi][ni][2 * hh + e] = pe;
-              sum += pe;
-            }
-          row_sum[mi][hh] = row_sum[mi][hh] * corr + sum;
-#pragma unroll
-          for (int di = 0; di < DT; ++di) {
-            o[mi][di][2 * hh] *= corr;
-            o[mi][di][2 * hh + 1] *= corr;
-          }
-        }
 
       uint32_t pa[MI][NT / 2][4];
       to_a_frags<MI, NT, T>(s, pa);
@@ -179,25 +309,29 @@ __global__ void __launch_bounds__(Traits::kThreads)
                                          p.k_row_stride, p.len_k - n0 - BN, tid);
         cp_async_commit();
       }
-      warp_gemm_rs<MI, DT, NT / 2, D>(o, pa, sV, 0, lane);
+      if (any) warp_gemm_rs<MI, DT, NT / 2, D>(o, pa, sV, 0, lane);
     }
   }
 
-  // Finalise: out = O / l, lse = ln(sum) + max (natural log); rows that saw nothing: 0, -inf.
+  // Finalise: softmax divides by the row sum; elastic weights are not renormalised. lse is the
+  // natural-log log-sum-exp of the scores; rows that saw nothing: out 0, lse -inf.
   float inv[MI][2];
 #pragma unroll
   for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       float l = row_sum[mi][hh];
-      l += __shfl_xor_sync(0xffffffff, l, 1);
-      l += __shfl_xor_sync(0xffffffff, l, 2);
-      inv[mi][hh] = l > 0.f ? 1.f / l : 0.f;
+      if (!kElastic) {
+        l += __shfl_xor_sync(0xffffffff, l, 1);
+        l += __shfl_xor_sync(0xffffffff, l, 2);
+      }
+      inv[mi][hh] = kElastic ? 1.f : (l > 0.f ? 1.f / l : 0.f);
       const int row = m0 + warp_row0 + mi * 16 + g + 8 * hh;
       if ((lane & 3) == 0 && row < p.len_q) {
         lse[row] = l > 0.f ? (row_max[mi][hh] + log2f(l)) * float(M_LN2) : -INFINITY;
       }
     }
+  if (kElastic && p.stats != nullptr) flush_stats(p.stats, stats);
   // Each warp reuses its own rows of sQ as the staging buffer; nobody else reads them now.
   __syncthreads();
   store_rows<MI, DT, D>(o, inv, sQ, warp_row0, out, p.o_row_stride, valid_q, lane);

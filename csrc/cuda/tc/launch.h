@@ -1,8 +1,10 @@
-// Tile configurations and launchers of the tensor-core flash kernels. Each instantiation lives
+// Tile configurations and launchers of the tensor-core kernels (flash and lazy attention). Each instantiation lives
 // in its own generated .cu (csrc/cuda/tc/inst/) so builds compile them in parallel.
 #pragma once
 
+#include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAException.h>
 
 #include <limits>
@@ -47,11 +49,11 @@ void set_smem(Kernel kernel, int bytes) {
   }
 }
 
-template <typename T, int D>
-void run_flash_fwd(const AttnParams& p) {
+template <typename T, int D, typename Variant>
+void launch_fwd(const AttnParams& p) {
   using C = FlashConfig<D>;
   using Traits = FwdTraits<T, D, C::kFwdWarps, C::kFwdMI, C::kFwdBlockN>;
-  auto kernel = flash_fwd_kernel<Traits, T, D, C::kFwdMI, C::kFwdBlockN>;
+  auto kernel = flash_fwd_kernel<Traits, T, D, C::kFwdMI, C::kFwdBlockN, Variant>;
   set_smem(kernel, Traits::kSmemBytes);
   const int64_t m_blocks = (p.len_q + Traits::kBlockM - 1) / Traits::kBlockM;
   const int grid = grid_size(m_blocks * p.batch * p.heads_q);
@@ -59,28 +61,81 @@ void run_flash_fwd(const AttnParams& p) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-template <typename T, int D>
-void run_flash_bwd(const AttnParams& p) {
+// The fused dK/dV + dQ launch (both read lse and delta).
+template <typename T, int D, typename Variant>
+void launch_bwd_main(const AttnParams& p) {
   using C = FlashConfig<D>;
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  {
-    constexpr int kRowsPerBlock = 8;
-    const int64_t rows = static_cast<int64_t>(p.batch) * p.heads_q * p.len_q;
-    const int grid = grid_size((rows + kRowsPerBlock - 1) / kRowsPerBlock);
-    flash_bwd_delta_kernel<T, D><<<grid, kRowsPerBlock * 32, 0, stream>>>(p);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
-  using KV = BwdKVTraits<T, D, C::kKVWarps, C::kKVMI, C::kKVBlockM>;
+  using KV = BwdKVTraits<T, D, C::kKVWarps, C::kKVMI, C::kKVBlockM, Variant>;
   using Q = BwdQTraits<T, D, C::kQWarps, C::kQMI, C::kQBlockN>;
-  auto kernel = flash_bwd_kernel<KV, Q, T, D>;
+  auto kernel = flash_bwd_kernel<KV, Q, T, D, Variant>;
   constexpr int kSmem = KV::kSmemBytes > Q::kSmemBytes ? KV::kSmemBytes : Q::kSmemBytes;
   set_smem(kernel, kSmem);
   const int64_t kv_blocks =
       (p.len_k + KV::kBlockN - 1) / KV::kBlockN * p.batch * static_cast<int64_t>(p.heads_kv);
   const int64_t q_blocks =
       (p.len_q + Q::kBlockM - 1) / Q::kBlockM * p.batch * static_cast<int64_t>(p.heads_q);
-  kernel<<<grid_size(kv_blocks + q_blocks), KV::kThreads, kSmem, stream>>>(
-      p, grid_size(kv_blocks));
+  kernel<<<grid_size(kv_blocks + q_blocks), KV::kThreads, kSmem,
+           at::cuda::getCurrentCUDAStream()>>>(p, grid_size(kv_blocks));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename T, int D>
+void run_flash_fwd(const AttnParams& p) {
+  launch_fwd<T, D, SoftmaxVariant>(p);
+}
+
+template <typename T, int D>
+void run_flash_bwd(const AttnParams& p) {
+  {
+    constexpr int kRowsPerBlock = 8;
+    const int64_t rows = static_cast<int64_t>(p.batch) * p.heads_q * p.len_q;
+    const int grid = grid_size((rows + kRowsPerBlock - 1) / kRowsPerBlock);
+    flash_bwd_delta_kernel<T, D>
+        <<<grid, kRowsPerBlock * 32, 0, at::cuda::getCurrentCUDAStream()>>>(p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  launch_bwd_main<T, D, SoftmaxVariant>(p);
+}
+
+template <typename T, int D>
+void run_lazy_fwd(const AttnParams& p) {
+  launch_fwd<T, D, LazyVariant>(p);
+}
+
+// Lazy backward: row pass (G, Delta), the fused dK/dV + dQ launch, then the deterministic
+// dtau/dbias reductions when the parameters need gradients.
+template <typename T, int D>
+void run_lazy_bwd(const AttnParams& p_in) {
+  using C = FlashConfig<D>;
+  using KV = BwdKVTraits<T, D, C::kKVWarps, C::kKVMI, C::kKVBlockM, LazyVariant>;
+  using Q = BwdQTraits<T, D, C::kQWarps, C::kQMI, C::kQBlockN>;
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  AttnParams p = p_in;
+  const int key_tiles = (p.len_k + KV::kBlockN - 1) / KV::kBlockN;
+  const int64_t bias_span = p.bias_window < p.len_k ? p.bias_window : p.len_k;
+  at::Tensor partial;  // freed on return; the caching allocator keeps it for this stream
+  if (p.dbias != nullptr) {
+    partial = at::zeros({static_cast<int64_t>(p.batch) * p.heads_q * key_tiles * bias_span},
+                        at::TensorOptions().dtype(at::kFloat).device(
+                            at::kCUDA, c10::cuda::current_device()));
+    p.dbias_partial = partial.data_ptr<float>();
+  }
+  {
+    auto kernel = lazy_bwd_rows_kernel<Q, T, D>;
+    set_smem(kernel, Q::kSmemBytes);
+    const int64_t q_blocks =
+        (p.len_q + Q::kBlockM - 1) / Q::kBlockM * p.batch * static_cast<int64_t>(p.heads_q);
+    kernel<<<grid_size(q_blocks), Q::kThreads, Q::kSmemBytes, stream>>>(p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  launch_bwd_main<T, D, LazyVariant>(p);
+  if (p.dtau == nullptr) return;
+  constexpr int kReduceThreads = 256;
+  lazy_dtau_kernel<kReduceThreads><<<p.heads_q, kReduceThreads, 0, stream>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const int64_t items = static_cast<int64_t>(p.heads_q) * p.bias_window;
+  lazy_dbias_kernel<<<grid_size((items + kReduceThreads - 1) / kReduceThreads), kReduceThreads, 0,
+                      stream>>>(p, key_tiles);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

@@ -1,0 +1,36 @@
+// Input preparation shared by the CUDA op registrations: which path a dtype takes, alignment of
+// tensor-core operands and the head-dim check.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+
+#include "../flash_api.h"
+
+namespace adaattn {
+
+inline bool use_tensor_cores(at::ScalarType t) { return t == at::kHalf || t == at::kBFloat16; }
+
+// cp.async moves 16-byte chunks: base pointers and batch/head/row strides must be multiples of
+// 8 elements. Other layouts are copied once (rare: odd strides or a misaligned storage offset).
+inline at::Tensor tc_aligned(const at::Tensor& t) {
+  auto ok = [](const at::Tensor& x) {
+    return reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 && x.stride(0) % 8 == 0 &&
+           x.stride(1) % 8 == 0 && x.stride(2) % 8 == 0;
+  };
+  if (ok(t)) return t;
+  at::Tensor c = t.contiguous();
+  return ok(c) ? c : c.clone();
+}
+
+inline void check_cuda_head_dim(const at::Tensor& q) {
+  if (use_tensor_cores(q.scalar_type())) {
+    TORCH_CHECK(tc_supports_head_dim(static_cast<int>(q.size(3))),
+                "adaattn: head dim D = ", q.size(3), " is not supported for ", q.scalar_type(),
+                " on CUDA; supported: D in ", tc_head_dims(),
+                " (float32/float64 accept any D <= 256)");
+  }
+}
+
+}  // namespace adaattn

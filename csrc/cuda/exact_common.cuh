@@ -1,0 +1,132 @@
+// Scalar building blocks of the exact (fp32/fp64) CUDA kernels: one warp owns one row of
+// length D, lane l holding elements l, l + 32, ... in registers; dot products are reduced with
+// xor shuffles so every lane ends with the same bits.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <cstdint>
+#include <type_traits>
+
+namespace adaattn {
+namespace exact {
+
+constexpr int kWarp = 32;
+constexpr int kWarpsPerBlock = 4;
+constexpr unsigned kFullMask = 0xffffffffu;
+constexpr int64_t kMaxBlocks = int64_t{1} << 30;  // grid-stride loops cover the rest
+
+// --use_fast_math turns expf/logf into approximate intrinsics (errors of several ulp that grow
+// with |x|); going through double keeps the fp32 path within 1e-5 of fp64.
+__device__ __forceinline__ float exact_exp(float x) {
+  return static_cast<float>(exp(static_cast<double>(x)));
+}
+__device__ __forceinline__ double exact_exp(double x) { return exp(x); }
+
+// Log-sum-exp of a row from its running max and sum, in double.
+template <typename T>
+__device__ __forceinline__ double row_lse(T row_max, T row_sum) {
+  return static_cast<double>(row_max) + log(static_cast<double>(row_sum));
+}
+
+template <typename T>
+__device__ __forceinline__ T warp_sum(T x) {
+#pragma unroll
+  for (int offset = kWarp / 2; offset > 0; offset >>= 1) x += __shfl_xor_sync(kFullMask, x, offset);
+  return x;
+}
+
+template <typename T>
+__device__ __forceinline__ T warp_max(T x) {
+#pragma unroll
+  for (int offset = kWarp / 2; offset > 0; offset >>= 1) {
+    const T other = __shfl_xor_sync(kFullMask, x, offset);
+    x = other > x ? other : x;
+  }
+  return x;
+}
+
+template <typename T, int kSlots>
+__device__ __forceinline__ void load_slice(const T* row, int dim, int lane, T (&x)[kSlots]) {
+#pragma unroll
+  for (int s = 0; s < kSlots; ++s) {
+    const int d = lane + s * kWarp;
+    x[s] = d < dim ? row[d] : T(0);
+  }
+}
+
+// This lane's share of x . row.
+template <typename T, int kSlots>
+__device__ __forceinline__ T slice_dot(const T (&x)[kSlots], const T* row, int dim, int lane) {
+  T acc = 0;
+#pragma unroll
+  for (int s = 0; s < kSlots; ++s) {
+    const int d = lane + s * kWarp;
+    if (d < dim) acc += x[s] * row[d];
+  }
+  return acc;
+}
+
+// acc += a * row (this lane's elements).
+template <typename T, int kSlots>
+__device__ __forceinline__ void slice_axpy(T a, const T* row, int dim, int lane, T (&acc)[kSlots]) {
+#pragma unroll
+  for (int s = 0; s < kSlots; ++s) {
+    const int d = lane + s * kWarp;
+    if (d < dim) acc[s] += a * row[d];
+  }
+}
+
+template <typename T, int kSlots>
+__device__ __forceinline__ void slice_scale(T a, T (&acc)[kSlots]) {
+#pragma unroll
+  for (int s = 0; s < kSlots; ++s) acc[s] *= a;
+}
+
+template <typename T, int kSlots>
+__device__ __forceinline__ void store_slice(const T (&x)[kSlots], T* row, int dim, int lane) {
+#pragma unroll
+  for (int s = 0; s < kSlots; ++s) {
+    const int d = lane + s * kWarp;
+    if (d < dim) row[d] = x[s];
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ const T* row_ptr(const void* base, int64_t batch_stride,
+                                            int64_t head_stride, int64_t row_stride, int b, int h,
+                                            int i) {
+  return static_cast<const T*>(base) + b * batch_stride + h * head_stride + i * row_stride;
+}
+
+template <typename T>
+__device__ __forceinline__ T* row_ptr(void* base, int64_t batch_stride, int64_t head_stride,
+                                      int64_t row_stride, int b, int h, int i) {
+  return static_cast<T*>(base) + b * batch_stride + h * head_stride + i * row_stride;
+}
+
+inline unsigned grid_for(int64_t warps) {
+  const int64_t blocks = (warps + kWarpsPerBlock - 1) / kWarpsPerBlock;
+  return static_cast<unsigned>(blocks < kMaxBlocks ? blocks : kMaxBlocks);
+}
+
+// Calls fn(std::integral_constant<int, kSlots>) with the smallest register slice that holds a
+// row of head_dim elements across a warp.
+template <typename Fn>
+inline void dispatch_slots(int head_dim, Fn&& fn) {
+  TORCH_CHECK(head_dim > 0 && head_dim <= 8 * kWarp,
+              "adaattn: the exact CUDA kernels take head dim D in [1, 256], got ", head_dim);
+  if (head_dim <= kWarp) {
+    fn(std::integral_constant<int, 1>{});
+  } else if (head_dim <= 2 * kWarp) {
+    fn(std::integral_constant<int, 2>{});
+  } else if (head_dim <= 4 * kWarp) {
+    fn(std::integral_constant<int, 4>{});
+  } else {
+    fn(std::integral_constant<int, 8>{});
+  }
+}
+
+}  // namespace exact
+}  // namespace adaattn

@@ -1,0 +1,95 @@
+// CUDA registration of the lazy ops: fp16/bf16 go to the tensor-core kernels, fp32/fp64 to the
+// exact kernels. Launches on the current stream; no host synchronisation.
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include "../flash_ops.h"
+#include "../lazy_api.h"
+#include "../lazy_ops.h"
+#include "cuda_inputs.h"
+
+namespace adaattn {
+namespace {
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> lazy_fwd_cuda_op(
+    const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& tau,
+    const at::Tensor& bias, const std::optional<at::Tensor>& seqlens,
+    std::optional<double> softmax_scale, bool return_stats) {
+  check_lazy_inputs(q_in, k_in, v_in, tau, bias, seqlens);
+  check_cuda_head_dim(q_in);
+  const bool tc = use_tensor_cores(q_in.scalar_type()) && q_in.numel() > 0 && k_in.numel() > 0;
+  const at::Tensor q = tc ? tc_aligned(q_in) : q_in;
+  const at::Tensor k = tc ? tc_aligned(k_in) : k_in;
+  const at::Tensor v = tc ? tc_aligned(v_in) : v_in;
+  const c10::cuda::CUDAGuard guard(q.device());
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  at::Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
+  at::Tensor stats = return_stats ? at::zeros({4}, q.options().dtype(at::kLong))
+                                  : at::empty({0}, q.options().dtype(at::kLong));
+  if (q.numel() == 0) return {out, lse, stats};
+  AttnParams p = make_lazy_params(q, k, v, tau, bias, seqlens, softmax_scale);
+  set_fwd_outputs(p, out, lse);
+  p.stats = return_stats ? stats.data_ptr<int64_t>() : nullptr;
+  if (tc) {
+    lazy_fwd_tc_cuda(p, q.scalar_type());
+  } else {
+    lazy_fwd_exact_cuda(p, q.scalar_type());
+  }
+  return {out, lse, stats};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lazy_bwd_cuda_op(
+    const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in,
+    const at::Tensor& v_in, const at::Tensor& tau, const at::Tensor& bias,
+    const at::Tensor& out_in, const at::Tensor& lse, const std::optional<at::Tensor>& seqlens,
+    std::optional<double> softmax_scale, bool param_grads) {
+  check_lazy_inputs(q_in, k_in, v_in, tau, bias, seqlens);
+  check_flash_bwd_inputs(dout_in, q_in, out_in, lse);
+  check_cuda_head_dim(q_in);
+  const bool tc = use_tensor_cores(q_in.scalar_type()) && q_in.numel() > 0 && k_in.numel() > 0;
+  const at::Tensor q = tc ? tc_aligned(q_in) : q_in;
+  const at::Tensor k = tc ? tc_aligned(k_in) : k_in;
+  const at::Tensor v = tc ? tc_aligned(v_in) : v_in;
+  const at::Tensor out = tc ? tc_aligned(out_in) : out_in;
+  const at::Tensor dout = tc ? tc_aligned(dout_in) : dout_in;
+  const c10::cuda::CUDAGuard guard(q.device());
+  at::Tensor dq = at::empty(q.sizes(), q.options());
+  at::Tensor dk = at::empty(k.sizes(), k.options());
+  at::Tensor dv = at::empty(v.sizes(), v.options());
+  const bool empty = q.numel() == 0 || k.numel() == 0;
+  // Without parameter gradients (or with nothing to reduce) dtau/dbias are zeros.
+  at::Tensor dtau = param_grads && !empty ? at::empty(tau.sizes(), tau.options())
+                                          : at::zeros(tau.sizes(), tau.options());
+  at::Tensor dbias = param_grads && !empty ? at::empty(bias.sizes(), bias.options())
+                                           : at::zeros(bias.sizes(), bias.options());
+  if (empty) {
+    dq.zero_();
+    dk.zero_();
+    dv.zero_();
+    return {dq, dk, dv, dtau, dbias};
+  }
+  at::Tensor delta = at::empty(lse.sizes(), lse.options());
+  at::Tensor row_g = at::empty(lse.sizes(), lse.options());
+  AttnParams p = make_lazy_params(q, k, v, tau, bias, seqlens, softmax_scale);
+  set_bwd_tensors(p, dout, out, lse, dq, dk, dv, delta);
+  p.row_g = row_g.data_ptr<float>();
+  if (param_grads) {
+    p.dtau = dtau.data_ptr<float>();
+    p.dbias = dbias.data_ptr<float>();
+  }
+  if (tc) {
+    lazy_bwd_tc_cuda(p, q.scalar_type());
+  } else {
+    lazy_bwd_exact_cuda(p, q.scalar_type());
+  }
+  return {dq, dk, dv, dtau, dbias};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(adaattn, CUDA, m) {
+  m.impl("lazy_fwd", &lazy_fwd_cuda_op);
+  m.impl("lazy_bwd", &lazy_bwd_cuda_op);
+}
+
+}  // namespace adaattn
