@@ -549,9 +549,10 @@ __global__ void __launch_bounds__(kThreads) lazy_dtau_kernel(const AttnParams p)
 
 // dbias[h, d] = sum over (b, key tiles) of the dK/dV CTAs' partials, in a fixed order;
 // distances >= min(W, Lk) never occur and get 0.
-__global__ void lazy_dbias_kernel(const AttnParams p, int key_tiles) {
+template <int kThreads>
+__global__ void __launch_bounds__(kThreads) lazy_dbias_kernel(const AttnParams p, int key_tiles) {
   const int bias_span = p.bias_window < p.len_k ? p.bias_window : p.len_k;
-  const int64_t item = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t item = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   if (item >= static_cast<int64_t>(p.heads_q) * p.bias_window) return;
   const int h = static_cast<int>(item / p.bias_window);
   const int d = static_cast<int>(item % p.bias_window);

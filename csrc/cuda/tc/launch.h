@@ -134,8 +134,9 @@ void run_lazy_bwd(const AttnParams& p_in) {
   lazy_dtau_kernel<kReduceThreads><<<p.heads_q, kReduceThreads, 0, stream>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   const int64_t items = static_cast<int64_t>(p.heads_q) * p.bias_window;
-  lazy_dbias_kernel<<<grid_size((items + kReduceThreads - 1) / kReduceThreads), kReduceThreads, 0,
-                      stream>>>(p, key_tiles);
+  lazy_dbias_kernel<kReduceThreads>
+      <<<grid_size((items + kReduceThreads - 1) / kReduceThreads), kReduceThreads, 0, stream>>>(
+          p, key_tiles);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
