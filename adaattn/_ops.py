@@ -36,3 +36,20 @@ def _flash_bwd_fake(grad_out, q, k, v, out, lse, seqlens, softmax_scale, causal,
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             torch.empty_like(k, memory_format=torch.contiguous_format),
             torch.empty_like(v, memory_format=torch.contiguous_format))
+
+
+@torch.library.register_fake("adaattn::lazy_fwd")
+def _lazy_fwd_fake(q, k, v, tau, bias, seqlens, softmax_scale, return_stats):
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = q.new_empty(q.shape[:3], dtype=torch.float32)
+    stats = q.new_empty((4 if return_stats else 0,), dtype=torch.int64)
+    return out, lse, stats
+
+
+@torch.library.register_fake("adaattn::lazy_bwd")
+def _lazy_bwd_fake(grad_out, q, k, v, tau, bias, out, lse, seqlens, softmax_scale, param_grads):
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            torch.empty_like(k, memory_format=torch.contiguous_format),
+            torch.empty_like(v, memory_format=torch.contiguous_format),
+            torch.empty_like(tau, memory_format=torch.contiguous_format),
+            torch.empty_like(bias, memory_format=torch.contiguous_format))

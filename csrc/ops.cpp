@@ -1,5 +1,6 @@
 // Op schemas (the single TORCH_LIBRARY of adaattn), argument validation, the CPU kernels'
-// registration and the C++ autograd functions registered at the Autograd key.
+// registration and the C++ autograd functions registered at the Autograd key, for the flash and
+// lazy families.
 #include <torch/autograd.h>
 #include <torch/library.h>
 
@@ -7,6 +8,8 @@
 
 #include "flash_api.h"
 #include "flash_ops.h"
+#include "lazy_api.h"
+#include "lazy_ops.h"
 
 namespace adaattn {
 
@@ -165,6 +168,46 @@ void set_bwd_tensors(AttnParams& p, const at::Tensor& dout, const at::Tensor& ou
   p.delta = delta.data_ptr<float>();
 }
 
+void check_lazy_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                       const at::Tensor& tau, const at::Tensor& bias,
+                       const std::optional<at::Tensor>& seqlens) {
+  check_flash_inputs(q, k, v, seqlens);
+  TORCH_CHECK(q.size(2) <= k.size(2),
+              "adaattn: lazy attention needs Lq <= Lk (query row r sits at position r + Lk - Lq), "
+              "got Lq = q.size(2) = ", q.size(2), " > Lk = k.size(2) = ", k.size(2));
+  const int64_t heads = q.size(1);
+  TORCH_CHECK(tau.scalar_type() == at::kFloat && tau.dim() == 1 && tau.size(0) == heads,
+              "adaattn: tau must be a float32 tensor of shape [Hq] = [", heads, "], got ",
+              tau.scalar_type(), " ", tau.sizes());
+  TORCH_CHECK(bias.scalar_type() == at::kFloat && bias.dim() == 2 && bias.size(0) == heads &&
+                  bias.size(1) >= 1,
+              "adaattn: bias must be a float32 tensor of shape [Hq, W] = [", heads,
+              ", W] with W >= 1, got ", bias.scalar_type(), " ", bias.sizes());
+  TORCH_CHECK(bias.size(1) <= std::numeric_limits<int>::max(),
+              "adaattn: the bias window W = bias.size(1) must fit in int32, got ", bias.size(1));
+  TORCH_CHECK(tau.is_contiguous(), "adaattn: tau must be contiguous; call .contiguous() on it");
+  TORCH_CHECK(bias.is_contiguous(), "adaattn: bias must be contiguous; call .contiguous() on it");
+  TORCH_CHECK(tau.device() == q.device(), "adaattn: tau must be on q's device ", q.device(),
+              ", got ", tau.device());
+  TORCH_CHECK(bias.device() == q.device(), "adaattn: bias must be on q's device ", q.device(),
+              ", got ", bias.device());
+}
+
+AttnParams make_lazy_params(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const at::Tensor& tau, const at::Tensor& bias,
+                            const std::optional<at::Tensor>& seqlens,
+                            std::optional<double> softmax_scale) {
+  // Causal, bottom-right aligned: window (-1, 0). The kernels are deterministic by construction.
+  const FlashOptions opt = resolve_flash_options(q, softmax_scale, /*causal=*/true,
+                                                 /*window_left=*/-1, /*window_right=*/0,
+                                                 /*deterministic=*/true);
+  AttnParams p = make_params(q, k, v, seqlens, opt);
+  p.tau = tau.data_ptr<float>();
+  p.bias = bias.data_ptr<float>();
+  p.bias_window = static_cast<int>(bias.size(1));
+  return p;
+}
+
 namespace {
 
 bool is_low_precision(at::ScalarType t) { return t == at::kHalf || t == at::kBFloat16; }
@@ -219,6 +262,60 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_bwd_cpu_op(
   }
   const auto t = q_in.scalar_type();
   return {dq.to(t), dk.to(t), dv.to(t)};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> lazy_fwd_cpu_op(
+    const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& tau,
+    const at::Tensor& bias, const std::optional<at::Tensor>& seqlens,
+    std::optional<double> softmax_scale, bool return_stats) {
+  check_lazy_inputs(q_in, k_in, v_in, tau, bias, seqlens);
+  const at::Tensor q = cpu_compute(q_in), k = cpu_compute(k_in), v = cpu_compute(v_in);
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  at::Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
+  at::Tensor stats = at::zeros({return_stats ? 4 : 0}, q.options().dtype(at::kLong));
+  if (q.numel() > 0) {
+    AttnParams p = make_lazy_params(q, k, v, tau, bias, seqlens, softmax_scale);
+    set_fwd_outputs(p, out, lse);
+    p.stats = return_stats ? stats.data_ptr<int64_t>() : nullptr;
+    lazy_fwd_cpu(p, q.scalar_type());
+  }
+  return {out.to(q_in.scalar_type()), lse, stats};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lazy_bwd_cpu_op(
+    const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in,
+    const at::Tensor& v_in, const at::Tensor& tau, const at::Tensor& bias,
+    const at::Tensor& out_in, const at::Tensor& lse, const std::optional<at::Tensor>& seqlens,
+    std::optional<double> softmax_scale, bool param_grads) {
+  check_lazy_inputs(q_in, k_in, v_in, tau, bias, seqlens);
+  check_flash_bwd_inputs(dout_in, q_in, out_in, lse);
+  const at::Tensor q = cpu_compute(q_in), k = cpu_compute(k_in), v = cpu_compute(v_in);
+  const at::Tensor out = cpu_compute(out_in), dout = cpu_compute(dout_in);
+  at::Tensor dq = at::empty(q.sizes(), q.options());
+  at::Tensor dk = at::empty(k.sizes(), k.options());
+  at::Tensor dv = at::empty(v.sizes(), v.options());
+  const bool run = q.numel() > 0 && k.numel() > 0;
+  // Without param_grads the kernel skips that work and the op returns zeros (fast path).
+  at::Tensor dtau = run && param_grads ? at::empty_like(tau) : at::zeros_like(tau);
+  at::Tensor dbias = run && param_grads ? at::empty_like(bias) : at::zeros_like(bias);
+  if (run) {
+    AttnParams p = make_lazy_params(q, k, v, tau, bias, seqlens, softmax_scale);
+    // The CPU kernel keeps its row scratch in T (float32 is too coarse for fp64 gradients) and
+    // reads neither p.delta nor p.row_g: an empty tensor stands in for the delta scratch.
+    at::Tensor no_scratch = at::empty({0}, lse.options());
+    set_bwd_tensors(p, dout, out, lse, dq, dk, dv, no_scratch);
+    if (param_grads) {
+      p.dtau = dtau.data_ptr<float>();
+      p.dbias = dbias.data_ptr<float>();
+    }
+    lazy_bwd_cpu(p, q.scalar_type());
+  } else {
+    dq.zero_();
+    dk.zero_();
+    dv.zero_();
+  }
+  const auto t = q_in.scalar_type();
+  return {dq.to(t), dk.to(t), dv.to(t), dtau, dbias};
 }
 
 using torch::autograd::AutogradContext;
@@ -305,6 +402,79 @@ std::tuple<at::Tensor, at::Tensor> flash_attn_no_grad(
   return fwd.call(q, k, v, seqlens, softmax_scale, causal, window_left, window_right);
 }
 
+using LazyFwdSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+    const std::optional<at::Tensor>&, std::optional<double>, bool);
+using LazyBwdSig = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+    std::optional<double>, bool);
+
+c10::TypedOperatorHandle<LazyFwdSig> lazy_fwd_op() {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("adaattn::lazy_fwd", "")
+                       .typed<LazyFwdSig>();
+  return op;
+}
+
+// Forward: lazy_fwd below autograd; backward: lazy_bwd, which computes the tau/bias gradients
+// only when one of them is needed. lse and stats are returned but not differentiable.
+class LazyAttnFunction : public torch::autograd::Function<LazyAttnFunction> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
+                               const at::Tensor& v, const at::Tensor& tau, const at::Tensor& bias,
+                               const std::optional<at::Tensor>& seqlens,
+                               std::optional<double> softmax_scale, bool return_stats) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [out, lse, stats] =
+        lazy_fwd_op().call(q, k, v, tau, bias, seqlens, softmax_scale, return_stats);
+    ctx->save_for_backward({q, k, v, tau, bias, out, lse, seqlens.value_or(at::Tensor())});
+    ctx->saved_data["has_scale"] = softmax_scale.has_value();
+    ctx->saved_data["scale"] = softmax_scale.value_or(0.0);
+    ctx->mark_non_differentiable({lse, stats});
+    return {out, lse, stats};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor& out = saved[5];
+    const std::optional<at::Tensor> seqlens =
+        saved[7].defined() ? std::optional<at::Tensor>(saved[7]) : std::nullopt;
+    const std::optional<double> scale =
+        ctx->saved_data["has_scale"].toBool()
+            ? std::optional<double>(ctx->saved_data["scale"].toDouble())
+            : std::nullopt;
+    at::Tensor dout = grads[0];
+    if (!dout.defined()) dout = at::zeros_like(out);
+    if (dout.size(-1) > 0 && dout.stride(-1) != 1) dout = dout.contiguous();
+    const bool need_tau = ctx->needs_input_grad(3), need_bias = ctx->needs_input_grad(4);
+    static auto bwd = c10::Dispatcher::singleton()
+                          .findSchemaOrThrow("adaattn::lazy_bwd", "")
+                          .typed<LazyBwdSig>();
+    auto [dq, dk, dv, dtau, dbias] = bwd.call(dout, saved[0], saved[1], saved[2], saved[3],
+                                              saved[4], out, saved[6], seqlens, scale,
+                                              need_tau || need_bias);
+    return {dq, dk, dv, need_tau ? dtau : at::Tensor(), need_bias ? dbias : at::Tensor(),
+            at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> lazy_attn_autograd(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& tau,
+    const at::Tensor& bias, const std::optional<at::Tensor>& seqlens,
+    std::optional<double> softmax_scale, bool return_stats) {
+  auto res = LazyAttnFunction::apply(q, k, v, tau, bias, seqlens, softmax_scale, return_stats);
+  return {res[0], res[1], res[2]};
+}
+
+// Below autograd (inference mode, or backends reached past the Autograd key).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> lazy_attn_no_grad(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& tau,
+    const at::Tensor& bias, const std::optional<at::Tensor>& seqlens,
+    std::optional<double> softmax_scale, bool return_stats) {
+  return lazy_fwd_op().call(q, k, v, tau, bias, seqlens, softmax_scale, return_stats);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(adaattn, m) {
@@ -319,17 +489,34 @@ TORCH_LIBRARY(adaattn, m) {
       "flash_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
       "Tensor? seqlens, float? softmax_scale, bool causal, int window_left, int window_right, "
       "bool deterministic) -> (Tensor grad_q, Tensor grad_k, Tensor grad_v)");
+  m.def(
+      "lazy_attn(Tensor q, Tensor k, Tensor v, Tensor tau, Tensor bias, Tensor? seqlens=None, "
+      "float? softmax_scale=None, bool return_stats=False) -> (Tensor out, Tensor lse, "
+      "Tensor stats)");
+  m.def(
+      "lazy_fwd(Tensor q, Tensor k, Tensor v, Tensor tau, Tensor bias, Tensor? seqlens, "
+      "float? softmax_scale, bool return_stats) -> (Tensor out, Tensor lse, Tensor stats)");
+  m.def(
+      "lazy_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor tau, Tensor bias, "
+      "Tensor out, Tensor lse, Tensor? seqlens, float? softmax_scale, bool param_grads) -> "
+      "(Tensor grad_q, Tensor grad_k, Tensor grad_v, Tensor grad_tau, Tensor grad_bias)");
 }
 
 TORCH_LIBRARY_IMPL(adaattn, CPU, m) {
   m.impl("flash_fwd", &flash_fwd_cpu_op);
   m.impl("flash_bwd", &flash_bwd_cpu_op);
+  m.impl("lazy_fwd", &lazy_fwd_cpu_op);
+  m.impl("lazy_bwd", &lazy_bwd_cpu_op);
 }
 
-TORCH_LIBRARY_IMPL(adaattn, Autograd, m) { m.impl("flash_attn", &flash_attn_autograd); }
+TORCH_LIBRARY_IMPL(adaattn, Autograd, m) {
+  m.impl("flash_attn", &flash_attn_autograd);
+  m.impl("lazy_attn", &lazy_attn_autograd);
+}
 
 TORCH_LIBRARY_IMPL(adaattn, CompositeExplicitAutograd, m) {
   m.impl("flash_attn", &flash_attn_no_grad);
+  m.impl("lazy_attn", &lazy_attn_no_grad);
 }
 
 }  // namespace adaattn

@@ -1,0 +1,79 @@
+"""Lazy attention (spec §3.2): causal elastic softmax with a learnable per-head shift ``tau`` and a
+relative-position ``bias`` table, forward and backward on CPU and CUDA."""
+from typing import NamedTuple, Optional, Tuple, Union
+
+import torch
+
+from ._ops import ops
+
+
+class LazyStats(NamedTuple):
+    """Sparsity of the lazy weights seen by the forward's weight pass, as device tensors (no host
+    synchronisation; call ``.item()`` to read them).
+
+    Attributes:
+        zero_weight_fraction: float32 scalar, clipped (zero) weights / attended weights.
+        skipped_block_fraction: float32 scalar, key tiles whose weights were all zero (their
+            ``A V`` work was skipped) / key tiles visited, counted per (query tile, key tile)
+            pair; tile sizes are the kernel's, so this fraction depends on the device path.
+        counts: int64 ``[4]``, the raw counters ``(zero weights, attended weights, skipped
+            tiles, visited tiles)``.
+    """
+
+    zero_weight_fraction: torch.Tensor
+    skipped_block_fraction: torch.Tensor
+    counts: torch.Tensor
+
+
+def _fraction(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
+    return (num.to(torch.float64) / den.clamp(min=1).to(torch.float64)).to(torch.float32)
+
+
+def lazy_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tau: torch.Tensor,
+              bias: torch.Tensor, *, softmax_scale: Optional[float] = None,
+              seqlens: Optional[torch.Tensor] = None, return_lse: bool = False,
+              return_stats: bool = False
+              ) -> Union[torch.Tensor, Tuple[torch.Tensor, ...]]:
+    """Lazy attention: causal softmax, shifted by ``tau / (i + 1)`` and clipped at zero.
+
+    For the query at position ``i`` (row ``r`` sits at ``i = r + Lk - Lq``) and keys ``j <= i``::
+
+        s_ij = scale * q_i.k_j + (bias[h, i - j] if i - j < W else 0)
+        a_ij = max(0, softmax_j(s_ij) + tau[h] / (i + 1)),   out_i = sum_j a_ij v_j
+
+    with no renormalisation (``tau < 0`` zeroes small weights; the kernels skip key tiles whose
+    weights are all zero, which never changes the result). Weights are evaluated in float32
+    (float64 for float64 inputs); tiled, O(L) memory, recomputing backward.
+
+    Args:
+        q: ``[B, Hq, Lq, D]``. Any strides with a contiguous last dim, e.g. a ``(B, L, H, D)``
+            tensor passed as ``.transpose(1, 2)`` (no copy is made).
+        k: ``[B, Hkv, Lk, D]`` with ``Lq <= Lk`` and ``Hq % Hkv == 0`` (GQA/MQA: query head ``h``
+            reads kv head ``h // (Hq // Hkv)``).
+        v: ``[B, Hkv, Lk, D]``.
+        tau: float32 ``[Hq]``, contiguous, on q's device.
+        bias: float32 ``[Hq, W]`` (``W >= 1``), contiguous, on q's device; distances
+            ``i - j >= W`` get no bias but are still attended.
+        softmax_scale: multiplies ``q @ k^T`` (never the bias); defaults to ``D ** -0.5``.
+        seqlens: optional int32 ``[B]`` for right-padded batches: keys and query rows at or
+            past ``seqlens[b]`` are padding (padding rows give 0).
+        return_lse: also return the float32 log-sum-exp of the scores ``[B, Hq, Lq]``
+            (``-inf`` for a row that sees no key; such rows give ``out = 0``).
+        return_stats: also return a :class:`LazyStats` of the forward's weights.
+
+    Returns:
+        ``out [B, Hq, Lq, D]`` (dtype of q) alone, or the tuple ``(out[, lse][, stats])`` when
+        ``return_lse`` or ``return_stats`` is set. Gradients flow to q, k, v, tau and bias
+        (``tau``/``bias`` gradients are float32; the kernels skip that work when neither
+        requires grad).
+    """
+    out, lse, counts = ops.lazy_attn(q, k, v, tau, bias, seqlens, softmax_scale,
+                                     bool(return_stats))
+    if not (return_lse or return_stats):
+        return out
+    result = (out, lse) if return_lse else (out,)
+    if return_stats:
+        stats = LazyStats(_fraction(counts[0], counts[1]), _fraction(counts[2], counts[3]),
+                          counts)
+        result += (stats,)
+    return result
