@@ -80,7 +80,8 @@ def _randn(b, h, length, d, dtype, device, transposed):
 
 def make_inputs(case: Case, dtype, device, requires_grad=True):
     """Leaf ``q, k, v`` (strided as the case asks), float32 ``tau [Hq]`` (case.tau scaled by
-    1 +- 10% per head, so its sign is the case's), float32 ``bias [Hq, W]``, ``seqlens``, ``dout``."""
+    1 +- 10% per head, so its sign is the case's), float32 ``bias [Hq, W]``, ``seqlens`` and
+    ``dout``."""
     q = _randn(case.b, case.hq, case.lq, case.d, dtype, device, case.transposed)
     k = _randn(case.b, case.hkv, case.lk, case.d, dtype, device, case.transposed)
     v = _randn(case.b, case.hkv, case.lk, case.d, dtype, device, case.transposed)
