@@ -7,9 +7,12 @@
 // pairs whose weights are all zero (and of single zero weights), which changes no result.
 // Backward: the mask M = [p + tau/(i+1) > 0] depends on normalised probabilities, so the dq pass
 // cannot use flash's online rescaling. It sweeps each row once, accumulating G_i = sum_j M dA,
-// X_i = sum_j M p dA k_j and Y_i = sum_j p k_j; with Delta_i = g_i.o_i - tau/(i+1) G_i,
-// dq_i = scale (X_i - Delta_i Y_i) = scale sum_j p (M dA - Delta_i) k_j. The dk/dv pass then owns a
-// tile of keys of one kv head and loops over its group's query heads (fixed summation order).
+// Delta_i = sum_j M p dA, X_i = sum_j M p dA k_j and Y_i = sum_j p k_j, and writes
+// dq_i = scale (X_i - Delta_i Y_i) = scale sum_j p (M dA - Delta_i) k_j. Delta_i is summed
+// directly rather than as g_i.o_i - tau/(i+1) G_i: equal in exact arithmetic, but the saved output
+// is rounded to the input dtype (bf16/fp16), which would put that rounding into every gradient.
+// The dk/dv pass then owns a tile of keys of one kv head and loops over its group's query heads
+// (fixed summation order).
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
@@ -77,13 +80,6 @@ void dot_tile(const T* __restrict__ x, const T* __restrict__ tile, int dim, int 
 template <typename T>
 void axpy(T a, const T* __restrict__ x, T* __restrict__ y, int dim) {
   for (int d = 0; d < dim; ++d) y[d] += a * x[d];
-}
-
-template <typename T>
-T dot(const T* __restrict__ x, const T* __restrict__ y, int dim) {
-  T acc = 0;
-  for (int d = 0; d < dim; ++d) acc += x[d] * y[d];
-  return acc;
 }
 
 // max(0, w) that keeps a NaN (as torch.clamp does) instead of hiding it as a zero weight.
@@ -263,8 +259,6 @@ void lazy_bwd_impl(const AttnParams& p) {
   const int dim = x.dim;
   const int group = x.group;
   const T scale = x.scale;
-  const Operand<const T> out{static_cast<const T*>(p.out), p.o_batch_stride, p.o_head_stride,
-                             p.o_row_stride};
   const Operand<const T> dout{static_cast<const T*>(p.dout), p.do_batch_stride,
                               p.do_head_stride, p.do_row_stride};
   const Operand<T> dq{static_cast<T*>(p.dq), p.dq_batch_stride, p.dq_head_stride,
@@ -286,7 +280,7 @@ void lazy_bwd_impl(const AttnParams& p) {
     std::vector<T> x_acc(static_cast<size_t>(kBlockM) * dim);
     std::vector<T> y_acc(static_cast<size_t>(kBlockM) * dim);
     std::vector<T> scores(kBlockN), dweights(kBlockN);
-    std::array<T, kBlockM> lse, shift, row_g;
+    std::array<T, kBlockM> lse, shift, row_g, delta;
     std::array<KeyRange, kBlockM> ranges;
     for (int64_t task = begin; task < end; ++task) {
       const int m0 = static_cast<int>(task % row_blocks) * kBlockM;
@@ -299,6 +293,7 @@ void lazy_bwd_impl(const AttnParams& p) {
         ranges[r] = key_range(p, lens, m0 + r);
         shift[r] = x.shift(h, m0 + r);
         row_g[r] = 0;
+        delta[r] = 0;
       }
       if constexpr (std::is_same_v<T, float>) {
         // The forward's float32 lse is exactly its T value: reuse it.
@@ -328,25 +323,23 @@ void lazy_bwd_impl(const AttnParams& p) {
             const T* k_row = x.k.row(b, g, n0 + c);
             axpy(prob, k_row, y_row, dim);
             if (prob + shift[r] > T(0)) {
+              const T pd = prob * dweights[c];
               row_g[r] += dweights[c];
-              axpy(prob * dweights[c], k_row, x_row, dim);
+              delta[r] += pd;
+              axpy(pd, k_row, x_row, dim);
             }
           }
         }
       }
 
       for (int r = 0; r < rows; ++r) {
-        const bool seen = ranges[r].lo < ranges[r].hi;
-        const T delta =
-            seen ? dot(dout.row(b, h, m0 + r), out.row(b, h, m0 + r), dim) - shift[r] * row_g[r]
-                 : T(0);
         const T* x_row = x_acc.data() + static_cast<size_t>(r) * dim;
         const T* y_row = y_acc.data() + static_cast<size_t>(r) * dim;
         T* dq_row = dq.row(b, h, m0 + r);
-        for (int d = 0; d < dim; ++d) dq_row[d] = scale * (x_row[d] - delta * y_row[d]);
+        for (int d = 0; d < dim; ++d) dq_row[d] = scale * (x_row[d] - delta[r] * y_row[d]);
         T* stats = row_stats.data() + 3 * x.row_index(b, h, m0 + r);
         stats[0] = lse[r];
-        stats[1] = delta;
+        stats[1] = delta[r];
         stats[2] = row_g[r];
       }
     }
