@@ -189,6 +189,14 @@ def train_lazy():
     return module
 
 
+@pytest.fixture
+def keep_num_threads():
+    """The example's main() sets torch's thread count; later tests get the old one back."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 def test_example_trains_deterministically(train_lazy):
     cfg = dataclasses.replace(train_lazy.Config(), steps=3, corpus_lines=200, log_every=1)
     log = []
@@ -210,9 +218,9 @@ def test_example_without_matplotlib_says_how_to_install(train_lazy, monkeypatch)
         train_lazy.main(["--steps", "1", "--device", "cpu"])
 
 
-def test_example_writes_png(train_lazy, tmp_path, capsys):
+def test_example_writes_png(train_lazy, tmp_path, capsys, keep_num_threads):
     pytest.importorskip("matplotlib")
     out = tmp_path / "train.png"
-    train_lazy.main(["--steps", "2", "--device", "cpu", "--out", str(out)])
+    train_lazy.main(["--steps", "2", "--device", "cpu", "--out", str(out), "--threads", "1"])
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert f"saved {out}" in capsys.readouterr().out
