@@ -66,8 +66,8 @@ class Config:
     window: int = 128         # bias table length; >= context gives every distance its own bias
     tau_init: float = -1.0
     lr: float = 1e-2
-    # tau and bias: Adam moves a parameter by about lr per step, and these need to move by
-    # units (a strong previous-character bias, say), which would take ~1000 steps at lr.
+    # Rate for tau and bias: Adam moves a parameter by at most about its rate per step, and
+    # these must move by units (a strong previous-character bias, say) early in training.
     lr_lazy: float = 3e-2
     corpus_lines: int = 4000
     seed: int = 0
