@@ -198,7 +198,8 @@ def keep_num_threads():
 
 
 def test_example_trains_deterministically(train_lazy):
-    cfg = dataclasses.replace(train_lazy.Config(), steps=3, corpus_lines=200, log_every=1)
+    cfg = dataclasses.replace(train_lazy.Config(), steps=3, batch_size=4, context=32, window=16,
+                              corpus_lines=50, log_every=1)
     log = []
     first = train_lazy.train(cfg, "cpu", log=log.append)
     assert len(log) == 3 and log[-1].startswith("step     3")
