@@ -47,3 +47,74 @@ class FlashSelfAttention(nn.Module):
         v = v.view(batch, length, hkv, d).transpose(1, 2)
         out = flash_attn(q, k, v, causal=self.causal, window=self.window, seqlens=seqlens)
         return self.proj(out.transpose(1, 2).reshape(batch, length, hq * d))
+
+
+class LazyAttention(nn.Module):
+    """Lazy attention (spec §3.2) with its learnable per-head ``tau`` and bias table.
+
+    The attention core only, like :func:`adaattn.lazy_attn` (always causal): projections stay
+    with the caller. Given ``q [B, Hq, Lq, D]`` and ``k, v [B, Hkv, Lk, D]`` (``Hq ==
+    num_heads``, ``Hq % Hkv == 0``, any strides with a contiguous last dim, e.g. ``(B, L, H, D)``
+    tensors passed as ``.transpose(1, 2)``), it returns ``out [B, Hq, Lq, D]``::
+
+        s_ij = scale * q_i.k_j + (bias[h, i - j] if i - j < window else 0)     (j <= i)
+        o_i  = sum_j max(0, softmax_j(s_ij) + tau[h] / (i + 1)) v_j
+
+    Parameters (always float32): ``tau [num_heads]`` (initialised to ``tau_init``; negative
+    values zero out weak attention weights) and ``bias [num_heads, window]`` (zeros).
+
+    Under ``torch.autocast`` q, k and v are cast to the autocast dtype (as autocast does for
+    ``F.scaled_dot_product_attention``) while tau and bias are passed in float32, and the output
+    has the autocast dtype. Outside autocast the output has q's dtype.
+
+    Args:
+        num_heads: query heads ``Hq``.
+        window: length ``W`` of the relative-position bias table; keys ``W`` or more positions
+            back get bias 0 but are still attended.
+        tau_init: initial value of every head's ``tau``.
+        softmax_scale: multiplies ``q @ k^T``; defaults to ``D ** -0.5``.
+    """
+
+    def __init__(self, num_heads: int, window: int = 512, tau_init: float = -1.0, *,
+                 softmax_scale: Optional[float] = None):
+        super().__init__()
+        if num_heads < 1:
+            raise ValueError(f"num_heads must be positive, got {num_heads}")
+        if window < 1:
+            raise ValueError(f"window must be positive, got {window}")
+        self.num_heads = num_heads
+        self.window = window
+        self.tau_init = tau_init
+        self.softmax_scale = softmax_scale
+        self.tau = nn.Parameter(torch.empty(num_heads, dtype=torch.float32))
+        self.bias = nn.Parameter(torch.empty(num_heads, window, dtype=torch.float32))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.tau.fill_(self.tau_init)
+            self.bias.zero_()
+
+    def extra_repr(self) -> str:
+        return f"num_heads={self.num_heads}, window={self.window}, tau_init={self.tau_init}"
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """q ``[B, Hq, Lq, D]``, k/v ``[B, Hkv, Lk, D]`` (optional int32 ``seqlens [B]`` for
+        right padding) -> ``[B, Hq, Lq, D]``."""
+        # Looked up at call time: adaattn/__init__.py imports this module before the op.
+        import adaattn
+
+        if q.dim() != 4 or q.shape[1] != self.num_heads:
+            raise ValueError(f"q must be [B, {self.num_heads}, Lq, D] (num_heads="
+                             f"{self.num_heads}), got shape {tuple(q.shape)}")
+        device_type = q.device.type
+        if torch.is_autocast_enabled(device_type):
+            dtype = torch.get_autocast_dtype(device_type)
+            q, k, v = (t.to(dtype) for t in (q, k, v))
+        # The op takes float32 tau/bias; autocast is off for the call so that no cast policy
+        # (now or registered later for the op) lowers them, and .float() keeps a module that was
+        # cast with .to(bfloat16) working (a no-op for float32 parameters).
+        with torch.autocast(device_type, enabled=False):
+            return adaattn.lazy_attn(q, k, v, self.tau.float(), self.bias.float(),
+                                     softmax_scale=self.softmax_scale, seqlens=seqlens)
