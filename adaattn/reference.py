@@ -85,7 +85,8 @@ def _lazy_parts(q, k, v, tau, bias, softmax_scale, seqlens):
 
 def lazy_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tau: torch.Tensor,
               bias: torch.Tensor, *, softmax_scale: Optional[float] = None,
-              seqlens: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+              seqlens: Optional[torch.Tensor] = None,
+              upcast: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
     """Lazy attention (spec §3.2), materialised: causal, elastic softmax with learnable shift.
 
     q ``[B, Hq, Lq, D]``, k/v ``[B, Hkv, Lk, D]`` (``Lq <= Lk``; query row r has position
@@ -96,11 +97,39 @@ def lazy_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tau: torch.Tens
 
     computed in at least fp32, without renormalisation. Returns ``(out, lse)``: out in q's dtype,
     lse float32 ``[B, Hq, Lq]`` of the scores (``-inf`` and ``out = 0`` for rows that see no key).
+
+    ``upcast=False`` is the eager implementation a user would write in q's dtype (scores,
+    softmax and ``A V`` rounded to it; only the elastic step in float32, as the spec requires):
+    the same-dtype reference of the low-precision test rule (spec §4).
     """
+    if not upcast:
+        return _lazy_attn_same_dtype(q, k, v, tau, bias, softmax_scale, seqlens)
     _, _, vc, _, mask, lse, probs, shift, _, _ = _lazy_parts(q, k, v, tau, bias, softmax_scale,
                                                            seqlens)
     weights = torch.clamp(probs + shift, min=0.0).masked_fill(~mask, 0.0)
     return torch.matmul(weights, vc).to(q.dtype), lse.float()
+
+
+def _lazy_attn_same_dtype(q, k, v, tau, bias, softmax_scale, seqlens):
+    dtype = q.dtype
+    batch, heads_q, len_q, dim = q.shape
+    heads_kv, len_k = k.shape[1], k.shape[2]
+    scale = dim ** -0.5 if softmax_scale is None else softmax_scale
+    k = k.repeat_interleave(heads_q // heads_kv, dim=1)
+    v = v.repeat_interleave(heads_q // heads_kv, dim=1)
+    pos = torch.arange(len_q, device=q.device).view(-1, 1) + (len_k - len_q)
+    dist = pos - torch.arange(len_k, device=q.device).view(1, -1)
+    window = bias.shape[1]
+    bias_ij = bias[:, dist.clamp(0, window - 1)] * ((dist >= 0) & (dist < window))
+    mask = flash_key_mask(len_q, len_k, causal=True, seqlens=seqlens, batch=batch,
+                          device=q.device)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale + bias_ij.to(dtype)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.softmax(scores, dim=-1).masked_fill(~mask, 0.0)  # rows without keys: 0
+    shift = tau.view(1, -1, 1, 1) / (pos + 1).to(torch.float32).view(1, 1, -1, 1)
+    weights = torch.clamp(probs.float() + shift, min=0.0).masked_fill(~mask, 0.0).to(dtype)
+    return torch.matmul(weights, v), lse.float()
 
 
 def lazy_attn_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,

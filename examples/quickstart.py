@@ -1,8 +1,11 @@
-"""adaattn quickstart: flash attention forward+backward, checked and timed.
+"""adaattn quickstart: flash and lazy attention forward+backward, checked and timed.
 
-Picks CUDA (bfloat16) when a GPU is present, else the CPU (float32); runs adaattn.flash_attn
+Picks CUDA (bfloat16) when a GPU is present, else the CPU (float32). Runs adaattn.flash_attn
 forward and backward on a causal problem, checks the output and gradients against the float64
 reference with the spec's tolerance (§4), and times it against F.scaled_dot_product_attention.
+Then does the same for adaattn.lazy_attn (tau = -1, a 512-entry bias table), checked with the
+rule "max error <= 2x that of the eager reference run in the same dtype" and timed against
+that eager PyTorch implementation (there is no fused PyTorch lazy attention to compare with).
 
     python examples/quickstart.py
 """
@@ -87,21 +90,67 @@ def time_ms(fn, device, reps):
     return sorted(times)[len(times) // 2]
 
 
+def lazy_inputs(b, h, d, device):
+    """tau [H] = -1 (+-10%) and a small random bias table [H, 512], float32, requiring grad."""
+    tau = (-1.0 * (1 + 0.1 * torch.randn(h))).to(device).requires_grad_()
+    bias = (0.1 * torch.randn(h, 512)).to(device).requires_grad_()
+    return tau, bias
+
+
+def lazy_check(q, k, v, tau, bias, dout):
+    """Output and all five gradients against float64, 2x the same-dtype eager error."""
+    def run(dtype, fn):
+        ins = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+        params = [t.detach().requires_grad_() for t in (tau, bias)]
+        out = fn(*ins, *params)
+        return (out.detach(),) + torch.autograd.grad(out, ins + params, dout.to(dtype))
+
+    def ref(upcast):
+        return lambda q, k, v, tau, bias: reference.lazy_attn(q, k, v, tau, bias,
+                                                              upcast=upcast)[0]
+    ours_res = run(q.dtype, lambda *a: adaattn.lazy_attn(*a))
+    exact = run(torch.float64, ref(True))
+    same_dtype = run(q.dtype, ref(False))
+    for name, a, e, r in zip(("out", "dq", "dk", "dv", "dtau", "dbias"), ours_res, exact,
+                             same_dtype):
+        a, e, r = a.double(), e.double(), r.double()
+        rel = ((a - e).norm() / e.norm()).item()
+        err, bar = (a - e).abs().max().item(), 2 * (r - e).abs().max().item() + 1e-5
+        print(f"  {name}: relative error {rel:.2e}  (checked: {err:.2e} <= {bar:.2e})")
+        assert err <= bar, f"{name} misses the tolerance"
+
+
+def print_times(rows, inputs, dout, device):
+    reps = 20 if device == "cuda" else 5
+    print("time (median ms)        forward   forward+backward")
+    for name, attn in rows:
+        with torch.no_grad():
+            fwd = time_ms(lambda: attn(*inputs), device, reps)
+        both = time_ms(lambda: attn(*inputs).backward(dout), device, reps)
+        print(f"  {name:<30} {fwd:8.2f}   {both:8.2f}")
+
+
 def main():
     device, dtype, (b, h, length, d) = pick_setup()
     torch.manual_seed(0)
     q, k, v, dout = (torch.randn(b, h, length, d, device=device, dtype=dtype) for _ in range(4))
-    print(f"device {device}, {dtype}, B={b} H={h} L={length} D={d}, causal")
-
+    print(f"flash attention: device {device}, {dtype}, B={b} H={h} L={length} D={d}, causal")
     check(forward_backward(ours, q, k, v, dout), q, k, v, dout)
+    qkv = [t.detach().requires_grad_() for t in (q, k, v)]
+    print_times((("adaattn.flash_attn", ours), ("F.scaled_dot_product_attention", sdpa)), qkv,
+                dout, device)
 
-    reps = 20 if device == "cuda" else 5
-    print("time (median ms)        forward   forward+backward")
-    for name, attn in (("adaattn.flash_attn", ours), ("F.scaled_dot_product_attention", sdpa)):
-        with torch.no_grad():
-            fwd = time_ms(lambda: attn(q, k, v), device, reps)
-        both = time_ms(lambda: forward_backward(attn, q, k, v, dout), device, reps)
-        print(f"  {name:<30} {fwd:8.2f}   {both:8.2f}")
+    # Lazy attention: the eager reference materialises L x L matrices, so one batch element.
+    q, k, v, dout = (t[:1] for t in (q, k, v, dout))
+    tau, bias = lazy_inputs(1, h, d, device)
+    print(f"\nlazy attention: device {device}, {dtype}, B=1 H={h} L={length} D={d}, W=512, "
+          f"tau=-1")
+    lazy_check(q, k, v, tau, bias, dout)
+    inputs = [t.detach().requires_grad_() for t in (q, k, v)] + [tau, bias]
+    print_times((("adaattn.lazy_attn", adaattn.lazy_attn),
+                 ("eager PyTorch (reference)",
+                  lambda *a: reference.lazy_attn(*a, upcast=False)[0])),
+                inputs, dout, device)
 
 
 if __name__ == "__main__":

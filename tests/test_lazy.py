@@ -10,13 +10,14 @@ and the five gradients dq, dk, dv, dtau, dbias:
   float64 problems are also compared with the reference at ~1e-12.
 * float32: relative error ``||a - b|| / ||b|| <= 1e-5``.
 * float16/bfloat16: ``err(ours) <= 2 * err(reference in the same dtype) + 1e-5`` with
-  ``err = max |x - x_float64|``. The same-dtype reference is ``lazy_attn_low`` below: the eager
-  implementation a PyTorch user would write in that dtype (Q K^T, softmax and A V in the low
-  dtype, so scores, probabilities and weights are rounded to it), except that the elastic step
-  ``max(0, p + tau / (i + 1))`` runs in float32, as the spec requires of every implementation.
-  Its gradients come from autograd in the same dtypes. ``reference.lazy_attn`` itself would not
-  do: it upcasts low-precision inputs to float32, so its "error" would be only the output
-  rounding and the rule would demand more than a bf16 kernel can deliver.
+  ``err = max |x - x_float64|``. The same-dtype reference is ``reference.lazy_attn(...,
+  upcast=False)``: the eager implementation a PyTorch user would write in that dtype (Q K^T,
+  softmax and A V in the low dtype, so scores, probabilities and weights are rounded to it),
+  except that the elastic step ``max(0, p + tau / (i + 1))`` runs in float32, as the spec
+  requires of every implementation. Its gradients come from autograd in the same dtypes. The
+  default ``upcast=True`` would not do: it computes low-precision inputs in float32, so its
+  "error" would be only the output rounding and the rule would demand more than a bf16 kernel
+  can deliver.
 
 The clip ``max(0, .)`` has a kink: an entry whose ``p + tau / (i + 1)`` lies within rounding of 0
 may be clipped in one precision and not in the other, which moves the gradients by
@@ -119,34 +120,12 @@ def run_reference(case: Case, q, k, v, tau, bias, seqlens, dout):
     return (out, lse) + tuple(grads)
 
 
-def lazy_attn_low(q, k, v, tau, bias, *, softmax_scale=None, seqlens=None):
-    """Eager lazy attention in q's dtype (the same-dtype reference of the low-precision rule, see
-    the module docstring). Returns ``(out, lse)``; differentiable in q, k, v, tau and bias."""
-    dtype = q.dtype
-    batch, heads_q, len_q, dim = q.shape
-    heads_kv, len_k = k.shape[1], k.shape[2]
-    scale = dim ** -0.5 if softmax_scale is None else softmax_scale
-    k = k.repeat_interleave(heads_q // heads_kv, dim=1)
-    v = v.repeat_interleave(heads_q // heads_kv, dim=1)
-    pos = torch.arange(len_q, device=q.device).view(-1, 1) + (len_k - len_q)
-    dist = pos - torch.arange(len_k, device=q.device).view(1, -1)
-    window = bias.shape[1]
-    bias_ij = bias[:, dist.clamp(0, window - 1)] * ((dist >= 0) & (dist < window))
-    mask = reference.flash_key_mask(len_q, len_k, causal=True, seqlens=seqlens, batch=batch,
-                                    device=q.device)
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale + bias_ij.to(dtype)
-    scores = scores.masked_fill(~mask, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.softmax(scores, dim=-1).masked_fill(~mask, 0.0)  # rows without keys: 0
-    shift = tau.view(1, -1, 1, 1) / (pos + 1).to(torch.float32).view(1, 1, -1, 1)
-    weights = torch.clamp(probs.float() + shift, min=0.0).masked_fill(~mask, 0.0).to(dtype)
-    return torch.matmul(weights, v), lse.float()
-
-
 def run_reference_low(case: Case, q, k, v, tau, bias, seqlens, dout):
-    """``(out, lse, dq, dk, dv, dtau, dbias)`` of lazy_attn_low on the same low-dtype inputs."""
+    """``(out, lse, dq, dk, dv, dtau, dbias)`` of the same-dtype eager reference
+    (``reference.lazy_attn(..., upcast=False)``) on the same low-dtype inputs."""
     q, k, v, tau, bias = (t.detach().requires_grad_() for t in (q, k, v, tau, bias))
-    out, lse = lazy_attn_low(q, k, v, tau, bias, softmax_scale=case.scale, seqlens=seqlens)
+    out, lse = reference.lazy_attn(q, k, v, tau, bias, softmax_scale=case.scale, seqlens=seqlens,
+                                   upcast=False)
     grads = torch.autograd.grad(out, (q, k, v, tau, bias), dout)
     return (out, lse) + tuple(grads)
 
