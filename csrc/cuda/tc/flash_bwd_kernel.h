@@ -176,8 +176,6 @@ __device__ __forceinline__ void bwd_dkdv_block(const AttnParams& p, int block) {
     float st[MI][NT][4];
     zero(st);
     warp_gemm_nt<MI, NT, D>(st, sK, warp_row0, sQ(buf), 0, lane);
-    // Scores in log2 units: scaled inside the exponent (one FFMA) unless the bias is added first.
-    float score_mul = p.scale_log2;
     if (kElastic && tile_meets_bias(p, m0, n0 + warp_row0 + 16 * MI - 1)) {
 #pragma unroll
       for (int mi = 0; mi < MI; ++mi)
@@ -186,7 +184,13 @@ __device__ __forceinline__ void bwd_dkdv_block(const AttnParams& p, int block) {
 #pragma unroll
           for (int e = 0; e < 4; ++e) st[mi][ni][e] *= p.scale_log2;
       add_bias_keys(st, p, h, n0 + warp_row0, m0, lane);
-      score_mul = 1.f;
+    } else {
+#pragma unroll
+      for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+        for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) st[mi][ni][e] *= p.scale_log2;
     }
     const bool full = tile_is_full(p, lens, m0, m0 + BM, n0 + warp_row0, n0 + warp_row0 + 16 * MI);
     float at[MI][NT][4];  // elastic weights A^T
@@ -198,7 +202,7 @@ __device__ __forceinline__ void bwd_dkdv_block(const AttnParams& p, int block) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int qcol = ni * 8 + 2 * t + (e & 1);
-          float pe = exp2f(fmaf(st[mi][ni][e], score_mul, -sLse(buf)[qcol]));
+          float pe = exp2f(st[mi][ni][e] - sLse(buf)[qcol]);
           bool attended = true;
           if (!full) {
             const int key = n0 + warp_row0 + mi * 16 + g + 8 * (e >> 1);
@@ -317,7 +321,6 @@ template <typename Traits, typename T, int D, int MI, int BN, typename Variant, 
 __device__ __forceinline__ void bwd_dq_block(const AttnParams& p, int block) {
   constexpr bool kElastic = Variant::kElastic;
   static_assert(kElastic || !kRowPass, "only the elastic softmax needs a row pass");
-  static_assert(!kRowPass || BN / 8 * 4 <= 32, "the row pass keeps M of a tile in 32 bits");
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kThreads = Traits::kThreads;
   constexpr int NT = BN / 8;
@@ -417,12 +420,9 @@ __device__ __forceinline__ void bwd_dq_block(const AttnParams& p, int block) {
         add_bias_rows(s, p, h, m0 + warp_row0, n0, lane);
       }
       if (!full) mask_scores(s, rr, n0, lane);
-      // P. Elastic: M = [p + shift > 0] picks the dA that enter dS; where p = 0 (masked or
-      // underflowed) dS is 0 whatever M says, so only the row pass, whose G counts M without a
-      // factor p, also needs the entry to be attended (tau > 0 makes p + shift > 0 everywhere).
-      uint32_t live[MI] = {};  // row pass: M of this thread's entries, bit ni * 4 + e
+      // P, and the elastic live mask M (as the weight a > 0) kept in `live`.
+      uint32_t live[MI] = {};
       bool any_live = true;
-      bool any = false;
 #pragma unroll
       for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
@@ -432,13 +432,16 @@ __device__ __forceinline__ void bwd_dq_block(const AttnParams& p, int block) {
             const bool attended = s[mi][ni][e] != -INFINITY;
             const float pe = exp2f(s[mi][ni][e] - lse2[mi][e >> 1]);
             s[mi][ni][e] = pe;
-            if (kElastic) {
-              const bool m = pe + shift[mi][e >> 1] > 0.f && (!kRowPass || attended);
-              if (kRowPass && m) live[mi] |= 1u << (ni * 4 + e);
-              any |= m;
+            if (kElastic && attended && pe + shift[mi][e >> 1] > 0.f) {
+              live[mi] |= 1u << (ni * 4 + e);
             }
           }
-      if (kElastic) any_live = __any_sync(0xffffffff, any);
+      if (kElastic) {
+        uint32_t mine = 0;
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi) mine |= live[mi];
+        any_live = __any_sync(0xffffffff, mine != 0);
+      }
 
       float dp[MI][NT][4];
       zero(dp);
@@ -463,7 +466,7 @@ __device__ __forceinline__ void bwd_dq_block(const AttnParams& p, int block) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
               const float da =
-                  !kElastic || s[mi][ni][e] + shift[mi][e >> 1] > 0.f ? dp[mi][ni][e] : 0.f;
+                  !kElastic || (live[mi] & (1u << (ni * 4 + e))) ? dp[mi][ni][e] : 0.f;
               dp[mi][ni][e] = s[mi][ni][e] * (da - delta[mi][e >> 1]);
             }
         uint32_t dsa[MI][NT / 2][4];
