@@ -30,7 +30,7 @@ void check_linear_tensor(const at::Tensor& t, const char* name, bool packed) {
   TORCH_CHECK(at::isFloatingType(t.scalar_type()), "adaattn: ", name,
               " must be a floating tensor (float16, bfloat16, float32, float64), got ",
               t.scalar_type());
-  TORCH_CHECK(t.size(-1) == 0 || t.stride(-1) == 1, "adaattn: ", name,
+  TORCH_CHECK(t.numel() == 0 || t.stride(-1) == 1, "adaattn: ", name,
               " must have a contiguous last dim (stride(-1) == 1), got strides ", t.strides(),
               "; call .contiguous() on it");
 }
@@ -120,7 +120,7 @@ void check_linear_grads(const at::Tensor& grad_out, const std::optional<at::Tens
   TORCH_CHECK(grad_out.sizes() == v.sizes() && grad_out.scalar_type() == q.scalar_type(),
               "adaattn: grad_out must have out's shape ", v.sizes(), " and dtype ",
               q.scalar_type(), ", got ", grad_out.scalar_type(), " ", grad_out.sizes());
-  TORCH_CHECK(grad_out.size(-1) == 0 || grad_out.stride(-1) == 1,
+  TORCH_CHECK(grad_out.numel() == 0 || grad_out.stride(-1) == 1,
               "adaattn: grad_out must have a contiguous last dim");
   TORCH_CHECK(grad_out.device() == q.device(), "adaattn: grad_out must be on q's device ",
               q.device(), ", got ", grad_out.device());
