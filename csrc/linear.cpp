@@ -40,7 +40,8 @@ std::string state_description(const at::Tensor& q, const at::Tensor& v,
                               const std::optional<at::Tensor>& cu_seqlens, bool normalize) {
   std::ostringstream s;
   s << "a " << linear_state_dtype(q) << " tensor of shape [N, H, D, Dv"
-    << (normalize ? " + 1" : "") << "] = " << at::IntArrayRef(linear_state_shape(q, v, cu_seqlens, normalize))
+    << (normalize ? " + 1" : "")
+    << "] = " << at::IntArrayRef(linear_state_shape(q, v, cu_seqlens, normalize))
     << (normalize ? " (normalize=True: the last column is the normaliser z)" : "");
   return s.str();
 }

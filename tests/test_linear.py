@@ -50,7 +50,8 @@ class Case:
         return self.b if self.lens is None else len(self.lens)
 
     def __str__(self):
-        shape = f"b{self.b}t{self.t}" if self.lens is None else "seq" + "_".join(map(str, self.lens))
+        shape = (f"b{self.b}t{self.t}" if self.lens is None
+                 else "seq" + "_".join(map(str, self.lens)))
         parts = [shape, f"h{self.h}d{self.d}x{self.dv}", self.fmap,
                  "causal" if self.causal else "full", "norm" if self.normalize else "raw"]
         if self.transposed:

@@ -32,8 +32,7 @@ class LinearTask {
  public:
   LinearTask(const LinearParams& p, int n, int h) : p_(p), n_(n), h_(h) {
     seq_range(p, n, start_, len_);
-    const int64_t state_offset = (static_cast<int64_t>(n) * p.heads + h) * p.dim * p.state_cols;
-    state_offset_ = state_offset;
+    state_offset_ = (static_cast<int64_t>(n) * p.heads + h) * p.dim * p.state_cols;
     const int d = p.dim, e = p.state_cols;
     S_.assign(static_cast<size_t>(d) * e, 0);
     qf_.resize(static_cast<size_t>(kChunk) * d);
@@ -41,7 +40,7 @@ class LinearTask {
     va_.resize(static_cast<size_t>(kChunk) * e);
     u_.resize(static_cast<size_t>(kChunk) * e);
     if (p.state_in != nullptr) {
-      const T* s = static_cast<const T*>(p.state_in) + state_offset;
+      const T* s = static_cast<const T*>(p.state_in) + state_offset_;
       std::copy(s, s + S_.size(), S_.begin());
     }
   }
@@ -103,7 +102,8 @@ class LinearTask {
       load_values(c0, rows);
       compute_u(rows);
       for (int i = 0; i < rows; ++i) {
-        const T* go = static_cast<const T*>(p_.dout) + row_offset(p_.do_s, p_, n_, h_, start_, c0 + i);
+        const T* go =
+            static_cast<const T*>(p_.dout) + row_offset(p_.do_s, p_, n_, h_, start_, c0 + i);
         const acc_t* u = &u_[static_cast<size_t>(i) * e];
         acc_t* dui = du_c + static_cast<size_t>(i) * e;
         if (p_.normalize) {
