@@ -3,6 +3,7 @@ from . import nn, reference
 from ._ops import ops
 from .flash import flash_attn
 from .lazy import LazyStats, lazy_attn
+from .linear import linear_attn
 
-__all__ = ["LazyStats", "flash_attn", "lazy_attn", "nn", "ops", "reference"]
+__all__ = ["LazyStats", "flash_attn", "lazy_attn", "linear_attn", "nn", "ops", "reference"]
 __version__ = "0.1.0"

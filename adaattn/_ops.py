@@ -53,3 +53,24 @@ def _lazy_bwd_fake(grad_out, q, k, v, tau, bias, out, lse, seqlens, softmax_scal
             torch.empty_like(v, memory_format=torch.contiguous_format),
             torch.empty_like(tau, memory_format=torch.contiguous_format),
             torch.empty_like(bias, memory_format=torch.contiguous_format))
+
+
+def _linear_state_fake(q, v, cu_seqlens, normalize):
+    seqs = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return q.new_empty((seqs, q.shape[1], q.shape[-1], v.shape[-1] + int(normalize)), dtype=dtype)
+
+
+@torch.library.register_fake("adaattn::linear_fwd")
+def _linear_fwd_fake(q, k, v, initial_state, cu_seqlens, feature_map, causal, normalize):
+    out = torch.empty_like(v, memory_format=torch.contiguous_format)
+    return out, _linear_state_fake(q, v, cu_seqlens, normalize)
+
+
+@torch.library.register_fake("adaattn::linear_bwd")
+def _linear_bwd_fake(grad_out, grad_state, q, k, v, initial_state, cu_seqlens, feature_map, causal,
+                     normalize):
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            torch.empty_like(k, memory_format=torch.contiguous_format),
+            torch.empty_like(v, memory_format=torch.contiguous_format),
+            _linear_state_fake(q, v, cu_seqlens, normalize))

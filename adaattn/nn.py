@@ -118,3 +118,54 @@ class LazyAttention(nn.Module):
         with torch.autocast(device_type, enabled=False):
             return adaattn.lazy_attn(q, k, v, self.tau.float(), self.bias.float(),
                                      softmax_scale=self.softmax_scale, seqlens=seqlens)
+
+
+class LinearAttention(nn.Module):
+    """Linear attention (spec §3.5), the attention core of :func:`adaattn.linear_attn`.
+
+    No parameters: projections stay with the caller. Given ``q, k [B, H, T, D]`` and
+    ``v [B, H, T, Dv]`` (any strides with a contiguous last dim, e.g. ``(B, T, H, D)`` tensors
+    passed as ``.transpose(1, 2)``), or packed ``[T, H, *]`` tensors with int32 ``cu_seqlens
+    [N + 1]``, it returns ``out`` with v's shape::
+
+        o_t = phi(q_t) S_t / (phi(q_t) . z_t),  S_t = sum_{s <= t} phi(k_s)^T v_s,
+        z_t = sum_{s <= t} phi(k_s)        (all s when not causal; no division without normalize)
+
+    Under ``torch.autocast`` q, k and v are cast to the autocast dtype; the state stays float32.
+
+    Args:
+        feature_map: ``"elu"`` (``elu(x) + 1``), ``"relu"`` or ``"identity"``.
+        causal: causal (default) or full attention.
+        normalize: divide by ``phi(q_t) . z_t`` (default).
+    """
+
+    FEATURE_MAPS = ("elu", "relu", "identity")
+
+    def __init__(self, feature_map: str = "elu", *, causal: bool = True, normalize: bool = True):
+        super().__init__()
+        if feature_map not in self.FEATURE_MAPS:
+            raise ValueError(f"feature_map must be one of {self.FEATURE_MAPS}, got {feature_map!r}")
+        self.feature_map = feature_map
+        self.causal = causal
+        self.normalize = normalize
+
+    def extra_repr(self) -> str:
+        return (f"feature_map={self.feature_map!r}, causal={self.causal}, "
+                f"normalize={self.normalize}")
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                cu_seqlens: Optional[torch.Tensor] = None,
+                initial_state: Optional[torch.Tensor] = None, return_state: bool = False):
+        """q/k ``[B, H, T, D]``, v ``[B, H, T, Dv]`` (packed: ``[T, H, *]`` with
+        ``cu_seqlens``) -> ``out`` (v's shape), or ``(out, state)`` with ``return_state`` (see
+        :func:`adaattn.linear_attn` for ``initial_state`` and the state layout)."""
+        import adaattn
+
+        device_type = q.device.type
+        if torch.is_autocast_enabled(device_type):
+            dtype = torch.get_autocast_dtype(device_type)
+            q, k, v = (t.to(dtype) for t in (q, k, v))
+        with torch.autocast(device_type, enabled=False):
+            return adaattn.linear_attn(q, k, v, feature_map=self.feature_map, causal=self.causal,
+                                       normalize=self.normalize, cu_seqlens=cu_seqlens,
+                                       initial_state=initial_state, return_state=return_state)

@@ -169,3 +169,130 @@ def lazy_attn_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     dbias.index_add_(1, dist.clamp(0, window - 1)[in_table].flatten(),
                      per_head[:, in_table].reshape(bias.shape[0], -1))
     return dq, dk, dv, dtau, dbias
+
+
+_FEATURE_MAPS = {
+    "elu": lambda x: torch.nn.functional.elu(x) + 1,
+    "relu": torch.relu,
+    "identity": lambda x: x,
+}
+
+
+def _linear_prepare(q, k, v, feature_map, normalize, initial_state):
+    """phi(q), phi(k), [v | 1] and the initial state (zeros when absent) in q's dtype, for one
+    dense batch ``[B, H, T, *]``."""
+    if feature_map not in _FEATURE_MAPS:
+        raise ValueError(f"feature_map must be one of {sorted(_FEATURE_MAPS)}, got {feature_map!r}")
+    phi = _FEATURE_MAPS[feature_map]
+    qf, kf = phi(q), phi(k)
+    va = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1) if normalize else v
+    batch, heads, _, dim = q.shape
+    if initial_state is None:
+        s0 = q.new_zeros(batch, heads, dim, va.shape[-1])
+    else:
+        s0 = initial_state.to(q.dtype)
+    return qf, kf, va, s0
+
+
+def _linear_output(u, normalize):
+    """``u[..., :Dv] / u[..., Dv]`` (0 where the normaliser is 0), or ``u`` itself."""
+    if not normalize:
+        return u
+    den = u[..., -1:]
+    zero = den == 0
+    inv = torch.where(zero, torch.zeros_like(den), 1 / torch.where(zero, torch.ones_like(den), den))
+    return u[..., :-1] * inv
+
+
+def _linear_state_dtype(q):
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def _linear_per_sequence(fn, q, k, v, cu_seqlens, initial_state, normalize):
+    """Runs the dense ``fn`` on every sequence of a packed batch (``[T, H, *]``) and reassembles
+    ``(out [T, H, Dv], state [N, H, D, E])``."""
+    bounds = cu_seqlens.tolist()
+    heads, dim, dim_v = q.shape[1], q.shape[2], v.shape[2]
+    outs, states = [], []
+    for n in range(len(bounds) - 1):
+        a, b = bounds[n], bounds[n + 1]
+        dense = [t[a:b].transpose(0, 1).unsqueeze(0) for t in (q, k, v)]
+        s0 = None if initial_state is None else initial_state[n:n + 1]
+        out, state = fn(*dense, s0)
+        outs.append(out[0].transpose(0, 1))
+        states.append(state)
+    out = torch.cat(outs, dim=0) if outs else v.new_zeros(0, heads, dim_v)
+    state = (torch.cat(states, dim=0) if states else
+             q.new_zeros(0, heads, dim, dim_v + int(normalize), dtype=_linear_state_dtype(q)))
+    return out, state
+
+
+def linear_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, feature_map: str = "elu",
+                causal: bool = True, normalize: bool = True,
+                cu_seqlens: Optional[torch.Tensor] = None,
+                initial_state: Optional[torch.Tensor] = None
+                ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Materialised (quadratic) linear attention, the ground truth of ``adaattn.linear_attn``.
+
+    With ``phi`` the feature map, ``va = [v | 1]`` when ``normalize`` (else ``v``) and ``S0`` the
+    initial state (zeros when absent)::
+
+        u = (phi(q) phi(k)^T o M) va + phi(q) S0      (M: causal lower triangle incl. the
+                                                       diagonal, or all ones)
+        out = u[..., :Dv] / u[..., Dv]  (0 where that is 0)  if normalize, else u
+        state = S0 + phi(k)^T va
+
+    Args:
+        q, k: ``[B, H, T, D]`` (packed: ``[T, H, D]`` with ``cu_seqlens``).
+        v: ``[B, H, T, Dv]`` (packed: ``[T, H, Dv]``).
+        feature_map: ``"elu"`` (elu + 1), ``"relu"`` or ``"identity"``.
+        cu_seqlens: int32 ``[N + 1]`` sequence boundaries of packed inputs.
+        initial_state: ``[B or N, H, D, Dv + normalize]`` (the last column is the normaliser
+            ``z`` when ``normalize``).
+
+    Returns:
+        ``(out [B, H, T, Dv] | [T, H, Dv]`` in q's dtype, ``state [B or N, H, D, Dv + normalize]``
+        float32, float64 for float64 inputs``)``. Computes in q's dtype.
+    """
+    def dense(q, k, v, s0):
+        qf, kf, va, s0 = _linear_prepare(q, k, v, feature_map, normalize, s0)
+        scores = torch.matmul(qf, kf.transpose(-1, -2))
+        if causal:
+            length = q.shape[2]
+            mask = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
+            scores = scores.masked_fill(~mask, 0)
+        u = torch.matmul(scores, va) + torch.matmul(qf, s0)
+        state = s0 + torch.matmul(kf.transpose(-1, -2), va)
+        return _linear_output(u, normalize), state.to(_linear_state_dtype(q))
+
+    if cu_seqlens is not None:
+        return _linear_per_sequence(dense, q, k, v, cu_seqlens, initial_state, normalize)
+    return dense(q, k, v, initial_state)
+
+
+def linear_attn_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                          feature_map: str = "elu", causal: bool = True, normalize: bool = True,
+                          cu_seqlens: Optional[torch.Tensor] = None,
+                          initial_state: Optional[torch.Tensor] = None
+                          ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Step-by-step linear attention (the RNN form), same arguments, shapes and results as
+    :func:`linear_attn`: for t = 0, 1, ...: ``S += phi(k_t)^T va_t``, then ``u_t = phi(q_t) S``
+    (causal). Non-causal: ``S`` is first summed over every step, then ``u_t = phi(q_t) S``.
+    """
+    def dense(q, k, v, s0):
+        qf, kf, va, state = _linear_prepare(q, k, v, feature_map, normalize, s0)
+        length = q.shape[2]
+        if not causal:
+            for t in range(length):
+                state = state + kf[:, :, t, :, None] * va[:, :, t, None, :]
+        rows = []
+        for t in range(length):
+            if causal:
+                state = state + kf[:, :, t, :, None] * va[:, :, t, None, :]
+            rows.append(torch.einsum("bhd,bhde->bhe", qf[:, :, t], state))
+        u = torch.stack(rows, dim=2) if rows else va.new_zeros(va.shape)
+        return _linear_output(u, normalize), state.to(_linear_state_dtype(q))
+
+    if cu_seqlens is not None:
+        return _linear_per_sequence(dense, q, k, v, cu_seqlens, initial_state, normalize)
+    return dense(q, k, v, initial_state)

@@ -1,6 +1,6 @@
 // Op schemas (the single TORCH_LIBRARY of adaattn), argument validation, the CPU kernels'
 // registration and the C++ autograd functions registered at the Autograd key, for the flash and
-// lazy families.
+// lazy families. The linear family's implementations live in linear.cpp.
 #include <torch/autograd.h>
 #include <torch/library.h>
 
@@ -500,6 +500,17 @@ TORCH_LIBRARY(adaattn, m) {
       "lazy_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor tau, Tensor bias, "
       "Tensor out, Tensor lse, Tensor? seqlens, float? softmax_scale, bool param_grads) -> "
       "(Tensor grad_q, Tensor grad_k, Tensor grad_v, Tensor grad_tau, Tensor grad_bias)");
+  m.def(
+      "linear_attn(Tensor q, Tensor k, Tensor v, Tensor? initial_state=None, "
+      "Tensor? cu_seqlens=None, str feature_map=\"elu\", bool causal=True, bool normalize=True) "
+      "-> (Tensor out, Tensor state)");
+  m.def(
+      "linear_fwd(Tensor q, Tensor k, Tensor v, Tensor? initial_state, Tensor? cu_seqlens, "
+      "str feature_map, bool causal, bool normalize) -> (Tensor out, Tensor state)");
+  m.def(
+      "linear_bwd(Tensor grad_out, Tensor? grad_state, Tensor q, Tensor k, Tensor v, "
+      "Tensor? initial_state, Tensor? cu_seqlens, str feature_map, bool causal, bool normalize) "
+      "-> (Tensor grad_q, Tensor grad_k, Tensor grad_v, Tensor grad_initial_state)");
 }
 
 TORCH_LIBRARY_IMPL(adaattn, CPU, m) {

@@ -1,0 +1,52 @@
+"""Linear attention (spec §3.5): kernelised attention with a feature map, causal (chunked scan)
+or not, dense or packed, with an optional carried state; forward and backward on CPU and CUDA."""
+from typing import Optional, Tuple, Union
+
+import torch
+
+from ._ops import ops
+
+
+def linear_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, feature_map: str = "elu",
+                causal: bool = True, normalize: bool = True,
+                cu_seqlens: Optional[torch.Tensor] = None,
+                initial_state: Optional[torch.Tensor] = None, return_state: bool = False
+                ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    """Linear attention ``o_t = phi(q_t) S_t / (phi(q_t) . z_t)``.
+
+    ``S_t = S0 + sum_{s <= t} phi(k_s)^T v_s`` and ``z_t = z0 + sum_{s <= t} phi(k_s)`` (all ``s``
+    of the sequence when not ``causal``: ``phi(Q) (phi(K)^T V)``); without ``normalize`` the output
+    is ``phi(q_t) S_t``. A row whose normaliser ``phi(q_t) . z_t`` is exactly 0 gives 0 (with
+    ``relu`` its numerator is 0 too) and zero gradients. Causal rows are computed in chunks of 64
+    (masked intra-chunk product plus the state carried between chunks), ``O(T C D + T D Dv)``.
+
+    The state is one tensor, ``z`` appended to ``S`` as a last column when ``normalize`` (it is the
+    state of ``[v | 1]``): ``[N, H, D, Dv + 1]`` (``[N, H, D, Dv]`` without ``normalize``), float32
+    (float64 for float64 inputs), N = B for dense inputs and the number of sequences for packed
+    ones. A final state can be passed back as the next call's ``initial_state``.
+
+    Precision: CPU computes in double internally; CUDA float32/float64 inputs take the exact
+    scan kernel (state in double). float16/bfloat16 are computed in float32 (inputs upcast,
+    output cast back) on both devices; CUDA tensor-core kernels for them are not implemented yet.
+
+    Args:
+        q: ``[B, H, T, D]``; packed: ``[T, H, D]`` with ``cu_seqlens``. Any strides with a
+            contiguous last dim (e.g. a ``(B, T, H, D)`` tensor passed as ``.transpose(1, 2)``).
+        k: q's shape (as many kv heads as query heads: no GQA).
+        v: ``[B, H, T, Dv]``; packed ``[T, H, Dv]`` (``Dv`` may differ from ``D``; both <= 256).
+        feature_map: ``"elu"`` (``elu(x) + 1``), ``"relu"`` or ``"identity"``.
+        causal: causal (default) or full (non-causal) attention.
+        normalize: divide by ``phi(q_t) . z_t`` (default) or not.
+        cu_seqlens: int32 ``[N + 1]`` boundaries of the packed sequences (non-decreasing, from 0
+            to T; zero-length sequences allowed); each sequence starts from its own state.
+        initial_state: ``[N, H, D, Dv + normalize]`` in the state dtype (see above); zeros when
+            absent. Receives a gradient when it requires one.
+        return_state: also return the final state.
+
+    Returns:
+        ``out`` (v's shape, q's dtype), or ``(out, state)`` when ``return_state``; gradients flow
+        from both to q, k, v and ``initial_state``.
+    """
+    out, state = ops.linear_attn(q, k, v, initial_state, cu_seqlens, feature_map, bool(causal),
+                                 bool(normalize))
+    return (out, state) if return_state else out
