@@ -34,7 +34,10 @@ void dispatch(const AttnParams& p, c10::ScalarType dtype, const Launcher (&launc
   const bool bf16 = dtype == c10::kBFloat16;
   TORCH_CHECK(bf16 || dtype == c10::kHalf,
               "adaattn: tensor-core kernels take float16 or bfloat16, got ", dtype);
-  launchers[(bf16 ? 0 : 2) + (p.head_dim == 128 ? 1 : 0)](p);
+  // Work per tile is uniform unless exactly one side of the window is bounded (causal).
+  AttnParams ordered = p;
+  ordered.head_major = (p.window_left < 0) == (p.window_right < 0);
+  launchers[(bf16 ? 0 : 2) + (p.head_dim == 128 ? 1 : 0)](ordered);
 }
 
 }  // namespace

@@ -105,8 +105,9 @@ __device__ __forceinline__ void bwd_dkdv_block(const AttnParams& p, int block) {
   const int g = lane >> 2;
   const int t = lane & 3;
   const int bh_count = p.batch * p.heads_kv;
-  const int bh = block % bh_count;
-  const int n_block = block / bh_count;
+  const int n_blocks = (p.len_k + kBlockN - 1) / kBlockN;
+  const int bh = p.head_major ? block / n_blocks : block % bh_count;
+  const int n_block = p.head_major ? block % n_blocks : block / bh_count;
   const int b = bh / p.heads_kv;
   const int h_kv = bh % p.heads_kv;
   const int group = p.heads_q / p.heads_kv;
@@ -338,9 +339,10 @@ __device__ __forceinline__ void bwd_dq_block(const AttnParams& p, int block) {
   const int lane = tid % 32;
   const int g = lane >> 2;
   const int bh_count = p.batch * p.heads_q;
-  const int bh = block % bh_count;
   const int num_m_blocks = (p.len_q + kBlockM - 1) / kBlockM;
-  const int m_block = num_m_blocks - 1 - block / bh_count;
+  const int bh = p.head_major ? block / num_m_blocks : block % bh_count;
+  const int m_block =
+      num_m_blocks - 1 - (p.head_major ? block % num_m_blocks : block / bh_count);
   const int b = bh / p.heads_q;
   const int h = bh % p.heads_q;
   const int h_kv = h / (p.heads_q / p.heads_kv);

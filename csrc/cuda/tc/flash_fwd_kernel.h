@@ -164,9 +164,10 @@ __global__ void __launch_bounds__(Traits::kThreads)
   const int lane = tid % 32;
   // Heavy (late, under causal) query tiles first: the slowest index walks tiles backwards.
   const int bh_count = p.batch * p.heads_q;
-  const int bh = blockIdx.x % bh_count;
   const int num_m_blocks = (p.len_q + kBlockM - 1) / kBlockM;
-  const int m_block = num_m_blocks - 1 - blockIdx.x / bh_count;
+  const int bh = p.head_major ? blockIdx.x / num_m_blocks : blockIdx.x % bh_count;
+  const int m_block = num_m_blocks - 1 -
+                      (p.head_major ? blockIdx.x % num_m_blocks : blockIdx.x / bh_count);
   const int b = bh / p.heads_q;
   const int h = bh % p.heads_q;
   const int h_kv = h / (p.heads_q / p.heads_kv);
