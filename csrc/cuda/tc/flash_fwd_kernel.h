@@ -162,7 +162,8 @@ __global__ void __launch_bounds__(Traits::kThreads)
   const int tid = threadIdx.x;
   const int warp = tid / 32;
   const int lane = tid % 32;
-  // Heavy (late, under causal) query tiles first: the slowest index walks tiles backwards.
+  // CTA order (AttnParams::head_major): head by head, or the heavy (late, under causal) query
+  // tiles of every head first; either way query tiles are walked backwards.
   const int bh_count = p.batch * p.heads_q;
   const int num_m_blocks = (p.len_q + kBlockM - 1) / kBlockM;
   const int bh = p.head_major ? blockIdx.x / num_m_blocks : blockIdx.x % bh_count;
