@@ -12,58 +12,15 @@
 
 #include "../core/mask.h"
 #include "../flash_api.h"
+#include "tile_ops.h"
 
 namespace adaattn {
 namespace {
 
-constexpr int kBlockM = 64;  // query rows per task (forward, backward dq pass)
-constexpr int kBlockN = 64;  // keys per tile
-
-// One [B, H, L, D] operand: base pointer and element strides.
-template <typename T>
-struct Operand {
-  T* base;
-  int64_t batch_stride, head_stride, row_stride;
-
-  T* row(int b, int h, int i) const {
-    return base + b * batch_stride + h * head_stride + i * row_stride;
-  }
-};
-
-template <typename T>
-constexpr T neg_inf() {
-  return -std::numeric_limits<T>::infinity();
-}
+using namespace cpu;
 
 int64_t row_index(const AttnParams& p, int b, int h, int i) {
   return (static_cast<int64_t>(b) * p.heads_q + h) * p.len_q + i;
-}
-
-// Copies keys [n0, n0 + cols) of one head into tile[d * kBlockN + c].
-template <typename T>
-void load_transposed(const Operand<const T>& src, int b, int h, int n0, int cols, int dim,
-                     T* __restrict__ tile) {
-  for (int c = 0; c < cols; ++c) {
-    const T* __restrict__ src_row = src.row(b, h, n0 + c);
-    for (int d = 0; d < dim; ++d) tile[d * kBlockN + c] = src_row[d];
-  }
-}
-
-// out[c] = x . tile[:, c] for c in [c0, c1).
-template <typename T>
-void dot_tile(const T* __restrict__ x, const T* __restrict__ tile, int dim, int c0, int c1,
-              T* __restrict__ out) {
-  std::fill(out + c0, out + c1, T(0));
-  for (int d = 0; d < dim; ++d) {
-    const T xd = x[d];
-    const T* __restrict__ tile_row = tile + d * kBlockN;
-    for (int c = c0; c < c1; ++c) out[c] += xd * tile_row[c];
-  }
-}
-
-template <typename T>
-void axpy(T a, const T* __restrict__ x, T* __restrict__ y, int dim) {
-  for (int d = 0; d < dim; ++d) y[d] += a * x[d];
 }
 
 template <typename T>

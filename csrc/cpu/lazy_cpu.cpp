@@ -26,61 +26,19 @@
 
 #include "../core/mask.h"
 #include "../lazy_api.h"
+#include "tile_ops.h"
 
 namespace adaattn {
 namespace {
 
-constexpr int kBlockM = 64;  // query rows per task (forward, backward dq pass)
-constexpr int kBlockN = 64;  // keys per tile
+using namespace cpu;
+
 // A dk/dv task that also accumulates dbias keeps one partial table of min(W, Lk) entries per
 // query head; it covers enough key tiles that the tables hold at most about this many entries
 // per key, so their memory stays O(L) even when W >= L.
 constexpr int kBiasEntriesPerKey = 8;
 
 int ceil_div(int a, int b) { return (a + b - 1) / b; }
-
-// One [B, H, L, D] operand: base pointer and element strides.
-template <typename T>
-struct Operand {
-  T* base;
-  int64_t batch_stride, head_stride, row_stride;
-
-  T* row(int b, int h, int i) const {
-    return base + b * batch_stride + h * head_stride + i * row_stride;
-  }
-};
-
-template <typename T>
-constexpr T neg_inf() {
-  return -std::numeric_limits<T>::infinity();
-}
-
-// Copies keys [n0, n0 + cols) of one head into tile[d * kBlockN + c].
-template <typename T>
-void load_transposed(const Operand<const T>& src, int b, int h, int n0, int cols, int dim,
-                     T* __restrict__ tile) {
-  for (int c = 0; c < cols; ++c) {
-    const T* __restrict__ src_row = src.row(b, h, n0 + c);
-    for (int d = 0; d < dim; ++d) tile[d * kBlockN + c] = src_row[d];
-  }
-}
-
-// out[c] = x . tile[:, c] for c in [c0, c1).
-template <typename T>
-void dot_tile(const T* __restrict__ x, const T* __restrict__ tile, int dim, int c0, int c1,
-              T* __restrict__ out) {
-  std::fill(out + c0, out + c1, T(0));
-  for (int d = 0; d < dim; ++d) {
-    const T xd = x[d];
-    const T* __restrict__ tile_row = tile + d * kBlockN;
-    for (int c = c0; c < c1; ++c) out[c] += xd * tile_row[c];
-  }
-}
-
-template <typename T>
-void axpy(T a, const T* __restrict__ x, T* __restrict__ y, int dim) {
-  for (int d = 0; d < dim; ++d) y[d] += a * x[d];
-}
 
 // max(0, w) that keeps a NaN (as torch.clamp does) instead of hiding it as a zero weight.
 template <typename T>
