@@ -1,11 +1,12 @@
-"""adaattn quickstart: flash and lazy attention forward+backward, checked and timed.
+"""adaattn quickstart: flash, lazy and linear attention forward+backward, checked and timed.
 
 Picks CUDA (bfloat16) when a GPU is present, else the CPU (float32). Runs adaattn.flash_attn
 forward and backward on a causal problem, checks the output and gradients against the float64
 reference with the spec's tolerance (§4), and times it against F.scaled_dot_product_attention.
 Then does the same for adaattn.lazy_attn (tau = -1, a 512-entry bias table), checked with the
 rule "max error <= 2x that of the eager reference run in the same dtype" and timed against
-that eager PyTorch implementation (there is no fused PyTorch lazy attention to compare with).
+that eager PyTorch implementation (there is no fused PyTorch lazy attention to compare with),
+and the same for adaattn.linear_attn (causal, elu + 1, normalised) against its eager reference.
 
     python examples/quickstart.py
 """
@@ -97,27 +98,46 @@ def lazy_inputs(b, h, d, device):
     return tau, bias
 
 
-def lazy_check(q, k, v, tau, bias, dout):
-    """Output and all five gradients against float64, 2x the same-dtype eager error."""
-    def run(dtype, fn):
-        ins = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
-        params = [t.detach().requires_grad_() for t in (tau, bias)]
-        out = fn(*ins, *params)
-        return (out.detach(),) + torch.autograd.grad(out, ins + params, dout.to(dtype))
+def run_with_grads(fn, tensors, dout, dtype):
+    """Output of ``fn`` and its gradients for every tensor; floating inputs of 4 dims (q, k, v)
+    are cast to ``dtype``, parameters keep theirs."""
+    ins = [t.detach().to(dtype) if t.dim() == 4 else t.detach() for t in tensors]
+    ins = [t.requires_grad_() for t in ins]
+    out = fn(*ins)
+    return (out.detach(),) + torch.autograd.grad(out, ins, dout.to(dtype))
 
-    def ref(upcast):
-        return lambda q, k, v, tau, bias: reference.lazy_attn(q, k, v, tau, bias,
-                                                              upcast=upcast)[0]
-    ours_res = run(q.dtype, lambda *a: adaattn.lazy_attn(*a))
-    exact = run(torch.float64, ref(True))
-    same_dtype = run(q.dtype, ref(False))
-    for name, a, e, r in zip(("out", "dq", "dk", "dv", "dtau", "dbias"), ours_res, exact,
-                             same_dtype):
+
+def rule_check(names, ours, exact, same_dtype):
+    """Max error <= 2x that of the eager reference in the same dtype (+ 1e-5), vs float64."""
+    for name, a, e, r in zip(names, ours, exact, same_dtype):
         a, e, r = a.double(), e.double(), r.double()
         rel = ((a - e).norm() / e.norm()).item()
         err, bar = (a - e).abs().max().item(), 2 * (r - e).abs().max().item() + 1e-5
         print(f"  {name}: relative error {rel:.2e}  (checked: {err:.2e} <= {bar:.2e})")
         assert err <= bar, f"{name} misses the tolerance"
+
+
+def lazy_check(q, k, v, tau, bias, dout):
+    """Output and all five gradients against float64, 2x the same-dtype eager error."""
+    def ref(upcast):
+        return lambda q, k, v, tau, bias: reference.lazy_attn(q, k, v, tau, bias,
+                                                              upcast=upcast)[0]
+    tensors = (q, k, v, tau, bias)
+    rule_check(("out", "dq", "dk", "dv", "dtau", "dbias"),
+               run_with_grads(adaattn.lazy_attn, tensors, dout, q.dtype),
+               run_with_grads(ref(True), tensors, dout, torch.float64),
+               run_with_grads(ref(False), tensors, dout, q.dtype))
+
+
+def linear_check(q, k, v, dout):
+    """Causal linear attention (elu + 1, normalised): output and gradients, same rule."""
+    def ref(q, k, v):
+        return reference.linear_attn(q, k, v)[0]
+    tensors = (q, k, v)
+    rule_check(("out", "dq", "dk", "dv"),
+               run_with_grads(adaattn.linear_attn, tensors, dout, q.dtype),
+               run_with_grads(ref, tensors, dout, torch.float64),
+               run_with_grads(ref, tensors, dout, q.dtype))
 
 
 def print_times(rows, inputs, dout, device):
@@ -150,6 +170,15 @@ def main():
     print_times((("adaattn.lazy_attn", adaattn.lazy_attn),
                  ("eager PyTorch (reference)",
                   lambda *a: reference.lazy_attn(*a, upcast=False)[0])),
+                inputs, dout, device)
+
+    # Linear attention (fp16/bf16 still run the exact kernel in fp32; see README).
+    print(f"\nlinear attention: device {device}, {dtype}, B=1 H={h} L={length} D={d}, causal, "
+          f"elu + 1, normalised")
+    linear_check(q, k, v, dout)
+    inputs = [t.detach().requires_grad_() for t in (q, k, v)]
+    print_times((("adaattn.linear_attn", adaattn.linear_attn),
+                 ("eager PyTorch (reference)", lambda *a: reference.linear_attn(*a)[0])),
                 inputs, dout, device)
 
 
