@@ -177,21 +177,14 @@ __device__ __forceinline__ void bwd_dkdv_block(const AttnParams& p, int block) {
     float st[MI][NT][4];
     zero(st);
     warp_gemm_nt<MI, NT, D>(st, sK, warp_row0, sQ(buf), 0, lane);
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+      for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) st[mi][ni][e] *= p.scale_log2;
     if (kElastic && tile_meets_bias(p, m0, n0 + warp_row0 + 16 * MI - 1)) {
-#pragma unroll
-      for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-        for (int ni = 0; ni < NT; ++ni)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) st[mi][ni][e] *= p.scale_log2;
-      add_bias_keys(st, p, h, n0 + warp_row0, m0, lane);
-    } else {
-#pragma unroll
-      for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-        for (int ni = 0; ni < NT; ++ni)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) st[mi][ni][e] *= p.scale_log2;
+      add_bias<true>(st, p, h, n0 + warp_row0, m0, lane);
     }
     const bool full = tile_is_full(p, lens, m0, m0 + BM, n0 + warp_row0, n0 + warp_row0 + 16 * MI);
     float at[MI][NT][4];  // elastic weights A^T
@@ -419,7 +412,7 @@ __device__ __forceinline__ void bwd_dq_block(const AttnParams& p, int block) {
 #pragma unroll
           for (int e = 0; e < 4; ++e) s[mi][ni][e] = s[mi][ni][e] * p.scale_log2;
       if (kElastic && tile_meets_bias(p, m0 + warp_row0, n0 + BN - 1)) {
-        add_bias_rows(s, p, h, m0 + warp_row0, n0, lane);
+        add_bias<false>(s, p, h, m0 + warp_row0, n0, lane);
       }
       if (!full) mask_scores(s, rr, n0, lane);
       // P, and the elastic live mask M (as the weight a > 0) kept in `live`.

@@ -225,7 +225,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
 #pragma unroll
         for (int e = 0; e < 4; ++e) s[mi][ni][e] *= p.scale_log2;
     if (kElastic && tile_meets_bias(p, m0 + warp_row0, n0 + BN - 1)) {
-      add_bias_rows(s, p, h, m0 + warp_row0, n0, lane);
+      add_bias<false>(s, p, h, m0 + warp_row0, n0, lane);
     }
     if (!tile_is_full(p, lens, m0 + warp_row0, m0 + warp_row0 + 16 * MI, n0, n0 + BN)) {
       mask_scores(s, rr, n0, lane);

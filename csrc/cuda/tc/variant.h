@@ -28,11 +28,13 @@ __device__ __forceinline__ bool tile_meets_bias(const AttnParams& p, int first_r
   return lazy_position(p, first_row) - last_key < p.bias_window;
 }
 
-// Adds the distance bias (in log2 units) to score fragments laid out [rows][keys]: fragment
-// element (mi, ni, e) is row row0 + mi*16 + g + 8*(e/2), key n0 + ni*8 + 2t + e%2.
-template <int MI, int NT>
-__device__ __forceinline__ void add_bias_rows(float (&s)[MI][NT][4], const AttnParams& p, int h,
-                                              int row0, int n0, int lane) {
+// Adds the distance bias (in log2 units) to score fragments. kKeyRows = false: fragments laid
+// out [rows][keys] (S), element (mi, ni, e) is row r0 + mi*16 + g + 8*(e/2), key
+// c0 + ni*8 + 2t + e%2. kKeyRows = true: laid out [keys][rows] (S^T in the dK/dV pass), element
+// (mi, ni, e) is key r0 + mi*16 + g + 8*(e/2), row c0 + ni*8 + 2t + e%2.
+template <bool kKeyRows, int MI, int NT>
+__device__ __forceinline__ void add_bias(float (&s)[MI][NT][4], const AttnParams& p, int h,
+                                         int r0, int c0, int lane) {
   const float* bias = p.bias + static_cast<int64_t>(h) * p.bias_window;
   const int g = lane >> 2, t = lane & 3;
 #pragma unroll
@@ -41,28 +43,11 @@ __device__ __forceinline__ void add_bias_rows(float (&s)[MI][NT][4], const AttnP
     for (int ni = 0; ni < NT; ++ni)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int d = lazy_position(p, row0 + mi * 16 + g + 8 * (e >> 1)) -
-                      (n0 + ni * 8 + 2 * t + (e & 1));
+        const int frag_row = r0 + mi * 16 + g + 8 * (e >> 1);
+        const int frag_col = c0 + ni * 8 + 2 * t + (e & 1);
+        const int d = kKeyRows ? lazy_position(p, frag_col) - frag_row
+                               : lazy_position(p, frag_row) - frag_col;
         if (d >= 0 && d < p.bias_window) s[mi][ni][e] += __ldg(bias + d) * float(M_LOG2E);
-      }
-}
-
-// Same for transposed fragments laid out [keys][rows] (S^T in the dK/dV pass): element
-// (mi, ni, e) is key n0 + mi*16 + g + 8*(e/2), row m0 + ni*8 + 2t + e%2.
-template <int MI, int NT>
-__device__ __forceinline__ void add_bias_keys(float (&st)[MI][NT][4], const AttnParams& p, int h,
-                                              int n0, int m0, int lane) {
-  const float* bias = p.bias + static_cast<int64_t>(h) * p.bias_window;
-  const int g = lane >> 2, t = lane & 3;
-#pragma unroll
-  for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-    for (int ni = 0; ni < NT; ++ni)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int d = lazy_position(p, m0 + ni * 8 + 2 * t + (e & 1)) -
-                      (n0 + mi * 16 + g + 8 * (e >> 1));
-        if (d >= 0 && d < p.bias_window) st[mi][ni][e] += __ldg(bias + d) * float(M_LOG2E);
       }
 }
 
