@@ -23,31 +23,37 @@ _load_library()
 ops = torch.ops.adaattn
 
 
+def _lse_fake(q, packed):
+    """lse: ``[B, Hq, Lq]``, packed ``[Hq, Tq]``."""
+    shape = (q.shape[1], q.shape[0]) if packed else q.shape[:3]
+    return q.new_empty(shape, dtype=torch.float32)
+
+
 @torch.library.register_fake("adaattn::flash_fwd")
-def _flash_fwd_fake(q, k, v, seqlens, softmax_scale, causal, window_left, window_right):
+def _flash_fwd_fake(q, k, v, seqlens, softmax_scale, causal, window_left, window_right,
+                    cu_seqlens_q=None, cu_seqlens_k=None):
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    lse = q.new_empty(q.shape[:3], dtype=torch.float32)
-    return out, lse
+    return out, _lse_fake(q, cu_seqlens_q is not None)
 
 
 @torch.library.register_fake("adaattn::flash_bwd")
 def _flash_bwd_fake(grad_out, q, k, v, out, lse, seqlens, softmax_scale, causal, window_left,
-                    window_right, deterministic):
+                    window_right, deterministic, cu_seqlens_q=None, cu_seqlens_k=None):
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             torch.empty_like(k, memory_format=torch.contiguous_format),
             torch.empty_like(v, memory_format=torch.contiguous_format))
 
 
 @torch.library.register_fake("adaattn::lazy_fwd")
-def _lazy_fwd_fake(q, k, v, tau, bias, seqlens, softmax_scale, return_stats):
+def _lazy_fwd_fake(q, k, v, tau, bias, seqlens, softmax_scale, return_stats, cu_seqlens=None):
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    lse = q.new_empty(q.shape[:3], dtype=torch.float32)
     stats = q.new_empty((4 if return_stats else 0,), dtype=torch.int64)
-    return out, lse, stats
+    return out, _lse_fake(q, cu_seqlens is not None), stats
 
 
 @torch.library.register_fake("adaattn::lazy_bwd")
-def _lazy_bwd_fake(grad_out, q, k, v, tau, bias, out, lse, seqlens, softmax_scale, param_grads):
+def _lazy_bwd_fake(grad_out, q, k, v, tau, bias, out, lse, seqlens, softmax_scale, param_grads,
+                   cu_seqlens=None):
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             torch.empty_like(k, memory_format=torch.contiguous_format),
             torch.empty_like(v, memory_format=torch.contiguous_format),

@@ -49,3 +49,43 @@ def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: boo
     out, lse = ops.flash_attn(q, k, v, seqlens, softmax_scale, bool(causal), left, right,
                               bool(deterministic))
     return (out, lse) if return_lse else out
+
+
+def flash_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                      max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None, *,
+                      causal: bool = False, softmax_scale: Optional[float] = None,
+                      window: Window = (-1, -1), return_lse: bool = False,
+                      deterministic: bool = False
+                      ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    """Flash attention over packed variable-length sequences (no padding, no work on padding).
+
+    Sequence ``n`` owns query rows ``cu_seqlens_q[n]:cu_seqlens_q[n + 1]`` and key rows
+    ``cu_seqlens_k[n]:cu_seqlens_k[n + 1]``; it attends only to its own keys, with causal and
+    window limits bottom-right aligned per sequence (``Tq != Tk`` per sequence works: cross
+    attention, decoding against a cache). Zero-length sequences are allowed.
+
+    Args:
+        q: ``[Tq, Hq, D]`` (any strides with a contiguous last dim).
+        k: ``[Tk, Hkv, D]`` with ``Hq % Hkv == 0``.
+        v: ``[Tk, Hkv, D]``.
+        cu_seqlens_q: int32 ``[N + 1]`` on q's device: 0, non-decreasing, ending at ``Tq``.
+        cu_seqlens_k: int32 ``[N + 1]``, ending at ``Tk``.
+        max_seqlen_q, max_seqlen_k: accepted for flash-attn compatibility and unused: the
+            kernels size their grids from the token count (no host synchronisation, no
+            recompilation when the packing changes).
+        causal, softmax_scale, window, deterministic: as in :func:`flash_attn`.
+        return_lse: also return the float32 log-sum-exp ``[Hq, Tq]``.
+
+    ``cu_seqlens`` values are validated on the CPU; on CUDA that would cost a device sync, so it
+    happens only with ``ADAATTN_CHECK_INPUTS=1``; either way the kernels clamp them to the
+    tensors, so a malformed one never reads out of bounds.
+
+    Returns:
+        ``out [Tq, Hq, D]``, and ``lse [Hq, Tq]`` when ``return_lse``.
+    """
+    del max_seqlen_q, max_seqlen_k
+    left, right = _window_pair(window)
+    out, lse = ops.flash_attn(q, k, v, None, softmax_scale, bool(causal), left, right,
+                              bool(deterministic), cu_seqlens_q, cu_seqlens_k)
+    return (out, lse) if return_lse else out

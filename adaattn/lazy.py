@@ -69,6 +69,42 @@ def lazy_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tau: torch.Tens
     """
     out, lse, counts = ops.lazy_attn(q, k, v, tau, bias, seqlens, softmax_scale,
                                      bool(return_stats))
+    return _results(out, lse, counts, return_lse, return_stats)
+
+
+def lazy_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     cu_seqlens: torch.Tensor, tau: torch.Tensor, bias: torch.Tensor,
+                     max_seqlen: Optional[int] = None, *, softmax_scale: Optional[float] = None,
+                     return_lse: bool = False, return_stats: bool = False
+                     ) -> Union[torch.Tensor, Tuple[torch.Tensor, ...]]:
+    """Lazy attention over packed variable-length sequences (see :func:`lazy_attn`).
+
+    Sequence ``n`` owns rows ``cu_seqlens[n]:cu_seqlens[n + 1]`` of q, k and v (causal
+    self-attention), and the position ``i`` restarts at 0 in every sequence, so the bias
+    distance ``i - j`` and the shift ``tau / (i + 1)`` are those of the sequence alone.
+
+    Args:
+        q: ``[T, Hq, D]`` (any strides with a contiguous last dim).
+        k, v: ``[T, Hkv, D]`` with ``Hq % Hkv == 0``.
+        cu_seqlens: int32 ``[N + 1]`` on q's device: 0, non-decreasing, ending at ``T``
+            (validated on the CPU, and on CUDA with ``ADAATTN_CHECK_INPUTS=1``; the kernels
+            clamp it either way).
+        tau: float32 ``[Hq]``; bias: float32 ``[Hq, W]``.
+        max_seqlen: accepted and unused (grids are sized from the token count; no host sync).
+        softmax_scale, return_stats: as in :func:`lazy_attn`.
+        return_lse: also return the float32 log-sum-exp ``[Hq, T]``.
+
+    Returns:
+        ``out [T, Hq, D]`` alone, or ``(out[, lse][, stats])``. Gradients flow to q, k, v, tau
+        and bias.
+    """
+    del max_seqlen
+    out, lse, counts = ops.lazy_attn(q, k, v, tau, bias, None, softmax_scale, bool(return_stats),
+                                     cu_seqlens)
+    return _results(out, lse, counts, return_lse, return_stats)
+
+
+def _results(out, lse, counts, return_lse, return_stats):
     if not (return_lse or return_stats):
         return out
     result = (out, lse) if return_lse else (out,)

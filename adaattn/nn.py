@@ -4,14 +4,16 @@ from typing import Optional, Tuple
 import torch
 from torch import nn
 
-from .flash import flash_attn
+from .flash import flash_attn, flash_attn_varlen
 
 
 class FlashSelfAttention(nn.Module):
     """Multi-head self-attention (GQA-capable) with fused q/k/v projections and flash attention.
 
     Input ``x [B, L, E]``, output ``[B, L, E]``. Heads are viewed as ``(B, L, H, D)`` and passed
-    transposed, so no copy is made for the attention call.
+    transposed, so no copy is made for the attention call. Packed batches: ``x [T, E]`` with
+    int32 ``cu_seqlens [N + 1]`` (documents never attend to each other; see
+    :func:`adaattn.flash_attn_varlen`).
 
     Args:
         embed_dim: model width ``E``.
@@ -37,11 +39,22 @@ class FlashSelfAttention(nn.Module):
         self.qkv = nn.Linear(embed_dim, (num_heads + 2 * num_kv_heads) * self.head_dim, bias=bias)
         self.proj = nn.Linear(embed_dim, embed_dim, bias=bias)
 
-    def forward(self, x: torch.Tensor, seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """x ``[B, L, E]`` (optional int32 ``seqlens [B]`` for right padding) -> ``[B, L, E]``."""
-        batch, length, _ = x.shape
+    def forward(self, x: torch.Tensor, seqlens: Optional[torch.Tensor] = None,
+                cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x ``[B, L, E]`` (optional int32 ``seqlens [B]`` for right padding) -> ``[B, L, E]``;
+        or packed x ``[T, E]`` with int32 ``cu_seqlens [N + 1]`` -> ``[T, E]``."""
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         q, k, v = self.qkv(x).split([hq * d, hkv * d, hkv * d], dim=-1)
+        if cu_seqlens is not None:
+            if x.dim() != 2 or seqlens is not None:
+                raise ValueError("packed input is x [T, E] with cu_seqlens and no seqlens, got "
+                                 f"x of shape {tuple(x.shape)}")
+            total = x.shape[0]
+            out = flash_attn_varlen(q.view(total, hq, d), k.view(total, hkv, d),
+                                    v.view(total, hkv, d), cu_seqlens, cu_seqlens,
+                                    causal=self.causal, window=self.window)
+            return self.proj(out.reshape(total, hq * d))
+        batch, length, _ = x.shape
         q = q.view(batch, length, hq, d).transpose(1, 2)
         k = k.view(batch, length, hkv, d).transpose(1, 2)
         v = v.view(batch, length, hkv, d).transpose(1, 2)
@@ -59,6 +72,9 @@ class LazyAttention(nn.Module):
 
         s_ij = scale * q_i.k_j + (bias[h, i - j] if i - j < window else 0)     (j <= i)
         o_i  = sum_j max(0, softmax_j(s_ij) + tau[h] / (i + 1)) v_j
+
+    Packed batches: ``q [T, Hq, D]``, ``k, v [T, Hkv, D]`` with int32 ``cu_seqlens [N + 1]``
+    (positions restart in every sequence; see :func:`adaattn.lazy_attn_varlen`).
 
     Parameters (always float32): ``tau [num_heads]`` (initialised to ``tau_init``; negative
     values zero out weak attention weights) and ``bias [num_heads, window]`` (zeros).
@@ -99,14 +115,18 @@ class LazyAttention(nn.Module):
         return f"num_heads={self.num_heads}, window={self.window}, tau_init={self.tau_init}"
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
+                seqlens: Optional[torch.Tensor] = None,
+                cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
         """q ``[B, Hq, Lq, D]``, k/v ``[B, Hkv, Lk, D]`` (optional int32 ``seqlens [B]`` for
-        right padding) -> ``[B, Hq, Lq, D]``."""
+        right padding) -> ``[B, Hq, Lq, D]``; packed: q ``[T, Hq, D]``, k/v ``[T, Hkv, D]``
+        with int32 ``cu_seqlens [N + 1]`` -> ``[T, Hq, D]``."""
         # Looked up at call time: adaattn/__init__.py imports this module before the op.
         import adaattn
 
-        if q.dim() != 4 or q.shape[1] != self.num_heads:
-            raise ValueError(f"q must be [B, {self.num_heads}, Lq, D] (num_heads="
+        packed = cu_seqlens is not None
+        if q.dim() != (3 if packed else 4) or q.shape[1] != self.num_heads:
+            layout = "[T, {h}, D] (packed)" if packed else "[B, {h}, Lq, D]"
+            raise ValueError(f"q must be {layout.format(h=self.num_heads)} (num_heads="
                              f"{self.num_heads}), got shape {tuple(q.shape)}")
         device_type = q.device.type
         if torch.is_autocast_enabled(device_type):
@@ -116,6 +136,12 @@ class LazyAttention(nn.Module):
         # (now or registered later for the op) lowers them, and .float() keeps a module that was
         # cast with .to(bfloat16) working (a no-op for float32 parameters).
         with torch.autocast(device_type, enabled=False):
+            if packed:
+                if seqlens is not None:
+                    raise ValueError("seqlens (padding) and cu_seqlens (packing) exclude each other")
+                return adaattn.lazy_attn_varlen(q, k, v, cu_seqlens, self.tau.float(),
+                                                self.bias.float(),
+                                                softmax_scale=self.softmax_scale)
             return adaattn.lazy_attn(q, k, v, self.tau.float(), self.bias.float(),
                                      softmax_scale=self.softmax_scale, seqlens=seqlens)
 

@@ -178,6 +178,52 @@ _FEATURE_MAPS = {
 }
 
 
+def _packed_per_sequence(fn, q, k, v, cu_seqlens_q, cu_seqlens_k):
+    """Runs ``fn(q_n, k_n, v_n) -> (out_n [1, Hq, Lq_n, D], lse_n [1, Hq, Lq_n])`` on every packed
+    sequence (``[T, H, D]`` slices moved to ``[1, H, L, D]``) and packs the results back:
+    ``(out [Tq, Hq, D], lse [Hq, Tq])``."""
+    bounds_q = cu_seqlens_q.tolist()
+    bounds_k = cu_seqlens_k.tolist()
+    outs, lses = [], []
+    for n in range(len(bounds_q) - 1):
+        sq = slice(bounds_q[n], bounds_q[n + 1])
+        sk = slice(bounds_k[n], bounds_k[n + 1])
+        out, lse = fn(q[sq].transpose(0, 1).unsqueeze(0), k[sk].transpose(0, 1).unsqueeze(0),
+                      v[sk].transpose(0, 1).unsqueeze(0))
+        outs.append(out[0].transpose(0, 1))
+        lses.append(lse[0])
+    if not outs:
+        return q.new_zeros(q.shape), q.new_full((q.shape[1], q.shape[0]), float("-inf"),
+                                                dtype=torch.float32)
+    return torch.cat(outs, dim=0), torch.cat(lses, dim=1)
+
+
+def flash_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, *,
+                      causal: bool = False, softmax_scale: Optional[float] = None,
+                      window=(-1, -1)) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Packed flash attention as one :func:`flash_attn` call per sequence. q ``[Tq, Hq, D]``,
+    k/v ``[Tk, Hkv, D]``, cu_seqlens int32 ``[N + 1]``. Returns ``(out [Tq, Hq, D],
+    lse [Hq, Tq] float32)``."""
+    return _packed_per_sequence(
+        lambda qn, kn, vn: flash_attn(qn, kn, vn, causal=causal, softmax_scale=softmax_scale,
+                                      window=window),
+        q, k, v, cu_seqlens_q, cu_seqlens_k)
+
+
+def lazy_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                     tau: torch.Tensor, bias: torch.Tensor, *,
+                     softmax_scale: Optional[float] = None,
+                     upcast: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Packed lazy attention as one :func:`lazy_attn` call per sequence (positions restart at 0
+    in every sequence). q ``[T, Hq, D]``, k/v ``[T, Hkv, D]``, cu_seqlens int32 ``[N + 1]``.
+    Returns ``(out [T, Hq, D], lse [Hq, T] float32)``."""
+    return _packed_per_sequence(
+        lambda qn, kn, vn: lazy_attn(qn, kn, vn, tau, bias, softmax_scale=softmax_scale,
+                                     upcast=upcast),
+        q, k, v, cu_seqlens, cu_seqlens)
+
+
 def _linear_prepare(q, k, v, feature_map, normalize, initial_state):
     """phi(q), phi(k), [v | 1] and the initial state (zeros when absent) in q's dtype, for one
     dense batch ``[B, H, T, *]``."""

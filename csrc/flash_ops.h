@@ -7,6 +7,7 @@
 #include <cmath>
 #include <optional>
 #include <tuple>
+#include <vector>
 
 #include "core/params.h"
 
@@ -24,17 +25,32 @@ FlashOptions resolve_flash_options(const at::Tensor& q, std::optional<double> so
                                    bool causal, int64_t window_left, int64_t window_right,
                                    bool deterministic);
 
-// Validates q, k, v, seqlens (names the offending argument on failure).
+// Validates q, k, v, seqlens and the packed layout's cu_seqlens (names the offending argument on
+// failure). Dense q/k/v are [B, H, L, D]; with cu_seqlens_q/k they are packed [T, H, D].
+// cu_seqlens values are checked on the CPU, and on CUDA only with ADAATTN_CHECK_INPUTS=1 (it
+// costs a device sync); the kernels clamp them so a bad one never reads out of bounds.
 void check_flash_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                        const std::optional<at::Tensor>& seqlens);
+                        const std::optional<at::Tensor>& seqlens,
+                        const std::optional<at::Tensor>& cu_seqlens_q,
+                        const std::optional<at::Tensor>& cu_seqlens_k);
+
+// Nothing for a kernel to do: no query rows, or a packed batch of zero sequences.
+inline bool no_rows(const at::Tensor& q, const std::optional<at::Tensor>& cu_seqlens_q) {
+  return q.numel() == 0 || (cu_seqlens_q.has_value() && cu_seqlens_q->size(0) == 1);
+}
+
+// Shape of lse: [B, Hq, Lq], packed [Hq, Tq].
+std::vector<int64_t> lse_shape(const at::Tensor& q, bool packed);
 
 // Validates dout/out/lse against q for the backward op.
 void check_flash_bwd_inputs(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& out,
-                            const at::Tensor& lse);
+                            const at::Tensor& lse, bool packed);
 
 // Fills sizes, strides, pointers and mask/math fields shared by forward and backward.
 AttnParams make_params(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                       const std::optional<at::Tensor>& seqlens, const FlashOptions& opt);
+                       const std::optional<at::Tensor>& seqlens,
+                       const std::optional<at::Tensor>& cu_seqlens_q,
+                       const std::optional<at::Tensor>& cu_seqlens_k, const FlashOptions& opt);
 
 void set_fwd_outputs(AttnParams& p, at::Tensor& out, at::Tensor& lse);
 void set_bwd_tensors(AttnParams& p, const at::Tensor& dout, const at::Tensor& out,

@@ -289,8 +289,8 @@ class LinearAttnFunction : public torch::autograd::Function<LinearAttnFunction> 
     const auto saved = ctx->get_saved_variables();
     const at::Tensor& v = saved[2];
     at::Tensor dout = grads[0];
-    if (!dout.defined()) dout = at::zeros(v.sizes(), v.options());
-    if (dout.size(-1) > 0 && dout.stride(-1) != 1) dout = dout.contiguous();
+    if (!dout.defined()) dout = at::zeros_like(v);
+    if (dout.sym_stride(-1) != 1) dout = dout.contiguous();  // sym_: no shape guards
     static auto bwd = c10::Dispatcher::singleton()
                           .findSchemaOrThrow("adaattn::linear_bwd", "")
                           .typed<LinearBwdSig>();

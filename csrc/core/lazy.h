@@ -3,7 +3,7 @@
 // window (-1, 0).
 //   score modifier:  s_ij += bias[h, i - j] when 0 <= i - j < W (beyond the table: + 0)
 //   transform:       a_ij = max(0, p_ij + tau_h / (i + 1)), p = softmax_j(s)
-// where i = r + Lk - Lq is the position of query row r.
+// where i = r + Lk - Lq is the position of query row r within its sequence.
 #pragma once
 
 #include "mask.h"
@@ -11,7 +11,7 @@
 
 namespace adaattn {
 
-ADAATTN_HD int lazy_position(const AttnParams& p, int row) { return row + p.len_k - p.len_q; }
+ADAATTN_HD int lazy_position(const SeqLens& lens, int row) { return row + lens.shift; }
 
 // Distance bias of (position i, key j); 0 outside the table.
 ADAATTN_HD float lazy_bias(const AttnParams& p, int h, int i, int j) {

@@ -1,19 +1,14 @@
 // Mask policy: which keys a query row may attend to.
 //
-// Every mask of the flash family (causal, sliding window, right-padded `seqlens`, and later
-// varlen) is a contiguous key range [lo, hi) per query row whose ends never decrease as the row
+// Every mask of the flash family (causal, sliding window, right-padded `seqlens`, packed
+// sequences) is a contiguous key range [lo, hi) per query row whose ends never decrease as the row
 // grows. Kernels only rely on that monotonicity: a tile of rows [m0, m1) needs key tiles
 // covering [range(m0).lo, range(m1 - 1).hi), and a (row tile, key tile) pair needs no
 // element-wise masking when it lies inside every row's range.
 #pragma once
 
 #include "params.h"
-
-#if defined(__CUDACC__)
-#define ADAATTN_HD __host__ __device__ __forceinline__
-#else
-#define ADAATTN_HD inline
-#endif
+#include "seq.h"
 
 namespace adaattn {
 
@@ -22,24 +17,11 @@ struct KeyRange {
   int hi;  // one past the last key; hi <= lo means the row sees nothing
 };
 
-// Valid (unpadded) lengths of one batch element.
-struct SeqLens {
-  int q;
-  int k;
-};
-
-ADAATTN_HD SeqLens seq_lens(const AttnParams& p, int b) {
-  if (p.seqlens == nullptr) return {p.len_q, p.len_k};
-  int s = p.seqlens[b];
-  s = s < 0 ? 0 : s;
-  return {s < p.len_q ? s : p.len_q, s < p.len_k ? s : p.len_k};
-}
-
 // Causal and window limits are relative to the bottom-right aligned diagonal
 // diag = row + (Lk - Lq) (flash-attn semantics).
 ADAATTN_HD KeyRange key_range(const AttnParams& p, SeqLens lens, int row) {
   if (row >= lens.q) return {0, 0};
-  const int diag = row + p.len_k - p.len_q;
+  const int diag = row + lens.shift;
   int lo = 0;
   int hi = lens.k;
   if (p.window_left >= 0) {

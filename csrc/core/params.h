@@ -18,7 +18,7 @@ struct AttnParams {
 
   // ---- forward outputs ------------------------------------------------------------------
   void* out;   // [B, Hq, Lq, D]
-  float* lse;  // [B, Hq, Lq] contiguous, natural log; -inf for a row that sees no key
+  float* lse;  // [B, Hq, Lq] (packed: [Hq, Tq]) contiguous, natural log; -inf: row sees no key
   int64_t o_batch_stride, o_head_stride, o_row_stride;
 
   // ---- backward inputs / outputs (unused by forward kernels) ----------------------------
@@ -30,7 +30,7 @@ struct AttnParams {
   int64_t dq_batch_stride, dq_head_stride, dq_row_stride;
   int64_t dk_batch_stride, dk_head_stride, dk_row_stride;
   int64_t dv_batch_stride, dv_head_stride, dv_row_stride;
-  float* delta;     // [B, Hq, Lq] contiguous scratch: rowsum(dO * O)
+  float* delta;     // lse-shaped scratch: rowsum(dO * O)
   float* dq_accum;  // fp32 scratch for kernels that accumulate dq across KV blocks (may be null)
 
   // ---- sizes ----------------------------------------------------------------------------
@@ -40,6 +40,12 @@ struct AttnParams {
   int len_q;     // Lq
   int len_k;     // Lk
   int head_dim;  // D (== Dv)
+
+  // ---- packed layout (see seq.h); null for the dense layout ------------------------------
+  // q/out/dout/dq are [Tq, Hq, D] and k/v/dk/dv [Tk, Hkv, D] (batch strides 0); batch is the
+  // number of sequences N, len_q/len_k are Tq/Tk, and lse/delta/row_g are [Hq, Tq].
+  const int* cu_seqlens_q;  // [N + 1] int32: sequence b owns rows [cu[b], cu[b + 1]) of q
+  const int* cu_seqlens_k;  // [N + 1] int32, for k/v
 
   // ---- mask (see mask.h) ----------------------------------------------------------------
   const int* seqlens;  // [B] int32 or null: rows/keys at or past seqlens[b] are padding
@@ -56,17 +62,18 @@ struct AttnParams {
   bool head_major;
 
   // ---- lazy attention (spec 3.2); unused by the flash family ----------------------------
-  // Causal (window_left = -1, window_right = 0). Query row r has position i = r + Lk - Lq.
+  // Causal (window_left = -1, window_right = 0). Query row r has position i = r + Lk - Lq of its
+  // sequence (packed: i = r, positions restart in every sequence).
   // s_ij = scale q_i.k_j + (0 <= i-j < W ? bias[h, i-j] : 0); a_ij = max(0, p_ij + tau_h/(i+1)).
   const float* tau;   // [Hq] float32
   const float* bias;  // [Hq, bias_window] float32, contiguous
   int bias_window;    // W >= 1
   // Backward: p.delta holds Delta_i = g_i.o_i - tau_h/(i+1) G_i (= sum_j M_ij p_ij dA_ij).
-  float* row_g;  // [B, Hq, Lq] scratch: G_i = sum_j M_ij dA_ij
+  float* row_g;  // lse-shaped scratch: G_i / (i + 1), G_i = sum_j M_ij dA_ij (dtau's terms)
   float* dtau;   // [Hq] float32 output, or null: skip the parameter gradients
   float* dbias;  // [Hq, W] float32 output; null exactly when dtau is null
   // Tensor-core backward scratch for a deterministic dbias: per-CTA partial sums, zeroed by the
-  // launcher (layout [B, Hq, key tiles, min(W, Lk)]).
+  // launcher (layout [Hq, key tile slots (seq.h tile_slots), min(W, Lk)]).
   float* dbias_partial;
   // Forward statistics, or null: int64 counters {zero weights, attended weights, skipped key
   // tiles, visited key tiles} of the weight pass (a tile is skipped when all its a_ij are 0).

@@ -19,10 +19,6 @@ namespace {
 
 using namespace cpu;
 
-int64_t row_index(const AttnParams& p, int b, int h, int i) {
-  return (static_cast<int64_t>(b) * p.heads_q + h) * p.len_q + i;
-}
-
 template <typename T>
 T dot(const T* __restrict__ x, const T* __restrict__ y, int dim) {
   T acc = 0;
@@ -62,15 +58,15 @@ void flash_fwd_impl(const AttnParams& p) {
   const int dim = p.head_dim;
   const int group = p.heads_q / p.heads_kv;
   const T scale = static_cast<T>(p.scale);
-  const Operand<const T> q{static_cast<const T*>(p.q), p.q_batch_stride, p.q_head_stride,
-                           p.q_row_stride};
-  const Operand<const T> k{static_cast<const T*>(p.k), p.k_batch_stride, p.k_head_stride,
-                           p.k_row_stride};
-  const Operand<const T> v{static_cast<const T*>(p.v), p.v_batch_stride, p.v_head_stride,
-                           p.v_row_stride};
-  const Operand<T> out{static_cast<T*>(p.out), p.o_batch_stride, p.o_head_stride,
-                       p.o_row_stride};
-  const int row_blocks = (p.len_q + kBlockM - 1) / kBlockM;
+  const Operand<const T> q_all{static_cast<const T*>(p.q), p.q_batch_stride, p.q_head_stride,
+                               p.q_row_stride};
+  const Operand<const T> k_all{static_cast<const T*>(p.k), p.k_batch_stride, p.k_head_stride,
+                               p.k_row_stride};
+  const Operand<const T> v_all{static_cast<const T*>(p.v), p.v_batch_stride, p.v_head_stride,
+                               p.v_row_stride};
+  const Operand<T> out_all{static_cast<T*>(p.out), p.o_batch_stride, p.o_head_stride,
+                           p.o_row_stride};
+  const int row_blocks = (max_entry_rows<false>(p) + kBlockM - 1) / kBlockM;
   const int64_t tasks = static_cast<int64_t>(p.batch) * p.heads_q * row_blocks;
 
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
@@ -84,8 +80,13 @@ void flash_fwd_impl(const AttnParams& p) {
       const int h = static_cast<int>((task / row_blocks) % p.heads_q);
       const int b = static_cast<int>(task / row_blocks / p.heads_q);
       const int g = h / group;
-      const int rows = std::min(kBlockM, p.len_q - m0);
       const SeqLens lens = seq_lens(p, b);
+      const int rows = std::min(kBlockM, lens.rows_q - m0);
+      if (rows <= 0) continue;
+      const auto q = q_all.shifted(lens.q_start);
+      const auto k = k_all.shifted(lens.k_start);
+      const auto v = v_all.shifted(lens.k_start);
+      const auto out = out_all.shifted(lens.q_start);
       for (int r = 0; r < rows; ++r) {
         ranges[r] = key_range(p, lens, m0 + r);
         row_max[r] = neg_inf<T>();
@@ -115,7 +116,7 @@ void flash_fwd_impl(const AttnParams& p) {
         const T* acc_row = acc.data() + static_cast<size_t>(r) * dim;
         const bool seen = row_sum[r] > T(0);
         for (int d = 0; d < dim; ++d) out_row[d] = seen ? acc_row[d] / row_sum[r] : T(0);
-        p.lse[row_index(p, b, h, m0 + r)] =
+        p.lse[row_stat_offset(p, lens, b, h) + m0 + r] =
             seen ? static_cast<float>(row_max[r] + std::log(row_sum[r])) : neg_inf<float>();
       }
     }
@@ -124,7 +125,7 @@ void flash_fwd_impl(const AttnParams& p) {
 
 // Backward. The float32 lse and delta of the op are too coarse for fp64 gradients, so pass 1
 // recomputes each row's log-sum-exp in T (in the same sweep that accumulates dq, rescaled like
-// the forward accumulator) and keeps it with Delta_i = dO_i . O_i in a [B*Hq*Lq][2] scratch.
+// the forward accumulator) and keeps it with Delta_i = dO_i . O_i in an lse-shaped [*][2] scratch.
 // Pass 2 owns dk/dv for a tile of keys of one kv head and sums over its group's query heads, so
 // no output element is written twice and the summation order is fixed.
 template <typename T>
@@ -132,26 +133,26 @@ void flash_bwd_impl(const AttnParams& p) {
   const int dim = p.head_dim;
   const int group = p.heads_q / p.heads_kv;
   const T scale = static_cast<T>(p.scale);
-  const Operand<const T> q{static_cast<const T*>(p.q), p.q_batch_stride, p.q_head_stride,
-                           p.q_row_stride};
-  const Operand<const T> k{static_cast<const T*>(p.k), p.k_batch_stride, p.k_head_stride,
-                           p.k_row_stride};
-  const Operand<const T> v{static_cast<const T*>(p.v), p.v_batch_stride, p.v_head_stride,
-                           p.v_row_stride};
-  const Operand<const T> out{static_cast<const T*>(p.out), p.o_batch_stride, p.o_head_stride,
-                             p.o_row_stride};
-  const Operand<const T> dout{static_cast<const T*>(p.dout), p.do_batch_stride,
-                              p.do_head_stride, p.do_row_stride};
-  const Operand<T> dq{static_cast<T*>(p.dq), p.dq_batch_stride, p.dq_head_stride,
-                      p.dq_row_stride};
-  const Operand<T> dk{static_cast<T*>(p.dk), p.dk_batch_stride, p.dk_head_stride,
-                      p.dk_row_stride};
-  const Operand<T> dv{static_cast<T*>(p.dv), p.dv_batch_stride, p.dv_head_stride,
-                      p.dv_row_stride};
-  // row_stats[2 * row] = log-sum-exp, row_stats[2 * row + 1] = Delta.
-  std::vector<T> row_stats(static_cast<size_t>(p.batch) * p.heads_q * p.len_q * 2);
+  const Operand<const T> q_all{static_cast<const T*>(p.q), p.q_batch_stride, p.q_head_stride,
+                               p.q_row_stride};
+  const Operand<const T> k_all{static_cast<const T*>(p.k), p.k_batch_stride, p.k_head_stride,
+                               p.k_row_stride};
+  const Operand<const T> v_all{static_cast<const T*>(p.v), p.v_batch_stride, p.v_head_stride,
+                               p.v_row_stride};
+  const Operand<const T> out_all{static_cast<const T*>(p.out), p.o_batch_stride,
+                                 p.o_head_stride, p.o_row_stride};
+  const Operand<const T> dout_all{static_cast<const T*>(p.dout), p.do_batch_stride,
+                                  p.do_head_stride, p.do_row_stride};
+  const Operand<T> dq_all{static_cast<T*>(p.dq), p.dq_batch_stride, p.dq_head_stride,
+                          p.dq_row_stride};
+  const Operand<T> dk_all{static_cast<T*>(p.dk), p.dk_batch_stride, p.dk_head_stride,
+                          p.dk_row_stride};
+  const Operand<T> dv_all{static_cast<T*>(p.dv), p.dv_batch_stride, p.dv_head_stride,
+                          p.dv_row_stride};
+  // row_stats[2 * row] = log-sum-exp, row_stats[2 * row + 1] = Delta, rows in lse order.
+  std::vector<T> row_stats(static_cast<size_t>(row_items<false>(p)) * 2);
 
-  const int row_blocks = (p.len_q + kBlockM - 1) / kBlockM;
+  const int row_blocks = (max_entry_rows<false>(p) + kBlockM - 1) / kBlockM;
   const int64_t row_tasks = static_cast<int64_t>(p.batch) * p.heads_q * row_blocks;
   at::parallel_for(0, row_tasks, 1, [&](int64_t begin, int64_t end) {
     std::vector<T> key_tile(static_cast<size_t>(dim) * kBlockN);
@@ -165,8 +166,15 @@ void flash_bwd_impl(const AttnParams& p) {
       const int h = static_cast<int>((task / row_blocks) % p.heads_q);
       const int b = static_cast<int>(task / row_blocks / p.heads_q);
       const int g = h / group;
-      const int rows = std::min(kBlockM, p.len_q - m0);
       const SeqLens lens = seq_lens(p, b);
+      const int rows = std::min(kBlockM, lens.rows_q - m0);
+      if (rows <= 0) continue;
+      const auto q = q_all.shifted(lens.q_start);
+      const auto k = k_all.shifted(lens.k_start);
+      const auto v = v_all.shifted(lens.k_start);
+      const auto out = out_all.shifted(lens.q_start);
+      const auto dout = dout_all.shifted(lens.q_start);
+      const auto dq = dq_all.shifted(lens.q_start);
       for (int r = 0; r < rows; ++r) {
         ranges[r] = key_range(p, lens, m0 + r);
         row_max[r] = neg_inf<T>();
@@ -201,14 +209,14 @@ void flash_bwd_impl(const AttnParams& p) {
         const T* acc_row = dq_acc.data() + static_cast<size_t>(r) * dim;
         const bool seen = row_sum[r] > T(0);
         for (int d = 0; d < dim; ++d) dq_row[d] = seen ? acc_row[d] / row_sum[r] * scale : T(0);
-        T* stats = row_stats.data() + 2 * row_index(p, b, h, m0 + r);
+        T* stats = row_stats.data() + 2 * (row_stat_offset(p, lens, b, h) + m0 + r);
         stats[0] = seen ? row_max[r] + std::log(row_sum[r]) : neg_inf<T>();
         stats[1] = delta[r];
       }
     }
   });
 
-  const int key_blocks = (p.len_k + kBlockN - 1) / kBlockN;
+  const int key_blocks = (max_entry_rows<true>(p) + kBlockN - 1) / kBlockN;
   const int64_t key_tasks = static_cast<int64_t>(p.batch) * p.heads_kv * key_blocks;
   at::parallel_for(0, key_tasks, 1, [&](int64_t begin, int64_t end) {
     std::vector<T> key_tile(static_cast<size_t>(dim) * kBlockN);
@@ -220,8 +228,15 @@ void flash_bwd_impl(const AttnParams& p) {
       const int n0 = static_cast<int>(task % key_blocks) * kBlockN;
       const int g = static_cast<int>((task / key_blocks) % p.heads_kv);
       const int b = static_cast<int>(task / key_blocks / p.heads_kv);
-      const int cols = std::min(kBlockN, p.len_k - n0);
       const SeqLens lens = seq_lens(p, b);
+      const int cols = std::min(kBlockN, lens.rows_k - n0);
+      if (cols <= 0) continue;
+      const auto q = q_all.shifted(lens.q_start);
+      const auto k = k_all.shifted(lens.k_start);
+      const auto v = v_all.shifted(lens.k_start);
+      const auto dout = dout_all.shifted(lens.q_start);
+      const auto dk = dk_all.shifted(lens.k_start);
+      const auto dv = dv_all.shifted(lens.k_start);
       // Padding keys (at or past lens.k) are seen by no row: their gradients stay zero.
       const int live_cols = std::max(0, std::min(cols, lens.k - n0));
       std::fill(dk_acc.begin(), dk_acc.end(), T(0));
@@ -237,7 +252,7 @@ void flash_bwd_impl(const AttnParams& p) {
             const int c0 = std::max(range.lo, n0) - n0;
             const int c1 = std::min(range.hi, n0 + live_cols) - n0;
             if (c0 >= c1) continue;
-            const T* stats = row_stats.data() + 2 * row_index(p, b, h, i);
+            const T* stats = row_stats.data() + 2 * (row_stat_offset(p, lens, b, h) + i);
             const T* q_row = q.row(b, h, i);
             const T* dout_row = dout.row(b, h, i);
             dot_tile(q_row, key_tile.data(), dim, c0, c1, scores.data());

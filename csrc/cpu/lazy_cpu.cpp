@@ -24,6 +24,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "../core/lazy.h"
 #include "../core/mask.h"
 #include "../lazy_api.h"
 #include "tile_ops.h"
@@ -46,13 +47,15 @@ T clip_weight(T w) {
   return w < T(0) ? T(0) : w;
 }
 
-// The problem as every pass sees it: inputs, positions, shifts and biased scores.
+// The problem as every pass sees it: inputs, positions, shifts and biased scores. entry(b) gives
+// the view of batch entry b (its operands start at the entry's first row; positions are its own).
 template <typename T>
 struct LazyProblem {
   const AttnParams& p;
   int dim, group, window;
   T scale;
   Operand<const T> q, k, v;
+  SeqLens lens{};
 
   explicit LazyProblem(const AttnParams& params)
       : p(params),
@@ -67,12 +70,19 @@ struct LazyProblem {
         v{static_cast<const T*>(params.v), params.v_batch_stride, params.v_head_stride,
           params.v_row_stride} {}
 
-  int64_t row_index(int b, int h, int r) const {
-    return (static_cast<int64_t>(b) * p.heads_q + h) * p.len_q + r;
+  LazyProblem entry(int b) const {
+    LazyProblem e = *this;
+    e.lens = seq_lens(p, b);
+    e.q = q.shifted(e.lens.q_start);
+    e.k = k.shifted(e.lens.k_start);
+    e.v = v.shifted(e.lens.k_start);
+    return e;
   }
 
+  int64_t row_index(int b, int h, int r) const { return row_stat_offset(p, lens, b, h) + r; }
+
   // Position i of query row r within its sequence (bottom-right aligned).
-  int position(int r) const { return r + p.len_k - p.len_q; }
+  int position(int r) const { return lazy_position(lens, r); }
 
   // tau_h / (i + 1), the shift added to the row's probabilities.
   T shift(int h, int r) const {
@@ -126,11 +136,11 @@ struct LazyProblem {
 
 template <typename T>
 void lazy_fwd_impl(const AttnParams& p) {
-  const LazyProblem<T> x(p);
-  const int dim = x.dim;
-  const Operand<T> out{static_cast<T*>(p.out), p.o_batch_stride, p.o_head_stride,
-                       p.o_row_stride};
-  const int row_blocks = ceil_div(p.len_q, kBlockM);
+  const LazyProblem<T> problem(p);
+  const int dim = problem.dim;
+  const Operand<T> out_all{static_cast<T*>(p.out), p.o_batch_stride, p.o_head_stride,
+                           p.o_row_stride};
+  const int row_blocks = ceil_div(max_entry_rows<false>(p), kBlockM);
   const int64_t tasks = static_cast<int64_t>(p.batch) * p.heads_q * row_blocks;
   // Per-task counters {zero weights, attended weights, skipped tiles, visited tiles}, summed in
   // task order afterwards.
@@ -147,9 +157,12 @@ void lazy_fwd_impl(const AttnParams& p) {
       const int m0 = static_cast<int>(task % row_blocks) * kBlockM;
       const int h = static_cast<int>((task / row_blocks) % p.heads_q);
       const int b = static_cast<int>(task / row_blocks / p.heads_q);
+      const LazyProblem<T> x = problem.entry(b);
+      const SeqLens& lens = x.lens;
       const int g = h / x.group;
-      const int rows = std::min(kBlockM, p.len_q - m0);
-      const SeqLens lens = seq_lens(p, b);
+      const int rows = std::min(kBlockM, lens.rows_q - m0);
+      if (rows <= 0) continue;
+      const auto out = out_all.shifted(lens.q_start);
       for (int r = 0; r < rows; ++r) {
         ranges[r] = key_range(p, lens, m0 + r);
         shift[r] = x.shift(h, m0 + r);
@@ -213,24 +226,24 @@ void lazy_fwd_impl(const AttnParams& p) {
 
 template <typename T>
 void lazy_bwd_impl(const AttnParams& p) {
-  const LazyProblem<T> x(p);
-  const int dim = x.dim;
-  const int group = x.group;
-  const T scale = x.scale;
-  const Operand<const T> dout{static_cast<const T*>(p.dout), p.do_batch_stride,
-                              p.do_head_stride, p.do_row_stride};
-  const Operand<T> dq{static_cast<T*>(p.dq), p.dq_batch_stride, p.dq_head_stride,
-                      p.dq_row_stride};
-  const Operand<T> dk{static_cast<T*>(p.dk), p.dk_batch_stride, p.dk_head_stride,
-                      p.dk_row_stride};
-  const Operand<T> dv{static_cast<T*>(p.dv), p.dv_batch_stride, p.dv_head_stride,
-                      p.dv_row_stride};
+  const LazyProblem<T> problem(p);
+  const int dim = problem.dim;
+  const int group = problem.group;
+  const T scale = problem.scale;
+  const Operand<const T> dout_all{static_cast<const T*>(p.dout), p.do_batch_stride,
+                                  p.do_head_stride, p.do_row_stride};
+  const Operand<T> dq_all{static_cast<T*>(p.dq), p.dq_batch_stride, p.dq_head_stride,
+                          p.dq_row_stride};
+  const Operand<T> dk_all{static_cast<T*>(p.dk), p.dk_batch_stride, p.dk_head_stride,
+                          p.dk_row_stride};
+  const Operand<T> dv_all{static_cast<T*>(p.dv), p.dv_batch_stride, p.dv_head_stride,
+                          p.dv_row_stride};
   const bool param_grads = p.dtau != nullptr;
-  // Per-row {lse, Delta, G} in T: p.delta/p.row_g are float32, too coarse for fp64 gradients.
-  std::vector<T> row_stats(static_cast<size_t>(p.batch) * p.heads_q * p.len_q * 3);
+  // Per-row {lse, Delta, G} in T (lse order): p.delta/p.row_g are float32, too coarse for fp64.
+  std::vector<T> row_stats(static_cast<size_t>(row_items<false>(p)) * 3);
 
   // ---- pass 1: per row tile, lse (fp64: recomputed), G, Delta and dq ------------------------
-  const int row_blocks = ceil_div(p.len_q, kBlockM);
+  const int row_blocks = ceil_div(max_entry_rows<false>(p), kBlockM);
   const int64_t row_tasks = static_cast<int64_t>(p.batch) * p.heads_q * row_blocks;
   at::parallel_for(0, row_tasks, 1, [&](int64_t begin, int64_t end) {
     std::vector<T> key_tile(static_cast<size_t>(dim) * kBlockN);
@@ -245,8 +258,12 @@ void lazy_bwd_impl(const AttnParams& p) {
       const int h = static_cast<int>((task / row_blocks) % p.heads_q);
       const int b = static_cast<int>(task / row_blocks / p.heads_q);
       const int g = h / group;
-      const int rows = std::min(kBlockM, p.len_q - m0);
-      const SeqLens lens = seq_lens(p, b);
+      const LazyProblem<T> x = problem.entry(b);
+      const SeqLens& lens = x.lens;
+      const int rows = std::min(kBlockM, lens.rows_q - m0);
+      if (rows <= 0) continue;
+      const auto dout = dout_all.shifted(lens.q_start);
+      const auto dq = dq_all.shifted(lens.q_start);
       for (int r = 0; r < rows; ++r) {
         ranges[r] = key_range(p, lens, m0 + r);
         shift[r] = x.shift(h, m0 + r);
@@ -304,8 +321,8 @@ void lazy_bwd_impl(const AttnParams& p) {
   });
 
   // ---- pass 2: per key tile(s) of one kv head, dk, dv and the dbias partials ------------------
-  const int key_blocks = ceil_div(p.len_k, kBlockN);
-  const int bias_entries = std::min(x.window, p.len_k);  // i - j <= Lk - 1
+  const int key_blocks = ceil_div(max_entry_rows<true>(p), kBlockN);
+  const int bias_entries = std::min(problem.window, p.len_k);  // i - j <= Lk - 1
   const int tiles_per_task =
       param_grads ? ceil_div(bias_entries, kBiasEntriesPerKey * kBlockN) : 1;
   const int key_tasks_per_head = ceil_div(key_blocks, tiles_per_task);
@@ -326,11 +343,16 @@ void lazy_bwd_impl(const AttnParams& p) {
       const int t = static_cast<int>(task % key_tasks_per_head);
       const int g = static_cast<int>((task / key_tasks_per_head) % p.heads_kv);
       const int b = static_cast<int>(task / key_tasks_per_head / p.heads_kv);
-      const SeqLens lens = seq_lens(p, b);
+      const LazyProblem<T> x = problem.entry(b);
+      const SeqLens& lens = x.lens;
+      const auto dout = dout_all.shifted(lens.q_start);
+      const auto dk = dk_all.shifted(lens.k_start);
+      const auto dv = dv_all.shifted(lens.k_start);
       const int tile_end = std::min(key_blocks, (t + 1) * tiles_per_task);
       for (int tile = t * tiles_per_task; tile < tile_end; ++tile) {
         const int n0 = tile * kBlockN;
-        const int cols = std::min(kBlockN, p.len_k - n0);
+        const int cols = std::min(kBlockN, lens.rows_k - n0);
+        if (cols <= 0) break;
         // Padding keys (at or past lens.k) are seen by no row: their gradients stay zero.
         const int live_cols = std::max(0, std::min(cols, lens.k - n0));
         std::fill(dk_acc.begin(), dk_acc.end(), T(0));
@@ -392,13 +414,14 @@ void lazy_bwd_impl(const AttnParams& p) {
   for (int h = 0; h < p.heads_q; ++h) {
     T dtau = 0;
     for (int b = 0; b < p.batch; ++b) {
-      for (int r = 0; r < p.len_q; ++r) {
+      const LazyProblem<T> x = problem.entry(b);
+      for (int r = 0; r < x.lens.rows_q; ++r) {
         dtau += row_stats[3 * x.row_index(b, h, r) + 2] / static_cast<T>(x.position(r) + 1);
       }
     }
     p.dtau[h] = static_cast<float>(dtau);
-    float* dbias = p.dbias + static_cast<int64_t>(h) * x.window;
-    for (int d = 0; d < x.window; ++d) {
+    float* dbias = p.dbias + static_cast<int64_t>(h) * problem.window;
+    for (int d = 0; d < problem.window; ++d) {
       T sum = 0;
       if (d < bias_entries) {
         for (int b = 0; b < p.batch; ++b) {

@@ -7,13 +7,15 @@
 #include <cstdint>
 #include <limits>
 
+#include "../core/seq.h"
+
 namespace adaattn {
 namespace cpu {
 
 constexpr int kBlockM = 64;  // query rows per task (forward, backward dq pass)
 constexpr int kBlockN = 64;  // keys per tile
 
-// One [B, H, L, D] operand: base pointer and element strides.
+// One [B, H, L, D] operand (packed [T, H, D]: batch_stride 0): base pointer and element strides.
 template <typename T>
 struct Operand {
   T* base;
@@ -22,7 +24,22 @@ struct Operand {
   T* row(int b, int h, int i) const {
     return base + b * batch_stride + h * head_stride + i * row_stride;
   }
+  // The operand seen from a batch entry whose rows start at row `start` (packed sequences).
+  Operand shifted(int64_t start) const {
+    return {base + start * row_stride, batch_stride, head_stride, row_stride};
+  }
 };
+
+// Most rows of q (kKeys = false) or k/v of any batch entry: the grid of row tiles covers them.
+template <bool kKeys>
+int max_entry_rows(const AttnParams& p) {
+  int rows = 0;
+  for (int b = 0; b < p.batch; ++b) {
+    const SeqLens lens = seq_lens(p, b);
+    rows = std::max(rows, kKeys ? lens.rows_k : lens.rows_q);
+  }
+  return rows;
+}
 
 template <typename T>
 constexpr T neg_inf() {

@@ -12,12 +12,16 @@ namespace adaattn {
 
 inline bool use_tensor_cores(at::ScalarType t) { return t == at::kHalf || t == at::kBFloat16; }
 
-// cp.async moves 16-byte chunks: base pointers and batch/head/row strides must be multiples of
-// 8 elements. Other layouts are copied once (rare: odd strides or a misaligned storage offset).
+// cp.async moves 16-byte chunks: base pointers and every stride but the last dim's must be
+// multiples of 8 elements. Other layouts are copied once (rare: odd strides or a misaligned
+// storage offset).
 inline at::Tensor tc_aligned(const at::Tensor& t) {
   auto ok = [](const at::Tensor& x) {
-    return reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 && x.stride(0) % 8 == 0 &&
-           x.stride(1) % 8 == 0 && x.stride(2) % 8 == 0;
+    if (reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 != 0) return false;
+    for (int64_t d = 0; d + 1 < x.dim(); ++d) {
+      if (x.stride(d) % 8 != 0) return false;
+    }
+    return true;
   };
   if (ok(t)) return t;
   at::Tensor c = t.contiguous();
@@ -26,8 +30,8 @@ inline at::Tensor tc_aligned(const at::Tensor& t) {
 
 inline void check_cuda_head_dim(const at::Tensor& q) {
   if (use_tensor_cores(q.scalar_type())) {
-    TORCH_CHECK(tc_supports_head_dim(static_cast<int>(q.size(3))),
-                "adaattn: head dim D = ", q.size(3), " is not supported for ", q.scalar_type(),
+    TORCH_CHECK(tc_supports_head_dim(static_cast<int>(q.size(-1))),
+                "adaattn: head dim D = ", q.size(-1), " is not supported for ", q.scalar_type(),
                 " on CUDA; supported: D in ", tc_head_dims(),
                 " (float32/float64 accept any D <= 256)");
   }

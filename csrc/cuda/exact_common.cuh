@@ -96,13 +96,13 @@ __device__ __forceinline__ void store_slice(const T (&x)[kSlots], T* row, int di
 template <typename T>
 __device__ __forceinline__ const T* row_ptr(const void* base, int64_t batch_stride,
                                             int64_t head_stride, int64_t row_stride, int b, int h,
-                                            int i) {
+                                            int64_t i) {
   return static_cast<const T*>(base) + b * batch_stride + h * head_stride + i * row_stride;
 }
 
 template <typename T>
 __device__ __forceinline__ T* row_ptr(void* base, int64_t batch_stride, int64_t head_stride,
-                                      int64_t row_stride, int b, int h, int i) {
+                                      int64_t row_stride, int b, int h, int64_t i) {
   return static_cast<T*>(base) + b * batch_stride + h * head_stride + i * row_stride;
 }
 

@@ -3,6 +3,8 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <limits>
+
 #include "../flash_api.h"
 #include "../flash_ops.h"
 #include "cuda_inputs.h"
@@ -16,8 +18,10 @@ std::tuple<at::Tensor, at::Tensor> flash_fwd_cuda_op(const at::Tensor& q_in,
                                                      const std::optional<at::Tensor>& seqlens,
                                                      std::optional<double> softmax_scale,
                                                      bool causal, int64_t window_left,
-                                                     int64_t window_right) {
-  check_flash_inputs(q_in, k_in, v_in, seqlens);
+                                                     int64_t window_right,
+                                                     const std::optional<at::Tensor>& cu_seqlens_q,
+                                                     const std::optional<at::Tensor>& cu_seqlens_k) {
+  check_flash_inputs(q_in, k_in, v_in, seqlens, cu_seqlens_q, cu_seqlens_k);
   check_cuda_head_dim(q_in);
   const bool tc = use_tensor_cores(q_in.scalar_type()) && q_in.numel() > 0 && k_in.numel() > 0;
   const at::Tensor q = tc ? tc_aligned(q_in) : q_in;
@@ -27,9 +31,13 @@ std::tuple<at::Tensor, at::Tensor> flash_fwd_cuda_op(const at::Tensor& q_in,
       resolve_flash_options(q, softmax_scale, causal, window_left, window_right, false);
   const c10::cuda::CUDAGuard guard(q.device());
   at::Tensor out = at::empty(q.sizes(), q.options());
-  at::Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
-  if (q.numel() == 0) return {out, lse};
-  AttnParams p = make_params(q, k, v, seqlens, opt);
+  at::Tensor lse = at::empty(lse_shape(q, cu_seqlens_q.has_value()), q.options().dtype(at::kFloat));
+  if (no_rows(q, cu_seqlens_q)) {
+    out.zero_();
+    lse.fill_(-std::numeric_limits<float>::infinity());
+    return {out, lse};
+  }
+  AttnParams p = make_params(q, k, v, seqlens, cu_seqlens_q, cu_seqlens_k, opt);
   set_fwd_outputs(p, out, lse);
   if (use_tensor_cores(q.scalar_type())) {
     flash_fwd_tc_cuda(p, q.scalar_type());
@@ -43,9 +51,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_bwd_cuda_op(
     const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in,
     const at::Tensor& v_in, const at::Tensor& out_in, const at::Tensor& lse,
     const std::optional<at::Tensor>& seqlens, std::optional<double> softmax_scale, bool causal,
-    int64_t window_left, int64_t window_right, bool deterministic) {
-  check_flash_inputs(q_in, k_in, v_in, seqlens);
-  check_flash_bwd_inputs(dout_in, q_in, out_in, lse);
+    int64_t window_left, int64_t window_right, bool deterministic,
+    const std::optional<at::Tensor>& cu_seqlens_q, const std::optional<at::Tensor>& cu_seqlens_k) {
+  check_flash_inputs(q_in, k_in, v_in, seqlens, cu_seqlens_q, cu_seqlens_k);
+  check_flash_bwd_inputs(dout_in, q_in, out_in, lse, cu_seqlens_q.has_value());
   check_cuda_head_dim(q_in);
   const bool tc = use_tensor_cores(q_in.scalar_type()) && q_in.numel() > 0 && k_in.numel() > 0;
   const at::Tensor q = tc ? tc_aligned(q_in) : q_in;
@@ -59,14 +68,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_bwd_cuda_op(
   at::Tensor dq = at::empty(q.sizes(), q.options());
   at::Tensor dk = at::empty(k.sizes(), k.options());
   at::Tensor dv = at::empty(v.sizes(), v.options());
-  if (q.numel() == 0 || k.numel() == 0) {
+  if (no_rows(q, cu_seqlens_q) || k.numel() == 0) {
     dq.zero_();
     dk.zero_();
     dv.zero_();
     return {dq, dk, dv};
   }
   at::Tensor delta = at::empty(lse.sizes(), lse.options());
-  AttnParams p = make_params(q, k, v, seqlens, opt);
+  AttnParams p = make_params(q, k, v, seqlens, cu_seqlens_q, cu_seqlens_k, opt);
   set_bwd_tensors(p, dout, out, lse, dq, dk, dv, delta);
   if (use_tensor_cores(q.scalar_type())) {
     flash_bwd_tc_cuda(p, q.scalar_type());

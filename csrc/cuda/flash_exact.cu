@@ -29,20 +29,24 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kWarp)
   const int group = p.heads_q / p.heads_kv;
   const int dim = p.head_dim;
   const T scale = static_cast<T>(p.scale);
-  const int64_t rows_total = static_cast<int64_t>(p.batch) * p.heads_q * p.len_q;
+  const int64_t rows_total = row_items<false>(p);
   for (int64_t row = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarp;
        row < rows_total; row += static_cast<int64_t>(gridDim.x) * kWarpsPerBlock) {
-    const int i = static_cast<int>(row % p.len_q);
-    const int h = static_cast<int>((row / p.len_q) % p.heads_q);
-    const int b = static_cast<int>(row / p.len_q / p.heads_q);
+    const WorkItem item = row_item<false>(p, row);  // lse index == row
+    if (!item.valid) continue;
+    const int b = item.b, h = item.h;
     const int g = h / group;
-    const KeyRange range = key_range(p, seq_lens(p, b), i);
+    const SeqLens lens = seq_lens(p, b);
+    const int64_t i = lens.q_start + item.index;  // row in the tensors
+    const KeyRange range = key_range(p, lens, item.index);
 
     T q_reg[kSlots];
     load_slice(row_ptr<T>(p.q, p.q_batch_stride, p.q_head_stride, p.q_row_stride, b, h, i), dim,
                lane, q_reg);
-    const T* k_head = row_ptr<T>(p.k, p.k_batch_stride, p.k_head_stride, 0, b, g, 0);
-    const T* v_head = row_ptr<T>(p.v, p.v_batch_stride, p.v_head_stride, 0, b, g, 0);
+    const T* k_head =
+        row_ptr<T>(p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride, b, g, lens.k_start);
+    const T* v_head =
+        row_ptr<T>(p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride, b, g, lens.k_start);
 
     T acc[kSlots] = {};
     T row_max = -std::numeric_limits<T>::infinity();
@@ -89,14 +93,16 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kWarp)
   const int group = p.heads_q / p.heads_kv;
   const int dim = p.head_dim;
   const T scale = static_cast<T>(p.scale);
-  const int64_t rows_total = static_cast<int64_t>(p.batch) * p.heads_q * p.len_q;
+  const int64_t rows_total = row_items<false>(p);
   for (int64_t row = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarp;
        row < rows_total; row += static_cast<int64_t>(gridDim.x) * kWarpsPerBlock) {
-    const int i = static_cast<int>(row % p.len_q);
-    const int h = static_cast<int>((row / p.len_q) % p.heads_q);
-    const int b = static_cast<int>(row / p.len_q / p.heads_q);
+    const WorkItem item = row_item<false>(p, row);  // lse index == row
+    if (!item.valid) continue;
+    const int b = item.b, h = item.h;
     const int g = h / group;
-    const KeyRange range = key_range(p, seq_lens(p, b), i);
+    const SeqLens lens = seq_lens(p, b);
+    const int64_t i = lens.q_start + item.index;  // row in the tensors
+    const KeyRange range = key_range(p, lens, item.index);
 
     T q_reg[kSlots], dout_reg[kSlots], out_reg[kSlots];
     load_slice(row_ptr<T>(p.q, p.q_batch_stride, p.q_head_stride, p.q_row_stride, b, h, i), dim,
@@ -109,8 +115,10 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kWarp)
 #pragma unroll
     for (int s = 0; s < kSlots; ++s) delta_part += dout_reg[s] * out_reg[s];
     const T delta = warp_sum(delta_part);
-    const T* k_head = row_ptr<T>(p.k, p.k_batch_stride, p.k_head_stride, 0, b, g, 0);
-    const T* v_head = row_ptr<T>(p.v, p.v_batch_stride, p.v_head_stride, 0, b, g, 0);
+    const T* k_head =
+        row_ptr<T>(p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride, b, g, lens.k_start);
+    const T* v_head =
+        row_ptr<T>(p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride, b, g, lens.k_start);
 
     T dq_acc[kSlots] = {};
     T row_max = -std::numeric_limits<T>::infinity();
@@ -164,28 +172,31 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kWarp)
   const int group = p.heads_q / p.heads_kv;
   const int dim = p.head_dim;
   const T scale = static_cast<T>(p.scale);
-  const int64_t keys_total = static_cast<int64_t>(p.batch) * p.heads_kv * p.len_k;
+  const int64_t keys_total = row_items<true>(p);
   for (int64_t key = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarp;
        key < keys_total; key += static_cast<int64_t>(gridDim.x) * kWarpsPerBlock) {
-    const int j = static_cast<int>(key % p.len_k);
-    const int g = static_cast<int>((key / p.len_k) % p.heads_kv);
-    const int b = static_cast<int>(key / p.len_k / p.heads_kv);
+    const WorkItem item = row_item<true>(p, key);
+    if (!item.valid) continue;
+    const int b = item.b, g = item.h, j = item.index;
     const SeqLens lens = seq_lens(p, b);
+    const int64_t jt = lens.k_start + j;  // row in the tensors
 
     T dk_acc[kSlots] = {};
     T dv_acc[kSlots] = {};
     // Padding keys (j >= lens.k) are seen by no row and keep zero gradients.
     if (j < lens.k) {
       T k_reg[kSlots], v_reg[kSlots];
-      load_slice(row_ptr<T>(p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride, b, g, j), dim,
-                 lane, k_reg);
-      load_slice(row_ptr<T>(p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride, b, g, j), dim,
-                 lane, v_reg);
+      load_slice(row_ptr<T>(p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride, b, g, jt),
+                 dim, lane, k_reg);
+      load_slice(row_ptr<T>(p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride, b, g, jt),
+                 dim, lane, v_reg);
       const RowSpan span = rows_meeting_keys(p, lens, j, j + 1);
       for (int h = g * group; h < (g + 1) * group; ++h) {
-        const T* q_head = row_ptr<T>(p.q, p.q_batch_stride, p.q_head_stride, 0, b, h, 0);
-        const T* dout_head = row_ptr<T>(p.dout, p.do_batch_stride, p.do_head_stride, 0, b, h, 0);
-        const T* head_stats = row_stats + 2 * (static_cast<int64_t>(b) * p.heads_q + h) * p.len_q;
+        const T* q_head = row_ptr<T>(p.q, p.q_batch_stride, p.q_head_stride, p.q_row_stride, b,
+                                     h, lens.q_start);
+        const T* dout_head = row_ptr<T>(p.dout, p.do_batch_stride, p.do_head_stride,
+                                        p.do_row_stride, b, h, lens.q_start);
+        const T* head_stats = row_stats + 2 * row_stat_offset(p, lens, b, h);
         for (int i0 = span.first; i0 < span.last; i0 += kWarp) {
           const int count = min(kWarp, span.last - i0);
           T my_score = 0, my_dprob = 0;  // lane t: query row i0 + t
@@ -218,17 +229,17 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kWarp)
     }
     slice_scale(scale, dk_acc);
     store_slice(dk_acc, row_ptr<T>(p.dk, p.dk_batch_stride, p.dk_head_stride, p.dk_row_stride, b,
-                                   g, j),
+                                   g, jt),
                 dim, lane);
     store_slice(dv_acc, row_ptr<T>(p.dv, p.dv_batch_stride, p.dv_head_stride, p.dv_row_stride, b,
-                                   g, j),
+                                   g, jt),
                 dim, lane);
   }
 }
 
 template <typename T>
 void launch_fwd(const AttnParams& p) {
-  const int64_t rows_total = static_cast<int64_t>(p.batch) * p.heads_q * p.len_q;
+  const int64_t rows_total = row_items<false>(p);
   if (rows_total == 0) return;
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   dispatch_slots(p.head_dim, [&](auto slots) {
@@ -240,8 +251,8 @@ void launch_fwd(const AttnParams& p) {
 
 template <typename T>
 void launch_bwd(const AttnParams& p) {
-  const int64_t rows_total = static_cast<int64_t>(p.batch) * p.heads_q * p.len_q;
-  const int64_t keys_total = static_cast<int64_t>(p.batch) * p.heads_kv * p.len_k;
+  const int64_t rows_total = row_items<false>(p);
+  const int64_t keys_total = row_items<true>(p);
   if (rows_total == 0 && keys_total == 0) return;
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   // Freed when this function returns; the stream-ordered caching allocator keeps it alive for

@@ -3,6 +3,8 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <limits>
+
 #include "../flash_ops.h"
 #include "../lazy_api.h"
 #include "../lazy_ops.h"
@@ -14,8 +16,9 @@ namespace {
 std::tuple<at::Tensor, at::Tensor, at::Tensor> lazy_fwd_cuda_op(
     const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& tau,
     const at::Tensor& bias, const std::optional<at::Tensor>& seqlens,
-    std::optional<double> softmax_scale, bool return_stats) {
-  check_lazy_inputs(q_in, k_in, v_in, tau, bias, seqlens);
+    std::optional<double> softmax_scale, bool return_stats,
+    const std::optional<at::Tensor>& cu_seqlens) {
+  check_lazy_inputs(q_in, k_in, v_in, tau, bias, seqlens, cu_seqlens);
   check_cuda_head_dim(q_in);
   const bool tc = use_tensor_cores(q_in.scalar_type()) && q_in.numel() > 0 && k_in.numel() > 0;
   const at::Tensor q = tc ? tc_aligned(q_in) : q_in;
@@ -23,11 +26,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lazy_fwd_cuda_op(
   const at::Tensor v = tc ? tc_aligned(v_in) : v_in;
   const c10::cuda::CUDAGuard guard(q.device());
   at::Tensor out = at::empty(q.sizes(), q.options());
-  at::Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
+  at::Tensor lse = at::empty(lse_shape(q, cu_seqlens.has_value()), q.options().dtype(at::kFloat));
   at::Tensor stats = return_stats ? at::zeros({4}, q.options().dtype(at::kLong))
                                   : at::empty({0}, q.options().dtype(at::kLong));
-  if (q.numel() == 0) return {out, lse, stats};
-  AttnParams p = make_lazy_params(q, k, v, tau, bias, seqlens, softmax_scale);
+  if (no_rows(q, cu_seqlens)) {
+    out.zero_();
+    lse.fill_(-std::numeric_limits<float>::infinity());
+    return {out, lse, stats};
+  }
+  AttnParams p = make_lazy_params(q, k, v, tau, bias, seqlens, cu_seqlens, softmax_scale);
   set_fwd_outputs(p, out, lse);
   p.stats = return_stats ? stats.data_ptr<int64_t>() : nullptr;
   if (tc) {
@@ -42,9 +49,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lazy_bwd_
     const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in,
     const at::Tensor& v_in, const at::Tensor& tau, const at::Tensor& bias,
     const at::Tensor& out_in, const at::Tensor& lse, const std::optional<at::Tensor>& seqlens,
-    std::optional<double> softmax_scale, bool param_grads) {
-  check_lazy_inputs(q_in, k_in, v_in, tau, bias, seqlens);
-  check_flash_bwd_inputs(dout_in, q_in, out_in, lse);
+    std::optional<double> softmax_scale, bool param_grads,
+    const std::optional<at::Tensor>& cu_seqlens) {
+  check_lazy_inputs(q_in, k_in, v_in, tau, bias, seqlens, cu_seqlens);
+  check_flash_bwd_inputs(dout_in, q_in, out_in, lse, cu_seqlens.has_value());
   check_cuda_head_dim(q_in);
   const bool tc = use_tensor_cores(q_in.scalar_type()) && q_in.numel() > 0 && k_in.numel() > 0;
   const at::Tensor q = tc ? tc_aligned(q_in) : q_in;
@@ -56,7 +64,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lazy_bwd_
   at::Tensor dq = at::empty(q.sizes(), q.options());
   at::Tensor dk = at::empty(k.sizes(), k.options());
   at::Tensor dv = at::empty(v.sizes(), v.options());
-  const bool empty = q.numel() == 0 || k.numel() == 0;
+  const bool empty = no_rows(q, cu_seqlens) || k.numel() == 0;
   // Without parameter gradients (or with nothing to reduce) dtau/dbias are zeros.
   at::Tensor dtau = param_grads && !empty ? at::empty(tau.sizes(), tau.options())
                                           : at::zeros(tau.sizes(), tau.options());
@@ -70,7 +78,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lazy_bwd_
   }
   at::Tensor delta = at::empty(lse.sizes(), lse.options());
   at::Tensor row_g = at::empty(lse.sizes(), lse.options());
-  AttnParams p = make_lazy_params(q, k, v, tau, bias, seqlens, softmax_scale);
+  AttnParams p = make_lazy_params(q, k, v, tau, bias, seqlens, cu_seqlens, softmax_scale);
   set_bwd_tensors(p, dout, out, lse, dq, dk, dv, delta);
   p.row_g = row_g.data_ptr<float>();
   if (param_grads) {

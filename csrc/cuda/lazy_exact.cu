@@ -25,15 +25,6 @@ using namespace exact;
 // Per query row of the backward: lse recomputed in T, Delta and G.
 constexpr int kRowStats = 3;
 
-struct RowIndex {
-  int b, h, r;
-};
-
-__device__ __forceinline__ RowIndex row_index(const AttnParams& p, int64_t row) {
-  return {static_cast<int>(row / p.len_q / p.heads_q),
-          static_cast<int>((row / p.len_q) % p.heads_q), static_cast<int>(row % p.len_q)};
-}
-
 // Lane t's score of key n0 + t (t < count), -inf elsewhere; all lanes take part.
 template <typename T, int kSlots>
 __device__ __forceinline__ T chunk_score(const AttnParams& p, const T (&q_reg)[kSlots],
@@ -75,18 +66,22 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kWarp) lazy_fwd_exact_kernel(
   const int lane = threadIdx.x % kWarp;
   const int group = p.heads_q / p.heads_kv;
   const int dim = p.head_dim;
-  const int64_t rows_total = static_cast<int64_t>(p.batch) * p.heads_q * p.len_q;
+  const int64_t rows_total = row_items<false>(p);
   for (int64_t row = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarp;
        row < rows_total; row += static_cast<int64_t>(gridDim.x) * kWarpsPerBlock) {
-    const RowIndex ix = row_index(p, row);
-    const KeyRange range = key_range(p, seq_lens(p, ix.b), ix.r);
-    const int pos = lazy_position(p, ix.r);
+    const WorkItem ix = row_item<false>(p, row);  // lse index == row
+    if (!ix.valid) continue;
+    const SeqLens lens = seq_lens(p, ix.b);
+    const int64_t r = lens.q_start + ix.index;  // row in the tensors
+    const KeyRange range = key_range(p, lens, ix.index);
+    const int pos = lazy_position(lens, ix.index);
     T q_reg[kSlots];
-    load_slice(row_ptr<T>(p.q, p.q_batch_stride, p.q_head_stride, p.q_row_stride, ix.b, ix.h,
-                          ix.r),
+    load_slice(row_ptr<T>(p.q, p.q_batch_stride, p.q_head_stride, p.q_row_stride, ix.b, ix.h, r),
                dim, lane, q_reg);
-    const T* k_head = row_ptr<T>(p.k, p.k_batch_stride, p.k_head_stride, 0, ix.b, ix.h / group, 0);
-    const T* v_head = row_ptr<T>(p.v, p.v_batch_stride, p.v_head_stride, 0, ix.b, ix.h / group, 0);
+    const T* k_head = row_ptr<T>(p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride, ix.b,
+                                 ix.h / group, lens.k_start);
+    const T* v_head = row_ptr<T>(p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride, ix.b,
+                                 ix.h / group, lens.k_start);
 
     const T lse = row_logsumexp(p, q_reg, k_head, ix.h, pos, range, lane);
     const T shift = lazy_shift<T>(p, ix.h, pos);
@@ -112,7 +107,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kWarp) lazy_fwd_exact_kernel(
       }
     }
     store_slice(acc, row_ptr<T>(p.out, p.o_batch_stride, p.o_head_stride, p.o_row_stride, ix.b,
-                                ix.h, ix.r),
+                                ix.h, r),
                 dim, lane);
     if (lane == 0) {
       p.lse[row] = static_cast<float>(lse);
@@ -134,21 +129,25 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kWarp)
   const int group = p.heads_q / p.heads_kv;
   const int dim = p.head_dim;
   const T scale = static_cast<T>(p.scale);
-  const int64_t rows_total = static_cast<int64_t>(p.batch) * p.heads_q * p.len_q;
+  const int64_t rows_total = row_items<false>(p);
   for (int64_t row = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarp;
        row < rows_total; row += static_cast<int64_t>(gridDim.x) * kWarpsPerBlock) {
-    const RowIndex ix = row_index(p, row);
-    const KeyRange range = key_range(p, seq_lens(p, ix.b), ix.r);
-    const int pos = lazy_position(p, ix.r);
+    const WorkItem ix = row_item<false>(p, row);  // lse index == row
+    if (!ix.valid) continue;
+    const SeqLens lens = seq_lens(p, ix.b);
+    const int64_t r = lens.q_start + ix.index;  // row in the tensors
+    const KeyRange range = key_range(p, lens, ix.index);
+    const int pos = lazy_position(lens, ix.index);
     T q_reg[kSlots], dout_reg[kSlots];
-    load_slice(row_ptr<T>(p.q, p.q_batch_stride, p.q_head_stride, p.q_row_stride, ix.b, ix.h,
-                          ix.r),
+    load_slice(row_ptr<T>(p.q, p.q_batch_stride, p.q_head_stride, p.q_row_stride, ix.b, ix.h, r),
                dim, lane, q_reg);
     load_slice(row_ptr<T>(p.dout, p.do_batch_stride, p.do_head_stride, p.do_row_stride, ix.b,
-                          ix.h, ix.r),
+                          ix.h, r),
                dim, lane, dout_reg);
-    const T* k_head = row_ptr<T>(p.k, p.k_batch_stride, p.k_head_stride, 0, ix.b, ix.h / group, 0);
-    const T* v_head = row_ptr<T>(p.v, p.v_batch_stride, p.v_head_stride, 0, ix.b, ix.h / group, 0);
+    const T* k_head = row_ptr<T>(p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride, ix.b,
+                                 ix.h / group, lens.k_start);
+    const T* v_head = row_ptr<T>(p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride, ix.b,
+                                 ix.h / group, lens.k_start);
 
     const T lse = row_logsumexp(p, q_reg, k_head, ix.h, pos, range, lane);
     const T shift = lazy_shift<T>(p, ix.h, pos);
@@ -189,7 +188,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kWarp)
     }
     slice_scale(scale, dq_acc);
     store_slice(dq_acc, row_ptr<T>(p.dq, p.dq_batch_stride, p.dq_head_stride, p.dq_row_stride,
-                                   ix.b, ix.h, ix.r),
+                                   ix.b, ix.h, r),
                 dim, lane);
     if (lane == 0) {
       row_stats[kRowStats * row] = lse;
@@ -222,27 +221,29 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kWarp)
   const int group = p.heads_q / p.heads_kv;
   const int dim = p.head_dim;
   const T scale = static_cast<T>(p.scale);
-  const int64_t keys_total = static_cast<int64_t>(p.batch) * p.heads_kv * p.len_k;
+  const int64_t keys_total = row_items<true>(p);
   for (int64_t key = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarp;
        key < keys_total; key += static_cast<int64_t>(gridDim.x) * kWarpsPerBlock) {
-    const int j = static_cast<int>(key % p.len_k);
-    const int g = static_cast<int>((key / p.len_k) % p.heads_kv);
-    const int b = static_cast<int>(key / p.len_k / p.heads_kv);
+    const WorkItem item = row_item<true>(p, key);
+    if (!item.valid) continue;
+    const int b = item.b, g = item.h, j = item.index;
     const SeqLens lens = seq_lens(p, b);
+    const int64_t jt = lens.k_start + j;  // row in the tensors
     T dk_acc[kSlots] = {};
     T dv_acc[kSlots] = {};
     if (j < lens.k) {
       T k_reg[kSlots], v_reg[kSlots];
-      load_slice(row_ptr<T>(p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride, b, g, j), dim,
-                 lane, k_reg);
-      load_slice(row_ptr<T>(p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride, b, g, j), dim,
-                 lane, v_reg);
+      load_slice(row_ptr<T>(p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride, b, g, jt),
+                 dim, lane, k_reg);
+      load_slice(row_ptr<T>(p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride, b, g, jt),
+                 dim, lane, v_reg);
       const RowSpan span = rows_meeting_keys(p, lens, j, j + 1);
       for (int h = g * group; h < (g + 1) * group; ++h) {
-        const T* q_head = row_ptr<T>(p.q, p.q_batch_stride, p.q_head_stride, 0, b, h, 0);
-        const T* dout_head = row_ptr<T>(p.dout, p.do_batch_stride, p.do_head_stride, 0, b, h, 0);
-        const T* head_stats =
-            row_stats + kRowStats * (static_cast<int64_t>(b) * p.heads_q + h) * p.len_q;
+        const T* q_head = row_ptr<T>(p.q, p.q_batch_stride, p.q_head_stride, p.q_row_stride, b,
+                                     h, lens.q_start);
+        const T* dout_head = row_ptr<T>(p.dout, p.do_batch_stride, p.do_head_stride,
+                                        p.do_row_stride, b, h, lens.q_start);
+        const T* head_stats = row_stats + kRowStats * row_stat_offset(p, lens, b, h);
         for (int r0 = span.first; r0 < span.last; r0 += kWarp) {
           const int count_rows = min(kWarp, span.last - r0);
           T my_score = 0, my_dweight = 0;  // lane t: query row r0 + t
@@ -260,7 +261,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kWarp)
             const int r = r0 + lane;
             const KeyRange range = key_range(p, lens, r);
             if (range.lo <= j && j < range.hi) {
-              const int pos = lazy_position(p, r);
+              const int pos = lazy_position(lens, r);
               const T score = my_score * scale + static_cast<T>(lazy_bias(p, h, pos, j));
               mine = element_grads(score, my_dweight, head_stats + kRowStats * r,
                                    lazy_shift<T>(p, h, pos));
@@ -277,10 +278,10 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kWarp)
     }
     slice_scale(scale, dk_acc);
     store_slice(dk_acc, row_ptr<T>(p.dk, p.dk_batch_stride, p.dk_head_stride, p.dk_row_stride, b,
-                                   g, j),
+                                   g, jt),
                 dim, lane);
     store_slice(dv_acc, row_ptr<T>(p.dv, p.dv_batch_stride, p.dv_head_stride, p.dv_row_stride, b,
-                                   g, j),
+                                   g, jt),
                 dim, lane);
   }
 }
@@ -301,20 +302,20 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kWarp)
     T acc = 0;
     for (int b = 0; b < p.batch; ++b) {
       const SeqLens lens = seq_lens(p, b);
-      const T* head_stats =
-          row_stats + kRowStats * (static_cast<int64_t>(b) * p.heads_q + h) * p.len_q;
+      const T* head_stats = row_stats + kRowStats * row_stat_offset(p, lens, b, h);
       for (int r = lane; r < lens.q; r += kWarp) {
-        const int pos = lazy_position(p, r);
+        const int pos = lazy_position(lens, r);
         const int j = pos - d;
         const KeyRange range = key_range(p, lens, r);
         if (j < range.lo || j >= range.hi) continue;
-        const T* q = row_ptr<T>(p.q, p.q_batch_stride, p.q_head_stride, p.q_row_stride, b, h, r);
+        const int64_t rt = lens.q_start + r, jt = lens.k_start + j;  // rows in the tensors
+        const T* q = row_ptr<T>(p.q, p.q_batch_stride, p.q_head_stride, p.q_row_stride, b, h, rt);
         const T* dout =
-            row_ptr<T>(p.dout, p.do_batch_stride, p.do_head_stride, p.do_row_stride, b, h, r);
+            row_ptr<T>(p.dout, p.do_batch_stride, p.do_head_stride, p.do_row_stride, b, h, rt);
         const T* k = row_ptr<T>(p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride, b,
-                                h / group, j);
+                                h / group, jt);
         const T* v = row_ptr<T>(p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride, b,
-                                h / group, j);
+                                h / group, jt);
         T s = 0, dp = 0;
         for (int c = 0; c < p.head_dim; ++c) {
           s += q[c] * k[c];
@@ -337,10 +338,10 @@ __global__ void lazy_bwd_dtau_exact_kernel(const AttnParams p, const T* row_stat
   const int h = blockIdx.x;
   T acc = 0;
   for (int b = 0; b < p.batch; ++b) {
-    const T* head_stats =
-        row_stats + kRowStats * (static_cast<int64_t>(b) * p.heads_q + h) * p.len_q;
-    for (int r = lane; r < p.len_q; r += kWarp) {
-      acc += head_stats[kRowStats * r + 2] / static_cast<T>(lazy_position(p, r) + 1);
+    const SeqLens lens = seq_lens(p, b);
+    const T* head_stats = row_stats + kRowStats * row_stat_offset(p, lens, b, h);
+    for (int r = lane; r < lens.rows_q; r += kWarp) {
+      acc += head_stats[kRowStats * r + 2] / static_cast<T>(lazy_position(lens, r) + 1);
     }
   }
   acc = warp_sum(acc);
@@ -349,7 +350,7 @@ __global__ void lazy_bwd_dtau_exact_kernel(const AttnParams p, const T* row_stat
 
 template <typename T>
 void launch_fwd(const AttnParams& p) {
-  const int64_t rows_total = static_cast<int64_t>(p.batch) * p.heads_q * p.len_q;
+  const int64_t rows_total = row_items<false>(p);
   if (rows_total == 0) return;
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   dispatch_slots(p.head_dim, [&](auto slots) {
@@ -361,8 +362,8 @@ void launch_fwd(const AttnParams& p) {
 
 template <typename T>
 void launch_bwd(const AttnParams& p) {
-  const int64_t rows_total = static_cast<int64_t>(p.batch) * p.heads_q * p.len_q;
-  const int64_t keys_total = static_cast<int64_t>(p.batch) * p.heads_kv * p.len_k;
+  const int64_t rows_total = row_items<false>(p);
+  const int64_t keys_total = row_items<true>(p);
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   // Stream-ordered caching allocator: freed on return, alive for the kernels queued here.
   const at::Tensor stats_buf = at::empty(

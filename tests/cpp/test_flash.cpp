@@ -13,12 +13,14 @@
 #include <limits>
 #include <optional>
 #include <tuple>
+#include <vector>
 
 namespace {
 
 using FlashAttnSig = std::tuple<at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-    std::optional<double>, bool, int64_t, int64_t, bool);
+    std::optional<double>, bool, int64_t, int64_t, bool, const std::optional<at::Tensor>&,
+    const std::optional<at::Tensor>&);
 
 c10::TypedOperatorHandle<FlashAttnSig> flash_attn_op() {
   return c10::Dispatcher::singleton()
@@ -58,7 +60,8 @@ void check_against_naive(int64_t lq, int64_t lk, bool causal) {
   const at::Tensor dout = torch::randn({b, hq, lq, d}, opts);
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));
 
-  auto [out, lse] = flash_attn_op().call(q, k, v, std::nullopt, std::nullopt, causal, -1, -1, false);
+  auto [out, lse] = flash_attn_op().call(q, k, v, std::nullopt, std::nullopt, causal, -1, -1,
+                                         false, std::nullopt, std::nullopt);
   torch::autograd::backward({out}, {dout});
 
   const at::Tensor qr = q.detach().clone().requires_grad_();
@@ -95,10 +98,54 @@ TEST_CASE("flash_attn rejects a rank-3 q with an error naming q", "[flash][error
   const at::Tensor k = torch::randn({2, 2, 5, 16}, torch::kDouble);
   bool thrown = false;
   try {
-    flash_attn_op().call(q, k, k, std::nullopt, std::nullopt, false, -1, -1, false);
+    flash_attn_op().call(q, k, k, std::nullopt, std::nullopt, false, -1, -1, false, std::nullopt,
+                         std::nullopt);
   } catch (const c10::Error& e) {
     thrown = true;
     CHECK_THAT(e.msg(), Catch::Contains("q must have 4 dims"));
   }
   CHECK(thrown);
+}
+
+TEST_CASE("flash_attn packed (cu_seqlens) equals one dense call per sequence", "[flash][varlen]") {
+  at::globalContext().setDeterministicAlgorithms(true, /*warn_only=*/true);
+  at::globalContext().setDeterministicFillUninitializedMemory(true);
+  torch::manual_seed(0);
+  const int64_t hq = 4, hkv = 2, d = 16;
+  const std::vector<int> lens_q = {5, 0, 17, 1}, lens_k = {9, 3, 17, 4};
+  std::vector<int> cu_q = {0}, cu_k = {0};
+  for (size_t n = 0; n < lens_q.size(); ++n) {
+    cu_q.push_back(cu_q.back() + lens_q[n]);
+    cu_k.push_back(cu_k.back() + lens_k[n]);
+  }
+  const auto opts = torch::dtype(torch::kDouble);
+  const at::Tensor q = torch::randn({cu_q.back(), hq, d}, opts).requires_grad_();
+  const at::Tensor k = torch::randn({cu_k.back(), hkv, d}, opts).requires_grad_();
+  const at::Tensor v = torch::randn({cu_k.back(), hkv, d}, opts).requires_grad_();
+  const at::Tensor dout = torch::randn({cu_q.back(), hq, d}, opts);
+  const at::Tensor cu_q_t = torch::tensor(cu_q, torch::kInt);
+  const at::Tensor cu_k_t = torch::tensor(cu_k, torch::kInt);
+
+  auto [out, lse] = flash_attn_op().call(q, k, v, std::nullopt, std::nullopt, /*causal=*/true,
+                                         -1, -1, false, cu_q_t, cu_k_t);
+  torch::autograd::backward({out}, {dout});
+  REQUIRE(lse.sizes() == at::IntArrayRef({hq, cu_q.back()}));
+
+  for (size_t n = 0; n < lens_q.size(); ++n) {
+    if (lens_q[n] == 0) continue;
+    auto dense = [](const at::Tensor& t, int a, int b) {
+      return t.slice(0, a, b).transpose(0, 1).unsqueeze(0);
+    };
+    const at::Tensor qn = dense(q.detach(), cu_q[n], cu_q[n + 1]).requires_grad_();
+    const at::Tensor kn = dense(k.detach(), cu_k[n], cu_k[n + 1]).requires_grad_();
+    const at::Tensor vn = dense(v.detach(), cu_k[n], cu_k[n + 1]).requires_grad_();
+    auto [out_n, lse_n] = flash_attn_op().call(qn, kn, vn, std::nullopt, std::nullopt, true, -1,
+                                               -1, false, std::nullopt, std::nullopt);
+    torch::autograd::backward({out_n}, {dense(dout, cu_q[n], cu_q[n + 1])});
+    CHECK(rel_err(dense(out.detach(), cu_q[n], cu_q[n + 1]), out_n) < 1e-12);
+    CHECK(rel_err(lse.slice(1, cu_q[n], cu_q[n + 1]).unsqueeze(0), lse_n) < 1e-6);
+    CHECK(rel_err(dense(q.grad(), cu_q[n], cu_q[n + 1]), qn.grad()) < 1e-12);
+    CHECK(rel_err(dense(k.grad(), cu_k[n], cu_k[n + 1]), kn.grad()) < 1e-12);
+    CHECK(rel_err(dense(v.grad(), cu_k[n], cu_k[n + 1]), vn.grad()) < 1e-12);
+  }
 }

@@ -18,7 +18,8 @@ namespace {
 
 using LazyAttnSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-    const std::optional<at::Tensor>&, std::optional<double>, bool);
+    const std::optional<at::Tensor>&, std::optional<double>, bool,
+    const std::optional<at::Tensor>&);
 
 c10::TypedOperatorHandle<LazyAttnSig> lazy_attn_op() {
   return c10::Dispatcher::singleton()
@@ -71,7 +72,7 @@ TEST_CASE("lazy_attn float64 forward+backward of q, k, v, tau, bias; GQA, Lq < L
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));
 
   auto [out, lse, stats] = lazy_attn_op().call(q, k, v, tau, bias, std::nullopt, std::nullopt,
-                                               /*return_stats=*/true);
+                                               /*return_stats=*/true, std::nullopt);
   torch::autograd::backward({out}, {dout});
 
   const at::Tensor qr = q.detach().clone().requires_grad_();
@@ -104,7 +105,7 @@ TEST_CASE("lazy_attn rejects a tau of the wrong shape with an error naming tau",
   bool thrown = false;
   try {
     lazy_attn_op().call(q, q, q, torch::zeros({3}, torch::kFloat), bias, std::nullopt,
-                        std::nullopt, false);
+                        std::nullopt, false, std::nullopt);
   } catch (const c10::Error& e) {
     thrown = true;
     CHECK_THAT(e.msg(), Catch::Contains("tau must be a float32 tensor of shape [Hq] = [2]"));

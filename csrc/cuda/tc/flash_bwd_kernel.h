@@ -28,19 +28,18 @@ namespace tc {
 
 template <typename T, int D>
 __global__ void flash_bwd_delta_kernel(const AttnParams p) {
-  // One warp per row; rows are (b, h, i) in lse order.
+  // One warp per row, rows in lse order (dense (b, h, i); packed (h, t), batch strides 0).
   const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
-  const int64_t rows = static_cast<int64_t>(p.batch) * p.heads_q * p.len_q;
-  if (row >= rows) return;
+  if (row >= row_items<false>(p)) return;
   const int i = static_cast<int>(row % p.len_q);
   const int64_t bh = row / p.len_q;
   const int h = static_cast<int>(bh % p.heads_q);
   const int b = static_cast<int>(bh / p.heads_q);
   const T* o = static_cast<const T*>(p.out) + b * p.o_batch_stride + h * p.o_head_stride +
-               i * p.o_row_stride;
+               static_cast<int64_t>(i) * p.o_row_stride;
   const T* d = static_cast<const T*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride +
-               i * p.do_row_stride;
+               static_cast<int64_t>(i) * p.do_row_stride;
   float acc = 0.f;
 #pragma unroll
   for (int c = lane; c < D; c += 32) acc += to_float(o[c]) * to_float(d[c]);
@@ -104,24 +103,22 @@ __device__ __forceinline__ void bwd_dkdv_block(const AttnParams& p, int block) {
   const int lane = tid % 32;
   const int g = lane >> 2;
   const int t = lane & 3;
-  const int bh_count = p.batch * p.heads_kv;
-  const int n_blocks = (p.len_k + kBlockN - 1) / kBlockN;
-  const int bh = p.head_major ? block / n_blocks : block % bh_count;
-  const int n_block = p.head_major ? block % n_blocks : block / bh_count;
-  const int b = bh / p.heads_kv;
-  const int h_kv = bh % p.heads_kv;
+  const WorkItem tile = tile_item<true, false>(p, block, kBlockN);
+  if (!tile.valid) return;
+  const int b = tile.b;
+  const int h_kv = tile.h;
   const int group = p.heads_q / p.heads_kv;
-  const int n0 = n_block * kBlockN;
+  const int n0 = tile.index * kBlockN;
   const int warp_row0 = warp * 16 * MI;
 
   const SeqLens lens = seq_lens(p, b);
   const RowSpan rows = rows_meeting_keys(p, lens, n0, n0 + kBlockN);
 
   const T* kptr = static_cast<const T*>(p.k) + b * p.k_batch_stride + h_kv * p.k_head_stride +
-                  n0 * p.k_row_stride;
+                  (lens.k_start + n0) * p.k_row_stride;
   const T* vptr = static_cast<const T*>(p.v) + b * p.v_batch_stride + h_kv * p.v_head_stride +
-                  n0 * p.v_row_stride;
-  const int valid_k = p.len_k - n0;
+                  (lens.k_start + n0) * p.v_row_stride;
+  const int valid_k = lens.rows_k - n0;
 
   float dk[MI][DT][4];
   float dv[MI][DT][4];
@@ -134,24 +131,25 @@ __device__ __forceinline__ void bwd_dkdv_block(const AttnParams& p, int block) {
   const int steps = steps_per_head * group;
   const bool param_grads = kElastic && p.dbias != nullptr;
   const int bias_span = p.bias_window < p.len_k ? p.bias_window : p.len_k;  // distances < Lk
-  const int key_tiles = (p.len_k + kBlockN - 1) / kBlockN;
 
   // Step s covers query head group*h_kv + s / steps_per_head, query tile m_begin + s % steps.
   auto issue_step = [&](int s, int buf) {
     const int h = h_kv * group + s / steps_per_head;
     const int m0 = (m_begin + s % steps_per_head) * BM;
     const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride +
-                 m0 * p.q_row_stride;
+                 (lens.q_start + m0) * p.q_row_stride;
     const T* d = static_cast<const T*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride +
-                 m0 * p.do_row_stride;
-    load_tile_async<BM, D, kThreads>(sQ(buf), q, p.q_row_stride, p.len_q - m0, tid);
-    load_tile_async<BM, D, kThreads>(sdO(buf), d, p.do_row_stride, p.len_q - m0, tid);
-    const int64_t lse_off = (static_cast<int64_t>(b) * p.heads_q + h) * p.len_q;
+                 (lens.q_start + m0) * p.do_row_stride;
+    load_tile_async<BM, D, kThreads>(sQ(buf), q, p.q_row_stride, lens.rows_q - m0, tid);
+    load_tile_async<BM, D, kThreads>(sdO(buf), d, p.do_row_stride, lens.rows_q - m0, tid);
+    const int64_t lse_off = row_stat_offset(p, lens, b, h);
     for (int i = tid; i < BM; i += kThreads) {
-      const bool valid = m0 + i < p.len_q;
-      sLse(buf)[i] = lse_log2(p.lse + lse_off, m0 + i, p.len_q);
+      const bool valid = m0 + i < lens.rows_q;
+      sLse(buf)[i] = lse_log2(p.lse + lse_off, m0 + i, lens.rows_q);
       sDelta(buf)[i] = valid ? p.delta[lse_off + m0 + i] : 0.f;
-      if (kElastic) sShift(buf)[i] = valid ? lazy_shift<float>(p, h, lazy_position(p, m0 + i)) : 0.f;
+      if (kElastic) {
+        sShift(buf)[i] = valid ? lazy_shift<float>(p, h, lazy_position(lens, m0 + i)) : 0.f;
+      }
     }
   };
 
@@ -183,8 +181,8 @@ __device__ __forceinline__ void bwd_dkdv_block(const AttnParams& p, int block) {
       for (int ni = 0; ni < NT; ++ni)
 #pragma unroll
         for (int e = 0; e < 4; ++e) st[mi][ni][e] *= p.scale_log2;
-    if (kElastic && tile_meets_bias(p, m0, n0 + warp_row0 + 16 * MI - 1)) {
-      add_bias<true>(st, p, h, n0 + warp_row0, m0, lane);
+    if (kElastic && tile_meets_bias(p, lens, m0, n0 + warp_row0 + 16 * MI - 1)) {
+      add_bias<true>(st, p, lens, h, n0 + warp_row0, m0, lane);
     }
     const bool full = tile_is_full(p, lens, m0, m0 + BM, n0 + warp_row0, n0 + warp_row0 + 16 * MI);
     float at[MI][NT][4];  // elastic weights A^T
@@ -241,13 +239,14 @@ __device__ __forceinline__ void bwd_dkdv_block(const AttnParams& p, int block) {
           dpt[mi][ni][e] = st[mi][ni][e] * (da - sDelta(buf)[qcol]);
         }
 
-    if (param_grads && tile_meets_bias(p, m0, n0 + kBlockN - 1)) {
+    if (param_grads && tile_meets_bias(p, lens, m0, n0 + kBlockN - 1)) {
       // dbias: stage dS^T, then thread i sums diagonals i, i + kThreads, ... (distance
       // d = pos(query) - key) in a fixed order into this CTA's partial for head h.
       constexpr int kStageKeys = Traits::kStageKeys;
-      float* partial = p.dbias_partial +
-                       ((static_cast<int64_t>(b) * p.heads_q + h) * key_tiles + n_block) * bias_span;
-      const int base = lazy_position(p, m0) - n0;
+      float* partial =
+          p.dbias_partial +
+          (h * tile_slots<true>(p, kBlockN) + tile.slot) * static_cast<int64_t>(bias_span);
+      const int base = lazy_position(lens, m0) - n0;
       for (int r0 = 0; r0 < kBlockN; r0 += kStageKeys) {
         if (warp_row0 >= r0 && warp_row0 < r0 + kStageKeys) {
 #pragma unroll
@@ -292,9 +291,9 @@ __device__ __forceinline__ void bwd_dkdv_block(const AttnParams& p, int block) {
       one[mi][hh] = 1.f;
     }
   T* dkptr = static_cast<T*>(p.dk) + b * p.dk_batch_stride + h_kv * p.dk_head_stride +
-             n0 * p.dk_row_stride;
+             (lens.k_start + n0) * p.dk_row_stride;
   T* dvptr = static_cast<T*>(p.dv) + b * p.dv_batch_stride + h_kv * p.dv_head_stride +
-             n0 * p.dv_row_stride;
+             (lens.k_start + n0) * p.dv_row_stride;
   store_rows<MI, DT, D>(dk, kscale, sK, warp_row0, dkptr, p.dk_row_stride, valid_k, lane);
   store_rows<MI, DT, D>(dv, one, sV, warp_row0, dvptr, p.dv_row_stride, valid_k, lane);
 }
@@ -331,26 +330,25 @@ __device__ __forceinline__ void bwd_dq_block(const AttnParams& p, int block) {
   const int warp = tid / 32;
   const int lane = tid % 32;
   const int g = lane >> 2;
-  const int bh_count = p.batch * p.heads_q;
-  const int num_m_blocks = (p.len_q + kBlockM - 1) / kBlockM;
-  const int bh = p.head_major ? block / num_m_blocks : block % bh_count;
-  const int m_block =
-      num_m_blocks - 1 - (p.head_major ? block % num_m_blocks : block / bh_count);
-  const int b = bh / p.heads_q;
-  const int h = bh % p.heads_q;
+  const WorkItem tile = tile_item<false, true>(p, block, kBlockM);
+  if (!tile.valid) return;
+  const int b = tile.b;
+  const int h = tile.h;
   const int h_kv = h / (p.heads_q / p.heads_kv);
-  const int m0 = m_block * kBlockM;
+  const int m0 = tile.index * kBlockM;
   const int warp_row0 = warp * 16 * MI;
 
   const SeqLens lens = seq_lens(p, b);
   const KeyRange tile_keys = tile_key_range(p, lens, m0, m0 + kBlockM);
   const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride +
-               m0 * p.q_row_stride;
+               (lens.q_start + m0) * p.q_row_stride;
   const T* dout = static_cast<const T*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride +
-                  m0 * p.do_row_stride;
-  const T* k = static_cast<const T*>(p.k) + b * p.k_batch_stride + h_kv * p.k_head_stride;
-  const T* v = static_cast<const T*>(p.v) + b * p.v_batch_stride + h_kv * p.v_head_stride;
-  const int64_t lse_off = (static_cast<int64_t>(b) * p.heads_q + h) * p.len_q;
+                  (lens.q_start + m0) * p.do_row_stride;
+  const T* k = static_cast<const T*>(p.k) + b * p.k_batch_stride + h_kv * p.k_head_stride +
+               lens.k_start * p.k_row_stride;
+  const T* v = static_cast<const T*>(p.v) + b * p.v_batch_stride + h_kv * p.v_head_stride +
+               lens.k_start * p.v_row_stride;
+  const int64_t lse_off = row_stat_offset(p, lens, b, h);
 
   RowRanges<MI> rr;
   float lse2[MI][2];
@@ -366,25 +364,25 @@ __device__ __forceinline__ void bwd_dq_block(const AttnParams& p, int block) {
       const KeyRange r = key_range(p, lens, row);
       rr.lo[mi][hh] = r.lo;
       rr.hi[mi][hh] = r.hi;
-      lse2[mi][hh] = lse_log2(p.lse + lse_off, row, p.len_q);
-      delta[mi][hh] = !kRowPass && row < p.len_q ? p.delta[lse_off + row] : 0.f;
-      if (kElastic) shift[mi][hh] = lazy_shift<float>(p, h, lazy_position(p, row));
+      lse2[mi][hh] = lse_log2(p.lse + lse_off, row, lens.rows_q);
+      delta[mi][hh] = !kRowPass && row < lens.rows_q ? p.delta[lse_off + row] : 0.f;
+      if (kElastic) shift[mi][hh] = lazy_shift<float>(p, h, lazy_position(lens, row));
       row_g[mi][hh] = 0.f;
       row_dl[mi][hh] = 0.f;
     }
 
   float dq[MI][DT][4];
   zero(dq);
-  const int valid_q = p.len_q - m0;
+  const int valid_q = lens.rows_q - m0;
   if (tile_keys.hi > tile_keys.lo) {
     const int n_begin = tile_keys.lo / BN;
     const int n_end = (tile_keys.hi + BN - 1) / BN;
     auto issue_kv = [&](int n_block, int buf) {
       const int n0 = n_block * BN;
       load_tile_async<BN, D, kThreads>(sK(buf), k + static_cast<int64_t>(n0) * p.k_row_stride,
-                                       p.k_row_stride, p.len_k - n0, tid);
+                                       p.k_row_stride, lens.rows_k - n0, tid);
       load_tile_async<BN, D, kThreads>(sV(buf), v + static_cast<int64_t>(n0) * p.v_row_stride,
-                                       p.v_row_stride, p.len_k - n0, tid);
+                                       p.v_row_stride, lens.rows_k - n0, tid);
     };
     load_tile_async<kBlockM, D, kThreads>(sQ, q, p.q_row_stride, valid_q, tid);
     load_tile_async<kBlockM, D, kThreads>(sdO, dout, p.do_row_stride, valid_q, tid);
@@ -411,8 +409,8 @@ __device__ __forceinline__ void bwd_dq_block(const AttnParams& p, int block) {
         for (int ni = 0; ni < NT; ++ni)
 #pragma unroll
           for (int e = 0; e < 4; ++e) s[mi][ni][e] = s[mi][ni][e] * p.scale_log2;
-      if (kElastic && tile_meets_bias(p, m0 + warp_row0, n0 + BN - 1)) {
-        add_bias<false>(s, p, h, m0 + warp_row0, n0, lane);
+      if (kElastic && tile_meets_bias(p, lens, m0 + warp_row0, n0 + BN - 1)) {
+        add_bias<false>(s, p, lens, h, m0 + warp_row0, n0, lane);
       }
       if (!full) mask_scores(s, rr, n0, lane);
       // P, and the elastic live mask M (as the weight a > 0) kept in `live`.
@@ -482,8 +480,8 @@ __device__ __forceinline__ void bwd_dq_block(const AttnParams& p, int block) {
         ds += __shfl_xor_sync(0xffffffff, ds, 1);
         ds += __shfl_xor_sync(0xffffffff, ds, 2);
         const int row = m0 + warp_row0 + mi * 16 + g + 8 * hh;
-        if ((lane & 3) == 0 && row < p.len_q) {
-          p.row_g[lse_off + row] = gs;
+        if ((lane & 3) == 0 && row < lens.rows_q) {
+          p.row_g[lse_off + row] = gs / static_cast<float>(lazy_position(lens, row) + 1);
           p.delta[lse_off + row] = ds;
         }
       }
@@ -495,7 +493,7 @@ __device__ __forceinline__ void bwd_dq_block(const AttnParams& p, int block) {
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) qscale[mi][hh] = static_cast<float>(p.scale);
     T* dqptr = static_cast<T*>(p.dq) + b * p.dq_batch_stride + h * p.dq_head_stride +
-               m0 * p.dq_row_stride;
+               (lens.q_start + m0) * p.dq_row_stride;
     store_rows<MI, DT, D>(dq, qscale, sQ, warp_row0, dqptr, p.dq_row_stride, valid_q, lane);
   }
 }
@@ -521,17 +519,18 @@ __global__ void __launch_bounds__(QTraits::kThreads) lazy_bwd_rows_kernel(const 
   bwd_dq_block<QTraits, T, D, QTraits::kMI, QTraits::kBlockN, LazyVariant, true>(p, blockIdx.x);
 }
 
-// dtau[h] = sum over (b, rows) of G_i / (i + 1): one CTA per head, fixed-order tree reduction.
+// dtau[h] = sum over (b, rows) of G_i / (i + 1) (row_g holds the terms): one CTA per head,
+// fixed-order tree reduction.
 template <int kThreads>
 __global__ void __launch_bounds__(kThreads) lazy_dtau_kernel(const AttnParams p) {
   __shared__ float partial[kThreads];
   const int h = blockIdx.x;
+  // Dense: the Lq rows of every (b, h); packed: the Tq rows of head h.
+  const int segments = is_packed(p) ? 1 : p.batch;
   float acc = 0.f;
-  for (int b = 0; b < p.batch; ++b) {
+  for (int b = 0; b < segments; ++b) {
     const float* g = p.row_g + (static_cast<int64_t>(b) * p.heads_q + h) * p.len_q;
-    for (int r = threadIdx.x; r < p.len_q; r += kThreads) {
-      acc += g[r] / static_cast<float>(lazy_position(p, r) + 1);
-    }
+    for (int r = threadIdx.x; r < p.len_q; r += kThreads) acc += g[r];
   }
   partial[threadIdx.x] = acc;
   __syncthreads();
@@ -542,10 +541,10 @@ __global__ void __launch_bounds__(kThreads) lazy_dtau_kernel(const AttnParams p)
   if (threadIdx.x == 0) p.dtau[h] = partial[0];
 }
 
-// dbias[h, d] = sum over (b, key tiles) of the dK/dV CTAs' partials, in a fixed order;
+// dbias[h, d] = sum over the key tile slots of the dK/dV CTAs' partials, in a fixed order;
 // distances >= min(W, Lk) never occur and get 0.
 template <int kThreads>
-__global__ void __launch_bounds__(kThreads) lazy_dbias_kernel(const AttnParams p, int key_tiles) {
+__global__ void __launch_bounds__(kThreads) lazy_dbias_kernel(const AttnParams p, int64_t slots) {
   const int bias_span = p.bias_window < p.len_k ? p.bias_window : p.len_k;
   const int64_t item = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   if (item >= static_cast<int64_t>(p.heads_q) * p.bias_window) return;
@@ -553,11 +552,8 @@ __global__ void __launch_bounds__(kThreads) lazy_dbias_kernel(const AttnParams p
   const int d = static_cast<int>(item % p.bias_window);
   float acc = 0.f;
   if (d < bias_span) {
-    for (int b = 0; b < p.batch; ++b) {
-      const float* part =
-          p.dbias_partial + (static_cast<int64_t>(b) * p.heads_q + h) * key_tiles * bias_span + d;
-      for (int n = 0; n < key_tiles; ++n) acc += part[static_cast<int64_t>(n) * bias_span];
-    }
+    const float* part = p.dbias_partial + h * slots * bias_span + d;
+    for (int64_t n = 0; n < slots; ++n) acc += part[n * bias_span];
   }
   p.dbias[item] = acc;
 }

@@ -162,28 +162,26 @@ __global__ void __launch_bounds__(Traits::kThreads)
   const int tid = threadIdx.x;
   const int warp = tid / 32;
   const int lane = tid % 32;
-  // CTA order (AttnParams::head_major): head by head, or the heavy (late, under causal) query
-  // tiles of every head first; either way query tiles are walked backwards.
-  const int bh_count = p.batch * p.heads_q;
-  const int num_m_blocks = (p.len_q + kBlockM - 1) / kBlockM;
-  const int bh = p.head_major ? blockIdx.x / num_m_blocks : blockIdx.x % bh_count;
-  const int m_block = num_m_blocks - 1 -
-                      (p.head_major ? blockIdx.x % num_m_blocks : blockIdx.x / bh_count);
-  const int b = bh / p.heads_q;
-  const int h = bh % p.heads_q;
+  // CTA order (AttnParams::head_major, seq.h): query tiles are walked backwards.
+  const WorkItem tile = tile_item<false, true>(p, blockIdx.x, kBlockM);
+  if (!tile.valid) return;
+  const int b = tile.b;
+  const int h = tile.h;
   const int h_kv = h / (p.heads_q / p.heads_kv);
-  const int m0 = m_block * kBlockM;
+  const int m0 = tile.index * kBlockM;
 
   const SeqLens lens = seq_lens(p, b);
   const KeyRange tile_keys = tile_key_range(p, lens, m0, m0 + kBlockM);
 
   const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride +
-               m0 * p.q_row_stride;
-  const T* k = static_cast<const T*>(p.k) + b * p.k_batch_stride + h_kv * p.k_head_stride;
-  const T* v = static_cast<const T*>(p.v) + b * p.v_batch_stride + h_kv * p.v_head_stride;
+               (lens.q_start + m0) * p.q_row_stride;
+  const T* k = static_cast<const T*>(p.k) + b * p.k_batch_stride + h_kv * p.k_head_stride +
+               lens.k_start * p.k_row_stride;
+  const T* v = static_cast<const T*>(p.v) + b * p.v_batch_stride + h_kv * p.v_head_stride +
+               lens.k_start * p.v_row_stride;
   T* out = static_cast<T*>(p.out) + b * p.o_batch_stride + h * p.o_head_stride +
-           m0 * p.o_row_stride;
-  float* lse = p.lse + (static_cast<int64_t>(b) * p.heads_q + h) * p.len_q;
+           (lens.q_start + m0) * p.o_row_stride;
+  float* lse = p.lse + row_stat_offset(p, lens, b, h);
 
   const int warp_row0 = warp * 16 * MI;
   const int g = lane >> 2;
@@ -197,7 +195,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
       const KeyRange r = key_range(p, lens, row);
       rr.lo[mi][hh] = r.lo;
       rr.hi[mi][hh] = r.hi;
-      if (kElastic) shift[mi][hh] = lazy_shift<float>(p, h, lazy_position(p, row));
+      if (kElastic) shift[mi][hh] = lazy_shift<float>(p, h, lazy_position(lens, row));
     }
 
   float o[MI][DT][4];
@@ -224,8 +222,8 @@ __global__ void __launch_bounds__(Traits::kThreads)
       for (int ni = 0; ni < NT; ++ni)
 #pragma unroll
         for (int e = 0; e < 4; ++e) s[mi][ni][e] *= p.scale_log2;
-    if (kElastic && tile_meets_bias(p, m0 + warp_row0, n0 + BN - 1)) {
-      add_bias<false>(s, p, h, m0 + warp_row0, n0, lane);
+    if (kElastic && tile_meets_bias(p, lens, m0 + warp_row0, n0 + BN - 1)) {
+      add_bias<false>(s, p, lens, h, m0 + warp_row0, n0, lane);
     }
     if (!tile_is_full(p, lens, m0 + warp_row0, m0 + warp_row0 + 16 * MI, n0, n0 + BN)) {
       mask_scores(s, rr, n0, lane);
@@ -233,13 +231,13 @@ __global__ void __launch_bounds__(Traits::kThreads)
   };
 
   WeightStats stats;
-  const int valid_q = p.len_q - m0;
+  const int valid_q = lens.rows_q - m0;
   if (tile_keys.hi > tile_keys.lo) {
     const int n_begin = tile_keys.lo / BN;
     const int n_end = (tile_keys.hi + BN - 1) / BN;
     load_tile_async<kBlockM, D, kThreads>(sQ, q, p.q_row_stride, valid_q, tid);
     load_tile_async<BN, D, kThreads>(sK, k + static_cast<int64_t>(n_begin) * BN * p.k_row_stride,
-                                     p.k_row_stride, p.len_k - n_begin * BN, tid);
+                                     p.k_row_stride, lens.rows_k - n_begin * BN, tid);
     cp_async_commit();
 
     if constexpr (kElastic) {
@@ -252,7 +250,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
         if (n_block + 1 < n_end) {
           load_tile_async<BN, D, kThreads>(cur == sK ? sV : sK,
                                            k + static_cast<int64_t>(n0 + BN) * p.k_row_stride,
-                                           p.k_row_stride, p.len_k - n0 - BN, tid);
+                                           p.k_row_stride, lens.rows_k - n0 - BN, tid);
           cp_async_commit();
         }
         float s[MI][NT][4];
@@ -272,7 +270,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
         }
       __syncthreads();  // every warp is done with sK/sV before pass 2 refills them
       load_tile_async<BN, D, kThreads>(sK, k + static_cast<int64_t>(n_begin) * BN * p.k_row_stride,
-                                       p.k_row_stride, p.len_k - n_begin * BN, tid);
+                                       p.k_row_stride, lens.rows_k - n_begin * BN, tid);
       cp_async_commit();
     }
 
@@ -281,7 +279,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
       cp_async_wait_all();
       __syncthreads();
       load_tile_async<BN, D, kThreads>(sV, v + static_cast<int64_t>(n0) * p.v_row_stride,
-                                       p.v_row_stride, p.len_k - n0, tid);
+                                       p.v_row_stride, lens.rows_k - n0, tid);
       cp_async_commit();
 
       float s[MI][NT][4];
@@ -308,7 +306,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
       __syncthreads();
       if (n_block + 1 < n_end) {
         load_tile_async<BN, D, kThreads>(sK, k + static_cast<int64_t>(n0 + BN) * p.k_row_stride,
-                                         p.k_row_stride, p.len_k - n0 - BN, tid);
+                                         p.k_row_stride, lens.rows_k - n0 - BN, tid);
         cp_async_commit();
       }
       if (any) warp_gemm_rs<MI, DT, NT / 2, D>(o, pa, sV, 0, lane);
@@ -329,7 +327,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
       }
       inv[mi][hh] = kElastic ? 1.f : (l > 0.f ? 1.f / l : 0.f);
       const int row = m0 + warp_row0 + mi * 16 + g + 8 * hh;
-      if ((lane & 3) == 0 && row < p.len_q) {
+      if ((lane & 3) == 0 && row < lens.rows_q) {
         lse[row] = l > 0.f ? (row_max[mi][hh] + log2f(l)) * float(M_LN2) : -INFINITY;
       }
     }

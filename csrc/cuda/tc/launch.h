@@ -55,8 +55,7 @@ void launch_fwd(const AttnParams& p) {
   using Traits = FwdTraits<T, D, C::kFwdWarps, C::kFwdMI, C::kFwdBlockN>;
   auto kernel = flash_fwd_kernel<Traits, T, D, C::kFwdMI, C::kFwdBlockN, Variant>;
   set_smem(kernel, Traits::kSmemBytes);
-  const int64_t m_blocks = (p.len_q + Traits::kBlockM - 1) / Traits::kBlockM;
-  const int grid = grid_size(m_blocks * p.batch * p.heads_q);
+  const int grid = grid_size(tile_slots<false>(p, Traits::kBlockM) * p.heads_q);
   kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, at::cuda::getCurrentCUDAStream()>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -70,10 +69,8 @@ void launch_bwd_main(const AttnParams& p) {
   auto kernel = flash_bwd_kernel<KV, Q, T, D, Variant>;
   constexpr int kSmem = KV::kSmemBytes > Q::kSmemBytes ? KV::kSmemBytes : Q::kSmemBytes;
   set_smem(kernel, kSmem);
-  const int64_t kv_blocks =
-      (p.len_k + KV::kBlockN - 1) / KV::kBlockN * p.batch * static_cast<int64_t>(p.heads_kv);
-  const int64_t q_blocks =
-      (p.len_q + Q::kBlockM - 1) / Q::kBlockM * p.batch * static_cast<int64_t>(p.heads_q);
+  const int64_t kv_blocks = tile_slots<true>(p, KV::kBlockN) * p.heads_kv;
+  const int64_t q_blocks = tile_slots<false>(p, Q::kBlockM) * p.heads_q;
   kernel<<<grid_size(kv_blocks + q_blocks), KV::kThreads, kSmem,
            at::cuda::getCurrentCUDAStream()>>>(p, grid_size(kv_blocks));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -88,8 +85,7 @@ template <typename T, int D>
 void run_flash_bwd(const AttnParams& p) {
   {
     constexpr int kRowsPerBlock = 8;
-    const int64_t rows = static_cast<int64_t>(p.batch) * p.heads_q * p.len_q;
-    const int grid = grid_size((rows + kRowsPerBlock - 1) / kRowsPerBlock);
+    const int grid = grid_size((row_items<false>(p) + kRowsPerBlock - 1) / kRowsPerBlock);
     flash_bwd_delta_kernel<T, D>
         <<<grid, kRowsPerBlock * 32, 0, at::cuda::getCurrentCUDAStream()>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -111,11 +107,11 @@ void run_lazy_bwd(const AttnParams& p_in) {
   using Q = BwdQTraits<T, D, C::kQWarps, C::kQMI, C::kQBlockN>;
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   AttnParams p = p_in;
-  const int key_tiles = (p.len_k + KV::kBlockN - 1) / KV::kBlockN;
+  const int64_t key_slots = tile_slots<true>(p, KV::kBlockN);
   const int64_t bias_span = p.bias_window < p.len_k ? p.bias_window : p.len_k;
   at::Tensor partial;  // freed on return; the caching allocator keeps it for this stream
   if (p.dbias != nullptr) {
-    partial = at::zeros({static_cast<int64_t>(p.batch) * p.heads_q * key_tiles * bias_span},
+    partial = at::zeros({p.heads_q * key_slots * bias_span},
                         at::TensorOptions().dtype(at::kFloat).device(
                             at::kCUDA, c10::cuda::current_device()));
     p.dbias_partial = partial.data_ptr<float>();
@@ -123,8 +119,7 @@ void run_lazy_bwd(const AttnParams& p_in) {
   {
     auto kernel = lazy_bwd_rows_kernel<Q, T, D>;
     set_smem(kernel, Q::kSmemBytes);
-    const int64_t q_blocks =
-        (p.len_q + Q::kBlockM - 1) / Q::kBlockM * p.batch * static_cast<int64_t>(p.heads_q);
+    const int64_t q_blocks = tile_slots<false>(p, Q::kBlockM) * p.heads_q;
     kernel<<<grid_size(q_blocks), Q::kThreads, Q::kSmemBytes, stream>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
@@ -136,7 +131,7 @@ void run_lazy_bwd(const AttnParams& p_in) {
   const int64_t items = static_cast<int64_t>(p.heads_q) * p.bias_window;
   lazy_dbias_kernel<kReduceThreads>
       <<<grid_size((items + kReduceThreads - 1) / kReduceThreads), kReduceThreads, 0, stream>>>(
-          p, key_tiles);
+          p, key_slots);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

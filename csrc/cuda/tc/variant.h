@@ -24,8 +24,9 @@ struct LazyVariant {
 
 // True when a (rows, keys) tile holds some pair at distance i - j < W, i.e. needs the bias table:
 // the smallest distance is pos(first row) - (last key).
-__device__ __forceinline__ bool tile_meets_bias(const AttnParams& p, int first_row, int last_key) {
-  return lazy_position(p, first_row) - last_key < p.bias_window;
+__device__ __forceinline__ bool tile_meets_bias(const AttnParams& p, const SeqLens& lens,
+                                                int first_row, int last_key) {
+  return lazy_position(lens, first_row) - last_key < p.bias_window;
 }
 
 // Adds the distance bias (in log2 units) to score fragments. kKeyRows = false: fragments laid
@@ -33,8 +34,8 @@ __device__ __forceinline__ bool tile_meets_bias(const AttnParams& p, int first_r
 // c0 + ni*8 + 2t + e%2. kKeyRows = true: laid out [keys][rows] (S^T in the dK/dV pass), element
 // (mi, ni, e) is key r0 + mi*16 + g + 8*(e/2), row c0 + ni*8 + 2t + e%2.
 template <bool kKeyRows, int MI, int NT>
-__device__ __forceinline__ void add_bias(float (&s)[MI][NT][4], const AttnParams& p, int h,
-                                         int r0, int c0, int lane) {
+__device__ __forceinline__ void add_bias(float (&s)[MI][NT][4], const AttnParams& p,
+                                         const SeqLens& lens, int h, int r0, int c0, int lane) {
   const float* bias = p.bias + static_cast<int64_t>(h) * p.bias_window;
   const int g = lane >> 2, t = lane & 3;
 #pragma unroll
@@ -45,8 +46,8 @@ __device__ __forceinline__ void add_bias(float (&s)[MI][NT][4], const AttnParams
       for (int e = 0; e < 4; ++e) {
         const int frag_row = r0 + mi * 16 + g + 8 * (e >> 1);
         const int frag_col = c0 + ni * 8 + 2 * t + (e & 1);
-        const int d = kKeyRows ? lazy_position(p, frag_col) - frag_row
-                               : lazy_position(p, frag_row) - frag_col;
+        const int d = kKeyRows ? lazy_position(lens, frag_col) - frag_row
+                               : lazy_position(lens, frag_row) - frag_col;
         if (d >= 0 && d < p.bias_window) s[mi][ni][e] += __ldg(bias + d) * float(M_LOG2E);
       }
 }

@@ -1,0 +1,182 @@
+// Where the rows of one batch entry live, for the dense layout ([B, H, L, D], optionally
+// right-padded by `seqlens`) and the packed one ([T, H, D] split by cu_seqlens), and how kernels
+// map their work items (rows, row tiles) onto batch entries. Kernels index every tensor through
+// SeqLens, so one kernel serves both layouts.
+#pragma once
+
+#include <cstdint>
+
+#include "params.h"
+
+#ifndef ADAATTN_HD
+#if defined(__CUDACC__)
+#define ADAATTN_HD __host__ __device__ __forceinline__
+#else
+#define ADAATTN_HD inline
+#endif
+#endif
+
+namespace adaattn {
+
+struct SeqLens {
+  int q;           // query rows that attend (rows in [q, rows_q) are padding and give 0)
+  int k;           // keys that may be attended
+  int rows_q;      // rows of q/out/lse that belong to this entry (writes stay below it)
+  int rows_k;      // rows of k/v that belong to this entry (reads stay below it)
+  int shift;       // row r's causal diagonal is key r + shift (Lk - Lq, bottom-right aligned)
+  int64_t q_start; // first row of this entry in q/out/dout/dq (packed: cu_seqlens_q[b])
+  int64_t k_start; // first row in k/v/dk/dv (packed: cu_seqlens_k[b])
+};
+
+ADAATTN_HD bool is_packed(const AttnParams& p) { return p.cu_seqlens_q != nullptr; }
+
+// Sequence b of a packed tensor with `total` rows: cu_seqlens clamped into [0, total] and made
+// non-decreasing, so a malformed cu_seqlens can never index outside the tensor.
+ADAATTN_HD void packed_range(const int* cu, int b, int total, int64_t& start, int& len) {
+  int a = cu[b], e = cu[b + 1];
+  a = a < 0 ? 0 : (a > total ? total : a);
+  e = e < a ? a : (e > total ? total : e);
+  start = a;
+  len = e - a;
+}
+
+ADAATTN_HD SeqLens seq_lens(const AttnParams& p, int b) {
+  if (is_packed(p)) {
+    SeqLens s;
+    packed_range(p.cu_seqlens_q, b, p.len_q, s.q_start, s.q);
+    packed_range(p.cu_seqlens_k, b, p.len_k, s.k_start, s.k);
+    s.rows_q = s.q;
+    s.rows_k = s.k;
+    s.shift = s.k - s.q;
+    return s;
+  }
+  int q = p.len_q, k = p.len_k;
+  if (p.seqlens != nullptr) {
+    const int s = p.seqlens[b] < 0 ? 0 : p.seqlens[b];
+    q = s < q ? s : q;
+    k = s < k ? s : k;
+  }
+  return {q, k, p.len_q, p.len_k, p.len_k - p.len_q, 0, 0};
+}
+
+// Offset of row 0 of (b, h) in the row-statistics layout of lse (and of the delta/row_g
+// scratch): dense [B, Hq, Lq], packed [Hq, Tq].
+ADAATTN_HD int64_t row_stat_offset(const AttnParams& p, const SeqLens& lens, int b, int h) {
+  return is_packed(p) ? static_cast<int64_t>(h) * p.len_q + lens.q_start
+                      : (static_cast<int64_t>(b) * p.heads_q + h) * p.len_q;
+}
+
+// Last sequence b in [0, n) with key(b) <= x (0 if none); key must be non-decreasing for a
+// meaningful answer, and any answer is in range.
+template <typename Key>
+ADAATTN_HD int last_sequence_at_or_before(int n, int64_t x, Key&& key) {
+  int lo = 0, hi = n - 1;
+  while (lo < hi) {
+    const int mid = lo + (hi - lo + 1) / 2;
+    if (key(mid) <= x) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return lo;
+}
+
+// A work item of one (batch entry, head): row `row` or row tile `block`; valid == false when the
+// item maps to no real row (packed slots past a sequence's end, or rows outside every sequence).
+struct WorkItem {
+  int b;
+  int h;
+  int index;  // row, or row tile
+  int slot;   // this item's slot among its head's items (see tile_slots)
+  bool valid;
+};
+
+// Rows of the q side (kKeys = false) or the k side (true) in lse order: dense (b, h, row) with
+// row < L; packed (h, t) over the T packed rows.
+template <bool kKeys>
+ADAATTN_HD int64_t row_items(const AttnParams& p) {
+  const int heads = kKeys ? p.heads_kv : p.heads_q;
+  const int len = kKeys ? p.len_k : p.len_q;
+  return static_cast<int64_t>(is_packed(p) ? 1 : p.batch) * heads * len;
+}
+
+template <bool kKeys>
+ADAATTN_HD WorkItem row_item(const AttnParams& p, int64_t item) {
+  const int heads = kKeys ? p.heads_kv : p.heads_q;
+  const int len = kKeys ? p.len_k : p.len_q;
+  const int t = static_cast<int>(item % len);
+  const int64_t bh = item / len;
+  if (!is_packed(p)) {
+    return {static_cast<int>(bh / heads), static_cast<int>(bh % heads), t, t, true};
+  }
+  const int* cu = kKeys ? p.cu_seqlens_k : p.cu_seqlens_q;
+  const int b = last_sequence_at_or_before(p.batch, t, [&](int s) {
+    int64_t start;
+    int n;
+    packed_range(cu, s, len, start, n);
+    return start;
+  });
+  int64_t start;
+  int n;
+  packed_range(cu, b, len, start, n);
+  const int r = t - static_cast<int>(start);
+  return {b, static_cast<int>(bh), r, t, r >= 0 && r < n};
+}
+
+// Row tiles of `block_rows` rows per head. Dense: batch * ceil(L / block_rows) tiles, (b, tile)
+// in order. Packed: sequence b's tiles occupy slots floor(start_b / block_rows) + b onwards;
+// these ranges never overlap, so floor(T / block_rows) + batch slots cover every sequence and at
+// most one slot per sequence stays empty: no work is scheduled for padding.
+template <bool kKeys>
+ADAATTN_HD int64_t tile_slots(const AttnParams& p, int block_rows) {
+  const int len = kKeys ? p.len_k : p.len_q;
+  return is_packed(p) ? static_cast<int64_t>(len / block_rows) + p.batch
+                      : static_cast<int64_t>(p.batch) * ((len + block_rows - 1) / block_rows);
+}
+
+// The tile of CTA x in a grid of heads * tile_slots CTAs. head_major puts one head's tiles next
+// to each other; otherwise tile slots are interleaved over heads. kReverse walks the slots from
+// the last one (under causal masking the late query tiles are the heavy ones).
+template <bool kKeys, bool kReverse>
+ADAATTN_HD WorkItem tile_item(const AttnParams& p, int64_t x, int block_rows) {
+  const int heads = kKeys ? p.heads_kv : p.heads_q;
+  const int64_t slots = tile_slots<kKeys>(p, block_rows);
+  int64_t h, j;
+  if (is_packed(p) || p.head_major) {
+    h = p.head_major ? x / slots : x % heads;
+    j = p.head_major ? x % slots : x / heads;
+  } else {
+    // Dense, not head-major: tile j of every (b, h) before tile j + 1 of any.
+    const int64_t bh_count = static_cast<int64_t>(p.batch) * heads;
+    const int64_t per_entry = slots / p.batch;
+    const int64_t bh = x % bh_count, jj = x / bh_count;
+    const int64_t tile = kReverse ? per_entry - 1 - jj : jj;
+    const int b = static_cast<int>(bh / heads);
+    return {b, static_cast<int>(bh % heads), static_cast<int>(tile),
+            static_cast<int>(b * per_entry + tile), true};
+  }
+  const int64_t slot = kReverse ? slots - 1 - j : j;
+  if (!is_packed(p)) {
+    const int64_t per_entry = slots / p.batch;
+    return {static_cast<int>(slot / per_entry), static_cast<int>(h),
+            static_cast<int>(slot % per_entry), static_cast<int>(slot), true};
+  }
+  const int* cu = kKeys ? p.cu_seqlens_k : p.cu_seqlens_q;
+  const int len = kKeys ? p.len_k : p.len_q;
+  auto first_slot = [&](int s) {
+    int64_t start;
+    int n;
+    packed_range(cu, s, len, start, n);
+    return start / block_rows + s;
+  };
+  const int b = last_sequence_at_or_before(p.batch, slot, first_slot);
+  int64_t start;
+  int n;
+  packed_range(cu, b, len, start, n);
+  const int64_t tile = slot - first_slot(b);
+  const bool valid = tile >= 0 && tile < (n + block_rows - 1) / block_rows;
+  return {b, static_cast<int>(h), static_cast<int>(tile), static_cast<int>(slot), valid};
+}
+
+}  // namespace adaattn
