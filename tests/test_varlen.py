@@ -399,13 +399,13 @@ def test_compile_new_packing_does_not_recompile(device):
 
     torch._dynamo.reset()
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    model = adaattn.nn.FlashSelfAttention(128, 4, 2, causal=True).to(device, dtype)
+    model = adaattn.nn.FlashSelfAttention(256, 4, 2, causal=True).to(device, dtype)
     lazy = adaattn.nn.LazyAttention(4, window=16).to(device)
 
     def forward(x, cu):
         h = model(x, cu_seqlens=cu)
         t = h.shape[0]
-        heads = h.view(t, 4, 32)
+        heads = h.view(t, 4, 64)
         out = lazy(heads, heads[:, ::2], heads[:, 1::2], cu_seqlens=cu)
         return out.float().square().mean()
 
@@ -413,7 +413,7 @@ def test_compile_new_packing_does_not_recompile(device):
     compiled = torch.compile(forward, backend=counter, fullgraph=True, dynamic=True)
     params = list(model.parameters()) + list(lazy.parameters())
     for lengths in ([40, 88, 7], [5, 60, 61, 30, 2], [123, 9]):
-        x = torch.randn(sum(lengths), 128, device=device, dtype=dtype)
+        x = torch.randn(sum(lengths), 256, device=device, dtype=dtype)
         cu = _cu(lengths, device)
         results = []
         for fn in (forward, compiled):
