@@ -272,7 +272,7 @@ def block_sparse_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          f"{type(block_mask).__name__}")
     bm, bn = block_mask.block_size
     if q.dim() == 4 and k.dim() == 4:
-        need = (math.ceil(q.shape[2] / bm), math.ceil(k.shape[2] / bn))
+        need = ((q.shape[2] + bm - 1) // bm, (k.shape[2] + bn - 1) // bn)  # SymInt-friendly
         if tuple(block_mask.num_blocks) != need:
             raise ValueError(
                 f"adaattn: block_mask has {block_mask.num_blocks[0]} x "
