@@ -271,8 +271,10 @@ def block_sparse_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         raise ValueError(f"adaattn: block_mask must be an adaattn.BlockSparseMask, got "
                          f"{type(block_mask).__name__}")
     bm, bn = block_mask.block_size
-    if q.dim() == 4 and k.dim() == 4:
-        need = ((q.shape[2] + bm - 1) // bm, (k.shape[2] + bn - 1) // bn)  # SymInt-friendly
+    # Eager only: dynamo cannot trace this message with symbolic lengths; compiled code gets the
+    # op's own check of the same shapes (naming kv_num_blocks / kv_indices) while tracing.
+    if q.dim() == 4 and k.dim() == 4 and not torch.compiler.is_compiling():
+        need = (math.ceil(q.shape[2] / bm), math.ceil(k.shape[2] / bn))
         if tuple(block_mask.num_blocks) != need:
             raise ValueError(
                 f"adaattn: block_mask has {block_mask.num_blocks[0]} x "

@@ -784,6 +784,17 @@ def test_torch_compile_fullgraph(device, backend, dtype):
             torch.testing.assert_close(c, e, msg=lambda m: f"cached={cached} tensor {i}: {m}")
 
 
+def test_torch_compile_reports_bad_layout():
+    """Compiled code skips the Python-level layout check (it cannot be traced with symbolic
+    lengths); the op's own shape check names the mask tensor while tracing."""
+    torch._dynamo.reset()
+    fn = torch.compile(lambda q, k, v, m: adaattn.block_sparse_attn(q, k, v, m),
+                       backend="aot_eager", fullgraph=True)
+    q, k, v = _qkv("cpu")
+    with pytest.raises(RuntimeError, match=r"kv_num_blocks must have shape"):
+        fn(q, k, v, BlockSparseMask.from_dense(_layout("cpu", nq=2), 64))
+
+
 def test_return_lse_flag_and_default_scale(device):
     """return_lse=False returns the output alone; softmax_scale=None means D ** -0.5."""
     q, k, v = _qkv(device)
