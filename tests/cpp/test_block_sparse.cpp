@@ -30,8 +30,9 @@ c10::TypedOperatorHandle<BlockSparseAttnSig> block_sparse_attn_op() {
 // listed columns first (what adaattn.BlockSparseMask builds in Python).
 std::tuple<at::Tensor, at::Tensor> to_lists(const at::Tensor& layout) {
   const at::Tensor counts = layout.sum(-1).to(torch::kInt);
-  const at::Tensor order =
-      std::get<1>(torch::sort(layout.logical_not().to(torch::kUInt8), /*stable=*/true, -1));
+  // std::optional<bool> spelled out: a plain `true` would pick sort(self, dim, descending).
+  const at::Tensor order = std::get<1>(torch::sort(layout.logical_not().to(torch::kUInt8),
+                                                   std::optional<bool>(true), /*dim=*/-1));
   return {counts, order.to(torch::kInt)};
 }
 
