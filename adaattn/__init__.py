@@ -1,10 +1,11 @@
 """adaattn: fused attention kernels for PyTorch (CPU and CUDA, forward and backward)."""
 from . import nn, reference
 from ._ops import ops
+from .block_sparse import BlockSparseMask, block_sparse_attn
 from .flash import flash_attn, flash_attn_varlen
 from .lazy import LazyStats, lazy_attn, lazy_attn_varlen
 from .linear import linear_attn
 
-__all__ = ["LazyStats", "flash_attn", "flash_attn_varlen", "lazy_attn", "lazy_attn_varlen",
-           "linear_attn", "nn", "ops", "reference"]
+__all__ = ["BlockSparseMask", "LazyStats", "block_sparse_attn", "flash_attn", "flash_attn_varlen",
+           "lazy_attn", "lazy_attn_varlen", "linear_attn", "nn", "ops", "reference"]
 __version__ = "0.1.0"

@@ -80,3 +80,19 @@ def _linear_bwd_fake(grad_out, grad_state, q, k, v, initial_state, cu_seqlens, f
             torch.empty_like(k, memory_format=torch.contiguous_format),
             torch.empty_like(v, memory_format=torch.contiguous_format),
             _linear_state_fake(q, v, cu_seqlens, normalize))
+
+
+@torch.library.register_fake("adaattn::block_sparse_fwd")
+def _block_sparse_fwd_fake(q, k, v, kv_num_blocks, kv_indices, block_m, block_n, softmax_scale,
+                           causal):
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = q.new_empty(q.shape[:3], dtype=torch.float32)
+    return out, lse
+
+
+@torch.library.register_fake("adaattn::block_sparse_bwd")
+def _block_sparse_bwd_fake(grad_out, q, k, v, out, lse, kv_num_blocks, kv_indices, q_num_blocks,
+                           q_indices, block_m, block_n, softmax_scale, causal):
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            torch.empty_like(k, memory_format=torch.contiguous_format),
+            torch.empty_like(v, memory_format=torch.contiguous_format))

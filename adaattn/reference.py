@@ -56,6 +56,46 @@ def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: boo
     return out, lse.float()
 
 
+def block_sparse_key_mask(block_mask, len_q: int, len_k: int, *,
+                          causal: bool = False) -> torch.Tensor:
+    """Boolean ``[B|1, H|1, Lq, Lk]`` element mask of an ``adaattn.BlockSparseMask``: True where
+    the element's block is listed and, with ``causal`` (or ``block_mask.causal``), key
+    ``c <= r + Lk - Lq``."""
+    bm, bn = block_mask.block_size
+    layout = block_mask.to_dense()
+    mask = layout.repeat_interleave(bm, dim=-2)[..., :len_q, :]
+    mask = mask.repeat_interleave(bn, dim=-1)[..., :len_k]
+    if causal or block_mask.causal:
+        mask = mask & flash_key_mask(len_q, len_k, causal=True, device=mask.device)
+    return mask
+
+
+def block_sparse_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask, *,
+                      causal: bool = False,
+                      softmax_scale: Optional[float] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Materialised block-sparse attention: softmax attention under ``block_sparse_key_mask``.
+
+    q ``[B, Hq, Lq, D]``, k/v ``[B, Hkv, Lk, D]``, block_mask an ``adaattn.BlockSparseMask`` of
+    ``ceil(Lq / BM) x ceil(Lk / BN)`` blocks. Returns ``(out [B, Hq, Lq, D], lse [B, Hq, Lq]
+    float32)``; rows that see no key give ``out = 0``, ``lse = -inf`` and zero gradients.
+    Computes in q's dtype.
+    """
+    heads_q, len_q, dim = q.shape[1:]
+    heads_kv, len_k = k.shape[1], k.shape[2]
+    group = heads_q // heads_kv
+    scale = dim ** -0.5 if softmax_scale is None else softmax_scale
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    mask = block_sparse_key_mask(block_mask, len_q, len_k, causal=causal).to(q.device)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    seen = torch.isfinite(lse)
+    probs = torch.exp(scores - torch.where(seen, lse, torch.zeros_like(lse)).unsqueeze(-1))
+    probs = probs.masked_fill(~mask, 0.0)
+    return torch.matmul(probs, v), lse.float()
+
+
 def _lazy_parts(q, k, v, tau, bias, softmax_scale, seqlens):
     """Shared by lazy_attn and lazy_attn_backward: scores, mask, probabilities, weights."""
     batch, heads_q, len_q, dim = q.shape

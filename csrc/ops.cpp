@@ -605,6 +605,18 @@ TORCH_LIBRARY(adaattn, m) {
       "linear_bwd(Tensor grad_out, Tensor? grad_state, Tensor q, Tensor k, Tensor v, "
       "Tensor? initial_state, Tensor? cu_seqlens, str feature_map, bool causal, bool normalize) "
       "-> (Tensor grad_q, Tensor grad_k, Tensor grad_v, Tensor grad_initial_state)");
+  m.def(
+      "block_sparse_attn(Tensor q, Tensor k, Tensor v, Tensor kv_num_blocks, Tensor kv_indices, "
+      "Tensor q_num_blocks, Tensor q_indices, int block_m=128, int block_n=128, "
+      "float? softmax_scale=None, bool causal=False) -> (Tensor out, Tensor lse)");
+  m.def(
+      "block_sparse_fwd(Tensor q, Tensor k, Tensor v, Tensor kv_num_blocks, Tensor kv_indices, "
+      "int block_m, int block_n, float? softmax_scale, bool causal) -> (Tensor out, Tensor lse)");
+  m.def(
+      "block_sparse_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+      "Tensor kv_num_blocks, Tensor kv_indices, Tensor q_num_blocks, Tensor q_indices, "
+      "int block_m, int block_n, float? softmax_scale, bool causal) -> (Tensor grad_q, "
+      "Tensor grad_k, Tensor grad_v)");
 }
 
 TORCH_LIBRARY_IMPL(adaattn, CPU, m) {

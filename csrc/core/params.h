@@ -78,6 +78,25 @@ struct AttnParams {
   // Forward statistics, or null: int64 counters {zero weights, attended weights, skipped key
   // tiles, visited key tiles} of the weight pass (a tile is skipped when all its a_ij are 0).
   int64_t* stats;
+
+  // ---- block-sparse attention (spec 3.3); unused by the other families --------------------
+  // Element (i, j) is attended iff block (i / block_m, j / block_n) is listed for (b, h) and j is
+  // inside key_range(p, lens, i) of mask.h (causal/window). Lists are BCSR rows: the first
+  // `num` entries of an index row are the listed blocks; the helpers of block_sparse.h clamp
+  // counts to the row length and skip out-of-range indices. Batch/head strides are in elements
+  // and 0 for a mask dim of size 1 (broadcast over B or Hq); the last dim(s) are contiguous.
+  const int* block_kv_num;  // [Bm, Hm, nQ] int32: key blocks listed for query block mb
+  const int* block_kv_idx;  // [Bm, Hm, nQ, nKV] int32: their indices (forward, backward dq)
+  const int* block_q_num;   // [Bm, Hm, nKV] int32: query blocks listing key block nb
+  const int* block_q_idx;   // [Bm, Hm, nKV, nQ] int32: their indices (backward dk/dv)
+  int64_t block_kv_num_batch_stride, block_kv_num_head_stride;  // of block_kv_num
+  int64_t block_kv_idx_batch_stride, block_kv_idx_head_stride;  // of block_kv_idx
+  int64_t block_q_num_batch_stride, block_q_num_head_stride;    // of block_q_num
+  int64_t block_q_idx_batch_stride, block_q_idx_head_stride;    // of block_q_idx
+  int block_m;    // BM, query rows per block (64 or 128)
+  int block_n;    // BN, keys per block (64 or 128)
+  int block_nq;   // nQ = ceil(Lq / BM): query blocks; max of block_q_num, length of a q_idx row
+  int block_nkv;  // nKV = ceil(Lk / BN): key blocks; max of block_kv_num, length of a kv_idx row
 };
 
 }  // namespace adaattn

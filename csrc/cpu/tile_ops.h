@@ -1,9 +1,10 @@
-// Tile building blocks of the CPU kernels (flash_cpu.cpp, lazy_cpu.cpp): tasks own tiles of
+// Tile building blocks of the CPU kernels (flash_cpu.cpp, lazy_cpu.cpp, block_sparse_cpu.cpp): tasks own tiles of
 // kBlockM query rows, keys are copied transposed into kBlockN-column tiles so that the inner loops
 // run with unit stride (vectorisable, fixed summation order).
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 
@@ -72,6 +73,41 @@ inline void dot_tile(const T* __restrict__ x, const T* __restrict__ tile, int di
 template <typename T>
 inline void axpy(T a, const T* __restrict__ x, T* __restrict__ y, int dim) {
   for (int d = 0; d < dim; ++d) y[d] += a * x[d];
+}
+
+// x . y over dim elements.
+template <typename T>
+inline T dot(const T* __restrict__ x, const T* __restrict__ y, int dim) {
+  T acc = 0;
+  for (int d = 0; d < dim; ++d) acc += x[d] * y[d];
+  return acc;
+}
+
+// One online-softmax step of a row over tile columns [c0, c1) (all inside the row's key range):
+// scales the scores, raises the running max, rescales the row's accumulator and running sum, and
+// passes each column's unnormalised weight exp(s - max) to add(c, weight).
+template <typename T, typename Add>
+inline void online_softmax_step(T* __restrict__ scores, int c0, int c1, T scale, T& row_max,
+                                T& row_sum, T* acc_row, int dim, Add&& add) {
+  T tile_max = neg_inf<T>();
+  for (int c = c0; c < c1; ++c) {
+    scores[c] *= scale;
+    tile_max = std::max(tile_max, scores[c]);
+  }
+  const T new_max = std::max(row_max, tile_max);
+  // exp(-inf) = 0 on a row's first tile: the zero accumulator stays zero.
+  const T rescale = std::exp(row_max - new_max);
+  if (rescale != T(1)) {
+    for (int d = 0; d < dim; ++d) acc_row[d] *= rescale;
+  }
+  T sum = row_sum * rescale;
+  for (int c = c0; c < c1; ++c) {
+    const T weight = std::exp(scores[c] - new_max);
+    sum += weight;
+    add(c, weight);
+  }
+  row_sum = sum;
+  row_max = new_max;
 }
 
 }  // namespace cpu

@@ -1,0 +1,288 @@
+"""Block-sparse attention (spec §3.3): a BCSR block mask and the op that visits only its blocks."""
+import math
+from typing import Optional, Tuple, Union
+
+import torch
+
+from ._ops import ops
+
+BLOCK_SIZES = (64, 128)
+
+
+def _block_size_pair(block_size, name="block_size") -> Tuple[int, int]:
+    if isinstance(block_size, int) and not isinstance(block_size, bool):
+        pair = (block_size, block_size)
+    elif (isinstance(block_size, (tuple, list)) and len(block_size) == 2
+          and all(isinstance(b, int) and not isinstance(b, bool) for b in block_size)):
+        pair = tuple(block_size)
+    else:
+        raise ValueError(f"adaattn: {name} must be an int or a pair of ints (BM, BN), "
+                         f"got {block_size!r}")
+    if any(b not in BLOCK_SIZES for b in pair):
+        raise ValueError(f"adaattn: {name} entries must be 64 or 128, got {pair}")
+    return pair
+
+
+def _dense_to_lists(layout: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """BCSR lists of a boolean ``[Bm, Hm, R, C]`` layout: counts int32 ``[Bm, Hm, R]`` and
+    indices int32 ``[Bm, Hm, R, C]`` holding each row's listed columns first, ascending (the
+    unlisted columns follow, past the count). Torch ops only: no host sync."""
+    counts = layout.sum(-1, dtype=torch.int32)
+    order = torch.argsort((~layout).to(torch.uint8), dim=-1, stable=True)
+    return counts, order.to(torch.int32)
+
+
+def _lists_to_dense(counts: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """Boolean ``[Bm, Hm, R, C]`` layout of BCSR lists (``C = indices.shape[-1]``). Entries past
+    a row's count and out-of-range indices are dropped, as the kernels drop them."""
+    cols = indices.shape[-1]
+    idx = indices.long()
+    listed = ((torch.arange(cols, device=idx.device) < counts.unsqueeze(-1))
+              & (idx >= 0) & (idx < cols))
+    # Dropped entries go to a spill column that is cut off afterwards.
+    idx = torch.where(listed, idx, torch.full_like(idx, cols))
+    dense = torch.zeros(*idx.shape[:-1], cols + 1, dtype=torch.bool, device=idx.device)
+    return dense.scatter_(-1, idx, True)[..., :cols]
+
+
+def _check_index(t, name, dims, what):
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"adaattn: {name} must be a tensor, got {type(t).__name__}")
+    if t.dtype != torch.int32:
+        raise ValueError(f"adaattn: {name} must be int32, got {t.dtype}")
+    if t.dim() != dims:
+        raise ValueError(f"adaattn: {name} must have {dims} dims {what}, got shape "
+                         f"{tuple(t.shape)}")
+
+
+class BlockSparseMask:
+    """A block mask in BCSR form: which key blocks each query block attends.
+
+    Element ``(i, j)`` (query row ``i``, key ``j``) of batch ``b`` and query head ``h`` is attended
+    iff key block ``j // BN`` is among the first ``kv_num_blocks[b, h, i // BM]`` entries of
+    ``kv_indices[b, h, i // BM]`` (and, when causal, ``j <= i + Lk - Lq``).
+
+    Attributes:
+        kv_num_blocks: int32 ``[B|1, H|1, nQ]``: number of key blocks listed per query block.
+            A size-1 batch or head dim broadcasts over all batches / query heads.
+        kv_indices: int32 ``[B|1, H|1, nQ, nKV]``: the listed key blocks, first in each row,
+            distinct. ``nQ = ceil(Lq / BM)`` and ``nKV = ceil(Lk / BN)`` of the inputs it is used
+            with.
+        block_size: ``(BM, BN)``, each 64 or 128.
+        causal: the mask is meant to be combined with the causal rule (set by ``from_flex`` for
+            FlexAttention masks whose partial blocks are causal); ``block_sparse_attn`` then
+            applies it whatever its own ``causal`` argument.
+
+    The transposed index of the backward pass (``q_num_blocks [B|1, H|1, nKV]``,
+    ``q_indices [B|1, H|1, nKV, nQ]``: the query blocks that list each key block) is built on
+    the mask's device with torch ops (no host sync) the first time it is needed, then cached.
+    Values are checked by the op on CPU tensors; on CUDA, counts are clamped and out-of-range
+    indices are skipped, and duplicate indices are the caller's responsibility.
+    """
+
+    def __init__(self, kv_num_blocks: torch.Tensor, kv_indices: torch.Tensor,
+                 block_size: Union[int, Tuple[int, int]] = 128, *, causal: bool = False):
+        _check_index(kv_num_blocks, "kv_num_blocks", 3, "[B|1, H|1, nQ]")
+        _check_index(kv_indices, "kv_indices", 4, "[B|1, H|1, nQ, nKV]")
+        if kv_indices.shape[:3] != kv_num_blocks.shape:
+            raise ValueError(
+                f"adaattn: kv_indices [B|1, H|1, nQ, nKV] must start with kv_num_blocks' shape "
+                f"{tuple(kv_num_blocks.shape)}, got {tuple(kv_indices.shape)}")
+        if kv_indices.device != kv_num_blocks.device:
+            raise ValueError(f"adaattn: kv_indices must be on kv_num_blocks' device "
+                             f"{kv_num_blocks.device}, got {kv_indices.device}")
+        self.kv_num_blocks = kv_num_blocks
+        self.kv_indices = kv_indices
+        self.block_size = _block_size_pair(block_size)
+        self.causal = bool(causal)
+        self._transposed: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+
+    @classmethod
+    def from_dense(cls, layout: torch.Tensor,
+                   block_size: Union[int, Tuple[int, int]] = 128) -> "BlockSparseMask":
+        """Mask of a boolean block layout ``[B|1, H|1, nQ, nKV]`` (True: block attended).
+
+        ``block_size`` is ``BM = BN`` or ``(BM, BN)``, each 64 or 128. Runs on the layout's
+        device without a host sync.
+        """
+        if not isinstance(layout, torch.Tensor) or layout.dtype != torch.bool:
+            raise ValueError("adaattn: layout must be a bool tensor [B|1, H|1, nQ, nKV], got "
+                             + (str(layout.dtype) if isinstance(layout, torch.Tensor)
+                                else type(layout).__name__))
+        if layout.dim() != 4:
+            raise ValueError(f"adaattn: layout must have 4 dims [B|1, H|1, nQ, nKV], got shape "
+                             f"{tuple(layout.shape)}")
+        counts, indices = _dense_to_lists(layout)
+        return cls(counts, indices, block_size)
+
+    @classmethod
+    def from_flex(cls, block_mask) -> "BlockSparseMask":
+        """Exact conversion of a FlexAttention ``BlockMask`` (``create_block_mask``).
+
+        Full blocks are kept. Each partial block's ``mask_mod`` is evaluated densely (on the
+        block's in-range elements, with ``torch.vmap``) and must be all True (kept), all False
+        (dropped), or, for every partial block at once, exactly the bottom-right aligned causal
+        rule ``kv_idx <= q_idx + Lk - Lq`` (kept; the returned mask has ``causal=True``, and
+        every full block must then lie inside the causal region). Otherwise the conversion would
+        not be exact and a ``ValueError`` names the first offending block. Note FlexAttention's
+        usual ``q_idx >= kv_idx`` is top-left aligned: it matches the causal rule only when
+        ``Lq == Lk``. Reads the mask on the host (a one-off conversion, not for compiled code).
+
+        Returns a mask of the BlockMask's shape ``[B|1, H|1, nQ, nKV]`` and block size.
+        """
+        from torch.nn.attention.flex_attention import BlockMask
+
+        if not isinstance(block_mask, BlockMask):
+            raise ValueError(f"adaattn: from_flex takes a torch.nn.attention.flex_attention."
+                             f"BlockMask, got {type(block_mask).__name__}")
+        bm, bn = _block_size_pair(tuple(block_mask.BLOCK_SIZE), "the BlockMask's BLOCK_SIZE")
+        len_q, len_k = block_mask.seq_lengths
+        nq, nkv = math.ceil(len_q / bm), math.ceil(len_k / bn)
+        grid = tuple(block_mask.kv_indices.shape[-2:])
+        if grid != (nq, nkv):
+            raise ValueError(f"adaattn: the BlockMask has {grid[0]} x {grid[1]} blocks, but its "
+                             f"seq_lengths {(len_q, len_k)} and BLOCK_SIZE {(bm, bn)} need "
+                             f"{nq} x {nkv}")
+        partial = _lists_to_dense(block_mask.kv_num_blocks, block_mask.kv_indices)
+        full = torch.zeros_like(partial)
+        if block_mask.full_kv_num_blocks is not None:
+            full = _lists_to_dense(block_mask.full_kv_num_blocks, block_mask.full_kv_indices)
+            partial = partial & ~full
+        if not bool(partial.any()):
+            return cls.from_dense(full, (bm, bn))
+        device = partial.device
+        shift = len_k - len_q
+
+        # Every element of every partial block: coordinates [P, BM, BN].
+        blocks = partial.nonzero()
+        b, h = blocks[:, 0].view(-1, 1, 1), blocks[:, 1].view(-1, 1, 1)
+        rows = (blocks[:, 2] * bm).view(-1, 1, 1) + torch.arange(bm, device=device).view(1, -1, 1)
+        cols = (blocks[:, 3] * bn).view(-1, 1, 1) + torch.arange(bn, device=device).view(1, 1, -1)
+        inside = (rows < len_q) & (cols < len_k)
+        shape = torch.broadcast_shapes(b.shape, rows.shape, cols.shape)
+        # Padding elements are clamped into range (mask_mods may index tensors of length L)
+        # and ignored below.
+        args = [t.expand(shape).reshape(-1) for t in
+                (b, h, rows.clamp(max=len_q - 1), cols.clamp(max=len_k - 1))]
+        allowed = torch.vmap(block_mask.mask_mod)(*args).view(shape).to(torch.bool)
+        causal_rule = cols <= rows + shift
+
+        def every(x):
+            return (x | ~inside).flatten(1).all(1)
+
+        none = every(~allowed)
+        dense_ok = every(allowed) | none
+        causal_ok = every(allowed == causal_rule) | none
+        keep = partial.clone()
+        keep[tuple(blocks.t())] = ~none
+        if bool(dense_ok.all()):
+            return cls.from_dense(full | keep, (bm, bn))
+        # Under causal every full block must lie inside the causal region: its last key is at
+        # most its first row's diagonal.
+        full_blocks = full.nonzero()
+        last_key = torch.clamp((full_blocks[:, 3] + 1) * bn, max=len_k) - 1
+        full_ok = last_key <= full_blocks[:, 2] * bm + shift
+        if bool(causal_ok.all()) and bool(full_ok.all()):
+            mask = cls.from_dense(full | keep, (bm, bn))
+            mask.causal = True
+            return mask
+        if not bool(causal_ok.all()):
+            bad = blocks[~causal_ok][0].tolist()
+            what = ("is neither fully attended, fully masked nor masked exactly by the causal "
+                    "rule kv_idx <= q_idx + Lk - Lq")
+        else:
+            bad = full_blocks[~full_ok][0].tolist()
+            what = ("is a full block outside the causal region, while other partial blocks "
+                    "need the causal rule")
+        raise ValueError(
+            f"adaattn: BlockSparseMask.from_flex: the conversion would not be exact: block "
+            f"(b={bad[0]}, h={bad[1]}, query block {bad[2]}, key block {bad[3]}) {what}; "
+            f"block-sparse attention supports block-level masks, optionally combined with the "
+            f"bottom-right aligned causal rule")
+
+    def to_dense(self) -> torch.Tensor:
+        """Boolean block layout ``[B|1, H|1, nQ, nKV]`` (entries past a row's count and
+        out-of-range indices are not listed)."""
+        return _lists_to_dense(self.kv_num_blocks, self.kv_indices)
+
+    def transposed(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(q_num_blocks int32 [B|1, H|1, nKV], q_indices int32 [B|1, H|1, nKV, nQ])``: the
+        query blocks listing each key block, ascending. Built once on the mask's device with
+        torch ops (no host sync) and cached."""
+        if self._transposed is None:
+            self._transposed = _dense_to_lists(self.to_dense().transpose(-1, -2))
+        return self._transposed
+
+    @property
+    def q_num_blocks(self) -> torch.Tensor:
+        """int32 ``[B|1, H|1, nKV]``, see ``transposed``."""
+        return self.transposed()[0]
+
+    @property
+    def q_indices(self) -> torch.Tensor:
+        """int32 ``[B|1, H|1, nKV, nQ]``, see ``transposed``."""
+        return self.transposed()[1]
+
+    @property
+    def num_blocks(self) -> Tuple[int, int]:
+        """``(nQ, nKV)``: query and key blocks of the layout."""
+        return self.kv_indices.shape[-2], self.kv_indices.shape[-1]
+
+    def to(self, device) -> "BlockSparseMask":
+        """The mask on ``device`` (with its cached transposed index, if built)."""
+        mask = BlockSparseMask(self.kv_num_blocks.to(device), self.kv_indices.to(device),
+                               self.block_size, causal=self.causal)
+        if self._transposed is not None:
+            mask._transposed = tuple(t.to(device) for t in self._transposed)
+        return mask
+
+    def __repr__(self):
+        return (f"BlockSparseMask(shape={tuple(self.kv_indices.shape)}, "
+                f"block_size={self.block_size}, causal={self.causal}, "
+                f"device={self.kv_indices.device})")
+
+
+def block_sparse_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      block_mask: BlockSparseMask, *, causal: bool = False,
+                      softmax_scale: Optional[float] = None, return_lse: bool = False
+                      ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    """Softmax attention restricted to the blocks of ``block_mask``; work scales with the number
+    of listed blocks, forward and backward.
+
+    Args:
+        q: ``[B, Hq, Lq, D]``; any strides with a contiguous last dim.
+        k: ``[B, Hkv, Lk, D]`` with ``Hq % Hkv == 0`` (GQA/MQA: query head ``h`` reads kv head
+            ``h // (Hq // Hkv)``).
+        v: ``[B, Hkv, Lk, D]``.
+        block_mask: a ``BlockSparseMask`` of ``ceil(Lq / BM) x ceil(Lk / BN)`` blocks, batch dim
+            ``B`` or 1, head dim ``Hq`` or 1. Element ``(i, j)`` is attended iff its block
+            ``(i // BM, j // BN)`` is listed (and the causal rule holds, if any).
+        causal: query row ``r`` sees key ``c`` only if ``c <= r + (Lk - Lq)`` (bottom-right
+            aligned), combined elementwise with the layout; also applied when
+            ``block_mask.causal`` is set.
+        softmax_scale: multiplies ``q @ k^T``; defaults to ``D ** -0.5``.
+        return_lse: also return the float32 log-sum-exp ``[B, Hq, Lq]``.
+
+    Returns:
+        ``out [B, Hq, Lq, D]`` (dtype of q), and ``lse`` when ``return_lse``. A row that sees no
+        key gives ``out = 0``, ``lse = -inf`` and zero gradients.
+    """
+    if not isinstance(block_mask, BlockSparseMask):
+        raise ValueError(f"adaattn: block_mask must be an adaattn.BlockSparseMask, got "
+                         f"{type(block_mask).__name__}")
+    bm, bn = block_mask.block_size
+    # Eager only: dynamo cannot trace this message with symbolic lengths; compiled code gets the
+    # op's own check of the same shapes (naming kv_num_blocks / kv_indices) while tracing.
+    if q.dim() == 4 and k.dim() == 4 and not torch.compiler.is_compiling():
+        need = (math.ceil(q.shape[2] / bm), math.ceil(k.shape[2] / bn))
+        if tuple(block_mask.num_blocks) != need:
+            raise ValueError(
+                f"adaattn: block_mask has {block_mask.num_blocks[0]} x "
+                f"{block_mask.num_blocks[1]} blocks of {bm}x{bn}, but Lq = {q.shape[2]} and "
+                f"Lk = {k.shape[2]} need ceil(Lq / {bm}) x ceil(Lk / {bn}) = "
+                f"{need[0]} x {need[1]}")
+    q_num_blocks, q_indices = block_mask.transposed()
+    out, lse = ops.block_sparse_attn(q, k, v, block_mask.kv_num_blocks, block_mask.kv_indices,
+                                     q_num_blocks, q_indices, bm, bn, softmax_scale,
+                                     bool(causal) or block_mask.causal)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,318 @@
+// Block-sparse attention (spec 3.3): validation of the BCSR mask, AttnParams construction, the
+// CPU ops and the C++ autograd function registered at the Autograd key. The schemas live in
+// ops.cpp.
+#include <torch/autograd.h>
+#include <torch/library.h>
+
+#include <vector>
+
+#include "block_sparse_api.h"
+#include "block_sparse_ops.h"
+#include "flash_ops.h"
+
+namespace adaattn {
+
+namespace {
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+void check_block_size(int64_t size, const char* name) {
+  TORCH_CHECK(size == 64 || size == 128, "adaattn: ", name, " must be 64 or 128, got ", size);
+}
+
+void check_index_tensor(const at::Tensor& t, const char* name, const at::Tensor& q) {
+  TORCH_CHECK(t.scalar_type() == at::kInt, "adaattn: ", name, " must be int32, got ",
+              t.scalar_type());
+  TORCH_CHECK(t.device() == q.device(), "adaattn: ", name, " must be on q's device ", q.device(),
+              ", got ", t.device());
+}
+
+// num [Bm, Hm, rows] and idx [Bm, Hm, rows, cols] with Bm in {1, B}, Hm in {1, Hq}.
+void check_index_pair(const at::Tensor& num, const at::Tensor& idx, const char* num_name,
+                      const char* idx_name, const at::Tensor& q, int64_t rows, int64_t cols,
+                      const char* rows_text, const char* cols_text) {
+  check_index_tensor(num, num_name, q);
+  check_index_tensor(idx, idx_name, q);
+  const int64_t batch = q.size(0), heads = q.size(1);
+  TORCH_CHECK(num.dim() == 3 && (num.size(0) == 1 || num.size(0) == batch) &&
+                  (num.size(1) == 1 || num.size(1) == heads) && num.size(2) == rows,
+              "adaattn: ", num_name, " must have shape [B or 1, Hq or 1, ", rows_text, "] = [",
+              batch, " or 1, ", heads, " or 1, ", rows, "], got ", num.sizes());
+  TORCH_CHECK(idx.dim() == 4 && idx.size(0) == num.size(0) && idx.size(1) == num.size(1) &&
+                  idx.size(2) == rows && idx.size(3) == cols,
+              "adaattn: ", idx_name, " must have shape [", num.size(0), ", ", num.size(1), ", ",
+              rows_text, ", ", cols_text, "] = [", num.size(0), ", ", num.size(1), ", ", rows,
+              ", ", cols, "] (", num_name, "'s leading dims), got ", idx.sizes());
+}
+
+// Checks one contiguous (num, idx) pair's values; marks the listed blocks in `listed`
+// ([Bm * Hm, rows, cols] row-major) so that the two indices can be compared.
+void check_list_values(const at::Tensor& num, const at::Tensor& idx, const char* num_name,
+                       const char* idx_name, std::vector<uint8_t>& listed) {
+  const int64_t slots = num.size(0) * num.size(1), rows = num.size(2), cols = idx.size(3);
+  const int* n = num.data_ptr<int>();
+  const int* x = idx.data_ptr<int>();
+  listed.assign(static_cast<size_t>(slots * rows * cols), 0);
+  for (int64_t s = 0; s < slots; ++s) {
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t list = s * rows + r;
+      const int count = n[list];
+      TORCH_CHECK(count >= 0 && count <= cols, "adaattn: ", num_name, "[", s / num.size(1), ", ",
+                  s % num.size(1), ", ", r, "] = ", count, " is out of range [0, ", cols, "]");
+      uint8_t* seen = listed.data() + list * cols;
+      for (int e = 0; e < count; ++e) {
+        const int block = x[list * cols + e];
+        TORCH_CHECK(block >= 0 && block < cols, "adaattn: ", idx_name, "[", s / num.size(1), ", ",
+                    s % num.size(1), ", ", r, ", ", e, "] = ", block, " is out of range [0, ",
+                    cols, ")");
+        TORCH_CHECK(!seen[block], "adaattn: ", idx_name, "[", s / num.size(1), ", ",
+                    s % num.size(1), ", ", r, "] lists block ", block, " twice");
+        seen[block] = 1;
+      }
+    }
+  }
+}
+
+int64_t broadcast_stride(const at::Tensor& t, int64_t dim) {
+  return t.size(dim) == 1 ? 0 : t.stride(dim);
+}
+
+}  // namespace
+
+void check_block_sparse_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               const BlockSparseMaskTensors& mask, int64_t block_m,
+                               int64_t block_n) {
+  check_flash_inputs(q, k, v, std::nullopt, std::nullopt, std::nullopt);
+  check_block_size(block_m, "block_m");
+  check_block_size(block_n, "block_n");
+  const int64_t nq = ceil_div(q.size(2), block_m), nkv = ceil_div(k.size(2), block_n);
+  check_index_pair(mask.kv_num_blocks, mask.kv_indices, "kv_num_blocks", "kv_indices", q, nq, nkv,
+                   "nQ = ceil(Lq / block_m)", "nKV = ceil(Lk / block_n)");
+  if (mask.q_num_blocks.defined()) {
+    check_index_pair(mask.q_num_blocks, mask.q_indices, "q_num_blocks", "q_indices", q, nkv, nq,
+                     "nKV = ceil(Lk / block_n)", "nQ = ceil(Lq / block_m)");
+    TORCH_CHECK(mask.q_num_blocks.size(0) == mask.kv_num_blocks.size(0) &&
+                    mask.q_num_blocks.size(1) == mask.kv_num_blocks.size(1),
+                "adaattn: q_num_blocks must have kv_num_blocks' leading dims [",
+                mask.kv_num_blocks.size(0), ", ", mask.kv_num_blocks.size(1), "], got ",
+                mask.q_num_blocks.sizes());
+  }
+}
+
+void check_block_sparse_mask_values(const BlockSparseMaskTensors& mask) {
+  std::vector<uint8_t> forward, transposed;
+  check_list_values(mask.kv_num_blocks, mask.kv_indices, "kv_num_blocks", "kv_indices", forward);
+  if (!mask.q_num_blocks.defined()) return;
+  check_list_values(mask.q_num_blocks, mask.q_indices, "q_num_blocks", "q_indices", transposed);
+  const int64_t slots = mask.kv_num_blocks.size(0) * mask.kv_num_blocks.size(1);
+  const int64_t nq = mask.kv_indices.size(2), nkv = mask.kv_indices.size(3);
+  for (int64_t s = 0; s < slots; ++s) {
+    for (int64_t mb = 0; mb < nq; ++mb) {
+      for (int64_t nb = 0; nb < nkv; ++nb) {
+        TORCH_CHECK(forward[(s * nq + mb) * nkv + nb] == transposed[(s * nkv + nb) * nq + mb],
+                    "adaattn: q_num_blocks/q_indices are not the transpose of "
+                    "kv_num_blocks/kv_indices: block (query ", mb, ", key ", nb, ") of mask slot [",
+                    s / mask.kv_num_blocks.size(1), ", ", s % mask.kv_num_blocks.size(1),
+                    "] is listed in only one of them; build the transposed index from the "
+                    "forward one (BlockSparseMask does)");
+      }
+    }
+  }
+}
+
+BlockSparseMaskTensors contiguous_mask(const BlockSparseMaskTensors& mask) {
+  auto c = [](const at::Tensor& t) { return t.defined() ? t.contiguous() : t; };
+  return {c(mask.kv_num_blocks), c(mask.kv_indices), c(mask.q_num_blocks), c(mask.q_indices)};
+}
+
+AttnParams make_block_sparse_params(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                    const BlockSparseMaskTensors& mask, int64_t block_m,
+                                    int64_t block_n, std::optional<double> softmax_scale,
+                                    bool causal) {
+  const FlashOptions opt = resolve_flash_options(q, softmax_scale, causal, /*window_left=*/-1,
+                                                 /*window_right=*/-1, /*deterministic=*/true);
+  AttnParams p = make_params(q, k, v, std::nullopt, std::nullopt, std::nullopt, opt);
+  p.block_m = static_cast<int>(block_m);
+  p.block_n = static_cast<int>(block_n);
+  p.block_nq = static_cast<int>(mask.kv_indices.size(2));
+  p.block_nkv = static_cast<int>(mask.kv_indices.size(3));
+  p.block_kv_num = mask.kv_num_blocks.data_ptr<int>();
+  p.block_kv_num_batch_stride = broadcast_stride(mask.kv_num_blocks, 0);
+  p.block_kv_num_head_stride = broadcast_stride(mask.kv_num_blocks, 1);
+  p.block_kv_idx = mask.kv_indices.data_ptr<int>();
+  p.block_kv_idx_batch_stride = broadcast_stride(mask.kv_indices, 0);
+  p.block_kv_idx_head_stride = broadcast_stride(mask.kv_indices, 1);
+  if (mask.q_num_blocks.defined()) {
+    p.block_q_num = mask.q_num_blocks.data_ptr<int>();
+    p.block_q_num_batch_stride = broadcast_stride(mask.q_num_blocks, 0);
+    p.block_q_num_head_stride = broadcast_stride(mask.q_num_blocks, 1);
+    p.block_q_idx = mask.q_indices.data_ptr<int>();
+    p.block_q_idx_batch_stride = broadcast_stride(mask.q_indices, 0);
+    p.block_q_idx_head_stride = broadcast_stride(mask.q_indices, 1);
+  }
+  return p;
+}
+
+namespace {
+
+// CPU kernels run in fp32/fp64; fp16/bf16 inputs are computed in fp32 and cast back.
+at::Tensor cpu_compute(const at::Tensor& t) {
+  return t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16 ? t.to(at::kFloat) : t;
+}
+
+std::tuple<at::Tensor, at::Tensor> block_sparse_fwd_cpu_op(
+    const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+    const at::Tensor& kv_num_blocks, const at::Tensor& kv_indices, int64_t block_m,
+    int64_t block_n, std::optional<double> softmax_scale, bool causal) {
+  BlockSparseMaskTensors mask{kv_num_blocks, kv_indices, {}, {}};
+  check_block_sparse_inputs(q_in, k_in, v_in, mask, block_m, block_n);
+  mask = contiguous_mask(mask);
+  check_block_sparse_mask_values(mask);
+  const at::Tensor q = cpu_compute(q_in), k = cpu_compute(k_in), v = cpu_compute(v_in);
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  at::Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
+  if (q.numel() > 0) {
+    AttnParams p = make_block_sparse_params(q, k, v, mask, block_m, block_n, softmax_scale, causal);
+    set_fwd_outputs(p, out, lse);
+    block_sparse_fwd_cpu(p, q.scalar_type());
+  }
+  return {out.to(q_in.scalar_type()), lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> block_sparse_bwd_cpu_op(
+    const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in,
+    const at::Tensor& v_in, const at::Tensor& out_in, const at::Tensor& lse,
+    const at::Tensor& kv_num_blocks, const at::Tensor& kv_indices,
+    const at::Tensor& q_num_blocks, const at::Tensor& q_indices, int64_t block_m,
+    int64_t block_n, std::optional<double> softmax_scale, bool causal) {
+  BlockSparseMaskTensors mask{kv_num_blocks, kv_indices, q_num_blocks, q_indices};
+  check_block_sparse_inputs(q_in, k_in, v_in, mask, block_m, block_n);
+  check_flash_bwd_inputs(dout_in, q_in, out_in, lse, /*packed=*/false);
+  mask = contiguous_mask(mask);
+  check_block_sparse_mask_values(mask);
+  const at::Tensor q = cpu_compute(q_in), k = cpu_compute(k_in), v = cpu_compute(v_in);
+  const at::Tensor out = cpu_compute(out_in), dout = cpu_compute(dout_in);
+  at::Tensor dq = at::empty(q.sizes(), q.options());
+  at::Tensor dk = at::empty(k.sizes(), k.options());
+  at::Tensor dv = at::empty(v.sizes(), v.options());
+  if (q.numel() > 0 && k.numel() > 0) {
+    AttnParams p = make_block_sparse_params(q, k, v, mask, block_m, block_n, softmax_scale, causal);
+    // The CPU kernel keeps its row statistics in T and reads neither p.lse nor p.delta: an empty
+    // tensor stands in for the delta scratch.
+    at::Tensor no_scratch = at::empty({0}, lse.options());
+    set_bwd_tensors(p, dout, out, lse, dq, dk, dv, no_scratch);
+    block_sparse_bwd_cpu(p, q.scalar_type());
+  } else {
+    dq.zero_();
+    dk.zero_();
+    dv.zero_();
+  }
+  const auto t = q_in.scalar_type();
+  return {dq.to(t), dk.to(t), dv.to(t)};
+}
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+using BlockSparseFwdSig = std::tuple<at::Tensor, at::Tensor>(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+    int64_t, int64_t, std::optional<double>, bool);
+using BlockSparseBwdSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+    int64_t, int64_t, std::optional<double>, bool);
+
+c10::TypedOperatorHandle<BlockSparseFwdSig> block_sparse_fwd_op() {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("adaattn::block_sparse_fwd", "")
+                       .typed<BlockSparseFwdSig>();
+  return op;
+}
+
+// Forward: block_sparse_fwd below autograd; backward: block_sparse_bwd with both indices. lse is
+// returned but not differentiable; the mask tensors get no gradient.
+class BlockSparseAttnFunction : public torch::autograd::Function<BlockSparseAttnFunction> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
+                               const at::Tensor& v, const at::Tensor& kv_num_blocks,
+                               const at::Tensor& kv_indices, const at::Tensor& q_num_blocks,
+                               const at::Tensor& q_indices, int64_t block_m, int64_t block_n,
+                               std::optional<double> softmax_scale, bool causal) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [out, lse] = block_sparse_fwd_op().call(q, k, v, kv_num_blocks, kv_indices, block_m,
+                                                 block_n, softmax_scale, causal);
+    ctx->save_for_backward({q, k, v, out, lse, kv_num_blocks, kv_indices, q_num_blocks,
+                            q_indices});
+    ctx->saved_data["block_m"] = block_m;
+    ctx->saved_data["block_n"] = block_n;
+    ctx->saved_data["has_scale"] = softmax_scale.has_value();
+    ctx->saved_data["scale"] = softmax_scale.value_or(0.0);
+    ctx->saved_data["causal"] = causal;
+    ctx->mark_non_differentiable({lse});
+    return {out, lse};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto s = ctx->get_saved_variables();
+    const at::Tensor& out = s[3];
+    const std::optional<double> scale =
+        ctx->saved_data["has_scale"].toBool()
+            ? std::optional<double>(ctx->saved_data["scale"].toDouble())
+            : std::nullopt;
+    at::Tensor dout = grads[0];
+    if (!dout.defined()) dout = at::zeros_like(out);
+    if (dout.sym_stride(-1) != 1) dout = dout.contiguous();  // sym_: no shape guards
+    static auto bwd = c10::Dispatcher::singleton()
+                          .findSchemaOrThrow("adaattn::block_sparse_bwd", "")
+                          .typed<BlockSparseBwdSig>();
+    auto [dq, dk, dv] = bwd.call(dout, s[0], s[1], s[2], out, s[4], s[5], s[6], s[7], s[8],
+                                 ctx->saved_data["block_m"].toInt(),
+                                 ctx->saved_data["block_n"].toInt(), scale,
+                                 ctx->saved_data["causal"].toBool());
+    return {dq,          dk,          dv,          at::Tensor(), at::Tensor(), at::Tensor(),
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor> block_sparse_attn_autograd(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& kv_num_blocks, const at::Tensor& kv_indices,
+    const at::Tensor& q_num_blocks, const at::Tensor& q_indices, int64_t block_m,
+    int64_t block_n, std::optional<double> softmax_scale, bool causal) {
+  // Shapes of the transposed index are checked now, not first in backward.
+  check_block_sparse_inputs(q, k, v, {kv_num_blocks, kv_indices, q_num_blocks, q_indices},
+                            block_m, block_n);
+  auto res = BlockSparseAttnFunction::apply(q, k, v, kv_num_blocks, kv_indices, q_num_blocks,
+                                            q_indices, block_m, block_n, softmax_scale, causal);
+  return {res[0], res[1]};
+}
+
+// Below autograd (inference mode, or backends reached past the Autograd key): the transposed
+// index is not needed, but its shapes are checked as on the autograd path.
+std::tuple<at::Tensor, at::Tensor> block_sparse_attn_no_grad(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& kv_num_blocks, const at::Tensor& kv_indices,
+    const at::Tensor& q_num_blocks, const at::Tensor& q_indices, int64_t block_m,
+    int64_t block_n, std::optional<double> softmax_scale, bool causal) {
+  check_block_sparse_inputs(q, k, v, {kv_num_blocks, kv_indices, q_num_blocks, q_indices},
+                            block_m, block_n);
+  return block_sparse_fwd_op().call(q, k, v, kv_num_blocks, kv_indices, block_m, block_n,
+                                    softmax_scale, causal);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(adaattn, CPU, m) {
+  m.impl("block_sparse_fwd", &block_sparse_fwd_cpu_op);
+  m.impl("block_sparse_bwd", &block_sparse_bwd_cpu_op);
+}
+
+TORCH_LIBRARY_IMPL(adaattn, Autograd, m) {
+  m.impl("block_sparse_attn", &block_sparse_attn_autograd);
+}
+
+TORCH_LIBRARY_IMPL(adaattn, CompositeExplicitAutograd, m) {
+  m.impl("block_sparse_attn", &block_sparse_attn_no_grad);
+}
+
+}  // namespace adaattn
