@@ -285,11 +285,11 @@ def _low_precision_cuda_grid():
                                       density=p, causal=causal, mask_b=len(cases) % 3 == 1,
                                       mask_h=len(cases) % 3 == 2))
     cases += [
-        Case(b=2, hq=8, hkv=2, lq=1000, lk=1025, d=128, density=0.5, causal=True,
-             transposed=True),
-        Case(b=2, hq=4, hkv=4, lq=1025, lk=1025, d=64, block=(64, 64), density=0.1,
+        Case(b=2, hq=8, hkv=2, lq=1000, lk=1025, d=128, block=(128, 128), density=0.5,
+             causal=True, transposed=True),
+        Case(b=2, hq=4, hkv=4, lq=1025, lk=1025, d=64, block=(128, 128), density=0.1,
              mask_h=True),
-        Case(b=2, hq=4, hkv=1, lq=1025, lk=1025, d=64, block=(128, 64), density=0.5,
+        Case(b=2, hq=4, hkv=1, lq=1025, lk=1025, d=64, block=(128, 128), density=0.5,
              causal=True, mask_b=True),
     ]
     return cases
@@ -310,11 +310,12 @@ def test_low_precision_cuda(case, dtype):
 def test_rows_without_blocks(device, dtype):
     """Rows of query blocks with no listed block give out 0, lse -inf and dq 0; keys in no listed
     block get dk = dv = 0 exactly; nothing is NaN. The layout differs per head."""
-    case = Case(b=2, hq=4, hkv=2, lq=200, lk=150, d=64, density=0.5, mask_h=True)
+    case = Case(b=2, hq=4, hkv=2, lq=200, lk=150, d=64, block=(128, 128), density=0.5,
+                mask_h=True)
     q, k, v, _, dout = make_inputs(case, dtype, device)
-    layout = torch.zeros(1, 4, 4, 3, dtype=torch.bool)
-    layout[0, 0, 0, 1] = layout[0, 1, 2, 2] = layout[0, 2, 1, 0] = layout[0, 3, 3, 1] = True
-    mask = BlockSparseMask.from_dense(layout.to(device), 64)
+    layout = torch.zeros(1, 4, 2, 2, dtype=torch.bool)
+    layout[0, 0, 0, 1] = layout[0, 1, 1, 0] = layout[0, 2, 1, 1] = layout[0, 3, 0, 1] = True
+    mask = BlockSparseMask.from_dense(layout.to(device), 128)
     out, lse, dq, dk, dv = run_ours(case, q, k, v, mask, dout)
     elements = reference.block_sparse_key_mask(mask, case.lq, case.lk)[0]  # [Hq, Lq, Lk]
     empty_rows = ~elements.any(-1)  # [Hq, Lq]
@@ -355,7 +356,8 @@ def test_empty_inputs(device, shape, causal):
 def test_deterministic(device, dtype):
     """Two runs give bit-identical outputs and gradients (GQA 4: dk/dv gather several heads with
     different layouts)."""
-    case = Case(b=2, hq=8, hkv=2, lq=300, lk=257, d=64, density=0.5, mask_h=True, causal=True)
+    case = Case(b=2, hq=8, hkv=2, lq=300, lk=257, d=64, block=(128, 128), density=0.5,
+                mask_h=True, causal=True)
     q, k, v, mask, dout = make_inputs(case, dtype, device)
     first = run_ours(case, q, k, v, mask, dout)
     second = run_ours(case, q, k, v, mask, dout)
@@ -666,6 +668,18 @@ def test_bad_mask_values_cuda_stay_in_bounds(kind):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("dtype", LOW_PRECISION, ids=str)
+def test_cuda_tensor_cores_refuse_64_blocks(dtype):
+    """The tensor-core CTAs own 128-row tiles: 64-blocks are refused with a clear error (float32
+    and float64 take them on CUDA)."""
+    q = torch.randn(2, 4, 130, 64, device="cuda", dtype=dtype)
+    k = v = torch.randn(2, 2, 200, 64, device="cuda", dtype=dtype)
+    mask = BlockSparseMask.from_dense(_layout("cuda"), 64)
+    with pytest.raises(RuntimeError, match="takes 128x128 blocks, got block_m = 64"):
+        adaattn.block_sparse_attn(q, k, v, mask)
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("which", ["kv_num_blocks", "kv_indices"])
 def test_bad_input_device_mix(which):
     q, k, v = _qkv("cuda")
@@ -687,7 +701,7 @@ OPCHECK_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor",
                  "test_aot_dispatch_dynamic")
 OPCHECK_CASES = [
     Case(b=2, hq=4, hkv=2, lq=100, lk=150, d=64, density=0.5, mask_h=True, causal=True),
-    Case(b=2, lq=150, lk=70, d=32, block=(128, 64), density=0.5, mask_b=True, scale=0.2,
+    Case(b=2, lq=150, lk=70, d=64, block=(128, 128), density=0.5, mask_b=True, scale=0.2,
          transposed=True),
 ]
 
@@ -761,7 +775,7 @@ def test_torch_compile_fullgraph(device, backend, dtype):
     torch._dynamo.reset()
     model = SparseAttention().to(device, dtype)
     x = torch.randn(2, 200, 256, device=device, dtype=dtype)
-    layout = torch.rand(2, 4, 4, 4) < 0.5
+    layout = torch.rand(2, 4, 2, 2) < 0.5
     params = [x] + list(model.parameters())
 
     def run(fn, mask):
@@ -774,7 +788,7 @@ def test_torch_compile_fullgraph(device, backend, dtype):
 
     compiled_model = torch.compile(model, backend=backend, fullgraph=True)
     for cached in (False, True):
-        mask = BlockSparseMask.from_dense(layout.to(device), 64)
+        mask = BlockSparseMask.from_dense(layout.to(device), 128)
         if cached:
             mask.transposed()
         compiled = run(compiled_model, mask)

@@ -67,4 +67,45 @@ ADAATTN_HD KeyRange block_keys(const AttnParams& p, int nb) {
   return {lo, hi < p.len_k ? hi : p.len_k};
 }
 
+// Calls fn(lo, hi) for each span of keys that query row `row` of (b, h) visits: its key range
+// (dense masks) or, block-sparse, that range cut to each listed key block, in list order.
+template <typename Fn>
+ADAATTN_HD void for_each_key_span(const AttnParams& p, int b, int h, int row, KeyRange range,
+                                  Fn&& fn) {
+  if (p.block_kv_num == nullptr) {
+    if (range.hi > range.lo) fn(range.lo, range.hi);
+    return;
+  }
+  const BlockList list = kv_blocks(p, b, h, row / p.block_m);
+  for (int e = 0; e < list.count; ++e) {
+    const int blk = list.at(e);
+    if (blk == kNoBlock) continue;
+    const KeyRange keys = block_keys(p, blk);
+    const int lo = keys.lo > range.lo ? keys.lo : range.lo;
+    const int hi = keys.hi < range.hi ? keys.hi : range.hi;
+    if (lo < hi) fn(lo, hi);
+  }
+}
+
+// Calls fn(first, last) for each span of query rows of (b, h) whose scores with key `key` are
+// visited: `rows` (dense masks) or, block-sparse, `rows` cut to each query block that lists the
+// key's block, in list order.
+template <typename Fn>
+ADAATTN_HD void for_each_row_span(const AttnParams& p, int b, int h, int key, RowSpan rows,
+                                  Fn&& fn) {
+  if (p.block_kv_num == nullptr) {
+    if (rows.last > rows.first) fn(rows.first, rows.last);
+    return;
+  }
+  const BlockList list = q_blocks(p, b, h, key / p.block_n);
+  for (int e = 0; e < list.count; ++e) {
+    const int blk = list.at(e);
+    if (blk == kNoBlock) continue;
+    const RowSpan block = block_rows(p, blk);
+    const int first = block.first > rows.first ? block.first : rows.first;
+    const int last = block.last < rows.last ? block.last : rows.last;
+    if (first < last) fn(first, last);
+  }
+}
+
 }  // namespace adaattn

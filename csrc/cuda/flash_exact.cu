@@ -12,6 +12,7 @@
 #include <limits>
 #include <type_traits>
 
+#include "../core/block_sparse.h"
 #include "../core/mask.h"
 #include "../flash_api.h"
 #include "exact_common.cuh"
@@ -51,25 +52,27 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kWarp)
     T acc[kSlots] = {};
     T row_max = -std::numeric_limits<T>::infinity();
     T row_sum = 0;
-    for (int n0 = range.lo; n0 < range.hi; n0 += kWarp) {
-      const int count = min(kWarp, range.hi - n0);
-      T my_score = -std::numeric_limits<T>::infinity();  // lane t: score of key n0 + t
-      for (int t = 0; t < count; ++t) {
-        const T s = warp_sum(slice_dot(q_reg, k_head + (n0 + t) * p.k_row_stride, dim, lane));
-        if (lane == t) my_score = s * scale;
+    for_each_key_span(p, b, h, item.index, range, [&](int lo, int hi) {
+      for (int n0 = lo; n0 < hi; n0 += kWarp) {
+        const int count = min(kWarp, hi - n0);
+        T my_score = -std::numeric_limits<T>::infinity();  // lane t: score of key n0 + t
+        for (int t = 0; t < count; ++t) {
+          const T s = warp_sum(slice_dot(q_reg, k_head + (n0 + t) * p.k_row_stride, dim, lane));
+          if (lane == t) my_score = s * scale;
+        }
+        const T chunk_max = warp_max(my_score);
+        const T new_max = chunk_max > row_max ? chunk_max : row_max;
+        const T rescale = exact_exp(row_max - new_max);  // 0 on the first chunk (row_max = -inf)
+        const T my_weight = lane < count ? exact_exp(my_score - new_max) : T(0);
+        row_sum = row_sum * rescale + warp_sum(my_weight);
+        slice_scale(rescale, acc);
+        for (int t = 0; t < count; ++t) {
+          const T weight = __shfl_sync(kFullMask, my_weight, t);
+          slice_axpy(weight, v_head + (n0 + t) * p.v_row_stride, dim, lane, acc);
+        }
+        row_max = new_max;
       }
-      const T chunk_max = warp_max(my_score);
-      const T new_max = chunk_max > row_max ? chunk_max : row_max;
-      const T rescale = exact_exp(row_max - new_max);  // 0 on the first chunk (row_max = -inf)
-      const T my_weight = lane < count ? exact_exp(my_score - new_max) : T(0);
-      row_sum = row_sum * rescale + warp_sum(my_weight);
-      slice_scale(rescale, acc);
-      for (int t = 0; t < count; ++t) {
-        const T weight = __shfl_sync(kFullMask, my_weight, t);
-        slice_axpy(weight, v_head + (n0 + t) * p.v_row_stride, dim, lane, acc);
-      }
-      row_max = new_max;
-    }
+    });
 
     const bool seen = row_sum > T(0);
     T* out_row = row_ptr<T>(p.out, p.o_batch_stride, p.o_head_stride, p.o_row_stride, b, h, i);
@@ -123,31 +126,33 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kWarp)
     T dq_acc[kSlots] = {};
     T row_max = -std::numeric_limits<T>::infinity();
     T row_sum = 0;
-    for (int n0 = range.lo; n0 < range.hi; n0 += kWarp) {
-      const int count = min(kWarp, range.hi - n0);
-      T my_score = -std::numeric_limits<T>::infinity();
-      T my_dprob = 0;
-      for (int t = 0; t < count; ++t) {
-        const T s = warp_sum(slice_dot(q_reg, k_head + (n0 + t) * p.k_row_stride, dim, lane));
-        const T dp = warp_sum(slice_dot(dout_reg, v_head + (n0 + t) * p.v_row_stride, dim, lane));
-        if (lane == t) {
-          my_score = s * scale;
-          my_dprob = dp;
+    for_each_key_span(p, b, h, item.index, range, [&](int lo, int hi) {
+      for (int n0 = lo; n0 < hi; n0 += kWarp) {
+        const int count = min(kWarp, hi - n0);
+        T my_score = -std::numeric_limits<T>::infinity();
+        T my_dprob = 0;
+        for (int t = 0; t < count; ++t) {
+          const T s = warp_sum(slice_dot(q_reg, k_head + (n0 + t) * p.k_row_stride, dim, lane));
+          const T dp = warp_sum(slice_dot(dout_reg, v_head + (n0 + t) * p.v_row_stride, dim, lane));
+          if (lane == t) {
+            my_score = s * scale;
+            my_dprob = dp;
+          }
         }
+        const T chunk_max = warp_max(my_score);
+        const T new_max = chunk_max > row_max ? chunk_max : row_max;
+        const T rescale = exact_exp(row_max - new_max);
+        const T my_weight = lane < count ? exact_exp(my_score - new_max) : T(0);
+        const T my_dscore = my_weight * (my_dprob - delta);
+        row_sum = row_sum * rescale + warp_sum(my_weight);
+        slice_scale(rescale, dq_acc);
+        for (int t = 0; t < count; ++t) {
+          const T dscore = __shfl_sync(kFullMask, my_dscore, t);
+          slice_axpy(dscore, k_head + (n0 + t) * p.k_row_stride, dim, lane, dq_acc);
+        }
+        row_max = new_max;
       }
-      const T chunk_max = warp_max(my_score);
-      const T new_max = chunk_max > row_max ? chunk_max : row_max;
-      const T rescale = exact_exp(row_max - new_max);
-      const T my_weight = lane < count ? exact_exp(my_score - new_max) : T(0);
-      const T my_dscore = my_weight * (my_dprob - delta);
-      row_sum = row_sum * rescale + warp_sum(my_weight);
-      slice_scale(rescale, dq_acc);
-      for (int t = 0; t < count; ++t) {
-        const T dscore = __shfl_sync(kFullMask, my_dscore, t);
-        slice_axpy(dscore, k_head + (n0 + t) * p.k_row_stride, dim, lane, dq_acc);
-      }
-      row_max = new_max;
-    }
+    });
 
     const bool seen = row_sum > T(0);
 #pragma unroll
@@ -197,34 +202,37 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kWarp)
         const T* dout_head = row_ptr<T>(p.dout, p.do_batch_stride, p.do_head_stride,
                                         p.do_row_stride, b, h, lens.q_start);
         const T* head_stats = row_stats + 2 * row_stat_offset(p, lens, b, h);
-        for (int i0 = span.first; i0 < span.last; i0 += kWarp) {
-          const int count = min(kWarp, span.last - i0);
-          T my_score = 0, my_dprob = 0;  // lane t: query row i0 + t
-          for (int t = 0; t < count; ++t) {
-            const T s = warp_sum(slice_dot(k_reg, q_head + (i0 + t) * p.q_row_stride, dim, lane));
-            const T dp =
-                warp_sum(slice_dot(v_reg, dout_head + (i0 + t) * p.do_row_stride, dim, lane));
-            if (lane == t) {
-              my_score = s * scale;
-              my_dprob = dp;
+        for_each_row_span(p, b, h, j, span, [&](int first, int last) {
+          for (int i0 = first; i0 < last; i0 += kWarp) {
+            const int count = min(kWarp, last - i0);
+            T my_score = 0, my_dprob = 0;  // lane t: query row i0 + t
+            for (int t = 0; t < count; ++t) {
+              const T s =
+                  warp_sum(slice_dot(k_reg, q_head + (i0 + t) * p.q_row_stride, dim, lane));
+              const T dp =
+                  warp_sum(slice_dot(v_reg, dout_head + (i0 + t) * p.do_row_stride, dim, lane));
+              if (lane == t) {
+                my_score = s * scale;
+                my_dprob = dp;
+              }
+            }
+            T my_prob = 0, my_dscore = 0;
+            if (lane < count) {
+              const int i = i0 + lane;
+              const KeyRange range = key_range(p, lens, i);
+              if (range.lo <= j && j < range.hi) {
+                my_prob = exact_exp(my_score - head_stats[2 * i]);
+                my_dscore = my_prob * (my_dprob - head_stats[2 * i + 1]);
+              }
+            }
+            for (int t = 0; t < count; ++t) {
+              const T prob = __shfl_sync(kFullMask, my_prob, t);
+              const T dscore = __shfl_sync(kFullMask, my_dscore, t);
+              slice_axpy(dscore, q_head + (i0 + t) * p.q_row_stride, dim, lane, dk_acc);
+              slice_axpy(prob, dout_head + (i0 + t) * p.do_row_stride, dim, lane, dv_acc);
             }
           }
-          T my_prob = 0, my_dscore = 0;
-          if (lane < count) {
-            const int i = i0 + lane;
-            const KeyRange range = key_range(p, lens, i);
-            if (range.lo <= j && j < range.hi) {
-              my_prob = exact_exp(my_score - head_stats[2 * i]);
-              my_dscore = my_prob * (my_dprob - head_stats[2 * i + 1]);
-            }
-          }
-          for (int t = 0; t < count; ++t) {
-            const T prob = __shfl_sync(kFullMask, my_prob, t);
-            const T dscore = __shfl_sync(kFullMask, my_dscore, t);
-            slice_axpy(dscore, q_head + (i0 + t) * p.q_row_stride, dim, lane, dk_acc);
-            slice_axpy(prob, dout_head + (i0 + t) * p.do_row_stride, dim, lane, dv_acc);
-          }
-        }
+        });
       }
     }
     slice_scale(scale, dk_acc);

@@ -21,6 +21,7 @@
 #include "../../core/params.h"
 #include "flash_fwd_kernel.h"
 #include "mma.h"
+#include "tiles.h"
 #include "variant.h"
 
 namespace adaattn {
@@ -107,7 +108,6 @@ __device__ __forceinline__ void bwd_dkdv_block(const AttnParams& p, int block) {
   if (!tile.valid) return;
   const int b = tile.b;
   const int h_kv = tile.h;
-  const int group = p.heads_q / p.heads_kv;
   const int n0 = tile.index * kBlockN;
   const int warp_row0 = warp * 16 * MI;
 
@@ -125,17 +125,14 @@ __device__ __forceinline__ void bwd_dkdv_block(const AttnParams& p, int block) {
   zero(dk);
   zero(dv);
 
-  const int m_begin = rows.first / BM;
-  const int m_end = rows.last > rows.first ? (rows.last + BM - 1) / BM : m_begin;
-  const int steps_per_head = m_end - m_begin;
-  const int steps = steps_per_head * group;
+  const QuerySteps<BM> query = query_steps<BM>(p, b, h_kv, n0, rows);
+  const int steps = query.count;
   const bool param_grads = kElastic && p.dbias != nullptr;
   const int bias_span = p.bias_window < p.len_k ? p.bias_window : p.len_k;  // distances < Lk
 
-  // Step s covers query head group*h_kv + s / steps_per_head, query tile m_begin + s % steps.
   auto issue_step = [&](int s, int buf) {
-    const int h = h_kv * group + s / steps_per_head;
-    const int m0 = (m_begin + s % steps_per_head) * BM;
+    int h, m0;
+    query.at(p, s, h, m0);
     const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride +
                  (lens.q_start + m0) * p.q_row_stride;
     const T* d = static_cast<const T*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride +
@@ -162,8 +159,8 @@ __device__ __forceinline__ void bwd_dkdv_block(const AttnParams& p, int block) {
 
   for (int s = 0; s < steps; ++s) {
     const int buf = s & 1;
-    const int h = h_kv * group + s / steps_per_head;
-    const int m0 = (m_begin + s % steps_per_head) * BM;
+    int h, m0;
+    query.at(p, s, h, m0);
     cp_async_wait_all();
     __syncthreads();
     if (s + 1 < steps) {
@@ -374,9 +371,8 @@ __device__ __forceinline__ void bwd_dq_block(const AttnParams& p, int block) {
   float dq[MI][DT][4];
   zero(dq);
   const int valid_q = lens.rows_q - m0;
-  if (tile_keys.hi > tile_keys.lo) {
-    const int n_begin = tile_keys.lo / BN;
-    const int n_end = (tile_keys.hi + BN - 1) / BN;
+  const KeyTiles tiles = key_tiles<BN>(p, tile_keys, b, h, m0);
+  if (tiles.count > 0) {
     auto issue_kv = [&](int n_block, int buf) {
       const int n0 = n_block * BN;
       load_tile_async<BN, D, kThreads>(sK(buf), k + static_cast<int64_t>(n0) * p.k_row_stride,
@@ -386,16 +382,16 @@ __device__ __forceinline__ void bwd_dq_block(const AttnParams& p, int block) {
     };
     load_tile_async<kBlockM, D, kThreads>(sQ, q, p.q_row_stride, valid_q, tid);
     load_tile_async<kBlockM, D, kThreads>(sdO, dout, p.do_row_stride, valid_q, tid);
-    issue_kv(n_begin, 0);
+    issue_kv(tiles.at(0), 0);
     cp_async_commit();
 
-    for (int n_block = n_begin; n_block < n_end; ++n_block) {
-      const int buf = (n_block - n_begin) & 1;
-      const int n0 = n_block * BN;
+    for (int i = 0; i < tiles.count; ++i) {
+      const int buf = i & 1;
+      const int n0 = tiles.at(i) * BN;
       cp_async_wait_all();
       __syncthreads();
-      if (n_block + 1 < n_end) {
-        issue_kv(n_block + 1, buf ^ 1);
+      if (i + 1 < tiles.count) {
+        issue_kv(tiles.at(i + 1), buf ^ 1);
         cp_async_commit();
       }
       float s[MI][NT][4];

@@ -1,8 +1,9 @@
 // Tensor-core forward of the flash family (FlashAttention-2 style): one CTA per (query tile,
 // batch, head); each warp owns 16*MI query rows, keeps O and the softmax state in registers,
 // and streams K/V tiles through shared memory with cp.async (the V load overlaps Q K^T, the
-// next K load overlaps P V). The mask is a policy (mask.h): key tiles outside the tile's key
-// range are never visited and only boundary tiles are masked element-wise. The variant
+// next K load overlaps P V). The mask is a policy (mask.h, tiles.h): only the key tiles of the
+// tile's key range (block-sparse: of its listed blocks) are visited, and only boundary tiles
+// are masked element-wise. The variant
 // (variant.h) picks the score modifier and the probability transform: softmax runs one online
 // pass; the elastic softmax of lazy attention runs an lse pass over K, then a weight pass that
 // skips the P V product of every warp tile whose weights are all zero.
@@ -13,6 +14,7 @@
 #include "../../core/mask.h"
 #include "../../core/params.h"
 #include "mma.h"
+#include "tiles.h"
 #include "variant.h"
 
 namespace adaattn {
@@ -232,25 +234,25 @@ __global__ void __launch_bounds__(Traits::kThreads)
 
   WeightStats stats;
   const int valid_q = lens.rows_q - m0;
-  if (tile_keys.hi > tile_keys.lo) {
-    const int n_begin = tile_keys.lo / BN;
-    const int n_end = (tile_keys.hi + BN - 1) / BN;
+  const KeyTiles tiles = key_tiles<BN>(p, tile_keys, b, h, m0);
+  auto load_keys = [&](T* dst, const T* src, int64_t row_stride, int tile) {
+    load_tile_async<BN, D, kThreads>(dst, src + static_cast<int64_t>(tile) * BN * row_stride,
+                                     row_stride, lens.rows_k - tile * BN, tid);
+  };
+  if (tiles.count > 0) {
     load_tile_async<kBlockM, D, kThreads>(sQ, q, p.q_row_stride, valid_q, tid);
-    load_tile_async<BN, D, kThreads>(sK, k + static_cast<int64_t>(n_begin) * BN * p.k_row_stride,
-                                     p.k_row_stride, lens.rows_k - n_begin * BN, tid);
+    load_keys(sK, k, p.k_row_stride, tiles.at(0));
     cp_async_commit();
 
     if constexpr (kElastic) {
       // Pass 1: row max and sum only; sK and sV double-buffer K.
-      for (int n_block = n_begin; n_block < n_end; ++n_block) {
-        const int n0 = n_block * BN;
-        T* const cur = (n_block - n_begin) % 2 == 0 ? sK : sV;
+      for (int i = 0; i < tiles.count; ++i) {
+        const int n0 = tiles.at(i) * BN;
+        T* const cur = i % 2 == 0 ? sK : sV;
         cp_async_wait_all();
         __syncthreads();
-        if (n_block + 1 < n_end) {
-          load_tile_async<BN, D, kThreads>(cur == sK ? sV : sK,
-                                           k + static_cast<int64_t>(n0 + BN) * p.k_row_stride,
-                                           p.k_row_stride, lens.rows_k - n0 - BN, tid);
+        if (i + 1 < tiles.count) {
+          load_keys(cur == sK ? sV : sK, k, p.k_row_stride, tiles.at(i + 1));
           cp_async_commit();
         }
         float s[MI][NT][4];
@@ -269,17 +271,16 @@ __global__ void __launch_bounds__(Traits::kThreads)
           if (l > 0.f) lse2[mi][hh] = row_max[mi][hh] + log2f(l);
         }
       __syncthreads();  // every warp is done with sK/sV before pass 2 refills them
-      load_tile_async<BN, D, kThreads>(sK, k + static_cast<int64_t>(n_begin) * BN * p.k_row_stride,
-                                       p.k_row_stride, lens.rows_k - n_begin * BN, tid);
+      load_keys(sK, k, p.k_row_stride, tiles.at(0));
       cp_async_commit();
     }
 
-    for (int n_block = n_begin; n_block < n_end; ++n_block) {
+    for (int i = 0; i < tiles.count; ++i) {
+      const int n_block = tiles.at(i);
       const int n0 = n_block * BN;
       cp_async_wait_all();
       __syncthreads();
-      load_tile_async<BN, D, kThreads>(sV, v + static_cast<int64_t>(n0) * p.v_row_stride,
-                                       p.v_row_stride, lens.rows_k - n0, tid);
+      load_keys(sV, v, p.v_row_stride, n_block);
       cp_async_commit();
 
       float s[MI][NT][4];
@@ -304,9 +305,8 @@ __global__ void __launch_bounds__(Traits::kThreads)
 
       cp_async_wait_all();
       __syncthreads();
-      if (n_block + 1 < n_end) {
-        load_tile_async<BN, D, kThreads>(sK, k + static_cast<int64_t>(n0 + BN) * p.k_row_stride,
-                                         p.k_row_stride, lens.rows_k - n0 - BN, tid);
+      if (i + 1 < tiles.count) {
+        load_keys(sK, k, p.k_row_stride, tiles.at(i + 1));
         cp_async_commit();
       }
       if (any) warp_gemm_rs<MI, DT, NT / 2, D>(o, pa, sV, 0, lane);

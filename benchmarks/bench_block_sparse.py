@@ -1,0 +1,163 @@
+"""Benchmarks adaattn.block_sparse_attn on CUDA against compiled FlexAttention on the same masks
+(issue bar: bf16, D=128, H=16, causal; B=4 L=4096 and B=1 L=16384).
+
+Masks (128x128 blocks, causal within them):
+* window: a block-aligned causal sliding window of 8 blocks (query block i sees key blocks
+  i-7 .. i), built as a FlexAttention BlockMask and converted with BlockSparseMask.from_flex;
+* random-0.1, random-0.25: random lower-triangular layouts at that density (the diagonal always
+  listed), the same layout given to FlexAttention through its mask_mod.
+Rows per shape: adaattn-block-sparse and flex on each mask, and our dense flash_attn (causal
+and not) for the proportionality bar: time / (listed blocks / all blocks x dense non-causal time).
+Times are medians of triton's do_bench; peak memory is one forward+backward above the inputs.
+
+    python benchmarks/bench_block_sparse.py [--out benchmarks/RESULTS.md]
+"""
+import argparse
+import os
+import sys
+import warnings
+from typing import List, Optional
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_attention as ba  # noqa: E402  (also puts the in-place build on sys.path)
+import bench_varlen as bv  # noqa: E402
+
+import adaattn  # noqa: E402
+from adaattn import BlockSparseMask  # noqa: E402
+
+HEADS, DIM, BLOCK = 16, 128, 128
+SHAPES = [(4, 4096), (1, 16384)]
+WINDOW_BLOCKS = 8
+
+
+def random_layout(n_blocks: int, density: float, seed: int) -> torch.Tensor:
+    """Lower-triangular [1, 1, n, n] bool layout: each causal block listed with probability
+    `density`, the diagonal always (every row keeps its own keys)."""
+    gen = torch.Generator().manual_seed(seed)
+    layout = torch.rand(n_blocks, n_blocks, generator=gen) < density
+    layout = torch.tril(layout) | torch.eye(n_blocks, dtype=torch.bool)
+    return layout.view(1, 1, n_blocks, n_blocks)
+
+
+def masks(length: int):
+    """name -> (BlockSparseMask, FlexAttention BlockMask, listed fraction of all blocks)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    n = length // BLOCK
+
+    def window(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx // BLOCK - kv_idx // BLOCK < WINDOW_BLOCKS)
+
+    flex_window = create_block_mask(window, B=None, H=None, Q_LEN=length, KV_LEN=length,
+                                    device="cuda", BLOCK_SIZE=BLOCK)
+    out = {"window-8x128": (BlockSparseMask.from_flex(flex_window), flex_window)}
+    for density in (0.1, 0.25):
+        layout = random_layout(n, density, seed=int(density * 100)).cuda()
+        grid = layout[0, 0]
+
+        def listed(b, h, q_idx, kv_idx, grid=grid):
+            return grid[q_idx // BLOCK, kv_idx // BLOCK] & (q_idx >= kv_idx)
+
+        flex_mask = create_block_mask(listed, B=None, H=None, Q_LEN=length, KV_LEN=length,
+                                      device="cuda", BLOCK_SIZE=BLOCK)
+        out[f"random-{density}"] = (BlockSparseMask.from_dense(layout, BLOCK), flex_mask)
+    return {name: (m, f, m.kv_num_blocks.sum().item() / n / n) for name, (m, f) in out.items()}
+
+
+def builders(batch: int, length: int):
+    from torch.nn.attention.flex_attention import flex_attention
+    flex = torch.compile(flex_attention, dynamic=False)
+
+    def inputs():
+        q, k, v = (bv._randn(batch, HEADS, length, DIM).requires_grad_() for _ in range(3))
+        return [q, k, v], bv._randn(batch, HEADS, length, DIM)
+
+    def ours(mask):
+        def build():
+            x, dout = inputs()
+            mask.transposed()  # built once per mask and cached, as in training
+            return (lambda q, k, v: adaattn.block_sparse_attn(q, k, v, mask, causal=True), x,
+                    dout)
+        return build
+
+    def peer(block_mask):
+        def build():
+            x, dout = inputs()
+            return lambda q, k, v: flex(q, k, v, block_mask=block_mask), x, dout
+        return build
+
+    def dense(causal):
+        def build():
+            x, dout = inputs()
+            return lambda q, k, v: adaattn.flash_attn(q, k, v, causal=causal), x, dout
+        return build
+
+    rows = {"adaattn-dense-full": (dense(False), 1.0), "adaattn-dense-causal": (dense(True), None)}
+    for name, (mask, flex_mask, fraction) in masks(length).items():
+        rows[f"adaattn-{name}"] = (ours(mask), fraction)
+        rows[f"flex-{name}"] = (peer(flex_mask), fraction)
+    return rows
+
+
+def render(results, batch: int, length: int) -> str:
+    full = results.get("adaattn-dense-full")
+    lines = [f"### B = {batch}, L = {length}", "",
+             "| op | listed blocks | fwd ms | fwd+bwd ms | peak MiB | fwd vs flex | "
+             "fwd+bwd vs flex | fwd+bwd / (fraction x dense) | note |",
+             "|:---|---:|---:|---:|---:|---:|---:|---:|:---|"]
+    for name, (row, fraction) in results.items():
+        flex = results.get(name.replace("adaattn-", "flex-"), (None, None))[0]
+
+        def speed(field):
+            a, b = getattr(row, field), getattr(flex, field, None)
+            return "—" if a is None or b is None or flex is row else f"{b / a:.2f}x"
+        prop = "—"
+        if (name.startswith("adaattn-") and fraction is not None and full is not None
+                and full[0].fwdbwd_ms and row.fwdbwd_ms):
+            prop = f"{row.fwdbwd_ms / (fraction * full[0].fwdbwd_ms):.2f}"
+        lines.append(f"| {name} | {'—' if fraction is None else f'{fraction:.3f}'} "
+                     f"| {ba._fmt(row.fwd_ms, '.3f')} | {ba._fmt(row.fwdbwd_ms, '.3f')} "
+                     f"| {ba._fmt(row.peak_mib, '.0f')} "
+                     f"| {speed('fwd_ms') if name.startswith('adaattn-') else '—'} "
+                     f"| {speed('fwdbwd_ms') if name.startswith('adaattn-') else '—'} "
+                     f"| {prop} | {row.note} |")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = sys.argv if argv is None else argv
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", help="markdown results file to update")
+    parser.add_argument("--warmup", type=int, default=25, help="do_bench warmup, ms")
+    parser.add_argument("--rep", type=int, default=100, help="do_bench measuring time, ms")
+    args = parser.parse_args(argv[1:])
+    if not torch.cuda.is_available():
+        print("bench_block_sparse.py needs a CUDA device", file=sys.stderr)
+        return 2
+    warnings.filterwarnings("ignore", category=UserWarning)
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, 256)
+    torch.manual_seed(0)
+    title = (f"## block-sparse attention: bf16, causal, D = {DIM}, H = {HEADS}, "
+             f"{BLOCK}x{BLOCK} blocks")
+    sections = [title, ba.run_metadata(argv)]
+    for batch, length in SHAPES:
+        results = {}
+        for name, (build, fraction) in builders(batch, length).items():
+            row = bv._measure(name, [length] * batch, build, args)
+            results[name] = (row, fraction)
+            print(f"B={batch} L={length} {name}: fwd {row.fwd_ms} fwd+bwd {row.fwdbwd_ms} "
+                  f"{row.note}", flush=True)
+        sections.append(render(results, batch, length))
+    body = "\n\n".join(sections)
+    if args.out:
+        ba.update_results(args.out, "block-sparse", body)
+    print()
+    print(body)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+// CUDA registration of the block-sparse ops (spec 3.3): fp16/bf16 go to the flash tensor-core
+// kernels, which walk the mask's block lists (tc/tiles.h); fp32/fp64 to the exact kernels, which
+// walk them per row (core/block_sparse.h). Mask values are not checked here (that would need a
+// host sync): the kernels clamp counts and skip out-of-range indices, so a malformed mask never
+// reads out of bounds. Current stream, no host synchronisation.
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include "../block_sparse_ops.h"
+#include "../flash_api.h"
+#include "../flash_ops.h"
+#include "cuda_inputs.h"
+
+namespace adaattn {
+namespace {
+
+// The tensor-core CTAs own 128 query rows (forward, dQ) and 64 or 128 keys (dK/dV): each must
+// lie in one mask block.
+constexpr int64_t kTcBlock = 128;
+
+void check_cuda_block_size(const at::Tensor& q, int64_t block_m, int64_t block_n) {
+  if (use_tensor_cores(q.scalar_type())) {
+    TORCH_CHECK(block_m == kTcBlock && block_n == kTcBlock,
+                "adaattn: block_sparse_attn on CUDA in ", q.scalar_type(), " takes ", kTcBlock,
+                "x", kTcBlock, " blocks, got block_m = ", block_m, ", block_n = ", block_n,
+                " (float32/float64 and the CPU also take 64)");
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> block_sparse_fwd_cuda_op(
+    const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+    const at::Tensor& kv_num_blocks, const at::Tensor& kv_indices, int64_t block_m,
+    int64_t block_n, std::optional<double> softmax_scale, bool causal) {
+  BlockSparseMaskTensors mask{kv_num_blocks, kv_indices, {}, {}};
+  check_block_sparse_inputs(q_in, k_in, v_in, mask, block_m, block_n);
+  check_cuda_head_dim(q_in);
+  check_cuda_block_size(q_in, block_m, block_n);
+  mask = contiguous_mask(mask);
+  const bool tc = use_tensor_cores(q_in.scalar_type()) && q_in.numel() > 0 && k_in.numel() > 0;
+  const at::Tensor q = tc ? tc_aligned(q_in) : q_in;
+  const at::Tensor k = tc ? tc_aligned(k_in) : k_in;
+  const at::Tensor v = tc ? tc_aligned(v_in) : v_in;
+  const c10::cuda::CUDAGuard guard(q.device());
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  at::Tensor lse = at::empty(lse_shape(q, false), q.options().dtype(at::kFloat));
+  if (q.numel() == 0) return {out, lse};
+  AttnParams p = make_block_sparse_params(q, k, v, mask, block_m, block_n, softmax_scale, causal);
+  set_fwd_outputs(p, out, lse);
+  if (use_tensor_cores(q.scalar_type())) {
+    flash_fwd_tc_cuda(p, q.scalar_type());
+  } else {
+    flash_fwd_exact_cuda(p, q.scalar_type());
+  }
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> block_sparse_bwd_cuda_op(
+    const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in,
+    const at::Tensor& v_in, const at::Tensor& out_in, const at::Tensor& lse,
+    const at::Tensor& kv_num_blocks, const at::Tensor& kv_indices,
+    const at::Tensor& q_num_blocks, const at::Tensor& q_indices, int64_t block_m,
+    int64_t block_n, std::optional<double> softmax_scale, bool causal) {
+  BlockSparseMaskTensors mask{kv_num_blocks, kv_indices, q_num_blocks, q_indices};
+  check_block_sparse_inputs(q_in, k_in, v_in, mask, block_m, block_n);
+  check_flash_bwd_inputs(dout_in, q_in, out_in, lse, /*packed=*/false);
+  check_cuda_head_dim(q_in);
+  check_cuda_block_size(q_in, block_m, block_n);
+  mask = contiguous_mask(mask);
+  const bool tc = use_tensor_cores(q_in.scalar_type()) && q_in.numel() > 0 && k_in.numel() > 0;
+  const at::Tensor q = tc ? tc_aligned(q_in) : q_in;
+  const at::Tensor k = tc ? tc_aligned(k_in) : k_in;
+  const at::Tensor v = tc ? tc_aligned(v_in) : v_in;
+  const at::Tensor out = tc ? tc_aligned(out_in) : out_in;
+  const at::Tensor dout = tc ? tc_aligned(dout_in) : dout_in;
+  const c10::cuda::CUDAGuard guard(q.device());
+  at::Tensor dq = at::empty(q.sizes(), q.options());
+  at::Tensor dk = at::empty(k.sizes(), k.options());
+  at::Tensor dv = at::empty(v.sizes(), v.options());
+  if (q.numel() == 0 || k.numel() == 0) {
+    dq.zero_();
+    dk.zero_();
+    dv.zero_();
+    return {dq, dk, dv};
+  }
+  at::Tensor delta = at::empty(lse.sizes(), lse.options());
+  AttnParams p = make_block_sparse_params(q, k, v, mask, block_m, block_n, softmax_scale, causal);
+  set_bwd_tensors(p, dout, out, lse, dq, dk, dv, delta);
+  if (use_tensor_cores(q.scalar_type())) {
+    flash_bwd_tc_cuda(p, q.scalar_type());
+  } else {
+    flash_bwd_exact_cuda(p, q.scalar_type());
+  }
+  return {dq, dk, dv};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(adaattn, CUDA, m) {
+  m.impl("block_sparse_fwd", &block_sparse_fwd_cuda_op);
+  m.impl("block_sparse_bwd", &block_sparse_bwd_cuda_op);
+}
+
+}  // namespace adaattn
