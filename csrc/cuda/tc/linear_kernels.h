@@ -21,8 +21,8 @@
 // MMA accumulates in fp32 and states are summed in fp32. Rows past a sequence's end are zero in
 // every tile, so they add nothing to states or products.
 //
-// CTA per (chunk, head), 4 warps, each warp owning 16 rows of the chunk (state kernels: 16 * D/64
-// rows of the state). Packed sequences use a virtual chunk index vc = floor(cu[n] / 64) + n + j
+// CTA per (chunk, head), 4 warps, each warp owning 16 rows of the chunk (state kernel: 16 rows
+// of the state per pass of 64). Packed sequences use a virtual chunk index vc = floor(cu[n] / 64) + n + j
 // for chunk j of sequence n (at most T/64 + N of them, none scheduled for padding); the
 // fp32 state scratch is [chunks, H, D, E].
 #pragma once
@@ -323,25 +323,26 @@ __global__ void __launch_bounds__(kThreads)
   if (kBwd) scale_rows<T, DV>(sB, sw, tid);
   __syncthreads();
 
-  constexpr int MI = D / 64;
+  // State rows in passes of 64 (warp w: rows pass * 64 + 16 w): one 16-row accumulator set
+  // per warp keeps D = 128 free of spills.
   constexpr int NT = DV / 8;
-  float acc[MI][NT][4];
-  zero(acc);
-  const int row0 = warp * 16 * MI;
-  warp_gemm_tn<MI, NT, kChunk, D, DV>(acc, sA, row0, sB, lane);
-
   const int e = p.state_cols;
   float* out = local + pair * D * e;
   const int g = lane >> 2, t = lane & 3;
-#pragma unroll
-  for (int mi = 0; mi < MI; ++mi)
+#pragma unroll 1
+  for (int pass = 0; pass < D / 64; ++pass) {
+    const int row0 = pass * 64 + warp * 16;
+    float acc[1][NT][4];
+    zero(acc);
+    warp_gemm_tn<1, NT, kChunk, D, DV>(acc, sA, row0, sB, lane);
 #pragma unroll
     for (int ni = 0; ni < NT; ++ni)
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
-        const int row = row0 + mi * 16 + g + 8 * (k >> 1);
-        out[static_cast<int64_t>(row) * e + ni * 8 + 2 * t + (k & 1)] = acc[mi][ni][k];
+        const int row = row0 + g + 8 * (k >> 1);
+        out[static_cast<int64_t>(row) * e + ni * 8 + 2 * t + (k & 1)] = acc[0][ni][k];
       }
+  }
   if (p.normalize) {
     for (int d = tid; d < D; d += kThreads) {
       float s = 0.f;
