@@ -54,16 +54,9 @@ void launch_chunk_states(const LinearParams& p, const Grid& g, float* local, con
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-inline void launch_scan(const LinearParams& p, const Grid& g, float* local, const void* init,
-                        void* total, bool reverse) {
-  const int64_t de = static_cast<int64_t>(p.dim) * p.state_cols;
-  const int64_t pairs = static_cast<int64_t>(p.num_seqs) * p.heads;
-  const dim3 blocks(static_cast<unsigned>(grid_size(pairs)),
-                    static_cast<unsigned>((de + kScanThreads - 1) / kScanThreads));
-  scan_kernel<<<blocks, kScanThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-      p, g.cps, local, static_cast<const float*>(init), static_cast<float*>(total), reverse);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
+// The fp32 scan over chunks (scan_kernel in linear_tc.cu, one copy for every dtype).
+void launch_scan(const LinearParams& p, const Grid& g, float* local, const void* init,
+                 void* total, bool reverse);
 
 template <typename T, int D, int DV>
 void run_fwd(const LinearParams& p) {
