@@ -26,8 +26,11 @@ def linear_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, feature_ma
     ones. A final state can be passed back as the next call's ``initial_state``.
 
     Precision: CPU computes in double internally; CUDA float32/float64 inputs take the exact
-    scan kernel (state in double). float16/bfloat16 are computed in float32 (inputs upcast,
-    output cast back) on both devices; CUDA tensor-core kernels for them are not implemented yet.
+    scan kernel (state in double). CUDA float16/bfloat16 with ``D`` and ``Dv`` in {64, 128} run
+    tensor-core kernels: MMA operands (``phi(q)``, ``phi(k)``, v, the intra-chunk weights and the
+    states as read by a chunk) are rounded to the input dtype, every product accumulates in
+    float32, and states and the normaliser are float32. Other float16/bfloat16 shapes, and the
+    CPU, compute in float32 (inputs upcast, output cast back).
 
     Args:
         q: ``[B, H, T, D]``; packed: ``[T, H, D]`` with ``cu_seqlens``. Any strides with a

@@ -298,6 +298,33 @@ def test_low_precision_long_cuda(dtype):
     assert_low_precision_rule(ours, low, ref64)
 
 
+# The CUDA tensor-core path (float16/bfloat16, D and Dv in {64, 128}): chunk boundaries, packed
+# sequences (zero-length, one row, exactly one chunk), every feature map, causal and not,
+# transposed inputs and initial states; other head dims take the exact path.
+TC_CASES = [
+    Case(b=2, t=200, d=64, dv=64, state=True),
+    Case(t=130, d=128, dv=128, state=True),
+    Case(t=97, d=64, dv=128, fmap="relu"),
+    Case(t=150, d=128, dv=64, fmap="identity", normalize=False, transposed=True, state=True),
+    Case(t=65, d=64, dv=64, fmap="identity", state=True),
+    Case(b=2, t=100, d=64, dv=64, causal=False, state=True),
+    Case(t=70, d=128, dv=64, fmap="relu", causal=False, normalize=False),
+    Case(lens=(0, 1, 64, 65, 0, 200, 1), d=64, dv=64, state=True),
+    Case(lens=(130, 3, 0), d=64, dv=128, causal=False, state=True),
+    Case(t=1, d=64, dv=64),
+]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", TC_CASES, ids=str)
+def test_low_precision_tensor_cores_cuda(case, dtype):
+    inputs = make_inputs(case, dtype, "cuda")
+    ours = run_ours(case, *inputs)
+    low = run_reference(case, *inputs, dtype=dtype)
+    assert_low_precision_rule(ours, low, run_reference(case, *inputs))
+
+
 # --------------------------------------------------------------------------------------------
 # Varlen, state passing, empty inputs, determinism
 # --------------------------------------------------------------------------------------------

@@ -1,0 +1,10 @@
+// Tensor-core linear attention, fp16 bwdward (one file per dtype and pass for parallel builds).
+#include "tc/linear_launch.h"
+
+namespace adaattn {
+namespace tc {
+namespace lin {
+template void run_linear<__half, true>(const LinearParams& p);
+}  // namespace lin
+}  // namespace tc
+}  // namespace adaattn
