@@ -25,7 +25,7 @@ void check_qkv_tensor(const at::Tensor& t, const char* name, bool packed) {
   TORCH_CHECK(at::isFloatingType(t.scalar_type()), "adaattn: ", name,
               " must be a floating tensor (float16, bfloat16, float32, float64), got ",
               t.scalar_type());
-  TORCH_CHECK(t.numel() == 0 || t.stride(-1) == 1, "adaattn: ", name,
+  TORCH_CHECK(t.size(-1) == 0 || t.stride(-1) == 1, "adaattn: ", name,
               " must have a contiguous last dim (stride(-1) == 1), got strides ", t.strides(),
               "; call .contiguous() on it");
 }
@@ -137,9 +137,9 @@ void check_flash_bwd_inputs(const at::Tensor& dout, const at::Tensor& q, const a
               " and ", out.sizes());
   TORCH_CHECK(dout.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type(),
               "adaattn: grad_out and out must have q's dtype ", q.scalar_type());
-  TORCH_CHECK(dout.numel() == 0 || dout.stride(-1) == 1,
+  TORCH_CHECK(dout.stride(-1) == 1 || dout.sym_numel() == 0,
               "adaattn: grad_out must have a contiguous last dim");
-  TORCH_CHECK(out.numel() == 0 || out.stride(-1) == 1,
+  TORCH_CHECK(out.stride(-1) == 1 || out.sym_numel() == 0,
               "adaattn: out must have a contiguous last dim");
   TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.sizes() == at::IntArrayRef(lse_shape(q, packed)),
               "adaattn: lse must be float32 ", packed ? "[Hq, Tq]" : "[B, Hq, Lq]", " = ",
