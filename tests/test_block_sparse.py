@@ -700,7 +700,8 @@ def test_bad_input_device_mix(which):
 OPCHECK_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor",
                  "test_aot_dispatch_dynamic")
 OPCHECK_CASES = [
-    Case(b=2, hq=4, hkv=2, lq=100, lk=150, d=64, density=0.5, mask_h=True, causal=True),
+    Case(b=2, hq=4, hkv=2, lq=100, lk=150, d=64, block=(128, 128), density=0.5, mask_h=True,
+         causal=True),
     Case(b=2, lq=150, lk=70, d=64, block=(128, 128), density=0.5, mask_b=True, scale=0.2,
          transposed=True),
 ]
