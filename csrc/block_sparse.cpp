@@ -1,13 +1,14 @@
 // Block-sparse attention (spec 3.3): validation of the BCSR mask, AttnParams construction, the
 // CPU ops and the C++ autograd function registered at the Autograd key. The schemas live in
-// ops.cpp.
+// ops.cpp. The kernels are the flash family's: with AttnParams' block-sparse section set they
+// visit only the listed blocks (core/block_sparse.h, cuda/tc/tiles.h).
 #include <torch/autograd.h>
 #include <torch/library.h>
 
 #include <vector>
 
-#include "block_sparse_api.h"
 #include "block_sparse_ops.h"
+#include "flash_api.h"
 #include "flash_ops.h"
 
 namespace adaattn {
@@ -174,7 +175,7 @@ std::tuple<at::Tensor, at::Tensor> block_sparse_fwd_cpu_op(
   if (q.numel() > 0) {
     AttnParams p = make_block_sparse_params(q, k, v, mask, block_m, block_n, softmax_scale, causal);
     set_fwd_outputs(p, out, lse);
-    block_sparse_fwd_cpu(p, q.scalar_type());
+    flash_fwd_cpu(p, q.scalar_type());  // walks the block lists (core/block_sparse.h)
   }
   return {out.to(q_in.scalar_type()), lse};
 }
@@ -201,7 +202,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_sparse_bwd_cpu_op(
     // tensor stands in for the delta scratch.
     at::Tensor no_scratch = at::empty({0}, lse.options());
     set_bwd_tensors(p, dout, out, lse, dq, dk, dv, no_scratch);
-    block_sparse_bwd_cpu(p, q.scalar_type());
+    flash_bwd_cpu(p, q.scalar_type());
   } else {
     dq.zero_();
     dk.zero_();

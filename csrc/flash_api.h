@@ -9,8 +9,9 @@
 namespace adaattn {
 
 // CPU, fp32 or fp64 (ops.cpp upcasts fp16/bf16). Tiled, O(L) extra memory, parallel over
-// batch x heads. Forward writes out and lse; backward reads out, lse, dout and writes dq, dk, dv
-// (and uses p.delta as scratch).
+// batch x heads. Forward writes out and lse; backward reads out and dout (it recomputes the
+// row statistics in T) and writes dq, dk, dv. With AttnParams' block-sparse section set, both
+// visit only the listed blocks (block sizes must be multiples of the 64-row CPU tile).
 void flash_fwd_cpu(const AttnParams& p, c10::ScalarType dtype);
 void flash_bwd_cpu(const AttnParams& p, c10::ScalarType dtype);
 

@@ -1,6 +1,8 @@
 // CPU flash attention in fp32/fp64: tiles of query rows against tiles of keys, online softmax,
 // O(L) extra memory. Keys are copied transposed into a small tile so every inner loop runs with
-// unit stride over keys or over the head dim (vectorisable, fixed summation order).
+// unit stride over keys or over the head dim (vectorisable, fixed summation order). Key tiles
+// come from the mask policy: the row tile's key range, cut to the listed blocks when the mask is
+// block-sparse (for_each_key_span / for_each_row_span, core/block_sparse.h).
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
@@ -10,6 +12,7 @@
 #include <limits>
 #include <vector>
 
+#include "../core/block_sparse.h"
 #include "../core/mask.h"
 #include "../flash_api.h"
 #include "tile_ops.h"
@@ -61,21 +64,23 @@ void flash_fwd_impl(const AttnParams& p) {
       std::fill(acc.begin(), acc.end(), T(0));
 
       const KeyRange span = tile_key_range(p, lens, m0, m0 + rows);
-      for (int n0 = span.lo; n0 < span.hi; n0 += kBlockN) {
-        const int cols = std::min(kBlockN, span.hi - n0);
-        load_transposed(k, b, g, n0, cols, dim, key_tile.data());
-        for (int r = 0; r < rows; ++r) {
-          const int c0 = std::max(ranges[r].lo, n0) - n0;
-          const int c1 = std::min(ranges[r].hi, n0 + cols) - n0;
-          if (c0 >= c1) continue;
-          dot_tile(q.row(b, h, m0 + r), key_tile.data(), dim, c0, c1, scores.data());
-          T* acc_row = acc.data() + static_cast<size_t>(r) * dim;
-          online_softmax_step(scores.data(), c0, c1, scale, row_max[r], row_sum[r], acc_row, dim,
-                              [&](int c, T weight) {
-                                axpy(weight, v.row(b, g, n0 + c), acc_row, dim);
-                              });
+      for_each_key_span(p, b, h, m0, span, [&](int lo, int hi) {
+        for (int n0 = lo; n0 < hi; n0 += kBlockN) {
+          const int cols = std::min(kBlockN, hi - n0);
+          load_transposed(k, b, g, n0, cols, dim, key_tile.data());
+          for (int r = 0; r < rows; ++r) {
+            const int c0 = std::max(ranges[r].lo, n0) - n0;
+            const int c1 = std::min(ranges[r].hi, n0 + cols) - n0;
+            if (c0 >= c1) continue;
+            dot_tile(q.row(b, h, m0 + r), key_tile.data(), dim, c0, c1, scores.data());
+            T* acc_row = acc.data() + static_cast<size_t>(r) * dim;
+            online_softmax_step(scores.data(), c0, c1, scale, row_max[r], row_sum[r], acc_row, dim,
+                                [&](int c, T weight) {
+                                  axpy(weight, v.row(b, g, n0 + c), acc_row, dim);
+                                });
+          }
         }
-      }
+      });
 
       for (int r = 0; r < rows; ++r) {
         T* out_row = out.row(b, h, m0 + r);
@@ -150,25 +155,27 @@ void flash_bwd_impl(const AttnParams& p) {
       std::fill(dq_acc.begin(), dq_acc.end(), T(0));
 
       const KeyRange span = tile_key_range(p, lens, m0, m0 + rows);
-      for (int n0 = span.lo; n0 < span.hi; n0 += kBlockN) {
-        const int cols = std::min(kBlockN, span.hi - n0);
-        load_transposed(k, b, g, n0, cols, dim, key_tile.data());
-        load_transposed(v, b, g, n0, cols, dim, value_tile.data());
-        for (int r = 0; r < rows; ++r) {
-          const int c0 = std::max(ranges[r].lo, n0) - n0;
-          const int c1 = std::min(ranges[r].hi, n0 + cols) - n0;
-          if (c0 >= c1) continue;
-          dot_tile(q.row(b, h, m0 + r), key_tile.data(), dim, c0, c1, scores.data());
-          dot_tile(dout.row(b, h, m0 + r), value_tile.data(), dim, c0, c1, dprobs.data());
-          T* acc_row = dq_acc.data() + static_cast<size_t>(r) * dim;
-          // Unnormalised weights; dq is divided by the row sum once the row is complete.
-          online_softmax_step(scores.data(), c0, c1, scale, row_max[r], row_sum[r], acc_row, dim,
-                              [&](int c, T weight) {
-                                axpy(weight * (dprobs[c] - delta[r]), k.row(b, g, n0 + c),
-                                     acc_row, dim);
-                              });
+      for_each_key_span(p, b, h, m0, span, [&](int lo, int hi) {
+        for (int n0 = lo; n0 < hi; n0 += kBlockN) {
+          const int cols = std::min(kBlockN, hi - n0);
+          load_transposed(k, b, g, n0, cols, dim, key_tile.data());
+          load_transposed(v, b, g, n0, cols, dim, value_tile.data());
+          for (int r = 0; r < rows; ++r) {
+            const int c0 = std::max(ranges[r].lo, n0) - n0;
+            const int c1 = std::min(ranges[r].hi, n0 + cols) - n0;
+            if (c0 >= c1) continue;
+            dot_tile(q.row(b, h, m0 + r), key_tile.data(), dim, c0, c1, scores.data());
+            dot_tile(dout.row(b, h, m0 + r), value_tile.data(), dim, c0, c1, dprobs.data());
+            T* acc_row = dq_acc.data() + static_cast<size_t>(r) * dim;
+            // Unnormalised weights; dq is divided by the row sum once the row is complete.
+            online_softmax_step(scores.data(), c0, c1, scale, row_max[r], row_sum[r], acc_row, dim,
+                                [&](int c, T weight) {
+                                  axpy(weight * (dprobs[c] - delta[r]), k.row(b, g, n0 + c),
+                                       acc_row, dim);
+                                });
+          }
         }
-      }
+      });
 
       for (int r = 0; r < rows; ++r) {
         T* dq_row = dq.row(b, h, m0 + r);
@@ -213,23 +220,25 @@ void flash_bwd_impl(const AttnParams& p) {
         load_transposed(v, b, g, n0, live_cols, dim, value_tile.data());
         const RowSpan span = rows_meeting_keys(p, lens, n0, n0 + live_cols);
         for (int h = g * group; h < (g + 1) * group; ++h) {
-          for (int i = span.first; i < span.last; ++i) {
-            const KeyRange range = key_range(p, lens, i);
-            const int c0 = std::max(range.lo, n0) - n0;
-            const int c1 = std::min(range.hi, n0 + live_cols) - n0;
-            if (c0 >= c1) continue;
-            const T* stats = row_stats.data() + 2 * (row_stat_offset(p, lens, b, h) + i);
-            const T* q_row = q.row(b, h, i);
-            const T* dout_row = dout.row(b, h, i);
-            dot_tile(q_row, key_tile.data(), dim, c0, c1, scores.data());
-            dot_tile(dout_row, value_tile.data(), dim, c0, c1, dprobs.data());
-            for (int c = c0; c < c1; ++c) {
-              const T prob = std::exp(scores[c] * scale - stats[0]);
-              const T dscore = prob * (dprobs[c] - stats[1]);
-              axpy(dscore, q_row, dk_acc.data() + static_cast<size_t>(c) * dim, dim);
-              axpy(prob, dout_row, dv_acc.data() + static_cast<size_t>(c) * dim, dim);
+          for_each_row_span(p, b, h, n0, span, [&](int first, int last) {
+            for (int i = first; i < last; ++i) {
+              const KeyRange range = key_range(p, lens, i);
+              const int c0 = std::max(range.lo, n0) - n0;
+              const int c1 = std::min(range.hi, n0 + live_cols) - n0;
+              if (c0 >= c1) continue;
+              const T* stats = row_stats.data() + 2 * (row_stat_offset(p, lens, b, h) + i);
+              const T* q_row = q.row(b, h, i);
+              const T* dout_row = dout.row(b, h, i);
+              dot_tile(q_row, key_tile.data(), dim, c0, c1, scores.data());
+              dot_tile(dout_row, value_tile.data(), dim, c0, c1, dprobs.data());
+              for (int c = c0; c < c1; ++c) {
+                const T prob = std::exp(scores[c] * scale - stats[0]);
+                const T dscore = prob * (dprobs[c] - stats[1]);
+                axpy(dscore, q_row, dk_acc.data() + static_cast<size_t>(c) * dim, dim);
+                axpy(prob, dout_row, dv_acc.data() + static_cast<size_t>(c) * dim, dim);
+              }
             }
-          }
+          });
         }
       }
 

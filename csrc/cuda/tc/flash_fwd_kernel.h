@@ -234,83 +234,93 @@ __global__ void __launch_bounds__(Traits::kThreads)
 
   WeightStats stats;
   const int valid_q = lens.rows_q - m0;
-  const KeyTiles tiles = key_tiles<BN>(p, tile_keys, b, h, m0);
-  auto load_keys = [&](T* dst, const T* src, int64_t row_stride, int tile) {
-    load_tile_async<BN, D, kThreads>(dst, src + static_cast<int64_t>(tile) * BN * row_stride,
-                                     row_stride, lens.rows_k - tile * BN, tid);
-  };
-  if (tiles.count > 0) {
-    load_tile_async<kBlockM, D, kThreads>(sQ, q, p.q_row_stride, valid_q, tid);
-    load_keys(sK, k, p.k_row_stride, tiles.at(0));
-    cp_async_commit();
-
-    if constexpr (kElastic) {
-      // Pass 1: row max and sum only; sK and sV double-buffer K.
-      for (int i = 0; i < tiles.count; ++i) {
-        const int n0 = tiles.at(i) * BN;
-        T* const cur = i % 2 == 0 ? sK : sV;
-        cp_async_wait_all();
-        __syncthreads();
-        if (i + 1 < tiles.count) {
-          load_keys(cur == sK ? sV : sK, k, p.k_row_stride, tiles.at(i + 1));
-          cp_async_commit();
-        }
-        float s[MI][NT][4];
-        scores(s, cur, n0);
-        float corr[MI][2];
-        online_softmax(s, row_max, row_sum, corr);
-      }
-#pragma unroll
-      for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          float l = row_sum[mi][hh];
-          l += __shfl_xor_sync(0xffffffff, l, 1);
-          l += __shfl_xor_sync(0xffffffff, l, 2);
-          row_sum[mi][hh] = l;
-          if (l > 0.f) lse2[mi][hh] = row_max[mi][hh] + log2f(l);
-        }
-      __syncthreads();  // every warp is done with sK/sV before pass 2 refills them
+  // The mainloop over a tile sequence (tiles.h). Dense masks get their own copy with a plain
+  // range, so the block-list lookup costs them nothing.
+  auto mainloop = [&](const auto& tiles) {
+    auto load_keys = [&](T* dst, const T* src, int64_t row_stride, int tile) {
+      load_tile_async<BN, D, kThreads>(dst, src + static_cast<int64_t>(tile) * BN * row_stride,
+                                       row_stride, lens.rows_k - tile * BN, tid);
+    };
+    if (tiles.count > 0) {
+      load_tile_async<kBlockM, D, kThreads>(sQ, q, p.q_row_stride, valid_q, tid);
       load_keys(sK, k, p.k_row_stride, tiles.at(0));
       cp_async_commit();
-    }
 
-    for (int i = 0; i < tiles.count; ++i) {
-      const int n_block = tiles.at(i);
-      const int n0 = n_block * BN;
-      cp_async_wait_all();
-      __syncthreads();
-      load_keys(sV, v, p.v_row_stride, n_block);
-      cp_async_commit();
-
-      float s[MI][NT][4];
-      scores(s, sK, n0);
-      bool any = true;
       if constexpr (kElastic) {
-        any = p.stats != nullptr ? elastic_weights<MI, NT, true>(s, lse2, shift, stats, lane)
-                                 : elastic_weights<MI, NT, false>(s, lse2, shift, stats, lane);
-      } else {
-        float corr[MI][2];
-        online_softmax(s, row_max, row_sum, corr);
+        // Pass 1: row max and sum only; sK and sV double-buffer K.
+        for (int i = 0; i < tiles.count; ++i) {
+          const int n0 = tiles.at(i) * BN;
+          T* const cur = i % 2 == 0 ? sK : sV;
+          cp_async_wait_all();
+          __syncthreads();
+          if (i + 1 < tiles.count) {
+            load_keys(cur == sK ? sV : sK, k, p.k_row_stride, tiles.at(i + 1));
+            cp_async_commit();
+          }
+          float s[MI][NT][4];
+          scores(s, cur, n0);
+          float corr[MI][2];
+          online_softmax(s, row_max, row_sum, corr);
+        }
 #pragma unroll
         for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
-          for (int di = 0; di < DT; ++di)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) o[mi][di][e] *= corr[mi][e >> 1];
-      }
-
-      uint32_t pa[MI][NT / 2][4];
-      to_a_frags<MI, NT, T>(s, pa);
-
-      cp_async_wait_all();
-      __syncthreads();
-      if (i + 1 < tiles.count) {
-        load_keys(sK, k, p.k_row_stride, tiles.at(i + 1));
+          for (int hh = 0; hh < 2; ++hh) {
+            float l = row_sum[mi][hh];
+            l += __shfl_xor_sync(0xffffffff, l, 1);
+            l += __shfl_xor_sync(0xffffffff, l, 2);
+            row_sum[mi][hh] = l;
+            if (l > 0.f) lse2[mi][hh] = row_max[mi][hh] + log2f(l);
+          }
+        __syncthreads();  // every warp is done with sK/sV before pass 2 refills them
+        load_keys(sK, k, p.k_row_stride, tiles.at(0));
         cp_async_commit();
       }
-      if (any) warp_gemm_rs<MI, DT, NT / 2, D>(o, pa, sV, 0, lane);
+
+      for (int i = 0; i < tiles.count; ++i) {
+        const int n_block = tiles.at(i);
+        const int n0 = n_block * BN;
+        cp_async_wait_all();
+        __syncthreads();
+        load_keys(sV, v, p.v_row_stride, n_block);
+        cp_async_commit();
+
+        float s[MI][NT][4];
+        scores(s, sK, n0);
+        bool any = true;
+        if constexpr (kElastic) {
+          any = p.stats != nullptr ? elastic_weights<MI, NT, true>(s, lse2, shift, stats, lane)
+                                   : elastic_weights<MI, NT, false>(s, lse2, shift, stats, lane);
+        } else {
+          float corr[MI][2];
+          online_softmax(s, row_max, row_sum, corr);
+#pragma unroll
+          for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+            for (int di = 0; di < DT; ++di)
+#pragma unroll
+              for (int e = 0; e < 4; ++e) o[mi][di][e] *= corr[mi][e >> 1];
+        }
+
+        uint32_t pa[MI][NT / 2][4];
+        to_a_frags<MI, NT, T>(s, pa);
+
+        cp_async_wait_all();
+        __syncthreads();
+        if (i + 1 < tiles.count) {
+          load_keys(sK, k, p.k_row_stride, tiles.at(i + 1));
+          cp_async_commit();
+        }
+        if (any) warp_gemm_rs<MI, DT, NT / 2, D>(o, pa, sV, 0, lane);
+      }
     }
+  };
+  if constexpr (kElastic) {
+    mainloop(dense_key_tiles<BN>(tile_keys));  // lazy attention has no block-sparse form
+  } else if (p.block_kv_num == nullptr) {
+    mainloop(dense_key_tiles<BN>(tile_keys));
+  } else {
+    mainloop(key_tiles<BN>(p, tile_keys, b, h, m0));
   }
 
   // Finalise: softmax divides by the row sum; elastic weights are not renormalised. lse is the

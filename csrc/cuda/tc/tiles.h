@@ -26,6 +26,19 @@ struct KeyTiles {
   }
 };
 
+// The key tiles of a contiguous key range, for loops specialised to dense masks.
+struct DenseKeyTiles {
+  int begin;
+  int count;
+  __device__ __forceinline__ int at(int i) const { return begin + i; }
+};
+
+template <int BN>
+__device__ __forceinline__ DenseKeyTiles dense_key_tiles(KeyRange keys) {
+  if (keys.hi <= keys.lo) return {0, 0};
+  return {keys.lo / BN, (keys.hi + BN - 1) / BN - keys.lo / BN};
+}
+
 // Rows [m0, m0 + block_m) of (b, h) with key range `keys` (their union); block-sparse needs the
 // row tile to be one mask block row (the launcher checks block_m against the tile).
 template <int BN>
