@@ -138,7 +138,8 @@ class LazyAttention(nn.Module):
         with torch.autocast(device_type, enabled=False):
             if packed:
                 if seqlens is not None:
-                    raise ValueError("seqlens (padding) and cu_seqlens (packing) exclude each other")
+                    raise ValueError(
+                        "seqlens (padding) and cu_seqlens (packing) exclude each other")
                 return adaattn.lazy_attn_varlen(q, k, v, cu_seqlens, self.tau.float(),
                                                 self.bias.float(),
                                                 softmax_scale=self.softmax_scale)

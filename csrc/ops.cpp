@@ -141,9 +141,10 @@ void check_flash_bwd_inputs(const at::Tensor& dout, const at::Tensor& q, const a
               "adaattn: grad_out must have a contiguous last dim");
   TORCH_CHECK(out.stride(-1) == 1 || out.sym_numel() == 0,
               "adaattn: out must have a contiguous last dim");
-  TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.sizes() == at::IntArrayRef(lse_shape(q, packed)),
+  const std::vector<int64_t> expected = lse_shape(q, packed);
+  TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.sizes() == at::IntArrayRef(expected),
               "adaattn: lse must be float32 ", packed ? "[Hq, Tq]" : "[B, Hq, Lq]", " = ",
-              at::IntArrayRef(lse_shape(q, packed)), ", got ", lse.scalar_type(), " ", lse.sizes());
+              at::IntArrayRef(expected), ", got ", lse.scalar_type(), " ", lse.sizes());
   TORCH_CHECK(lse.is_contiguous(), "adaattn: lse must be contiguous");
   TORCH_CHECK(dout.device() == q.device() && out.device() == q.device() &&
                   lse.device() == q.device(),
