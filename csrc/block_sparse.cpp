@@ -7,6 +7,7 @@
 
 #include <vector>
 
+#include "autograd_util.h"
 #include "block_sparse_ops.h"
 #include "flash_api.h"
 #include "flash_ops.h"
@@ -246,8 +247,7 @@ class BlockSparseAttnFunction : public torch::autograd::Function<BlockSparseAttn
                             q_indices});
     ctx->saved_data["block_m"] = block_m;
     ctx->saved_data["block_n"] = block_n;
-    ctx->saved_data["has_scale"] = softmax_scale.has_value();
-    ctx->saved_data["scale"] = softmax_scale.value_or(0.0);
+    save_scale(ctx, softmax_scale);
     ctx->saved_data["causal"] = causal;
     ctx->mark_non_differentiable({lse});
     return {out, lse};
@@ -256,13 +256,8 @@ class BlockSparseAttnFunction : public torch::autograd::Function<BlockSparseAttn
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto s = ctx->get_saved_variables();
     const at::Tensor& out = s[3];
-    const std::optional<double> scale =
-        ctx->saved_data["has_scale"].toBool()
-            ? std::optional<double>(ctx->saved_data["scale"].toDouble())
-            : std::nullopt;
-    at::Tensor dout = grads[0];
-    if (!dout.defined()) dout = at::zeros_like(out);
-    if (dout.sym_stride(-1) != 1) dout = dout.contiguous();  // sym_: no shape guards
+    const std::optional<double> scale = saved_scale(ctx);
+    const at::Tensor dout = output_grad(grads[0], out);
     static auto bwd = c10::Dispatcher::singleton()
                           .findSchemaOrThrow("adaattn::block_sparse_bwd", "")
                           .typed<BlockSparseBwdSig>();

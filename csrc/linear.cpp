@@ -7,6 +7,7 @@
 #include <sstream>
 #include <string>
 
+#include "autograd_util.h"
 #include "linear_api.h"
 #include "linear_ops.h"
 
@@ -262,10 +263,6 @@ c10::TypedOperatorHandle<LinearFwdSig> linear_fwd_op() {
   return op;
 }
 
-std::optional<at::Tensor> saved_optional(const at::Tensor& t) {
-  return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
-}
-
 // Forward: linear_fwd below autograd; backward: linear_bwd, fed the gradients of both outputs
 // (out and the final state). Gradients flow to q, k, v and initial_state.
 class LinearAttnFunction : public torch::autograd::Function<LinearAttnFunction> {
@@ -288,9 +285,7 @@ class LinearAttnFunction : public torch::autograd::Function<LinearAttnFunction> 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     const at::Tensor& v = saved[2];
-    at::Tensor dout = grads[0];
-    if (!dout.defined()) dout = at::zeros_like(v);
-    if (dout.sym_stride(-1) != 1) dout = dout.contiguous();  // sym_: no shape guards
+    const at::Tensor dout = output_grad(grads[0], v);
     static auto bwd = c10::Dispatcher::singleton()
                           .findSchemaOrThrow("adaattn::linear_bwd", "")
                           .typed<LinearBwdSig>();

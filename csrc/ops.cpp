@@ -8,6 +8,7 @@
 #include <cstring>
 #include <limits>
 
+#include "autograd_util.h"
 #include "core/seq.h"
 #include "flash_api.h"
 #include "flash_ops.h"
@@ -409,8 +410,6 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 using OptTensor = std::optional<at::Tensor>;
 
-OptTensor saved_optional(const at::Tensor& t) { return t.defined() ? OptTensor(t) : std::nullopt; }
-
 using FlashFwdSig = std::tuple<at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&,
     std::optional<double>, bool, int64_t, int64_t, const OptTensor&, const OptTensor&);
@@ -440,8 +439,7 @@ class FlashAttnFunction : public torch::autograd::Function<FlashAttnFunction> {
     ctx->save_for_backward({q, k, v, out, lse, seqlens.value_or(at::Tensor()),
                             cu_seqlens_q.value_or(at::Tensor()),
                             cu_seqlens_k.value_or(at::Tensor())});
-    ctx->saved_data["has_scale"] = softmax_scale.has_value();
-    ctx->saved_data["scale"] = softmax_scale.value_or(0.0);
+    save_scale(ctx, softmax_scale);
     ctx->saved_data["causal"] = causal;
     ctx->saved_data["window_left"] = window_left;
     ctx->saved_data["window_right"] = window_right;
@@ -453,13 +451,8 @@ class FlashAttnFunction : public torch::autograd::Function<FlashAttnFunction> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     const at::Tensor& out = saved[3];
-    const std::optional<double> scale =
-        ctx->saved_data["has_scale"].toBool()
-            ? std::optional<double>(ctx->saved_data["scale"].toDouble())
-            : std::nullopt;
-    at::Tensor dout = grads[0];
-    if (!dout.defined()) dout = at::zeros_like(out);
-    if (dout.sym_stride(-1) != 1) dout = dout.contiguous();  // sym_: no shape guards
+    const std::optional<double> scale = saved_scale(ctx);
+    const at::Tensor dout = output_grad(grads[0], out);
     static auto bwd = c10::Dispatcher::singleton()
                           .findSchemaOrThrow("adaattn::flash_bwd", "")
                           .typed<FlashBwdSig>();
@@ -519,8 +512,7 @@ class LazyAttnFunction : public torch::autograd::Function<LazyAttnFunction> {
                                                 return_stats, cu_seqlens);
     ctx->save_for_backward({q, k, v, tau, bias, out, lse, seqlens.value_or(at::Tensor()),
                             cu_seqlens.value_or(at::Tensor())});
-    ctx->saved_data["has_scale"] = softmax_scale.has_value();
-    ctx->saved_data["scale"] = softmax_scale.value_or(0.0);
+    save_scale(ctx, softmax_scale);
     ctx->mark_non_differentiable({lse, stats});
     return {out, lse, stats};
   }
@@ -528,13 +520,8 @@ class LazyAttnFunction : public torch::autograd::Function<LazyAttnFunction> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     const at::Tensor& out = saved[5];
-    const std::optional<double> scale =
-        ctx->saved_data["has_scale"].toBool()
-            ? std::optional<double>(ctx->saved_data["scale"].toDouble())
-            : std::nullopt;
-    at::Tensor dout = grads[0];
-    if (!dout.defined()) dout = at::zeros_like(out);
-    if (dout.sym_stride(-1) != 1) dout = dout.contiguous();  // sym_: no shape guards
+    const std::optional<double> scale = saved_scale(ctx);
+    const at::Tensor dout = output_grad(grads[0], out);
     const bool need_tau = ctx->needs_input_grad(3), need_bias = ctx->needs_input_grad(4);
     static auto bwd = c10::Dispatcher::singleton()
                           .findSchemaOrThrow("adaattn::lazy_bwd", "")

@@ -36,8 +36,8 @@ import torch
 import adaattn
 from adaattn import reference
 
-LOW_PRECISION = (torch.bfloat16, torch.float16)
-FP32_RTOL = 1e-5
+from accuracy import FP32_RTOL, LOW_PRECISION, assert_low_precision_rule, assert_rel_close, randn
+
 NAMES = ("out", "lse", "dq", "dk", "dv", "dtau", "dbias")
 TILE = 64  # the CPU kernel's query and key tile size (stats semantics)
 
@@ -70,23 +70,16 @@ class Case:
         return "-".join(parts)
 
 
-def _randn(b, h, length, d, dtype, device, transposed):
-    """Seeded CPU draw (identical across devices), optionally as a (B, L, H, D) transposed view."""
-    if transposed:
-        t = torch.randn(b, length, h, d, dtype=torch.float64).to(device, dtype).transpose(1, 2)
-    else:
-        t = torch.randn(b, h, length, d, dtype=torch.float64).to(device, dtype)
-    return t.detach()
 
 
 def make_inputs(case: Case, dtype, device, requires_grad=True):
     """Leaf ``q, k, v`` (strided as the case asks), float32 ``tau [Hq]`` (case.tau scaled by
     1 +- 10% per head, so its sign is the case's), float32 ``bias [Hq, W]``, ``seqlens`` and
     ``dout``."""
-    q = _randn(case.b, case.hq, case.lq, case.d, dtype, device, case.transposed)
-    k = _randn(case.b, case.hkv, case.lk, case.d, dtype, device, case.transposed)
-    v = _randn(case.b, case.hkv, case.lk, case.d, dtype, device, case.transposed)
-    dout = _randn(case.b, case.hq, case.lq, case.d, dtype, device, case.transposed)
+    q = randn(case.b, case.hq, case.lq, case.d, dtype, device, case.transposed)
+    k = randn(case.b, case.hkv, case.lk, case.d, dtype, device, case.transposed)
+    v = randn(case.b, case.hkv, case.lk, case.d, dtype, device, case.transposed)
+    dout = randn(case.b, case.hq, case.lq, case.d, dtype, device, case.transposed)
     tau = (case.tau * (1 + 0.1 * torch.randn(case.hq, dtype=torch.float64))).float().to(device)
     bias = (0.5 * torch.randn(case.hq, case.w, dtype=torch.float64)).float().to(device)
     seqlens = None
@@ -147,42 +140,12 @@ def assert_away_from_kink(case, inputs, margin):
         f"closer than {margin:g}; pick another tau")
 
 
-def _split_lse(name, actual, expected):
-    """Checks that ``-inf`` (no key seen) sits exactly where the reference has it, no NaN/+inf
-    anywhere; returns the finite entries of both."""
-    actual = actual.double()
-    expected = expected.double()
-    assert not torch.isnan(actual).any(), f"{name}: NaN"
-    if name != "lse":
-        assert torch.isfinite(actual).all(), f"{name}: non-finite values"
-        return actual, expected
-    assert not torch.isposinf(actual).any(), f"{name}: +inf"
-    assert torch.equal(torch.isneginf(actual), torch.isneginf(expected)), (
-        f"{name}: -inf pattern differs from the reference")
-    finite = torch.isfinite(expected)
-    return actual[finite], expected[finite]
 
 
-def assert_rel_close(name, actual, expected, rtol):
-    """``||actual - expected|| <= rtol * ||expected||`` (finite entries; lse -inf pattern exact)."""
-    a, e = _split_lse(name, actual, expected.to(actual.device))
-    diff = torch.linalg.vector_norm(a - e).item()
-    norm = torch.linalg.vector_norm(e).item()
-    detail = (f"relative error {diff / norm:.3e}" if norm
-              else f"expected zeros, error norm {diff:.3e}")
-    assert diff <= rtol * norm, f"{name}: {detail} > {rtol}"
 
 
-def _max_abs_err(a, e):
-    return (a - e).abs().max().item() if a.numel() else 0.0
 
 
-def assert_low_precision_rule(name, ours, ref_low, ref64):
-    """flash-attn's rule: ``err(ours) <= 2 * err(ref_low) + 1e-5`` against float64."""
-    a, e = _split_lse(name, ours, ref64.to(ours.device))
-    lo, _ = _split_lse(name, ref_low, ref64.to(ours.device))
-    err, base = _max_abs_err(a, e), _max_abs_err(lo, e)
-    assert err <= 2 * base + 1e-5, f"{name}: max error {err:.3e} > 2 * {base:.3e} + 1e-5"
 
 
 # --------------------------------------------------------------------------------------------

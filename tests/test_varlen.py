@@ -19,8 +19,8 @@ import torch
 import adaattn
 from adaattn import reference
 
-from test_flash import (FP32_RTOL, LOW_PRECISION, OPCHECK_UTILS, assert_low_precision_rule,
-                        assert_rel_close)
+from accuracy import FP32_RTOL, LOW_PRECISION, assert_low_precision_rule, assert_rel_close
+from test_flash import OPCHECK_UTILS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CUDA = pytest.param("cuda", marks=pytest.mark.cuda)
