@@ -56,6 +56,20 @@ def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: boo
     return out, lse.float()
 
 
+def low_rank_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, basis: torch.Tensor, *,
+                  causal: bool = False,
+                  softmax_scale: Optional[float] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention on projected scores ``s = scale * (q U)(k U)^T`` (spec §3.4), v at full
+    width. q ``[B, Hq, Lq, D]``, k/v ``[B, Hkv, Lk, D]``, basis ``U [B, Hkv, D, R]`` (query head
+    ``h`` uses its kv head's basis); ``scale`` defaults to ``D ** -0.5`` (of the full D).
+    Returns ``(out [B, Hq, Lq, D], lse [B, Hq, Lq] float32)``; differentiable in every input."""
+    group = q.shape[1] // k.shape[1]
+    u = basis.to(q.dtype)
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    return flash_attn(q @ u.repeat_interleave(group, dim=1), k @ u, v, causal=causal,
+                      softmax_scale=scale)
+
+
 def block_sparse_key_mask(block_mask, len_q: int, len_k: int, *,
                           causal: bool = False) -> torch.Tensor:
     """Boolean ``[B|1, H|1, Lq, Lk]`` element mask of an ``adaattn.BlockSparseMask``: True where

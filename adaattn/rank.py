@@ -1,0 +1,124 @@
+"""Rank planning for adaptive-rank attention (spec §3.4): the per-(batch, kv head) subspace that
+holds a given share of the query/key energy, and the error bound of attending inside it.
+
+These are the planning half of adaptive-rank attention; the low-rank attention kernel
+(``low_rank_attn``, QK^T at rank R) is not built yet, so ``adaattn.reference.low_rank_attn`` is
+the only implementation of the attention itself for now.
+"""
+from typing import NamedTuple, Optional
+
+import torch
+
+
+class RankPlan(NamedTuple):
+    """Result of :func:`rank_plan`.
+
+    Attributes:
+        basis: float32 ``[B, Hkv, D, R]``; the first ``ranks[b, h]`` columns of ``basis[b, h]``
+            are orthonormal eigenvectors of ``G`` (largest eigenvalues first), the rest are 0.
+            ``R`` is the largest rank of the plan.
+        ranks: int32 ``[B, Hkv]``.
+        eigenvalues: float32 ``[B, Hkv, D]``, descending.
+    """
+
+    basis: torch.Tensor
+    ranks: torch.Tensor
+    eigenvalues: torch.Tensor
+
+
+def _check_qk(q: torch.Tensor, k: torch.Tensor) -> int:
+    if q.dim() != 4 or k.dim() != 4:
+        raise ValueError(f"adaattn: q and k must be [B, H, L, D], got q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}")
+    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"adaattn: q and k must share B and D, got q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
+        raise ValueError(f"adaattn: q's heads ({q.shape[1]}) must be a multiple of k's "
+                         f"({k.shape[1]})")
+    if q.device != k.device:
+        raise ValueError(f"adaattn: q and k must be on one device, got {q.device} and {k.device}")
+    return q.shape[1] // k.shape[1]
+
+
+@torch.no_grad()
+def rank_plan(q: torch.Tensor, k: torch.Tensor, *, energy: float = 0.99, min_rank: int = 16,
+              multiple: int = 16) -> RankPlan:
+    """Per (batch, kv head) subspace of the queries and keys, sized by spectral energy.
+
+    For each ``(b, g)``: ``G = K^T K + sum over the query heads h of group g of Q_h^T Q_h``
+    (``D x D``, float32), eigendecomposed (batched ``torch.linalg.eigh`` on q's device); the rank
+    is the smallest ``r >= min_rank``, rounded up to a multiple of ``multiple`` and capped at
+    ``D``, whose largest eigenvalues hold ``energy`` of the trace. No gradient flows; the result
+    is deterministic for given inputs. Reading the largest rank to size ``basis`` is one host
+    synchronisation per plan (a plan is meant to be reused across steps and layers).
+
+    Args:
+        q: ``[B, Hq, Lq, D]``; k: ``[B, Hkv, Lk, D]`` with ``Hq % Hkv == 0``.
+        energy: share of the trace to keep, in ``(0, 1]``; ``1.0`` keeps all ``D`` directions
+            (low-rank attention then equals full attention).
+        min_rank, multiple: positive ints.
+
+    Returns:
+        :class:`RankPlan` ``(basis [B, Hkv, D, R], ranks [B, Hkv], eigenvalues [B, Hkv, D])``.
+    """
+    group = _check_qk(q, k)
+    if not 0.0 < energy <= 1.0:
+        raise ValueError(f"adaattn: energy must be in (0, 1], got {energy}")
+    if min_rank < 1 or multiple < 1:
+        raise ValueError(f"adaattn: min_rank and multiple must be positive, got {min_rank}, "
+                         f"{multiple}")
+    b, hkv, dim = k.shape[0], k.shape[1], k.shape[3]
+    qf = q.float().reshape(b, hkv, group * q.shape[2], dim)
+    kf = k.float()
+    gram = qf.transpose(-1, -2) @ qf + kf.transpose(-1, -2) @ kf  # [B, Hkv, D, D]
+    values, vectors = torch.linalg.eigh(gram)  # ascending
+    values = values.flip(-1).clamp(min=0)
+    vectors = vectors.flip(-1)
+    if energy >= 1.0:
+        ranks = torch.full((b, hkv), dim, dtype=torch.int32, device=q.device)
+    else:
+        # The cumulative energy is non-decreasing: the rank is the index of its first entry that
+        # reaches the target, plus one.
+        reached = values.cumsum(-1) >= energy * values.sum(-1, keepdim=True)
+        first = (dim + 1 - reached.sum(-1)).clamp(max=dim)
+        ranks = first.clamp(min=min_rank)
+        ranks = ((ranks + multiple - 1) // multiple * multiple).clamp(max=dim).to(torch.int32)
+    width = int(ranks.max().item()) if ranks.numel() else 0
+    columns = torch.arange(width, device=q.device)
+    basis = vectors[..., :width] * (columns < ranks.unsqueeze(-1)).unsqueeze(-2)
+    return RankPlan(basis.contiguous(), ranks, values)
+
+
+@torch.no_grad()
+def rank_error_bound(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, basis: torch.Tensor, *,
+                     softmax_scale: Optional[float] = None) -> torch.Tensor:
+    """Bound on ``||O - O_low||_F`` per (b, query head) when scores use ``P = U U^T``:
+    ``0.5 * scale * ||Q (I - P)||_2 * ||K (I - P)||_F * ||V||_2`` (spec §3.4).
+
+    Args:
+        q: ``[B, Hq, Lq, D]``; k, v: ``[B, Hkv, Lk, D]``; basis: ``[B, Hkv, D, R]`` with
+            orthonormal (or zero) columns, as :func:`rank_plan` returns.
+        softmax_scale: defaults to ``D ** -0.5``.
+
+    Returns:
+        float32 ``[B, Hq]`` (computed in float64 when any input is float64).
+    """
+    group = _check_qk(q, k)
+    b, hkv, _, dim = k.shape
+    if basis.dim() != 4 or tuple(basis.shape[:3]) != (b, hkv, dim):
+        raise ValueError(f"adaattn: basis must be [B, Hkv, D, R] = [{b}, {hkv}, {dim}, R], got "
+                         f"{tuple(basis.shape)}")
+    scale = dim ** -0.5 if softmax_scale is None else softmax_scale
+    # float64 when any input is: the bound assumes P is a projector, which a float32 basis is
+    # only to float32 rounding.
+    dtype = torch.float64 if torch.float64 in (q.dtype, k.dtype, v.dtype, basis.dtype) \
+        else torch.float32
+    u = basis.to(dtype)
+    residual = torch.eye(dim, dtype=dtype, device=q.device) - u @ u.transpose(-1, -2)
+    q_res = q.to(dtype) @ residual.repeat_interleave(group, dim=1)
+    k_res = k.to(dtype) @ residual
+    q_norm = torch.linalg.matrix_norm(q_res, ord=2)  # [B, Hq]
+    k_norm = torch.linalg.matrix_norm(k_res, ord="fro").repeat_interleave(group, dim=1)
+    v_norm = torch.linalg.matrix_norm(v.to(dtype), ord=2).repeat_interleave(group, dim=1)
+    return (0.5 * scale * q_norm * k_norm * v_norm).float()

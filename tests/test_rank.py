@@ -1,0 +1,120 @@
+"""Tests of the rank-planning half of adaptive-rank attention (spec §3.4): adaattn.rank_plan and
+adaattn.rank_error_bound, with adaattn.reference.low_rank_attn as the attention.
+
+* rank_plan finds a planted rank, returns orthonormal, zero-padded bases and descending
+  eigenvalues, is deterministic, and energy = 1.0 keeps all D directions, where low-rank
+  attention equals flash attention (float64, 1e-12).
+* Low-rank attention depends on the subspace only: rotating the basis inside its span changes
+  nothing.
+* The error bound holds on random and on planted low-rank inputs, causal and not.
+"""
+import pytest
+import torch
+
+import adaattn
+from adaattn import reference
+
+
+def planted(b, hq, hkv, length, dim, rank, noise, device, dtype=torch.float64):
+    """q [B, Hq, L, D] and k [B, Hkv, L, D] living near one rank-`rank` subspace per kv head."""
+    group = hq // hkv
+    basis = torch.linalg.qr(torch.randn(b, hkv, dim, rank, dtype=torch.float64))[0]
+    q = torch.randn(b, hq, length, rank, dtype=torch.float64) @ basis.repeat_interleave(
+        group, dim=1).transpose(-1, -2)
+    k = torch.randn(b, hkv, length, rank, dtype=torch.float64) @ basis.transpose(-1, -2)
+    q = q + noise * torch.randn_like(q)
+    k = k + noise * torch.randn_like(k)
+    return q.to(device, dtype), k.to(device, dtype)
+
+
+@pytest.mark.parametrize("rank", [16, 32, 48])
+def test_finds_planted_rank(device, rank):
+    q, k = planted(2, 4, 2, 256, 128, rank, 0.01, device)
+    plan = adaattn.rank_plan(q, k, energy=0.99)
+    assert plan.ranks.dtype == torch.int32 and plan.ranks.shape == (2, 2)
+    assert (plan.ranks == rank).all(), plan.ranks
+    assert plan.basis.shape == (2, 2, 128, rank) and plan.basis.dtype == torch.float32
+    assert plan.eigenvalues.shape == (2, 2, 128)
+
+
+def test_basis_orthonormal_padded_and_deterministic(device):
+    q, k = planted(2, 4, 1, 200, 64, 16, 0.3, device)
+    plan = adaattn.rank_plan(q, k, energy=0.9, min_rank=16, multiple=16)
+    again = adaattn.rank_plan(q, k, energy=0.9, min_rank=16, multiple=16)
+    for a, b in zip(plan, again):
+        assert torch.equal(a, b)
+    assert (plan.eigenvalues[..., :-1] >= plan.eigenvalues[..., 1:]).all()
+    width = plan.basis.shape[-1]
+    for bi in range(2):
+        r = int(plan.ranks[bi, 0])
+        assert r % 16 == 0 and 16 <= r <= 64
+        u = plan.basis[bi, 0].double()
+        torch.testing.assert_close(u[:, :r].T @ u[:, :r], torch.eye(r, dtype=torch.float64,
+                                                                    device=device),
+                                   atol=1e-5, rtol=0)
+        assert (u[:, r:width] == 0).all()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_full_energy_equals_flash_attention(device, causal):
+    q, k = planted(1, 4, 2, 100, 32, 8, 0.5, device)
+    v = torch.randn(1, 2, 100, 32, dtype=torch.float64, device=device)
+    plan = adaattn.rank_plan(q, k, energy=1.0)
+    assert (plan.ranks == 32).all()
+    low, _ = reference.low_rank_attn(q, k, v, plan.basis.double(), causal=causal)
+    full, _ = reference.flash_attn(q, k, v, causal=causal)
+    torch.testing.assert_close(low, full, atol=1e-5, rtol=0)  # the basis is float32
+
+
+def test_output_invariant_to_rotating_the_basis(device):
+    q, k = planted(1, 2, 1, 90, 64, 16, 0.1, device)
+    v = torch.randn(1, 1, 90, 64, dtype=torch.float64, device=device)
+    u = torch.linalg.qr(torch.randn(1, 1, 64, 16, dtype=torch.float64))[0].to(device)
+    rot = torch.linalg.qr(torch.randn(16, 16, dtype=torch.float64))[0].to(device)
+    out, lse = reference.low_rank_attn(q, k, v, u)
+    out_rot, lse_rot = reference.low_rank_attn(q, k, v, u @ rot)
+    torch.testing.assert_close(out_rot, out, atol=1e-12, rtol=0)
+    torch.testing.assert_close(lse_rot, lse, atol=1e-5, rtol=0)
+
+
+def exact_basis(plan):
+    """The plan's subspaces with float64-orthonormal columns (QR of each head's first `rank`
+    columns), zero-padded like the plan: the bound assumes an exact projector."""
+    basis = torch.zeros_like(plan.basis, dtype=torch.float64)
+    for b in range(basis.shape[0]):
+        for h in range(basis.shape[1]):
+            r = int(plan.ranks[b, h])
+            basis[b, h, :, :r] = torch.linalg.qr(plan.basis[b, h, :, :r].double())[0]
+    return basis
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("kind", ["random", "planted"])
+@pytest.mark.parametrize("energy", [0.5, 0.9, 0.99])
+def test_error_bound_holds(device, kind, energy, causal):
+    if kind == "random":
+        q = torch.randn(2, 4, 128, 64, dtype=torch.float64, device=device)
+        k = torch.randn(2, 2, 128, 64, dtype=torch.float64, device=device)
+    else:
+        q, k = planted(2, 4, 2, 128, 64, 16, 0.05, device)
+    v = torch.randn(2, 2, 128, 64, dtype=torch.float64, device=device)
+    basis = exact_basis(adaattn.rank_plan(q, k, energy=energy, min_rank=8, multiple=8))
+    low, _ = reference.low_rank_attn(q, k, v, basis, causal=causal)
+    full, _ = reference.flash_attn(q, k, v, causal=causal)
+    error = torch.linalg.matrix_norm(low - full, ord="fro")  # [B, Hq]
+    bound = adaattn.rank_error_bound(q, k, v, basis)
+    assert bound.shape == (2, 4) and bound.dtype == torch.float32
+    assert (error <= bound.double() * (1 + 1e-5) + 1e-9).all(), (error, bound)
+    assert (error > 0).any()
+
+
+def test_bad_input():
+    q = torch.randn(1, 4, 8, 16)
+    with pytest.raises(ValueError, match="multiple of k's"):
+        adaattn.rank_plan(q, torch.randn(1, 3, 8, 16))
+    with pytest.raises(ValueError, match=r"energy must be in \(0, 1\]"):
+        adaattn.rank_plan(q, q, energy=0.0)
+    with pytest.raises(ValueError, match="must be \\[B, H, L, D\\]"):
+        adaattn.rank_plan(q[0], q[0])
+    with pytest.raises(ValueError, match="basis must be"):
+        adaattn.rank_error_bound(q, q, q, torch.zeros(1, 4, 15, 4))
