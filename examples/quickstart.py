@@ -1,4 +1,4 @@
-"""adaattn quickstart: flash, lazy and linear attention forward+backward, checked and timed.
+"""adaattn quickstart: every op forward+backward, checked against the reference and timed.
 
 Picks CUDA (bfloat16) when a GPU is present, else the CPU (float32). Runs adaattn.flash_attn
 forward and backward on a causal problem, checks the output and gradients against the float64
@@ -6,7 +6,10 @@ reference with the spec's tolerance (§4), and times it against F.scaled_dot_pro
 Then does the same for adaattn.lazy_attn (tau = -1, a 512-entry bias table), checked with the
 rule "max error <= 2x that of the eager reference run in the same dtype" and timed against
 that eager PyTorch implementation (there is no fused PyTorch lazy attention to compare with),
-and the same for adaattn.linear_attn (causal, elu + 1, normalised) against its eager reference.
+the same for adaattn.linear_attn (causal, elu + 1, normalised) against its eager reference,
+for adaattn.flash_attn_varlen and adaattn.lazy_attn_varlen on packed documents (against SDPA run
+document by document, and the eager lazy reference), and for adaattn.block_sparse_attn with a
+causal sliding window of blocks (against SDPA with the equivalent boolean mask).
 
     python examples/quickstart.py
 """
@@ -99,9 +102,9 @@ def lazy_inputs(b, h, d, device):
 
 
 def run_with_grads(fn, tensors, dout, dtype):
-    """Output of ``fn`` and its gradients for every tensor; floating inputs of 4 dims (q, k, v)
-    are cast to ``dtype``, parameters keep theirs."""
-    ins = [t.detach().to(dtype) if t.dim() == 4 else t.detach() for t in tensors]
+    """Output of ``fn`` and its gradients for every tensor; q, k, v (3 dims packed, 4 dense) are
+    cast to ``dtype``, parameters (tau, bias) keep theirs."""
+    ins = [t.detach().to(dtype) if t.dim() >= 3 else t.detach() for t in tensors]
     ins = [t.requires_grad_() for t in ins]
     out = fn(*ins)
     return (out.detach(),) + torch.autograd.grad(out, ins, dout.to(dtype))
@@ -172,7 +175,7 @@ def main():
                   lambda *a: reference.lazy_attn(*a, upcast=False)[0])),
                 inputs, dout, device)
 
-    # Linear attention (fp16/bf16 still run the exact kernel in fp32; see README).
+    # Linear attention (fp16/bf16 with D in {64, 128} run the chunked tensor-core kernels).
     print(f"\nlinear attention: device {device}, {dtype}, B=1 H={h} L={length} D={d}, causal, "
           f"elu + 1, normalised")
     linear_check(q, k, v, dout)
@@ -180,6 +183,103 @@ def main():
     print_times((("adaattn.linear_attn", adaattn.linear_attn),
                  ("eager PyTorch (reference)", lambda *a: reference.linear_attn(*a)[0])),
                 inputs, dout, device)
+
+    packed_demo(device, dtype, h, d)
+    block_sparse_demo(device, dtype, h, d)
+
+
+def document_lengths(total, device):
+    """Seeded document lengths summing to ``total`` (between total/16 and total/4 each)."""
+    gen = torch.Generator().manual_seed(0)
+    lengths = []
+    while sum(lengths) < total:
+        lengths.append(int(torch.randint(total // 16, total // 4, (1,), generator=gen)))
+    lengths[-1] -= sum(lengths) - total
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+    return lengths, cu.to(device)
+
+
+def packed_demo(device, dtype, h, d):
+    """flash_attn_varlen and lazy_attn_varlen on one packed batch of documents."""
+    total = 4096 if device == "cuda" else 512
+    lengths, cu = document_lengths(total, device)
+    q, k, v, dout = (torch.randn(total, h, d, device=device, dtype=dtype) for _ in range(4))
+    print(f"\npacked documents: device {device}, {dtype}, {len(lengths)} documents, {total} "
+          f"tokens, H={h} D={d}, causal")
+
+    def flash_packed(q, k, v):
+        return adaattn.flash_attn_varlen(q, k, v, cu, cu, causal=True)
+
+    def flash_ref(q, k, v):
+        return reference.flash_attn_varlen(q, k, v, cu, cu, causal=True)[0]
+
+    tensors = (q, k, v)
+    print("flash_attn_varlen:")
+    rule_check(("out", "dq", "dk", "dv"), run_with_grads(flash_packed, tensors, dout, dtype),
+               run_with_grads(flash_ref, tensors, dout, torch.float64),
+               run_with_grads(flash_ref, tensors, dout, dtype))
+
+    def sdpa_per_document(q, k, v):
+        outs = [F.scaled_dot_product_attention(*(t[a:b].transpose(0, 1) for t in (q, k, v)),
+                                               is_causal=True).transpose(0, 1)
+                for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())]
+        return torch.cat(outs)
+
+    inputs = [t.detach().requires_grad_() for t in (q, k, v)]
+    print_times((("adaattn.flash_attn_varlen", flash_packed),
+                 ("SDPA, one call per document", sdpa_per_document)), inputs, dout, device)
+
+    tau, bias = lazy_inputs(1, h, d, device)
+
+    def lazy_packed(q, k, v, tau, bias):
+        return adaattn.lazy_attn_varlen(q, k, v, cu, tau, bias)
+
+    def lazy_ref(upcast):
+        return lambda q, k, v, tau, bias: reference.lazy_attn_varlen(q, k, v, cu, tau, bias,
+                                                                     upcast=upcast)[0]
+    print("lazy_attn_varlen (W=512, tau=-1):")
+    tensors = (q, k, v, tau, bias)
+    rule_check(("out", "dq", "dk", "dv", "dtau", "dbias"),
+               run_with_grads(lazy_packed, tensors, dout, dtype),
+               run_with_grads(lazy_ref(True), tensors, dout, torch.float64),
+               run_with_grads(lazy_ref(False), tensors, dout, dtype))
+    inputs = [t.detach().requires_grad_() for t in (q, k, v)] + [tau, bias]
+    print_times((("adaattn.lazy_attn_varlen", lazy_packed),
+                 ("eager PyTorch (reference)", lazy_ref(False))), inputs, dout, device)
+
+
+def block_sparse_demo(device, dtype, h, d):
+    """block_sparse_attn with a causal window of 4 blocks of 128 (each query block sees itself
+    and the 3 before), against SDPA with the equivalent element mask."""
+    length = 2048 if device == "cuda" else 512
+    n = length // 128
+    rows = torch.arange(n).view(-1, 1)
+    cols = torch.arange(n).view(1, -1)
+    layout = ((cols <= rows) & (rows - cols < 4)).view(1, 1, n, n).to(device)
+    mask = adaattn.BlockSparseMask.from_dense(layout, 128)
+    q, k, v, dout = (torch.randn(1, h, length, d, device=device, dtype=dtype) for _ in range(4))
+    print(f"\nblock-sparse attention: device {device}, {dtype}, B=1 H={h} L={length} D={d}, "
+          f"causal window of 4 blocks of 128 ({mask.kv_num_blocks.sum().item()} of {n * n} "
+          f"blocks listed)")
+
+    def sparse(q, k, v):
+        return adaattn.block_sparse_attn(q, k, v, mask, causal=True)
+
+    def sparse_ref(q, k, v):
+        return reference.block_sparse_attn(q, k, v, mask, causal=True)[0]
+
+    tensors = (q, k, v)
+    rule_check(("out", "dq", "dk", "dv"), run_with_grads(sparse, tensors, dout, dtype),
+               run_with_grads(sparse_ref, tensors, dout, torch.float64),
+               run_with_grads(sparse_ref, tensors, dout, dtype))
+    elements = reference.block_sparse_key_mask(mask, length, length, causal=True)
+
+    def sdpa_masked(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=elements)
+
+    inputs = [t.detach().requires_grad_() for t in (q, k, v)]
+    print_times((("adaattn.block_sparse_attn", sparse),
+                 ("SDPA with the element mask", sdpa_masked)), inputs, dout, device)
 
 
 if __name__ == "__main__":
