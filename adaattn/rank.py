@@ -47,9 +47,9 @@ def rank_plan(q: torch.Tensor, k: torch.Tensor, *, energy: float = 0.99, min_ran
     """Per (batch, kv head) subspace of the queries and keys, sized by spectral energy.
 
     For each ``(b, g)``: ``G = K^T K + sum over the query heads h of group g of Q_h^T Q_h``
-    (``D x D``, float32), eigendecomposed (batched ``torch.linalg.eigh`` on q's device); the rank
-    is the smallest ``r >= min_rank``, rounded up to a multiple of ``multiple`` and capped at
-    ``D``, whose largest eigenvalues hold ``energy`` of the trace. No gradient flows; the result
+    (``D x D``, float32), eigendecomposed in float64 (batched ``torch.linalg.eigh`` on q's
+    device); the rank is the smallest ``r >= min_rank``, rounded up to a multiple of
+    ``multiple`` and capped at ``D``, whose largest eigenvalues hold ``energy`` of the trace. No gradient flows; the result
     is deterministic for given inputs. Reading the largest rank to size ``basis`` is one host
     synchronisation per plan (a plan is meant to be reused across steps and layers).
 
@@ -72,9 +72,10 @@ def rank_plan(q: torch.Tensor, k: torch.Tensor, *, energy: float = 0.99, min_ran
     qf = q.float().reshape(b, hkv, group * q.shape[2], dim)
     kf = k.float()
     gram = qf.transpose(-1, -2) @ qf + kf.transpose(-1, -2) @ kf  # [B, Hkv, D, D]
-    values, vectors = torch.linalg.eigh(gram)  # ascending
-    values = values.flip(-1).clamp(min=0)
-    vectors = vectors.flip(-1)
+    # eigh in float64: float32 eigenvectors come out orthonormal only to ~1e-5 at D = 64.
+    values, vectors = torch.linalg.eigh(gram.double())  # ascending
+    values = values.flip(-1).clamp(min=0).float()
+    vectors = vectors.flip(-1).float()
     if energy >= 1.0:
         ranks = torch.full((b, hkv), dim, dtype=torch.int32, device=q.device)
     else:
