@@ -29,10 +29,15 @@ def _lse_fake(q, packed):
     return q.new_empty(shape, dtype=torch.float32)
 
 
+def _out_fake(q, v):
+    """out: q's shape with v's head dim, contiguous."""
+    return q.new_empty((*q.shape[:-1], v.shape[-1]))
+
+
 @torch.library.register_fake("adaattn::flash_fwd")
 def _flash_fwd_fake(q, k, v, seqlens, softmax_scale, causal, window_left, window_right,
                     cu_seqlens_q=None, cu_seqlens_k=None):
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    out = _out_fake(q, v)
     return out, _lse_fake(q, cu_seqlens_q is not None)
 
 
@@ -85,7 +90,7 @@ def _linear_bwd_fake(grad_out, grad_state, q, k, v, initial_state, cu_seqlens, f
 @torch.library.register_fake("adaattn::block_sparse_fwd")
 def _block_sparse_fwd_fake(q, k, v, kv_num_blocks, kv_indices, block_m, block_n, softmax_scale,
                            causal):
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    out = _out_fake(q, v)
     lse = q.new_empty(q.shape[:3], dtype=torch.float32)
     return out, lse
 

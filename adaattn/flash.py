@@ -31,7 +31,8 @@ def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: boo
             tensor passed as ``.transpose(1, 2)`` (no copy is made).
         k: ``[B, Hkv, Lk, D]`` with ``Hq % Hkv == 0`` (GQA/MQA: query head ``h`` reads kv head
             ``h // (Hq // Hkv)``).
-        v: ``[B, Hkv, Lk, D]``.
+        v: ``[B, Hkv, Lk, Dv]``; the value head dim may differ from ``D`` (CUDA fp16/bf16:
+            ``(D, Dv)`` in (64, 64), (128, 128), (32, 64), (32, 128), (64, 128)).
         causal: query row ``r`` sees key ``c`` iff ``c <= r + (Lk - Lq)`` (bottom-right aligned).
         softmax_scale: multiplies ``q @ k^T``; defaults to ``D ** -0.5``.
         window: ``(left, right)`` sliding window around the same diagonal; ``-1`` = unbounded.
@@ -43,7 +44,7 @@ def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: boo
             deterministic; the flag is accepted for flash-attn compatibility.
 
     Returns:
-        ``out [B, Hq, Lq, D]`` (dtype of q), and ``lse`` when ``return_lse``.
+        ``out [B, Hq, Lq, Dv]`` (dtype of q), and ``lse`` when ``return_lse``.
     """
     left, right = _window_pair(window)
     out, lse = ops.flash_attn(q, k, v, seqlens, softmax_scale, bool(causal), left, right,
@@ -68,7 +69,7 @@ def flash_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     Args:
         q: ``[Tq, Hq, D]`` (any strides with a contiguous last dim).
         k: ``[Tk, Hkv, D]`` with ``Hq % Hkv == 0``.
-        v: ``[Tk, Hkv, D]``.
+        v: ``[Tk, Hkv, Dv]``.
         cu_seqlens_q: int32 ``[N + 1]`` on q's device: 0, non-decreasing, ending at ``Tq``.
         cu_seqlens_k: int32 ``[N + 1]``, ending at ``Tk``.
         max_seqlen_q, max_seqlen_k: accepted for flash-attn compatibility and unused: the
@@ -82,7 +83,7 @@ def flash_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     tensors, so a malformed one never reads out of bounds.
 
     Returns:
-        ``out [Tq, Hq, D]``, and ``lse [Hq, Tq]`` when ``return_lse``.
+        ``out [Tq, Hq, Dv]``, and ``lse [Hq, Tq]`` when ``return_lse``.
     """
     del max_seqlen_q, max_seqlen_k
     left, right = _window_pair(window)

@@ -1,13 +1,15 @@
 """Rank planning for adaptive-rank attention (spec §3.4): the per-(batch, kv head) subspace that
 holds a given share of the query/key energy, and the error bound of attending inside it.
 
-These are the planning half of adaptive-rank attention; the low-rank attention kernel
-(``low_rank_attn``, QK^T at rank R) is not built yet, so ``adaattn.reference.low_rank_attn`` is
-the only implementation of the attention itself for now.
+:func:`low_rank_attn` attends with scores at rank R (``adaattn::low_rank_attn``: two projection
+GEMMs and the flash kernel with query/key head dim R); :func:`adaptive_rank_attn` plans and
+attends in one call.
 """
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Tuple, Union
 
 import torch
+
+from .flash import flash_attn
 
 
 class RankPlan(NamedTuple):
@@ -123,3 +125,61 @@ def rank_error_bound(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, basis: t
     k_norm = torch.linalg.matrix_norm(k_res, ord="fro").repeat_interleave(group, dim=1)
     v_norm = torch.linalg.matrix_norm(v.to(dtype), ord=2).repeat_interleave(group, dim=1)
     return (0.5 * scale * q_norm * k_norm * v_norm).float()
+
+
+def low_rank_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, basis: torch.Tensor, *,
+                  causal: bool = False, softmax_scale: Optional[float] = None,
+                  return_lse: bool = False
+                  ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    """Exact softmax attention on scores projected to rank R (spec §3.4):
+    ``s = scale * (q U)(k U)^T``, v at full width.
+
+    The projections are batched GEMMs; QK^T then runs at width R (on CUDA fp16/bf16 R is padded
+    with zero columns to a compiled width: 32, 64 or 128), so FLOPs and time fall with R.
+    Differentiable in q, k, v and basis (``dq = dq' U^T``, ``dU = q^T dq' + k^T dk'``).
+
+    Args:
+        q: ``[B, Hq, Lq, D]``; k: ``[B, Hkv, Lk, D]``; v: ``[B, Hkv, Lk, Dv]`` (dense layout,
+            ``Hq % Hkv == 0``; query head ``h`` uses the basis of kv head ``h // (Hq // Hkv)``).
+        basis: ``U [B, Hkv, D, R]``, float32 or q's dtype (cast to q's dtype for the GEMMs),
+            e.g. :func:`rank_plan`'s; columns need not be orthonormal.
+        causal: bottom-right aligned causal mask.
+        softmax_scale: defaults to ``D ** -0.5`` of the full head dim D (the scores approximate
+            ``q k^T``).
+        return_lse: also return ``lse [B, Hq, Lq]`` (float32, not differentiable).
+
+    Returns:
+        ``out [B, Hq, Lq, Dv]`` (q's dtype), and ``lse`` when ``return_lse``.
+    """
+    out, lse = torch.ops.adaattn.low_rank_attn(q, k, v, basis, causal=causal,
+                                               softmax_scale=softmax_scale)
+    return (out, lse) if return_lse else out
+
+
+def adaptive_rank_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                       energy: float = 0.99, causal: bool = False,
+                       softmax_scale: Optional[float] = None, min_rank: int = 16,
+                       multiple: int = 16, return_plan: bool = False
+                       ) -> Union[torch.Tensor, Tuple[torch.Tensor, RankPlan]]:
+    """:func:`rank_plan` (detached) followed by :func:`low_rank_attn` at the plan's rank.
+
+    When the plan keeps every direction (largest rank = D) this is :func:`flash_attn` itself:
+    projecting onto a full orthonormal basis changes nothing but the cost.
+
+    Args:
+        q: ``[B, Hq, Lq, D]``; k: ``[B, Hkv, Lk, D]``; v: ``[B, Hkv, Lk, Dv]``.
+        energy, min_rank, multiple: as in :func:`rank_plan`.
+        causal, softmax_scale: as in :func:`low_rank_attn`.
+        return_plan: also return the :class:`RankPlan` (to reuse it across steps and layers,
+            call :func:`low_rank_attn` with ``plan.basis``).
+
+    Returns:
+        ``out [B, Hq, Lq, Dv]``, and the plan when ``return_plan``.
+    """
+    plan = rank_plan(q.detach(), k.detach(), energy=energy, min_rank=min_rank,
+                     multiple=multiple)
+    if plan.basis.shape[-1] == q.shape[-1]:
+        out = flash_attn(q, k, v, causal=causal, softmax_scale=softmax_scale)
+    else:
+        out = low_rank_attn(q, k, v, plan.basis, causal=causal, softmax_scale=softmax_scale)
+    return (out, plan) if return_plan else out

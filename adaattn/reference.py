@@ -33,9 +33,10 @@ def flash_key_mask(len_q: int, len_k: int, *, causal: bool = False, window=(-1, 
 def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
                softmax_scale: Optional[float] = None, window=(-1, -1),
                seqlens: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Materialised softmax attention. q ``[B, Hq, Lq, D]``, k/v ``[B, Hkv, Lk, D]``.
+    """Materialised softmax attention. q ``[B, Hq, Lq, D]``, k ``[B, Hkv, Lk, D]``, v
+    ``[B, Hkv, Lk, Dv]``.
 
-    Returns ``(out [B, Hq, Lq, D], lse [B, Hq, Lq] float32)``; rows that see no key give
+    Returns ``(out [B, Hq, Lq, Dv], lse [B, Hq, Lq] float32)``; rows that see no key give
     ``out = 0``, ``lse = -inf`` and zero gradients. Computes in q's dtype.
     """
     batch, heads_q, len_q, dim = q.shape
@@ -60,9 +61,10 @@ def low_rank_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, basis: torc
                   causal: bool = False,
                   softmax_scale: Optional[float] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention on projected scores ``s = scale * (q U)(k U)^T`` (spec §3.4), v at full
-    width. q ``[B, Hq, Lq, D]``, k/v ``[B, Hkv, Lk, D]``, basis ``U [B, Hkv, D, R]`` (query head
-    ``h`` uses its kv head's basis); ``scale`` defaults to ``D ** -0.5`` (of the full D).
-    Returns ``(out [B, Hq, Lq, D], lse [B, Hq, Lq] float32)``; differentiable in every input."""
+    width. q ``[B, Hq, Lq, D]``, k ``[B, Hkv, Lk, D]``, v ``[B, Hkv, Lk, Dv]``, basis
+    ``U [B, Hkv, D, R]`` (query head ``h`` uses its kv head's basis); ``scale`` defaults to
+    ``D ** -0.5`` (of the full D).
+    Returns ``(out [B, Hq, Lq, Dv], lse [B, Hq, Lq] float32)``; differentiable in every input."""
     group = q.shape[1] // k.shape[1]
     u = basis.to(q.dtype)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale

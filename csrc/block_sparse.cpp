@@ -171,7 +171,7 @@ std::tuple<at::Tensor, at::Tensor> block_sparse_fwd_cpu_op(
   mask = contiguous_mask(mask);
   check_block_sparse_mask_values(mask);
   const at::Tensor q = cpu_compute(q_in), k = cpu_compute(k_in), v = cpu_compute(v_in);
-  at::Tensor out = at::empty(q.sizes(), q.options());
+  at::Tensor out = at::empty(out_shape(q, v), q.options());
   at::Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
   if (q.numel() > 0) {
     AttnParams p = make_block_sparse_params(q, k, v, mask, block_m, block_n, softmax_scale, causal);
@@ -189,7 +189,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_sparse_bwd_cpu_op(
     int64_t block_n, std::optional<double> softmax_scale, bool causal) {
   BlockSparseMaskTensors mask{kv_num_blocks, kv_indices, q_num_blocks, q_indices};
   check_block_sparse_inputs(q_in, k_in, v_in, mask, block_m, block_n);
-  check_flash_bwd_inputs(dout_in, q_in, out_in, lse, /*packed=*/false);
+  check_flash_bwd_inputs(dout_in, q_in, v_in, out_in, lse, /*packed=*/false);
   mask = contiguous_mask(mask);
   check_block_sparse_mask_values(mask);
   const at::Tensor q = cpu_compute(q_in), k = cpu_compute(k_in), v = cpu_compute(v_in);

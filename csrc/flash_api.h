@@ -24,8 +24,10 @@ void flash_bwd_exact_cuda(const AttnParams& p, c10::ScalarType dtype);
 // Current stream.
 void flash_fwd_tc_cuda(const AttnParams& p, c10::ScalarType dtype);
 void flash_bwd_tc_cuda(const AttnParams& p, c10::ScalarType dtype);
-bool tc_supports_head_dim(int head_dim);
-const char* tc_head_dims();  // e.g. "{64, 128}", for error messages
+// (D, Dv) pairs with a tensor-core kernel: D == Dv in {64, 128} for every family; the flash
+// family also takes the narrower query/key widths of low-rank attention (D < Dv).
+bool tc_supports_head_dims(int head_dim, int head_dim_v);
+const char* tc_head_dims();  // the supported pairs, for error messages
 #endif
 
 }  // namespace adaattn

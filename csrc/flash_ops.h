@@ -27,6 +27,7 @@ FlashOptions resolve_flash_options(const at::Tensor& q, std::optional<double> so
 
 // Validates q, k, v, seqlens and the packed layout's cu_seqlens (names the offending argument on
 // failure). Dense q/k/v are [B, H, L, D]; with cu_seqlens_q/k they are packed [T, H, D].
+// v may have its own head dim Dv (out then has it too).
 // cu_seqlens values are checked on the CPU, and on CUDA only with ADAATTN_CHECK_INPUTS=1 (it
 // costs a device sync); the kernels clamp them so a bad one never reads out of bounds.
 void check_flash_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -39,12 +40,15 @@ inline bool no_rows(const at::Tensor& q, const std::optional<at::Tensor>& cu_seq
   return q.numel() == 0 || (cu_seqlens_q.has_value() && cu_seqlens_q->size(0) == 1);
 }
 
+// Shape of out: q's with v's head dim ([B, Hq, Lq, Dv], packed [Tq, Hq, Dv]).
+std::vector<int64_t> out_shape(const at::Tensor& q, const at::Tensor& v);
+
 // Shape of lse: [B, Hq, Lq], packed [Hq, Tq].
 std::vector<int64_t> lse_shape(const at::Tensor& q, bool packed);
 
-// Validates dout/out/lse against q for the backward op.
-void check_flash_bwd_inputs(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& out,
-                            const at::Tensor& lse, bool packed);
+// Validates dout/out/lse against q and v for the backward op.
+void check_flash_bwd_inputs(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& v,
+                            const at::Tensor& out, const at::Tensor& lse, bool packed);
 
 // Fills sizes, strides, pointers and mask/math fields shared by forward and backward.
 AttnParams make_params(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

@@ -105,11 +105,10 @@ void check_flash_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tens
               ") must be a multiple of the number of kv heads (k.size(1) = ", k.size(1), ")");
   TORCH_CHECK(k.size(-1) == q.size(-1), "adaattn: head dim mismatch: q has D = ", q.size(-1),
               ", k has D = ", k.size(-1));
-  TORCH_CHECK(v.size(-1) == q.size(-1),
-              "adaattn: v must have the same head dim as q (Dv == D), got ", v.size(-1), " and ",
-              q.size(-1));
   TORCH_CHECK(q.size(-1) > 0 && q.size(-1) <= 256,
               "adaattn: head dim D must be in [1, 256], got ", q.size(-1));
+  TORCH_CHECK(v.size(-1) > 0 && v.size(-1) <= 256,
+              "adaattn: v's head dim Dv = v.size(-1) must be in [1, 256], got ", v.size(-1));
   const int64_t int_max = std::numeric_limits<int>::max();
   const int64_t len_dim = packed ? 0 : 2;
   TORCH_CHECK(q.size(len_dim) <= int_max && k.size(len_dim) <= int_max && q.size(0) <= int_max,
@@ -126,16 +125,23 @@ void check_flash_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tens
   }
 }
 
+std::vector<int64_t> out_shape(const at::Tensor& q, const at::Tensor& v) {
+  std::vector<int64_t> shape = q.sizes().vec();
+  shape.back() = v.size(-1);
+  return shape;
+}
+
 std::vector<int64_t> lse_shape(const at::Tensor& q, bool packed) {
   if (packed) return {q.size(1), q.size(0)};
   return {q.size(0), q.size(1), q.size(2)};
 }
 
-void check_flash_bwd_inputs(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& out,
-                            const at::Tensor& lse, bool packed) {
-  TORCH_CHECK(dout.sizes() == q.sizes() && out.sizes() == q.sizes(),
-              "adaattn: grad_out and out must have q's shape ", q.sizes(), ", got ", dout.sizes(),
-              " and ", out.sizes());
+void check_flash_bwd_inputs(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& v,
+                            const at::Tensor& out, const at::Tensor& lse, bool packed) {
+  const std::vector<int64_t> shape = out_shape(q, v);
+  TORCH_CHECK(dout.sizes() == at::IntArrayRef(shape) && out.sizes() == at::IntArrayRef(shape),
+              "adaattn: grad_out and out must have q's shape with v's head dim ",
+              at::IntArrayRef(shape), ", got ", dout.sizes(), " and ", out.sizes());
   TORCH_CHECK(dout.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type(),
               "adaattn: grad_out and out must have q's dtype ", q.scalar_type());
   TORCH_CHECK(dout.stride(-1) == 1 || dout.sym_numel() == 0,
@@ -196,6 +202,7 @@ AttnParams make_params(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   p.len_q = static_cast<int>(packed ? q.size(0) : q.size(2));
   p.len_k = static_cast<int>(packed ? k.size(0) : k.size(2));
   p.head_dim = static_cast<int>(q.size(-1));
+  p.head_dim_v = static_cast<int>(v.size(-1));
   p.cu_seqlens_q = packed ? cu_seqlens_q->data_ptr<int>() : nullptr;
   p.cu_seqlens_k = packed ? cu_seqlens_k->data_ptr<int>() : nullptr;
   p.seqlens = seqlens.has_value() ? seqlens->data_ptr<int>() : nullptr;
@@ -247,6 +254,9 @@ void check_lazy_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tenso
                 ", k.size(0) = ", k.size(0));
   }
   check_flash_inputs(q, k, v, seqlens, cu_seqlens, cu_seqlens);
+  TORCH_CHECK(v.size(-1) == q.size(-1),
+              "adaattn: lazy attention needs v with q's head dim (Dv == D), got ", v.size(-1),
+              " and ", q.size(-1));
   if (!cu_seqlens.has_value()) {
     TORCH_CHECK(q.size(2) <= k.size(2),
                 "adaattn: lazy attention needs Lq <= Lk (query row r sits at position r + Lk - "
@@ -305,7 +315,7 @@ std::tuple<at::Tensor, at::Tensor> flash_fwd_cpu_op(
       resolve_flash_options(q_in, softmax_scale, causal, window_left, window_right, false);
   const at::Tensor q = cpu_compute(q_in), k = cpu_compute(k_in), v = cpu_compute(v_in);
   const bool packed = cu_seqlens_q.has_value();
-  at::Tensor out = at::empty(q.sizes(), q.options());
+  at::Tensor out = at::empty(out_shape(q, v), q.options());
   at::Tensor lse = at::empty(lse_shape(q, packed), q.options().dtype(at::kFloat));
   if (no_rows(q, cu_seqlens_q)) {
     out.zero_();
@@ -325,7 +335,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_bwd_cpu_op(
     int64_t window_left, int64_t window_right, bool deterministic,
     const std::optional<at::Tensor>& cu_seqlens_q, const std::optional<at::Tensor>& cu_seqlens_k) {
   check_flash_inputs(q_in, k_in, v_in, seqlens, cu_seqlens_q, cu_seqlens_k);
-  check_flash_bwd_inputs(dout_in, q_in, out_in, lse, cu_seqlens_q.has_value());
+  check_flash_bwd_inputs(dout_in, q_in, v_in, out_in, lse, cu_seqlens_q.has_value());
   const FlashOptions opt = resolve_flash_options(q_in, softmax_scale, causal, window_left,
                                                  window_right, deterministic);
   const at::Tensor q = cpu_compute(q_in), k = cpu_compute(k_in), v = cpu_compute(v_in);
@@ -354,7 +364,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lazy_fwd_cpu_op(
     const std::optional<at::Tensor>& cu_seqlens) {
   check_lazy_inputs(q_in, k_in, v_in, tau, bias, seqlens, cu_seqlens);
   const at::Tensor q = cpu_compute(q_in), k = cpu_compute(k_in), v = cpu_compute(v_in);
-  at::Tensor out = at::empty(q.sizes(), q.options());
+  at::Tensor out = at::empty(out_shape(q, v), q.options());
   at::Tensor lse = at::empty(lse_shape(q, cu_seqlens.has_value()), q.options().dtype(at::kFloat));
   at::Tensor stats = at::zeros({return_stats ? 4 : 0}, q.options().dtype(at::kLong));
   if (no_rows(q, cu_seqlens)) {
@@ -376,7 +386,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lazy_bwd_
     std::optional<double> softmax_scale, bool param_grads,
     const std::optional<at::Tensor>& cu_seqlens) {
   check_lazy_inputs(q_in, k_in, v_in, tau, bias, seqlens, cu_seqlens);
-  check_flash_bwd_inputs(dout_in, q_in, out_in, lse, cu_seqlens.has_value());
+  check_flash_bwd_inputs(dout_in, q_in, v_in, out_in, lse, cu_seqlens.has_value());
   const at::Tensor q = cpu_compute(q_in), k = cpu_compute(k_in), v = cpu_compute(v_in);
   const at::Tensor out = cpu_compute(out_in), dout = cpu_compute(dout_in);
   at::Tensor dq = at::empty(q.sizes(), q.options());
@@ -605,6 +615,9 @@ TORCH_LIBRARY(adaattn, m) {
       "Tensor kv_num_blocks, Tensor kv_indices, Tensor q_num_blocks, Tensor q_indices, "
       "int block_m, int block_n, float? softmax_scale, bool causal) -> (Tensor grad_q, "
       "Tensor grad_k, Tensor grad_v)");
+  m.def(
+      "low_rank_attn(Tensor q, Tensor k, Tensor v, Tensor basis, bool causal=False, "
+      "float? softmax_scale=None) -> (Tensor out, Tensor lse)");
 }
 
 TORCH_LIBRARY_IMPL(adaattn, CPU, m) {

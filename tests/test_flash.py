@@ -374,8 +374,8 @@ def _bad_call(kind, device):
         return f(q, k, v)
     if kind == "head_dim_mismatch":
         return f(q, k[..., :8], v[..., :8])
-    if kind == "v_head_dim_mismatch":
-        return f(q, k, v[..., :8])
+    if kind == "v_head_dim_too_large":  # Dv != D is allowed (tests/test_low_rank.py), up to 256
+        return f(q, k, torch.randn(1, 2, 8, 257, device=device))
     if kind == "batch_mismatch":
         _, k2, v2 = _qkv(device, b=2)
         return f(q, k2, v2)
@@ -421,7 +421,7 @@ BAD_INPUTS = {
     "v_strided_last_dim": r"\bv\b.*contiguous last dim",
     "heads_not_multiple": r"heads.*multiple|multiple.*heads",
     "head_dim_mismatch": r"head dim",
-    "v_head_dim_mismatch": r"\bv\b.*head dim",
+    "v_head_dim_too_large": r"\bv\b.*head dim.*256",
     "batch_mismatch": r"batch",
     "kv_length_mismatch": r"\bk\b.*\bv\b.*length|length.*\bk\b.*\bv\b",
     "head_dim_too_large": r"head dim.*256",

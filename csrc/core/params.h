@@ -11,22 +11,22 @@ struct AttnParams {
   // ---- forward inputs -------------------------------------------------------------------
   const void* q;  // [B, Hq, Lq, D]
   const void* k;  // [B, Hkv, Lk, D]
-  const void* v;  // [B, Hkv, Lk, D]
+  const void* v;  // [B, Hkv, Lk, Dv]
   int64_t q_batch_stride, q_head_stride, q_row_stride;
   int64_t k_batch_stride, k_head_stride, k_row_stride;
   int64_t v_batch_stride, v_head_stride, v_row_stride;
 
   // ---- forward outputs ------------------------------------------------------------------
-  void* out;   // [B, Hq, Lq, D]
+  void* out;   // [B, Hq, Lq, Dv]
   float* lse;  // [B, Hq, Lq] (packed: [Hq, Tq]) contiguous, natural log; -inf: row sees no key
   int64_t o_batch_stride, o_head_stride, o_row_stride;
 
   // ---- backward inputs / outputs (unused by forward kernels) ----------------------------
-  const void* dout;  // [B, Hq, Lq, D]
+  const void* dout;  // [B, Hq, Lq, Dv]
   int64_t do_batch_stride, do_head_stride, do_row_stride;
   void* dq;  // [B, Hq, Lq, D]
   void* dk;  // [B, Hkv, Lk, D]
-  void* dv;  // [B, Hkv, Lk, D]
+  void* dv;  // [B, Hkv, Lk, Dv]
   int64_t dq_batch_stride, dq_head_stride, dq_row_stride;
   int64_t dk_batch_stride, dk_head_stride, dk_row_stride;
   int64_t dv_batch_stride, dv_head_stride, dv_row_stride;
@@ -39,7 +39,8 @@ struct AttnParams {
   int heads_kv;  // Hkv; Hq % Hkv == 0, query head h reads kv head h / (Hq / Hkv)
   int len_q;     // Lq
   int len_k;     // Lk
-  int head_dim;  // D (== Dv)
+  int head_dim;    // D, of q and k
+  int head_dim_v;  // Dv, of v and out (flash family: may differ from D; lazy: == D)
 
   // ---- packed layout (see seq.h); null for the dense layout ------------------------------
   // q/out/dout/dq are [Tq, Hq, D] and k/v/dk/dv [Tk, Hkv, D] (batch strides 0); batch is the

@@ -25,6 +25,7 @@ using namespace cpu;
 template <typename T>
 void flash_fwd_impl(const AttnParams& p) {
   const int dim = p.head_dim;
+  const int dim_v = p.head_dim_v;
   const int group = p.heads_q / p.heads_kv;
   const T scale = static_cast<T>(p.scale);
   const Operand<const T> q_all{static_cast<const T*>(p.q), p.q_batch_stride, p.q_head_stride,
@@ -40,7 +41,7 @@ void flash_fwd_impl(const AttnParams& p) {
 
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     std::vector<T> key_tile(static_cast<size_t>(dim) * kBlockN);
-    std::vector<T> acc(static_cast<size_t>(kBlockM) * dim);
+    std::vector<T> acc(static_cast<size_t>(kBlockM) * dim_v);
     std::vector<T> scores(kBlockN);
     std::vector<T> row_max(kBlockM), row_sum(kBlockM);
     std::vector<KeyRange> ranges(kBlockM);
@@ -73,10 +74,10 @@ void flash_fwd_impl(const AttnParams& p) {
             const int c1 = std::min(ranges[r].hi, n0 + cols) - n0;
             if (c0 >= c1) continue;
             dot_tile(q.row(b, h, m0 + r), key_tile.data(), dim, c0, c1, scores.data());
-            T* acc_row = acc.data() + static_cast<size_t>(r) * dim;
-            online_softmax_step(scores.data(), c0, c1, scale, row_max[r], row_sum[r], acc_row, dim,
-                                [&](int c, T weight) {
-                                  axpy(weight, v.row(b, g, n0 + c), acc_row, dim);
+            T* acc_row = acc.data() + static_cast<size_t>(r) * dim_v;
+            online_softmax_step(scores.data(), c0, c1, scale, row_max[r], row_sum[r], acc_row,
+                                dim_v, [&](int c, T weight) {
+                                  axpy(weight, v.row(b, g, n0 + c), acc_row, dim_v);
                                 });
           }
         }
@@ -84,9 +85,9 @@ void flash_fwd_impl(const AttnParams& p) {
 
       for (int r = 0; r < rows; ++r) {
         T* out_row = out.row(b, h, m0 + r);
-        const T* acc_row = acc.data() + static_cast<size_t>(r) * dim;
+        const T* acc_row = acc.data() + static_cast<size_t>(r) * dim_v;
         const bool seen = row_sum[r] > T(0);
-        for (int d = 0; d < dim; ++d) out_row[d] = seen ? acc_row[d] / row_sum[r] : T(0);
+        for (int d = 0; d < dim_v; ++d) out_row[d] = seen ? acc_row[d] / row_sum[r] : T(0);
         p.lse[row_stat_offset(p, lens, b, h) + m0 + r] =
             seen ? static_cast<float>(row_max[r] + std::log(row_sum[r])) : neg_inf<float>();
       }
@@ -102,6 +103,7 @@ void flash_fwd_impl(const AttnParams& p) {
 template <typename T>
 void flash_bwd_impl(const AttnParams& p) {
   const int dim = p.head_dim;
+  const int dim_v = p.head_dim_v;
   const int group = p.heads_q / p.heads_kv;
   const T scale = static_cast<T>(p.scale);
   const Operand<const T> q_all{static_cast<const T*>(p.q), p.q_batch_stride, p.q_head_stride,
@@ -127,7 +129,7 @@ void flash_bwd_impl(const AttnParams& p) {
   const int64_t row_tasks = static_cast<int64_t>(p.batch) * p.heads_q * row_blocks;
   at::parallel_for(0, row_tasks, 1, [&](int64_t begin, int64_t end) {
     std::vector<T> key_tile(static_cast<size_t>(dim) * kBlockN);
-    std::vector<T> value_tile(static_cast<size_t>(dim) * kBlockN);
+    std::vector<T> value_tile(static_cast<size_t>(dim_v) * kBlockN);
     std::vector<T> dq_acc(static_cast<size_t>(kBlockM) * dim);
     std::vector<T> scores(kBlockN), dprobs(kBlockN);
     std::vector<T> row_max(kBlockM), row_sum(kBlockM), delta(kBlockM);
@@ -150,7 +152,7 @@ void flash_bwd_impl(const AttnParams& p) {
         ranges[r] = key_range(p, lens, m0 + r);
         row_max[r] = neg_inf<T>();
         row_sum[r] = 0;
-        delta[r] = dot(dout.row(b, h, m0 + r), out.row(b, h, m0 + r), dim);
+        delta[r] = dot(dout.row(b, h, m0 + r), out.row(b, h, m0 + r), dim_v);
       }
       std::fill(dq_acc.begin(), dq_acc.end(), T(0));
 
@@ -159,13 +161,13 @@ void flash_bwd_impl(const AttnParams& p) {
         for (int n0 = lo; n0 < hi; n0 += kBlockN) {
           const int cols = std::min(kBlockN, hi - n0);
           load_transposed(k, b, g, n0, cols, dim, key_tile.data());
-          load_transposed(v, b, g, n0, cols, dim, value_tile.data());
+          load_transposed(v, b, g, n0, cols, dim_v, value_tile.data());
           for (int r = 0; r < rows; ++r) {
             const int c0 = std::max(ranges[r].lo, n0) - n0;
             const int c1 = std::min(ranges[r].hi, n0 + cols) - n0;
             if (c0 >= c1) continue;
             dot_tile(q.row(b, h, m0 + r), key_tile.data(), dim, c0, c1, scores.data());
-            dot_tile(dout.row(b, h, m0 + r), value_tile.data(), dim, c0, c1, dprobs.data());
+            dot_tile(dout.row(b, h, m0 + r), value_tile.data(), dim_v, c0, c1, dprobs.data());
             T* acc_row = dq_acc.data() + static_cast<size_t>(r) * dim;
             // Unnormalised weights; dq is divided by the row sum once the row is complete.
             online_softmax_step(scores.data(), c0, c1, scale, row_max[r], row_sum[r], acc_row, dim,
@@ -193,9 +195,9 @@ void flash_bwd_impl(const AttnParams& p) {
   const int64_t key_tasks = static_cast<int64_t>(p.batch) * p.heads_kv * key_blocks;
   at::parallel_for(0, key_tasks, 1, [&](int64_t begin, int64_t end) {
     std::vector<T> key_tile(static_cast<size_t>(dim) * kBlockN);
-    std::vector<T> value_tile(static_cast<size_t>(dim) * kBlockN);
+    std::vector<T> value_tile(static_cast<size_t>(dim_v) * kBlockN);
     std::vector<T> dk_acc(static_cast<size_t>(kBlockN) * dim);
-    std::vector<T> dv_acc(static_cast<size_t>(kBlockN) * dim);
+    std::vector<T> dv_acc(static_cast<size_t>(kBlockN) * dim_v);
     std::vector<T> scores(kBlockN), dprobs(kBlockN);
     for (int64_t task = begin; task < end; ++task) {
       const int n0 = static_cast<int>(task % key_blocks) * kBlockN;
@@ -217,7 +219,7 @@ void flash_bwd_impl(const AttnParams& p) {
 
       if (live_cols > 0) {
         load_transposed(k, b, g, n0, live_cols, dim, key_tile.data());
-        load_transposed(v, b, g, n0, live_cols, dim, value_tile.data());
+        load_transposed(v, b, g, n0, live_cols, dim_v, value_tile.data());
         const RowSpan span = rows_meeting_keys(p, lens, n0, n0 + live_cols);
         for (int h = g * group; h < (g + 1) * group; ++h) {
           for_each_row_span(p, b, h, n0, span, [&](int first, int last) {
@@ -230,12 +232,12 @@ void flash_bwd_impl(const AttnParams& p) {
               const T* q_row = q.row(b, h, i);
               const T* dout_row = dout.row(b, h, i);
               dot_tile(q_row, key_tile.data(), dim, c0, c1, scores.data());
-              dot_tile(dout_row, value_tile.data(), dim, c0, c1, dprobs.data());
+              dot_tile(dout_row, value_tile.data(), dim_v, c0, c1, dprobs.data());
               for (int c = c0; c < c1; ++c) {
                 const T prob = std::exp(scores[c] * scale - stats[0]);
                 const T dscore = prob * (dprobs[c] - stats[1]);
                 axpy(dscore, q_row, dk_acc.data() + static_cast<size_t>(c) * dim, dim);
-                axpy(prob, dout_row, dv_acc.data() + static_cast<size_t>(c) * dim, dim);
+                axpy(prob, dout_row, dv_acc.data() + static_cast<size_t>(c) * dim_v, dim_v);
               }
             }
           });
@@ -246,11 +248,9 @@ void flash_bwd_impl(const AttnParams& p) {
         T* dk_row = dk.row(b, g, n0 + c);
         T* dv_row = dv.row(b, g, n0 + c);
         const T* dk_src = dk_acc.data() + static_cast<size_t>(c) * dim;
-        const T* dv_src = dv_acc.data() + static_cast<size_t>(c) * dim;
-        for (int d = 0; d < dim; ++d) {
-          dk_row[d] = dk_src[d] * scale;
-          dv_row[d] = dv_src[d];
-        }
+        const T* dv_src = dv_acc.data() + static_cast<size_t>(c) * dim_v;
+        for (int d = 0; d < dim; ++d) dk_row[d] = dk_src[d] * scale;
+        for (int d = 0; d < dim_v; ++d) dv_row[d] = dv_src[d];
       }
     }
   });

@@ -33,7 +33,7 @@ std::tuple<at::Tensor, at::Tensor> block_sparse_fwd_cuda_op(
     int64_t block_n, std::optional<double> softmax_scale, bool causal) {
   BlockSparseMaskTensors mask{kv_num_blocks, kv_indices, {}, {}};
   check_block_sparse_inputs(q_in, k_in, v_in, mask, block_m, block_n);
-  check_cuda_head_dim(q_in);
+  check_cuda_head_dims(q_in, v_in);
   check_cuda_block_size(q_in, block_m, block_n);
   mask = contiguous_mask(mask);
   const bool tc = use_tensor_cores(q_in.scalar_type()) && q_in.numel() > 0 && k_in.numel() > 0;
@@ -41,7 +41,7 @@ std::tuple<at::Tensor, at::Tensor> block_sparse_fwd_cuda_op(
   const at::Tensor k = tc ? tc_aligned(k_in) : k_in;
   const at::Tensor v = tc ? tc_aligned(v_in) : v_in;
   const c10::cuda::CUDAGuard guard(q.device());
-  at::Tensor out = at::empty(q.sizes(), q.options());
+  at::Tensor out = at::empty(out_shape(q, v), q.options());
   at::Tensor lse = at::empty(lse_shape(q, false), q.options().dtype(at::kFloat));
   if (q.numel() == 0) return {out, lse};
   AttnParams p = make_block_sparse_params(q, k, v, mask, block_m, block_n, softmax_scale, causal);
@@ -62,8 +62,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_sparse_bwd_cuda_op(
     int64_t block_n, std::optional<double> softmax_scale, bool causal) {
   BlockSparseMaskTensors mask{kv_num_blocks, kv_indices, q_num_blocks, q_indices};
   check_block_sparse_inputs(q_in, k_in, v_in, mask, block_m, block_n);
-  check_flash_bwd_inputs(dout_in, q_in, out_in, lse, /*packed=*/false);
-  check_cuda_head_dim(q_in);
+  check_flash_bwd_inputs(dout_in, q_in, v_in, out_in, lse, /*packed=*/false);
+  check_cuda_head_dims(q_in, v_in);
   check_cuda_block_size(q_in, block_m, block_n);
   mask = contiguous_mask(mask);
   const bool tc = use_tensor_cores(q_in.scalar_type()) && q_in.numel() > 0 && k_in.numel() > 0;

@@ -28,12 +28,12 @@ inline at::Tensor tc_aligned(const at::Tensor& t) {
   return ok(c) ? c : c.clone();
 }
 
-inline void check_cuda_head_dim(const at::Tensor& q) {
+inline void check_cuda_head_dims(const at::Tensor& q, const at::Tensor& v) {
   if (use_tensor_cores(q.scalar_type())) {
-    TORCH_CHECK(tc_supports_head_dim(static_cast<int>(q.size(-1))),
-                "adaattn: head dim D = ", q.size(-1), " is not supported for ", q.scalar_type(),
-                " on CUDA; supported: D in ", tc_head_dims(),
-                " (float32/float64 accept any D <= 256)");
+    TORCH_CHECK(tc_supports_head_dims(static_cast<int>(q.size(-1)), static_cast<int>(v.size(-1))),
+                "adaattn: head dims D = q.size(-1) = ", q.size(-1), ", Dv = v.size(-1) = ",
+                v.size(-1), " are not supported for ", q.scalar_type(), " on CUDA; supported ",
+                "(D, Dv): ", tc_head_dims(), " (float32/float64 accept any D, Dv <= 256)");
   }
 }
 

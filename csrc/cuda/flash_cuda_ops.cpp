@@ -22,7 +22,7 @@ std::tuple<at::Tensor, at::Tensor> flash_fwd_cuda_op(const at::Tensor& q_in,
                                                      const std::optional<at::Tensor>& cu_seqlens_q,
                                                      const std::optional<at::Tensor>& cu_seqlens_k) {
   check_flash_inputs(q_in, k_in, v_in, seqlens, cu_seqlens_q, cu_seqlens_k);
-  check_cuda_head_dim(q_in);
+  check_cuda_head_dims(q_in, v_in);
   const bool tc = use_tensor_cores(q_in.scalar_type()) && q_in.numel() > 0 && k_in.numel() > 0;
   const at::Tensor q = tc ? tc_aligned(q_in) : q_in;
   const at::Tensor k = tc ? tc_aligned(k_in) : k_in;
@@ -30,7 +30,7 @@ std::tuple<at::Tensor, at::Tensor> flash_fwd_cuda_op(const at::Tensor& q_in,
   const FlashOptions opt =
       resolve_flash_options(q, softmax_scale, causal, window_left, window_right, false);
   const c10::cuda::CUDAGuard guard(q.device());
-  at::Tensor out = at::empty(q.sizes(), q.options());
+  at::Tensor out = at::empty(out_shape(q, v), q.options());
   at::Tensor lse = at::empty(lse_shape(q, cu_seqlens_q.has_value()), q.options().dtype(at::kFloat));
   if (no_rows(q, cu_seqlens_q)) {
     out.zero_();
@@ -54,8 +54,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_bwd_cuda_op(
     int64_t window_left, int64_t window_right, bool deterministic,
     const std::optional<at::Tensor>& cu_seqlens_q, const std::optional<at::Tensor>& cu_seqlens_k) {
   check_flash_inputs(q_in, k_in, v_in, seqlens, cu_seqlens_q, cu_seqlens_k);
-  check_flash_bwd_inputs(dout_in, q_in, out_in, lse, cu_seqlens_q.has_value());
-  check_cuda_head_dim(q_in);
+  check_flash_bwd_inputs(dout_in, q_in, v_in, out_in, lse, cu_seqlens_q.has_value());
+  check_cuda_head_dims(q_in, v_in);
   const bool tc = use_tensor_cores(q_in.scalar_type()) && q_in.numel() > 0 && k_in.numel() > 0;
   const at::Tensor q = tc ? tc_aligned(q_in) : q_in;
   const at::Tensor k = tc ? tc_aligned(k_in) : k_in;

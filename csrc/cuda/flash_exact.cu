@@ -2,12 +2,14 @@
 //
 // One warp owns one output row: a query row (forward, backward dq) or a key row (backward
 // dk/dv); keys (or query rows) are visited 32 at a time so that each lane evaluates one
-// exponential per chunk. Building blocks: exact_common.cuh.
+// exponential per chunk. Register slices hold max(D, Dv) elements per row. Building blocks:
+// exact_common.cuh.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <limits>
 #include <type_traits>
@@ -29,6 +31,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kWarp)
   const int lane = threadIdx.x % kWarp;
   const int group = p.heads_q / p.heads_kv;
   const int dim = p.head_dim;
+  const int dim_v = p.head_dim_v;
   const T scale = static_cast<T>(p.scale);
   const int64_t rows_total = row_items<false>(p);
   for (int64_t row = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarp;
@@ -68,7 +71,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kWarp)
         slice_scale(rescale, acc);
         for (int t = 0; t < count; ++t) {
           const T weight = __shfl_sync(kFullMask, my_weight, t);
-          slice_axpy(weight, v_head + (n0 + t) * p.v_row_stride, dim, lane, acc);
+          slice_axpy(weight, v_head + (n0 + t) * p.v_row_stride, dim_v, lane, acc);
         }
         row_max = new_max;
       }
@@ -78,7 +81,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kWarp)
     T* out_row = row_ptr<T>(p.out, p.o_batch_stride, p.o_head_stride, p.o_row_stride, b, h, i);
 #pragma unroll
     for (int s = 0; s < kSlots; ++s) acc[s] = seen ? acc[s] / row_sum : T(0);
-    store_slice(acc, out_row, dim, lane);
+    store_slice(acc, out_row, dim_v, lane);
     if (lane == 0) {
       p.lse[row] = seen ? static_cast<float>(row_lse(row_max, row_sum))
                         : -std::numeric_limits<float>::infinity();
@@ -95,6 +98,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kWarp)
   const int lane = threadIdx.x % kWarp;
   const int group = p.heads_q / p.heads_kv;
   const int dim = p.head_dim;
+  const int dim_v = p.head_dim_v;
   const T scale = static_cast<T>(p.scale);
   const int64_t rows_total = row_items<false>(p);
   for (int64_t row = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarp;
@@ -111,9 +115,9 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kWarp)
     load_slice(row_ptr<T>(p.q, p.q_batch_stride, p.q_head_stride, p.q_row_stride, b, h, i), dim,
                lane, q_reg);
     load_slice(row_ptr<T>(p.dout, p.do_batch_stride, p.do_head_stride, p.do_row_stride, b, h, i),
-               dim, lane, dout_reg);
+               dim_v, lane, dout_reg);
     load_slice(row_ptr<T>(p.out, p.o_batch_stride, p.o_head_stride, p.o_row_stride, b, h, i),
-               dim, lane, out_reg);
+               dim_v, lane, out_reg);
     T delta_part = 0;
 #pragma unroll
     for (int s = 0; s < kSlots; ++s) delta_part += dout_reg[s] * out_reg[s];
@@ -133,7 +137,8 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kWarp)
         T my_dprob = 0;
         for (int t = 0; t < count; ++t) {
           const T s = warp_sum(slice_dot(q_reg, k_head + (n0 + t) * p.k_row_stride, dim, lane));
-          const T dp = warp_sum(slice_dot(dout_reg, v_head + (n0 + t) * p.v_row_stride, dim, lane));
+          const T dp =
+              warp_sum(slice_dot(dout_reg, v_head + (n0 + t) * p.v_row_stride, dim_v, lane));
           if (lane == t) {
             my_score = s * scale;
             my_dprob = dp;
@@ -176,6 +181,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kWarp)
   const int lane = threadIdx.x % kWarp;
   const int group = p.heads_q / p.heads_kv;
   const int dim = p.head_dim;
+  const int dim_v = p.head_dim_v;
   const T scale = static_cast<T>(p.scale);
   const int64_t keys_total = row_items<true>(p);
   for (int64_t key = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarp;
@@ -194,7 +200,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kWarp)
       load_slice(row_ptr<T>(p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride, b, g, jt),
                  dim, lane, k_reg);
       load_slice(row_ptr<T>(p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride, b, g, jt),
-                 dim, lane, v_reg);
+                 dim_v, lane, v_reg);
       const RowSpan span = rows_meeting_keys(p, lens, j, j + 1);
       for (int h = g * group; h < (g + 1) * group; ++h) {
         const T* q_head = row_ptr<T>(p.q, p.q_batch_stride, p.q_head_stride, p.q_row_stride, b,
@@ -210,7 +216,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kWarp)
               const T s =
                   warp_sum(slice_dot(k_reg, q_head + (i0 + t) * p.q_row_stride, dim, lane));
               const T dp =
-                  warp_sum(slice_dot(v_reg, dout_head + (i0 + t) * p.do_row_stride, dim, lane));
+                  warp_sum(slice_dot(v_reg, dout_head + (i0 + t) * p.do_row_stride, dim_v, lane));
               if (lane == t) {
                 my_score = s * scale;
                 my_dprob = dp;
@@ -229,7 +235,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kWarp)
               const T prob = __shfl_sync(kFullMask, my_prob, t);
               const T dscore = __shfl_sync(kFullMask, my_dscore, t);
               slice_axpy(dscore, q_head + (i0 + t) * p.q_row_stride, dim, lane, dk_acc);
-              slice_axpy(prob, dout_head + (i0 + t) * p.do_row_stride, dim, lane, dv_acc);
+              slice_axpy(prob, dout_head + (i0 + t) * p.do_row_stride, dim_v, lane, dv_acc);
             }
           }
         });
@@ -241,7 +247,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kWarp)
                 dim, lane);
     store_slice(dv_acc, row_ptr<T>(p.dv, p.dv_batch_stride, p.dv_head_stride, p.dv_row_stride, b,
                                    g, jt),
-                dim, lane);
+                dim_v, lane);
   }
 }
 
@@ -250,7 +256,7 @@ void launch_fwd(const AttnParams& p) {
   const int64_t rows_total = row_items<false>(p);
   if (rows_total == 0) return;
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  dispatch_slots(p.head_dim, [&](auto slots) {
+  dispatch_slots(std::max(p.head_dim, p.head_dim_v), [&](auto slots) {
     flash_fwd_exact_kernel<T, decltype(slots)::value>
         <<<grid_for(rows_total), kWarpsPerBlock * kWarp, 0, stream>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -270,7 +276,7 @@ void launch_bwd(const AttnParams& p) {
                                       .dtype(c10::CppTypeToScalarType<T>::value)
                                       .device(at::kCUDA, c10::cuda::current_device()));
   T* stats = static_cast<T*>(row_stats.data_ptr());
-  dispatch_slots(p.head_dim, [&](auto slots) {
+  dispatch_slots(std::max(p.head_dim, p.head_dim_v), [&](auto slots) {
     constexpr int kSlots = decltype(slots)::value;
     if (rows_total > 0) {
       flash_bwd_dq_exact_kernel<T, kSlots>

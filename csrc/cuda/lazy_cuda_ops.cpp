@@ -19,13 +19,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lazy_fwd_cuda_op(
     std::optional<double> softmax_scale, bool return_stats,
     const std::optional<at::Tensor>& cu_seqlens) {
   check_lazy_inputs(q_in, k_in, v_in, tau, bias, seqlens, cu_seqlens);
-  check_cuda_head_dim(q_in);
+  check_cuda_head_dims(q_in, v_in);
   const bool tc = use_tensor_cores(q_in.scalar_type()) && q_in.numel() > 0 && k_in.numel() > 0;
   const at::Tensor q = tc ? tc_aligned(q_in) : q_in;
   const at::Tensor k = tc ? tc_aligned(k_in) : k_in;
   const at::Tensor v = tc ? tc_aligned(v_in) : v_in;
   const c10::cuda::CUDAGuard guard(q.device());
-  at::Tensor out = at::empty(q.sizes(), q.options());
+  at::Tensor out = at::empty(out_shape(q, v), q.options());
   at::Tensor lse = at::empty(lse_shape(q, cu_seqlens.has_value()), q.options().dtype(at::kFloat));
   at::Tensor stats = return_stats ? at::zeros({4}, q.options().dtype(at::kLong))
                                   : at::empty({0}, q.options().dtype(at::kLong));
@@ -52,8 +52,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lazy_bwd_
     std::optional<double> softmax_scale, bool param_grads,
     const std::optional<at::Tensor>& cu_seqlens) {
   check_lazy_inputs(q_in, k_in, v_in, tau, bias, seqlens, cu_seqlens);
-  check_flash_bwd_inputs(dout_in, q_in, out_in, lse, cu_seqlens.has_value());
-  check_cuda_head_dim(q_in);
+  check_flash_bwd_inputs(dout_in, q_in, v_in, out_in, lse, cu_seqlens.has_value());
+  check_cuda_head_dims(q_in, v_in);
   const bool tc = use_tensor_cores(q_in.scalar_type()) && q_in.numel() > 0 && k_in.numel() > 0;
   const at::Tensor q = tc ? tc_aligned(q_in) : q_in;
   const at::Tensor k = tc ? tc_aligned(k_in) : k_in;

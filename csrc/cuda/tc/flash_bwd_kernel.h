@@ -13,6 +13,8 @@
 // Delta_i = sum_j M_ij p_ij dA_ij; steps 2 and 3 then use dS = P (M dA - Delta) and weights A
 // instead of P for dV, skip dA and P^T dO wherever a warp tile's weights are all zero, and the
 // dK/dV CTAs add their dS diagonals into per-CTA dbias partials (reduced in a fixed order later).
+//
+// Q, K, dQ and dK have head dim DK; V, O, dO and dV have DV (see flash_fwd_kernel.h).
 #pragma once
 
 #include <cmath>
@@ -27,7 +29,7 @@
 namespace adaattn {
 namespace tc {
 
-template <typename T, int D>
+template <typename T, int DV>
 __global__ void flash_bwd_delta_kernel(const AttnParams p) {
   // One warp per row, rows in lse order (dense (b, h, i); packed (h, t), batch strides 0).
   const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
@@ -43,7 +45,7 @@ __global__ void flash_bwd_delta_kernel(const AttnParams p) {
                static_cast<int64_t>(i) * p.do_row_stride;
   float acc = 0.f;
 #pragma unroll
-  for (int c = lane; c < D; c += 32) acc += to_float(o[c]) * to_float(d[c]);
+  for (int c = lane; c < DV; c += 32) acc += to_float(o[c]) * to_float(d[c]);
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffff, acc, off);
   if (lane == 0) p.delta[row] = acc;
@@ -57,7 +59,7 @@ __device__ __forceinline__ float lse_log2(const float* lse, int row, int len) {
   return l == -INFINITY ? INFINITY : l * float(M_LOG2E);
 }
 
-template <typename T, int D, int NWARPS, int MI_K, int BM, typename Variant>
+template <typename T, int DK, int DV, int NWARPS, int MI_K, int BM, typename Variant>
 struct BwdKVTraits {
   static constexpr int kThreads = NWARPS * 32;
   static constexpr int kBlockN = NWARPS * 16 * MI_K;  // keys per CTA
@@ -71,30 +73,31 @@ struct BwdKVTraits {
   static constexpr int kStageKeys = kBlockN * kBlockM > 2048 ? 2048 / kBlockM : kBlockN;
   static_assert(kStageKeys % (16 * MI_K) == 0, "a staging round holds whole warps' key rows");
   static constexpr int kStageFloats = Variant::kElastic ? kStageKeys * kBlockM : 0;
-  static constexpr int kSmemBytes = (2 * kBlockN + 4 * kBlockM) * D * sizeof(T) +
+  static constexpr int kSmemBytes = (kBlockN + 2 * kBlockM) * (DK + DV) * sizeof(T) +
                                     (2 * kRowVectors * kBlockM + kStageFloats) * sizeof(float);
 };
 
 // dK/dV for key tile `block` (key tile index is the slowest-varying part of `block`).
-template <typename Traits, typename T, int D, int MI, int BM, typename Variant>
+template <typename Traits, typename T, int DK, int DV, int MI, int BM, typename Variant>
 __device__ __forceinline__ void bwd_dkdv_block(const AttnParams& p, int block) {
   constexpr bool kElastic = Variant::kElastic;
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kThreads = Traits::kThreads;
   constexpr int NT = BM / 8;  // query n-tiles of S^T per warp
-  constexpr int DT = D / 8;
+  constexpr int DTK = DK / 8;
+  constexpr int DTV = DV / 8;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* sK = reinterpret_cast<T*>(smem_raw);
-  T* sV = sK + kBlockN * D;
+  T* sV = sK + kBlockN * DK;
   // Buffer `buf` of the double-buffered Q/dO tiles and their row vectors.
-  T* const sQ0 = sV + kBlockN * D;
-  T* const sdO0 = sQ0 + 2 * BM * D;
-  float* const sLse0 = reinterpret_cast<float*>(sdO0 + 2 * BM * D);
+  T* const sQ0 = sV + kBlockN * DV;
+  T* const sdO0 = sQ0 + 2 * BM * DK;
+  float* const sLse0 = reinterpret_cast<float*>(sdO0 + 2 * BM * DV);
   float* const sDelta0 = sLse0 + 2 * BM;
   float* const sShift0 = sDelta0 + 2 * BM;                     // elastic only
   float* const sStage = sLse0 + 2 * Traits::kRowVectors * BM;  // elastic only
-  auto sQ = [&](int buf) { return sQ0 + buf * BM * D; };
-  auto sdO = [&](int buf) { return sdO0 + buf * BM * D; };
+  auto sQ = [&](int buf) { return sQ0 + buf * BM * DK; };
+  auto sdO = [&](int buf) { return sdO0 + buf * BM * DV; };
   auto sLse = [&](int buf) { return sLse0 + buf * BM; };
   auto sDelta = [&](int buf) { return sDelta0 + buf * BM; };
   auto sShift = [&](int buf) { return sShift0 + buf * BM; };
@@ -120,8 +123,8 @@ __device__ __forceinline__ void bwd_dkdv_block(const AttnParams& p, int block) {
                   (lens.k_start + n0) * p.v_row_stride;
   const int valid_k = lens.rows_k - n0;
 
-  float dk[MI][DT][4];
-  float dv[MI][DT][4];
+  float dk[MI][DTK][4];
+  float dv[MI][DTV][4];
   zero(dk);
   zero(dv);
 
@@ -137,8 +140,8 @@ __device__ __forceinline__ void bwd_dkdv_block(const AttnParams& p, int block) {
                  (lens.q_start + m0) * p.q_row_stride;
     const T* d = static_cast<const T*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride +
                  (lens.q_start + m0) * p.do_row_stride;
-    load_tile_async<BM, D, kThreads>(sQ(buf), q, p.q_row_stride, lens.rows_q - m0, tid);
-    load_tile_async<BM, D, kThreads>(sdO(buf), d, p.do_row_stride, lens.rows_q - m0, tid);
+    load_tile_async<BM, DK, kThreads>(sQ(buf), q, p.q_row_stride, lens.rows_q - m0, tid);
+    load_tile_async<BM, DV, kThreads>(sdO(buf), d, p.do_row_stride, lens.rows_q - m0, tid);
     const int64_t lse_off = row_stat_offset(p, lens, b, h);
     for (int i = tid; i < BM; i += kThreads) {
       const bool valid = m0 + i < lens.rows_q;
@@ -151,8 +154,8 @@ __device__ __forceinline__ void bwd_dkdv_block(const AttnParams& p, int block) {
   };
 
   if (steps > 0) {
-    load_tile_async<kBlockN, D, kThreads>(sK, kptr, p.k_row_stride, valid_k, tid);
-    load_tile_async<kBlockN, D, kThreads>(sV, vptr, p.v_row_stride, valid_k, tid);
+    load_tile_async<kBlockN, DK, kThreads>(sK, kptr, p.k_row_stride, valid_k, tid);
+    load_tile_async<kBlockN, DV, kThreads>(sV, vptr, p.v_row_stride, valid_k, tid);
     issue_step(0, 0);
     cp_async_commit();
   }
@@ -171,7 +174,7 @@ __device__ __forceinline__ void bwd_dkdv_block(const AttnParams& p, int block) {
     // S^T[key, query] in log2 units, then P^T (and the weights A^T when elastic).
     float st[MI][NT][4];
     zero(st);
-    warp_gemm_nt<MI, NT, D>(st, sK, warp_row0, sQ(buf), 0, lane);
+    warp_gemm_nt<MI, NT, DK>(st, sK, warp_row0, sQ(buf), 0, lane);
 #pragma unroll
     for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
@@ -216,12 +219,12 @@ __device__ __forceinline__ void bwd_dkdv_block(const AttnParams& p, int block) {
     // dA^T = dP^T = V dO^T (elastic: only where some weight is live).
     float dpt[MI][NT][4];
     zero(dpt);
-    if (any_weight) warp_gemm_nt<MI, NT, D>(dpt, sV, warp_row0, sdO(buf), 0, lane);
+    if (any_weight) warp_gemm_nt<MI, NT, DV>(dpt, sV, warp_row0, sdO(buf), 0, lane);
 
     if (any_weight) {
       uint32_t pa[MI][NT / 2][4];
       to_a_frags<MI, NT, T>(kElastic ? at : st, pa);
-      warp_gemm_rs<MI, DT, NT / 2, D>(dv, pa, sdO(buf), 0, lane);
+      warp_gemm_rs<MI, DTV, NT / 2, DV>(dv, pa, sdO(buf), 0, lane);
     }
 
     // dS^T = P^T * (M dA^T - Delta)   (softmax: M = 1).
@@ -273,7 +276,7 @@ __device__ __forceinline__ void bwd_dkdv_block(const AttnParams& p, int block) {
 
     uint32_t dsa[MI][NT / 2][4];
     to_a_frags<MI, NT, T>(dpt, dsa);
-    warp_gemm_rs<MI, DT, NT / 2, D>(dk, dsa, sQ(buf), 0, lane);
+    warp_gemm_rs<MI, DTK, NT / 2, DK>(dk, dsa, sQ(buf), 0, lane);
   }
 
   // Stage through the warp's own rows of sK (all reads of sK/sV are done after this barrier).
@@ -291,37 +294,38 @@ __device__ __forceinline__ void bwd_dkdv_block(const AttnParams& p, int block) {
              (lens.k_start + n0) * p.dk_row_stride;
   T* dvptr = static_cast<T*>(p.dv) + b * p.dv_batch_stride + h_kv * p.dv_head_stride +
              (lens.k_start + n0) * p.dv_row_stride;
-  store_rows<MI, DT, D>(dk, kscale, sK, warp_row0, dkptr, p.dk_row_stride, valid_k, lane);
-  store_rows<MI, DT, D>(dv, one, sV, warp_row0, dvptr, p.dv_row_stride, valid_k, lane);
+  store_rows<MI, DTK, DK>(dk, kscale, sK, warp_row0, dkptr, p.dk_row_stride, valid_k, lane);
+  store_rows<MI, DTV, DV>(dv, one, sV, warp_row0, dvptr, p.dv_row_stride, valid_k, lane);
 }
 
-template <typename T, int D, int NWARPS, int MI, int BN>
+template <typename T, int DK, int DV, int NWARPS, int MI, int BN>
 struct BwdQTraits {
   static constexpr int kThreads = NWARPS * 32;
   static constexpr int kMI = MI;
   static constexpr int kBlockM = NWARPS * 16 * MI;
   static constexpr int kBlockN = BN;
   // Q, dO, and double-buffered K, V tiles.
-  static constexpr int kSmemBytes = (2 * kBlockM + 4 * kBlockN) * D * sizeof(T);
+  static constexpr int kSmemBytes = (kBlockM + 2 * kBlockN) * (DK + DV) * sizeof(T);
 };
 
 // dQ for query tile `block` (heavy, late query tiles first). Elastic with kRowPass: the same
 // loop accumulates G and Delta per row (written to p.row_g / p.delta) instead of dQ.
-template <typename Traits, typename T, int D, int MI, int BN, typename Variant, bool kRowPass>
+template <typename Traits, typename T, int DK, int DV, int MI, int BN, typename Variant,
+          bool kRowPass>
 __device__ __forceinline__ void bwd_dq_block(const AttnParams& p, int block) {
   constexpr bool kElastic = Variant::kElastic;
   static_assert(kElastic || !kRowPass, "only the elastic softmax needs a row pass");
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kThreads = Traits::kThreads;
   constexpr int NT = BN / 8;
-  constexpr int DT = D / 8;
+  constexpr int DTK = DK / 8;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* sQ = reinterpret_cast<T*>(smem_raw);
-  T* sdO = sQ + kBlockM * D;
-  T* const sK0 = sdO + kBlockM * D;
-  T* const sV0 = sK0 + 2 * BN * D;
-  auto sK = [&](int buf) { return sK0 + buf * BN * D; };
-  auto sV = [&](int buf) { return sV0 + buf * BN * D; };
+  T* sdO = sQ + kBlockM * DK;
+  T* const sK0 = sdO + kBlockM * DV;
+  T* const sV0 = sK0 + 2 * BN * DK;
+  auto sK = [&](int buf) { return sK0 + buf * BN * DK; };
+  auto sV = [&](int buf) { return sV0 + buf * BN * DV; };
 
   const int tid = threadIdx.x;
   const int warp = tid / 32;
@@ -368,20 +372,20 @@ __device__ __forceinline__ void bwd_dq_block(const AttnParams& p, int block) {
       row_dl[mi][hh] = 0.f;
     }
 
-  float dq[MI][DT][4];
+  float dq[MI][DTK][4];
   zero(dq);
   const int valid_q = lens.rows_q - m0;
   const KeyTiles tiles = key_tiles<BN>(p, tile_keys, b, h, m0);
   if (tiles.count > 0) {
     auto issue_kv = [&](int n_block, int buf) {
       const int n0 = n_block * BN;
-      load_tile_async<BN, D, kThreads>(sK(buf), k + static_cast<int64_t>(n0) * p.k_row_stride,
-                                       p.k_row_stride, lens.rows_k - n0, tid);
-      load_tile_async<BN, D, kThreads>(sV(buf), v + static_cast<int64_t>(n0) * p.v_row_stride,
-                                       p.v_row_stride, lens.rows_k - n0, tid);
+      load_tile_async<BN, DK, kThreads>(sK(buf), k + static_cast<int64_t>(n0) * p.k_row_stride,
+                                        p.k_row_stride, lens.rows_k - n0, tid);
+      load_tile_async<BN, DV, kThreads>(sV(buf), v + static_cast<int64_t>(n0) * p.v_row_stride,
+                                        p.v_row_stride, lens.rows_k - n0, tid);
     };
-    load_tile_async<kBlockM, D, kThreads>(sQ, q, p.q_row_stride, valid_q, tid);
-    load_tile_async<kBlockM, D, kThreads>(sdO, dout, p.do_row_stride, valid_q, tid);
+    load_tile_async<kBlockM, DK, kThreads>(sQ, q, p.q_row_stride, valid_q, tid);
+    load_tile_async<kBlockM, DV, kThreads>(sdO, dout, p.do_row_stride, valid_q, tid);
     issue_kv(tiles.at(0), 0);
     cp_async_commit();
 
@@ -396,7 +400,7 @@ __device__ __forceinline__ void bwd_dq_block(const AttnParams& p, int block) {
       }
       float s[MI][NT][4];
       zero(s);
-      warp_gemm_nt<MI, NT, D>(s, sQ, warp_row0, sK(buf), 0, lane);
+      warp_gemm_nt<MI, NT, DK>(s, sQ, warp_row0, sK(buf), 0, lane);
       const bool full =
           tile_is_full(p, lens, m0 + warp_row0, m0 + warp_row0 + 16 * MI, n0, n0 + BN);
 #pragma unroll
@@ -434,7 +438,7 @@ __device__ __forceinline__ void bwd_dq_block(const AttnParams& p, int block) {
 
       float dp[MI][NT][4];
       zero(dp);
-      if (any_live) warp_gemm_nt<MI, NT, D>(dp, sdO, warp_row0, sV(buf), 0, lane);
+      if (any_live) warp_gemm_nt<MI, NT, DV>(dp, sdO, warp_row0, sV(buf), 0, lane);
       if constexpr (kRowPass) {
 #pragma unroll
         for (int mi = 0; mi < MI; ++mi)
@@ -460,7 +464,7 @@ __device__ __forceinline__ void bwd_dq_block(const AttnParams& p, int block) {
             }
         uint32_t dsa[MI][NT / 2][4];
         to_a_frags<MI, NT, T>(dp, dsa);
-        warp_gemm_rs<MI, DT, NT / 2, D>(dq, dsa, sK(buf), 0, lane);
+        warp_gemm_rs<MI, DTK, NT / 2, DK>(dq, dsa, sK(buf), 0, lane);
       }
     }
   }
@@ -490,21 +494,21 @@ __device__ __forceinline__ void bwd_dq_block(const AttnParams& p, int block) {
       for (int hh = 0; hh < 2; ++hh) qscale[mi][hh] = static_cast<float>(p.scale);
     T* dqptr = static_cast<T*>(p.dq) + b * p.dq_batch_stride + h * p.dq_head_stride +
                (lens.q_start + m0) * p.dq_row_stride;
-    store_rows<MI, DT, D>(dq, qscale, sQ, warp_row0, dqptr, p.dq_row_stride, valid_q, lane);
+    store_rows<MI, DTK, DK>(dq, qscale, sQ, warp_row0, dqptr, p.dq_row_stride, valid_q, lane);
   }
 }
 
 // The dK/dV and dQ passes are independent (both only read delta), so one launch runs both:
 // the first kv_blocks CTAs do dK/dV, the rest dQ. Sharing the grid lets each pass fill the
 // other's last partial wave.
-template <typename KVTraits, typename QTraits, typename T, int D, typename Variant>
+template <typename KVTraits, typename QTraits, typename T, int DK, int DV, typename Variant>
 __global__ void __launch_bounds__(KVTraits::kThreads)
     flash_bwd_kernel(const AttnParams p, int kv_blocks) {
   static_assert(KVTraits::kThreads == QTraits::kThreads, "both passes share the block shape");
   if (static_cast<int>(blockIdx.x) < kv_blocks) {
-    bwd_dkdv_block<KVTraits, T, D, KVTraits::kMI, KVTraits::kBlockM, Variant>(p, blockIdx.x);
+    bwd_dkdv_block<KVTraits, T, DK, DV, KVTraits::kMI, KVTraits::kBlockM, Variant>(p, blockIdx.x);
   } else {
-    bwd_dq_block<QTraits, T, D, QTraits::kMI, QTraits::kBlockN, Variant, false>(
+    bwd_dq_block<QTraits, T, DK, DV, QTraits::kMI, QTraits::kBlockN, Variant, false>(
         p, blockIdx.x - kv_blocks);
   }
 }
@@ -512,7 +516,7 @@ __global__ void __launch_bounds__(KVTraits::kThreads)
 // Elastic softmax, backward step 1: G and Delta of every query row.
 template <typename QTraits, typename T, int D>
 __global__ void __launch_bounds__(QTraits::kThreads) lazy_bwd_rows_kernel(const AttnParams p) {
-  bwd_dq_block<QTraits, T, D, QTraits::kMI, QTraits::kBlockN, LazyVariant, true>(p, blockIdx.x);
+  bwd_dq_block<QTraits, T, D, D, QTraits::kMI, QTraits::kBlockN, LazyVariant, true>(p, blockIdx.x);
 }
 
 // dtau[h] = sum over (b, rows) of G_i / (i + 1) (row_g holds the terms): one CTA per head,

@@ -6,7 +6,8 @@
 // are masked element-wise. The variant
 // (variant.h) picks the score modifier and the probability transform: softmax runs one online
 // pass; the elastic softmax of lazy attention runs an lse pass over K, then a weight pass that
-// skips the P V product of every warp tile whose weights are all zero.
+// skips the P V product of every warp tile whose weights are all zero. Q and K have head dim DK,
+// V and the output DV (flash: DK may be smaller, e.g. low-rank attention's projected scores).
 #pragma once
 
 #include <cmath>
@@ -20,12 +21,15 @@
 namespace adaattn {
 namespace tc {
 
-template <typename T, int D, int NWARPS, int MI, int BN>
+template <typename T, int DK, int DV, int NWARPS, int MI, int BN>
 struct FwdTraits {
   static constexpr int kThreads = NWARPS * 32;
   static constexpr int kBlockM = NWARPS * 16 * MI;
   static constexpr int kBlockN = BN;
-  static constexpr int kSmemBytes = (kBlockM + 2 * kBlockN) * D * sizeof(T);
+  // Q, K and V tiles; the output is staged through a [kBlockM][DV] tile at the same place.
+  static constexpr int kTileElems = (kBlockM + kBlockN) * DK + kBlockN * DV;
+  static constexpr int kSmemBytes =
+      (kTileElems > kBlockM * DV ? kTileElems : kBlockM * DV) * sizeof(T);
 };
 
 // Per-thread view of the rows it holds in accumulator fragments: rows g and g + 8 of each of
@@ -148,18 +152,20 @@ __device__ __forceinline__ void flush_stats(int64_t* stats, const WeightStats& s
   }
 }
 
-template <typename Traits, typename T, int D, int MI, int BN, typename Variant>
+template <typename Traits, typename T, int DK, int DV, int MI, int BN, typename Variant>
 __global__ void __launch_bounds__(Traits::kThreads)
     flash_fwd_kernel(const AttnParams p) {
   constexpr bool kElastic = Variant::kElastic;
+  // The elastic lse pass double-buffers K in sK and sV.
+  static_assert(!kElastic || DK == DV, "lazy attention has one head dim");
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kThreads = Traits::kThreads;
-  constexpr int NT = BN / 8;  // score n-tiles per warp
-  constexpr int DT = D / 8;   // output n-tiles per warp
+  constexpr int NT = BN / 8;   // score n-tiles per warp
+  constexpr int DT = DV / 8;   // output n-tiles per warp
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* sQ = reinterpret_cast<T*>(smem_raw);
-  T* sK = sQ + kBlockM * D;
-  T* sV = sK + BN * D;
+  T* sK = sQ + kBlockM * DK;
+  T* sV = sK + BN * DK;
 
   const int tid = threadIdx.x;
   const int warp = tid / 32;
@@ -217,7 +223,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
   // Scores of key tile n0 against sK in log2 units: scaled, modified, masked.
   auto scores = [&](float (&s)[MI][NT][4], const T* sk, int n0) {
     zero(s);
-    warp_gemm_nt<MI, NT, D>(s, sQ, warp_row0, sk, 0, lane);
+    warp_gemm_nt<MI, NT, DK>(s, sQ, warp_row0, sk, 0, lane);
 #pragma unroll
     for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
@@ -237,13 +243,17 @@ __global__ void __launch_bounds__(Traits::kThreads)
   // The mainloop over a tile sequence (tiles.h). Dense masks get their own copy with a plain
   // range, so the block-list lookup costs them nothing.
   auto mainloop = [&](const auto& tiles) {
-    auto load_keys = [&](T* dst, const T* src, int64_t row_stride, int tile) {
-      load_tile_async<BN, D, kThreads>(dst, src + static_cast<int64_t>(tile) * BN * row_stride,
-                                       row_stride, lens.rows_k - tile * BN, tid);
+    auto load_k = [&](T* dst, int tile) {
+      load_tile_async<BN, DK, kThreads>(dst, k + static_cast<int64_t>(tile) * BN * p.k_row_stride,
+                                        p.k_row_stride, lens.rows_k - tile * BN, tid);
+    };
+    auto load_v = [&](int tile) {
+      load_tile_async<BN, DV, kThreads>(sV, v + static_cast<int64_t>(tile) * BN * p.v_row_stride,
+                                        p.v_row_stride, lens.rows_k - tile * BN, tid);
     };
     if (tiles.count > 0) {
-      load_tile_async<kBlockM, D, kThreads>(sQ, q, p.q_row_stride, valid_q, tid);
-      load_keys(sK, k, p.k_row_stride, tiles.at(0));
+      load_tile_async<kBlockM, DK, kThreads>(sQ, q, p.q_row_stride, valid_q, tid);
+      load_k(sK, tiles.at(0));
       cp_async_commit();
 
       if constexpr (kElastic) {
@@ -254,7 +264,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
           cp_async_wait_all();
           __syncthreads();
           if (i + 1 < tiles.count) {
-            load_keys(cur == sK ? sV : sK, k, p.k_row_stride, tiles.at(i + 1));
+            load_k(cur == sK ? sV : sK, tiles.at(i + 1));
             cp_async_commit();
           }
           float s[MI][NT][4];
@@ -273,7 +283,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
             if (l > 0.f) lse2[mi][hh] = row_max[mi][hh] + log2f(l);
           }
         __syncthreads();  // every warp is done with sK/sV before pass 2 refills them
-        load_keys(sK, k, p.k_row_stride, tiles.at(0));
+        load_k(sK, tiles.at(0));
         cp_async_commit();
       }
 
@@ -282,7 +292,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
         const int n0 = n_block * BN;
         cp_async_wait_all();
         __syncthreads();
-        load_keys(sV, v, p.v_row_stride, n_block);
+        load_v(n_block);
         cp_async_commit();
 
         float s[MI][NT][4];
@@ -308,10 +318,10 @@ __global__ void __launch_bounds__(Traits::kThreads)
         cp_async_wait_all();
         __syncthreads();
         if (i + 1 < tiles.count) {
-          load_keys(sK, k, p.k_row_stride, tiles.at(i + 1));
+          load_k(sK, tiles.at(i + 1));
           cp_async_commit();
         }
-        if (any) warp_gemm_rs<MI, DT, NT / 2, D>(o, pa, sV, 0, lane);
+        if (any) warp_gemm_rs<MI, DT, NT / 2, DV>(o, pa, sV, 0, lane);
       }
     }
   };
@@ -342,9 +352,11 @@ __global__ void __launch_bounds__(Traits::kThreads)
       }
     }
   if (kElastic && p.stats != nullptr) flush_stats(p.stats, stats);
-  // Each warp reuses its own rows of sQ as the staging buffer; nobody else reads them now.
+  // Each warp stages its rows in a [kBlockM][DV] tile at the start of shared memory, over
+  // sQ/sK/sV, which nobody reads after this barrier.
   __syncthreads();
-  store_rows<MI, DT, D>(o, inv, sQ, warp_row0, out, p.o_row_stride, valid_q, lane);
+  store_rows<MI, DT, DV>(o, inv, reinterpret_cast<T*>(smem_raw), warp_row0, out, p.o_row_stride,
+                         valid_q, lane);
 }
 
 }  // namespace tc

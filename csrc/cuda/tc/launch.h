@@ -15,10 +15,11 @@
 namespace adaattn {
 namespace tc {
 
-// Tile shapes per head dim: warps per CTA, 16-row groups per warp (MI), and the streamed tile
-// size. Two row groups per warp halve the shared-memory reads per MMA, which bound these
-// kernels on Hopper, as long as the accumulators still fit in registers.
-template <int D>
+// Tile shapes per value head dim DV (the widest register accumulators, O and dV, are DV wide):
+// warps per CTA, 16-row groups per warp (MI), and the streamed tile size. Two row groups per
+// warp halve the shared-memory reads per MMA, which bound these kernels on Hopper, as long as
+// the accumulators still fit in registers.
+template <int DV>
 struct FlashConfig;
 
 template <>
@@ -49,11 +50,11 @@ void set_smem(Kernel kernel, int bytes) {
   }
 }
 
-template <typename T, int D, typename Variant>
+template <typename T, int DK, int DV, typename Variant>
 void launch_fwd(const AttnParams& p) {
-  using C = FlashConfig<D>;
-  using Traits = FwdTraits<T, D, C::kFwdWarps, C::kFwdMI, C::kFwdBlockN>;
-  auto kernel = flash_fwd_kernel<Traits, T, D, C::kFwdMI, C::kFwdBlockN, Variant>;
+  using C = FlashConfig<DV>;
+  using Traits = FwdTraits<T, DK, DV, C::kFwdWarps, C::kFwdMI, C::kFwdBlockN>;
+  auto kernel = flash_fwd_kernel<Traits, T, DK, DV, C::kFwdMI, C::kFwdBlockN, Variant>;
   set_smem(kernel, Traits::kSmemBytes);
   const int grid = grid_size(tile_slots<false>(p, Traits::kBlockM) * p.heads_q);
   kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, at::cuda::getCurrentCUDAStream()>>>(p);
@@ -61,12 +62,12 @@ void launch_fwd(const AttnParams& p) {
 }
 
 // The fused dK/dV + dQ launch (both read lse and delta).
-template <typename T, int D, typename Variant>
+template <typename T, int DK, int DV, typename Variant>
 void launch_bwd_main(const AttnParams& p) {
-  using C = FlashConfig<D>;
-  using KV = BwdKVTraits<T, D, C::kKVWarps, C::kKVMI, C::kKVBlockM, Variant>;
-  using Q = BwdQTraits<T, D, C::kQWarps, C::kQMI, C::kQBlockN>;
-  auto kernel = flash_bwd_kernel<KV, Q, T, D, Variant>;
+  using C = FlashConfig<DV>;
+  using KV = BwdKVTraits<T, DK, DV, C::kKVWarps, C::kKVMI, C::kKVBlockM, Variant>;
+  using Q = BwdQTraits<T, DK, DV, C::kQWarps, C::kQMI, C::kQBlockN>;
+  auto kernel = flash_bwd_kernel<KV, Q, T, DK, DV, Variant>;
   constexpr int kSmem = KV::kSmemBytes > Q::kSmemBytes ? KV::kSmemBytes : Q::kSmemBytes;
   set_smem(kernel, kSmem);
   const int64_t kv_blocks = tile_slots<true>(p, KV::kBlockN) * p.heads_kv;
@@ -76,26 +77,26 @@ void launch_bwd_main(const AttnParams& p) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-template <typename T, int D>
+template <typename T, int DK, int DV>
 void run_flash_fwd(const AttnParams& p) {
-  launch_fwd<T, D, SoftmaxVariant>(p);
+  launch_fwd<T, DK, DV, SoftmaxVariant>(p);
 }
 
-template <typename T, int D>
+template <typename T, int DK, int DV>
 void run_flash_bwd(const AttnParams& p) {
   {
     constexpr int kRowsPerBlock = 8;
     const int grid = grid_size((row_items<false>(p) + kRowsPerBlock - 1) / kRowsPerBlock);
-    flash_bwd_delta_kernel<T, D>
+    flash_bwd_delta_kernel<T, DV>
         <<<grid, kRowsPerBlock * 32, 0, at::cuda::getCurrentCUDAStream()>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
-  launch_bwd_main<T, D, SoftmaxVariant>(p);
+  launch_bwd_main<T, DK, DV, SoftmaxVariant>(p);
 }
 
 template <typename T, int D>
 void run_lazy_fwd(const AttnParams& p) {
-  launch_fwd<T, D, LazyVariant>(p);
+  launch_fwd<T, D, D, LazyVariant>(p);
 }
 
 // Lazy backward: row pass (G, Delta), the fused dK/dV + dQ launch, then the deterministic
@@ -103,8 +104,8 @@ void run_lazy_fwd(const AttnParams& p) {
 template <typename T, int D>
 void run_lazy_bwd(const AttnParams& p_in) {
   using C = FlashConfig<D>;
-  using KV = BwdKVTraits<T, D, C::kKVWarps, C::kKVMI, C::kKVBlockM, LazyVariant>;
-  using Q = BwdQTraits<T, D, C::kQWarps, C::kQMI, C::kQBlockN>;
+  using KV = BwdKVTraits<T, D, D, C::kKVWarps, C::kKVMI, C::kKVBlockM, LazyVariant>;
+  using Q = BwdQTraits<T, D, D, C::kQWarps, C::kQMI, C::kQBlockN>;
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   AttnParams p = p_in;
   const int64_t key_slots = tile_slots<true>(p, KV::kBlockN);
@@ -123,7 +124,7 @@ void run_lazy_bwd(const AttnParams& p_in) {
     kernel<<<grid_size(q_blocks), Q::kThreads, Q::kSmemBytes, stream>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
-  launch_bwd_main<T, D, LazyVariant>(p);
+  launch_bwd_main<T, D, D, LazyVariant>(p);
   if (p.dtau == nullptr) return;
   constexpr int kReduceThreads = 256;
   lazy_dtau_kernel<kReduceThreads><<<p.heads_q, kReduceThreads, 0, stream>>>(p);

@@ -1,6 +1,7 @@
 // Warp-level tensor-core building blocks (mma.sync m16n8k16, ldmatrix, cp.async) shared by every
-// tensor-core attention kernel. Tiles in shared memory are [rows][D] row-major with an XOR
-// swizzle of 16-byte chunks so that ldmatrix reads of 8 consecutive rows hit distinct banks.
+// tensor-core attention kernel. Tiles in shared memory are [rows][W] row-major (W = 32 or a
+// multiple of 64) with an XOR swizzle of 16-byte chunks so that ldmatrix reads of 8 consecutive
+// rows hit distinct banks.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -11,12 +12,17 @@
 namespace adaattn {
 namespace tc {
 
-// Element offset of (row, col) in a swizzled [rows][D] tile; D is a multiple of 64 so each row
-// has at least 8 chunks of 8 elements.
-template <int D>
+// Element offset of (row, col) in a swizzled [rows][W] tile. W % 64 == 0: each 128-byte line
+// holds 8 chunks of one row, XORed with row % 8. W = 32: a line holds two rows of 4 chunks, so
+// chunks are XORed with (row / 2) % 4 and the 8 rows of an ldmatrix still cover 8 chunk slots.
+template <int W>
 __device__ __forceinline__ int swz(int row, int col) {
-  static_assert(D % 64 == 0, "swizzle needs D to be a multiple of 64");
-  return row * D + ((((col >> 3) ^ (row & 7))) << 3) + (col & 7);
+  static_assert(W % 64 == 0 || W == 32, "swizzle needs a tile width of 32 or a multiple of 64");
+  if constexpr (W == 32) {
+    return row * W + ((((col >> 3) ^ ((row >> 1) & 3))) << 3) + (col & 7);
+  } else {
+    return row * W + ((((col >> 3) ^ (row & 7))) << 3) + (col & 7);
+  }
 }
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {

@@ -3,6 +3,6 @@
 
 namespace adaattn {
 namespace tc {
-template void run_flash_fwd<__nv_bfloat16, 128>(const AttnParams& p);
+template void run_flash_fwd<__nv_bfloat16, 128, 128>(const AttnParams& p);
 }  // namespace tc
 }  // namespace adaattn

@@ -3,6 +3,6 @@
 
 namespace adaattn {
 namespace tc {
-template void run_flash_fwd<__half, 64>(const AttnParams& p);
+template void run_flash_fwd<__half, 64, 64>(const AttnParams& p);
 }  // namespace tc
 }  // namespace adaattn
