@@ -28,8 +28,10 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # plotting.py
 
 from adaattn.nn import LazyAttention  # noqa: E402
+from plotting import require_pyplot  # noqa: E402
 
 SYLLABLES = ["ka", "lo", "mi", "ra", "tu", "ze", "no", "fi", "sa", "ve", "du", "pe"]
 PLACES = ["garden", "harbor", "market", "tower", "forest", "bridge"]
@@ -176,18 +178,6 @@ def complete(result: Result, prompt: str, length: int, device: str) -> str:
     return "".join(result.chars[i] for i in ids[len(prompt):])
 
 
-def require_pyplot():
-    """matplotlib.pyplot on the headless Agg backend, or exit with how to install it."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise SystemExit("examples/train_lazy.py saves its plot with matplotlib, which is not "
-                         "installed; install it with: pip install -r requirements-examples.txt")
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    return plt
-
-
 def save_plot(plt, result: Result, path: str) -> None:
     """Left: training loss per step. Right: each head's tau over training."""
     fig, (ax_loss, ax_tau) = plt.subplots(1, 2, figsize=(11, 4))
@@ -217,7 +207,8 @@ def main(argv=None) -> None:
                         help="CPU threads for torch (more gain little here, and are slow on a "
                              "busy CPU)")
     args = parser.parse_args(argv)
-    plt = require_pyplot()  # before training, so a missing matplotlib costs no time
+    # Before training, so a missing matplotlib costs no time.
+    plt = require_pyplot("examples/train_lazy.py")
 
     # The model's products are small: a second thread gains little on idle cores, and on 2 cores
     # busy with other work, 2 threads made a step 8x slower than 1. A fixed count also keeps CPU
