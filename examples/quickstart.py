@@ -9,7 +9,9 @@ that eager PyTorch implementation (there is no fused PyTorch lazy attention to c
 the same for adaattn.linear_attn (causal, elu + 1, normalised) against its eager reference,
 for adaattn.flash_attn_varlen and adaattn.lazy_attn_varlen on packed documents (against SDPA run
 document by document, and the eager lazy reference), and for adaattn.block_sparse_attn with a
-causal sliding window of blocks (against SDPA with the equivalent boolean mask).
+causal sliding window of blocks (against SDPA with the equivalent boolean mask), and for
+adaattn.low_rank_attn at the rank adaattn.rank_plan finds in q/k of planted rank 32 (against its
+eager reference and timed against adaattn.flash_attn).
 
     python examples/quickstart.py
 """
@@ -102,8 +104,8 @@ def lazy_inputs(b, h, d, device):
 
 
 def run_with_grads(fn, tensors, dout, dtype):
-    """Output of ``fn`` and its gradients for every tensor; q, k, v (3 dims packed, 4 dense) are
-    cast to ``dtype``, parameters (tau, bias) keep theirs."""
+    """Output of ``fn`` and its gradients for every tensor; q, k, v (3 dims packed, 4 dense) and
+    a low-rank basis are cast to ``dtype``, parameters (tau, bias) keep theirs."""
     ins = [t.detach().to(dtype) if t.dim() >= 3 else t.detach() for t in tensors]
     ins = [t.requires_grad_() for t in ins]
     out = fn(*ins)
@@ -186,6 +188,7 @@ def main():
 
     packed_demo(device, dtype, h, d)
     block_sparse_demo(device, dtype, h, d)
+    low_rank_demo(device, dtype, length, h)
 
 
 def document_lengths(total, device):
@@ -280,6 +283,35 @@ def block_sparse_demo(device, dtype, h, d):
     inputs = [t.detach().requires_grad_() for t in (q, k, v)]
     print_times((("adaattn.block_sparse_attn", sparse),
                  ("SDPA with the element mask", sdpa_masked)), inputs, dout, device)
+
+
+def low_rank_demo(device, dtype, length, h):
+    """low_rank_attn (D = 128) at the planned rank of q/k that lie near a rank-32 subspace per
+    head, against its eager reference (output and the q, k, v, basis gradients) and flash_attn."""
+    d, rank = 128, 32
+    basis = torch.linalg.qr(torch.randn(1, h, d, rank))[0]
+    q, k = ((torch.randn(1, h, length, rank) @ basis.mT * 2 + 0.01 * torch.randn(1, h, length, d))
+            .to(device, dtype) for _ in range(2))
+    v, dout = (torch.randn(1, h, length, d, device=device, dtype=dtype) for _ in range(2))
+    plan = adaattn.rank_plan(q, k, energy=0.99)
+    print(f"\nlow-rank attention: device {device}, {dtype}, B=1 H={h} L={length} D={d}, causal, "
+          f"planted rank {rank}: rank_plan picked {sorted(set(plan.ranks.flatten().tolist()))}")
+
+    def low_rank(q, k, v, u):
+        return adaattn.low_rank_attn(q, k, v, u, causal=True)
+
+    def low_rank_ref(q, k, v, u):
+        return reference.low_rank_attn(q, k, v, u, causal=True)[0]
+
+    tensors = (q, k, v, plan.basis)
+    rule_check(("out", "dq", "dk", "dv", "dbasis"),
+               run_with_grads(low_rank, tensors, dout, dtype),
+               run_with_grads(low_rank_ref, tensors, dout, torch.float64),
+               run_with_grads(low_rank_ref, tensors, dout, dtype))
+    inputs = [t.detach().requires_grad_() for t in (q, k, v)]
+    print_times((("adaattn.low_rank_attn", lambda q, k, v: low_rank(q, k, v, plan.basis)),
+                 ("adaattn.flash_attn", lambda q, k, v: adaattn.flash_attn(q, k, v, causal=True))),
+                inputs, dout, device)
 
 
 if __name__ == "__main__":
