@@ -4,7 +4,7 @@
 * adaattn.low_rank_attn: fp64 gradcheck of q, k, v and basis (CPU, CUDA exact path); fp32
   against float64 (1e-5 relative); fp16/bf16 within 2x the reference's own error for the output
   and all four gradients, at ranks that hit each tensor-core width (32, 64, 128) and ranks padded
-  up to one; opcheck; bad input.
+  up to one; opcheck; torch.compile(fullgraph=True) matches eager; bad input.
 * energy = 1.0 reproduces flash_attn; rotating the basis inside its span changes nothing;
   adaptive_rank_attn plans and runs at the planned rank (flash_attn itself when R = D).
 * adaattn.flash_attn with Dv != D: gradcheck, the low-precision rule for every tensor-core
@@ -141,6 +141,30 @@ def test_opcheck_low_rank(device):
     u = torch.randn(1, 2, 64, 16, device=device, dtype=torch.float32, requires_grad=True)
     torch.library.opcheck(torch.ops.adaattn.low_rank_attn.default, (q, k, v, u),
                           {"causal": True})
+
+
+@pytest.mark.parametrize("device,dtype", [("cpu", torch.float32),
+                                          pytest.param("cuda", torch.bfloat16,
+                                                       marks=pytest.mark.cuda)])
+def test_low_rank_torch_compile_fullgraph(device, dtype):
+    """A compiled call (basis learnable, as a parameter) matches eager with no graph break."""
+    torch._dynamo.reset()
+    q, k, v = (torch.randn(2, 4, 40, 64, device=device, dtype=dtype) for _ in range(3))
+    u = torch.randn(2, 4, 64, 16, device=device)
+
+    def run(fn):
+        inputs = [t.detach().clone().requires_grad_() for t in (q, k, v, u)]
+        out = fn(*inputs)
+        out.backward(torch.ones_like(out))
+        return [out.detach()] + [t.grad for t in inputs]
+
+    def attend(q, k, v, u):
+        return adaattn.low_rank_attn(q, k, v, u, causal=True) * 2
+
+    eager = run(attend)
+    compiled = run(torch.compile(attend, backend="aot_eager", fullgraph=True))
+    for i, (c, e) in enumerate(zip(compiled, eager)):
+        torch.testing.assert_close(c, e, msg=lambda m: f"tensor {i}: {m}")
 
 
 def test_low_rank_bad_input():
