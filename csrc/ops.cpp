@@ -605,6 +605,7 @@ TORCH_LIBRARY(adaattn, m) {
       "Tensor kv_num_blocks, Tensor kv_indices, Tensor q_num_blocks, Tensor q_indices, "
       "int block_m, int block_n, float? softmax_scale, bool causal) -> (Tensor grad_q, "
       "Tensor grad_k, Tensor grad_v)");
+  m.def("sym_eig(Tensor a) -> (Tensor eigenvalues, Tensor eigenvectors)");
 }
 
 TORCH_LIBRARY_IMPL(adaattn, CPU, m) {
