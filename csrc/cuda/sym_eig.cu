@@ -50,7 +50,7 @@ struct EigCfg {
   static constexpr int S2 = N + 4;  // post-processing stride: 16-byte rows, 4-bank row shift
   static constexpr int G = N / 16;  // V segments (8 pairs each) per row
   static constexpr int VT = N * G;  // V threads; also the (N / 4)^2 GEMM tiles
-  static constexpr int T = VT < 32 ? 32 : VT;
+  static constexpr int T = (VT + 31) / 32 * 32;  // whole warps (block_sum)
   static constexpr int WARPS = T / 32;
   static constexpr int TASKS = M * (M - 1) / 2;
   static constexpr int NT = (TASKS + T - 1) / T;  // tasks per thread
@@ -60,7 +60,7 @@ struct EigCfg {
   static constexpr int OFF_ROT = OFF_D + 2 * N;
   static constexpr int OFF_X = OFF_ROT + 4 * M;  // V exchange [2][2][VT]; ranks, signs later
   static constexpr int OFF_RED = OFF_X + 4 * VT;
-  static constexpr int FLOATS = OFF_RED + 4 * WARPS;  // two doubles per warp
+  static constexpr int FLOATS = OFF_RED + 2 * WARPS;  // one double per warp
   static constexpr int SMEM_BYTES = FLOATS * 4;
   static_assert(4 * VT >= 3 * N, "ranks, inverse ranks and signs reuse the exchange buffer");
   static_assert(M <= T, "the designated tasks (the first m) must be every thread's first task");
