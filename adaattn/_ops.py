@@ -101,3 +101,8 @@ def _block_sparse_bwd_fake(grad_out, q, k, v, out, lse, kv_num_blocks, kv_indice
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             torch.empty_like(k, memory_format=torch.contiguous_format),
             torch.empty_like(v, memory_format=torch.contiguous_format))
+
+
+@torch.library.register_fake("adaattn::sym_eig")
+def _sym_eig_fake(a):
+    return a.new_empty(a.shape[:2]), torch.empty_like(a, memory_format=torch.contiguous_format)

@@ -28,6 +28,23 @@ class RankPlan(NamedTuple):
     eigenvalues: torch.Tensor
 
 
+# Largest D of torch.ops.adaattn.sym_eig (core/jacobi.h's kSymEigMaxDim).
+_SYM_EIG_MAX_DIM = 256
+
+
+def _gram(q: torch.Tensor, k: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``q^T q + k^T k`` per batch entry, ``[N, D, D]`` in ``dtype``, for q ``[N, Lq, D]`` and
+    k ``[N, Lk, D]``. fp16/bf16 inputs on CUDA accumulate in float32 inside the GEMM
+    (``out_dtype``) instead of being copied to float32 first; the CPU GEMMs have no
+    ``out_dtype``, so there they are converted."""
+    def gram(x):
+        if x.is_cuda and dtype == torch.float32 and x.dtype in (torch.float16, torch.bfloat16):
+            return torch.bmm(x.mT, x, out_dtype=torch.float32)
+        x = x.to(dtype)
+        return torch.bmm(x.mT, x)
+    return gram(q) + gram(k)
+
+
 def _check_qk(q: torch.Tensor, k: torch.Tensor) -> int:
     if q.dim() != 4 or k.dim() != 4:
         raise ValueError(f"adaattn: q and k must be [B, H, L, D], got q {tuple(q.shape)}, "
@@ -49,11 +66,14 @@ def rank_plan(q: torch.Tensor, k: torch.Tensor, *, energy: float = 0.99, min_ran
     """Per (batch, kv head) subspace of the queries and keys, sized by spectral energy.
 
     For each ``(b, g)``: ``G = K^T K + sum over the query heads h of group g of Q_h^T Q_h``
-    (``D x D``, float32), eigendecomposed in float64 (batched ``torch.linalg.eigh`` on q's
-    device); the rank is the smallest ``r >= min_rank``, rounded up to a multiple of
-    ``multiple`` and capped at ``D``, whose largest eigenvalues hold ``energy`` of the trace. No gradient flows; the result
-    is deterministic for given inputs. Reading the largest rank to size ``basis`` is one host
-    synchronisation per plan (a plan is meant to be reused across steps and layers).
+    (``D x D``, accumulated in float32 without a float32 copy of q and k on CUDA), eigendecomposed
+    by ``torch.ops.adaattn.sym_eig`` (batched Jacobi, float32, eigenvectors orthonormal to a few
+    float32 ulps); the rank is the smallest ``r >= min_rank``, rounded up to a multiple of
+    ``multiple`` and capped at ``D``, whose largest eigenvalues hold ``energy`` of the trace.
+    float64 inputs (and ``D > 256``) take an exact path instead: ``G`` in float64 and
+    ``torch.linalg.eigh`` in float64. No gradient flows; the result is deterministic for given
+    inputs. Reading the largest rank to size ``basis`` is one host synchronisation per plan (a
+    plan is meant to be reused across steps and layers).
 
     Args:
         q: ``[B, Hq, Lq, D]``; k: ``[B, Hkv, Lk, D]`` with ``Hq % Hkv == 0``.
@@ -71,13 +91,16 @@ def rank_plan(q: torch.Tensor, k: torch.Tensor, *, energy: float = 0.99, min_ran
         raise ValueError(f"adaattn: min_rank and multiple must be positive, got {min_rank}, "
                          f"{multiple}")
     b, hkv, dim = k.shape[0], k.shape[1], k.shape[3]
-    qf = q.float().reshape(b, hkv, group * q.shape[2], dim)
-    kf = k.float()
-    gram = qf.transpose(-1, -2) @ qf + kf.transpose(-1, -2) @ kf  # [B, Hkv, D, D]
-    # eigh in float64: float32 eigenvectors come out orthonormal only to ~1e-5 at D = 64.
-    values, vectors = torch.linalg.eigh(gram.double())  # ascending
-    values = values.flip(-1).clamp(min=0).float()
-    vectors = vectors.flip(-1).float()
+    exact = torch.float64 in (q.dtype, k.dtype) or not 1 <= dim <= _SYM_EIG_MAX_DIM
+    gram = _gram(q.reshape(b * hkv, group * q.shape[2], dim), k.reshape(b * hkv, k.shape[2], dim),
+                 torch.float64 if exact else torch.float32)
+    if exact:
+        values, vectors = torch.linalg.eigh(gram)  # ascending
+        values, vectors = values.flip(-1).float(), vectors.flip(-1).float()
+    else:
+        values, vectors = torch.ops.adaattn.sym_eig(gram)  # descending
+    values = values.clamp(min=0).reshape(b, hkv, dim)
+    vectors = vectors.reshape(b, hkv, dim, dim)
     if energy >= 1.0:
         ranks = torch.full((b, hkv), dim, dtype=torch.int32, device=q.device)
     else:

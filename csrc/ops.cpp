@@ -618,6 +618,7 @@ TORCH_LIBRARY(adaattn, m) {
   m.def(
       "low_rank_attn(Tensor q, Tensor k, Tensor v, Tensor basis, bool causal=False, "
       "float? softmax_scale=None) -> (Tensor out, Tensor lse)");
+  m.def("sym_eig(Tensor a) -> (Tensor eigenvalues, Tensor eigenvectors)");
 }
 
 TORCH_LIBRARY_IMPL(adaattn, CPU, m) {

@@ -2,7 +2,8 @@
 adaattn.rank_error_bound (the attention itself: tests/test_low_rank.py).
 
 * rank_plan finds a planted rank, returns orthonormal, zero-padded bases and descending
-  eigenvalues and is deterministic.
+  eigenvalues, is deterministic, and energy = 1.0 keeps all D directions (float64 inputs take
+  the float64 eigh path, float32 and bfloat16 ones the sym_eig op).
 * The error bound holds on random and on planted low-rank inputs, causal and not.
 """
 import pytest
@@ -24,9 +25,13 @@ def planted(b, hq, hkv, length, dim, rank, noise, device, dtype=torch.float64):
     return q.to(device, dtype), k.to(device, dtype)
 
 
+PLAN_DTYPES = [torch.float64, torch.float32, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", PLAN_DTYPES, ids=str)
 @pytest.mark.parametrize("rank", [16, 32, 48])
-def test_finds_planted_rank(device, rank):
-    q, k = planted(2, 4, 2, 256, 128, rank, 0.01, device)
+def test_finds_planted_rank(device, rank, dtype):
+    q, k = planted(2, 4, 2, 256, 128, rank, 0.01, device, dtype)
     plan = adaattn.rank_plan(q, k, energy=0.99)
     assert plan.ranks.dtype == torch.int32 and plan.ranks.shape == (2, 2)
     assert (plan.ranks == rank).all(), plan.ranks
@@ -34,8 +39,9 @@ def test_finds_planted_rank(device, rank):
     assert plan.eigenvalues.shape == (2, 2, 128)
 
 
-def test_basis_orthonormal_padded_and_deterministic(device):
-    q, k = planted(2, 4, 1, 200, 64, 16, 0.3, device)
+@pytest.mark.parametrize("dtype", PLAN_DTYPES, ids=str)
+def test_basis_orthonormal_padded_and_deterministic(device, dtype):
+    q, k = planted(2, 4, 1, 200, 64, 16, 0.3, device, dtype)
     plan = adaattn.rank_plan(q, k, energy=0.9, min_rank=16, multiple=16)
     again = adaattn.rank_plan(q, k, energy=0.9, min_rank=16, multiple=16)
     for a, b in zip(plan, again):
@@ -51,6 +57,18 @@ def test_basis_orthonormal_padded_and_deterministic(device):
                                                                     device=device),
                                    atol=64 * torch.finfo(torch.float32).eps, rtol=0)
         assert (u[:, r:width] == 0).all()
+
+
+@pytest.mark.parametrize("plan_dtype", [torch.float64, torch.float32], ids=str)
+@pytest.mark.parametrize("causal", [False, True])
+def test_full_energy_equals_flash_attention(device, causal, plan_dtype):
+    q, k = planted(1, 4, 2, 100, 32, 8, 0.5, device)
+    v = torch.randn(1, 2, 100, 32, dtype=torch.float64, device=device)
+    plan = adaattn.rank_plan(q.to(plan_dtype), k.to(plan_dtype), energy=1.0)
+    assert (plan.ranks == 32).all()
+    low, _ = reference.low_rank_attn(q, k, v, plan.basis.double(), causal=causal)
+    full, _ = reference.flash_attn(q, k, v, causal=causal)
+    torch.testing.assert_close(low, full, atol=1e-5, rtol=0)  # the basis is float32
 
 
 def exact_basis(plan):

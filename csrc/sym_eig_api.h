@@ -1,0 +1,18 @@
+// sym_eig, the batched symmetric eigensolver for small matrices (parallel cyclic Jacobi, see
+// core/jacobi.h): validation and output allocation shared by the CPU (sym_eig.cpp) and CUDA
+// (cuda/sym_eig.cu) kernels.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <tuple>
+
+namespace adaattn {
+
+// a: float32 [N, D, D], contiguous, 1 <= D <= kSymEigMaxDim.
+void check_sym_eig_input(const at::Tensor& a);
+
+// (eigenvalues float32 [N, D], eigenvectors float32 [N, D, D]) on a's device.
+std::tuple<at::Tensor, at::Tensor> sym_eig_outputs(const at::Tensor& a);
+
+}  // namespace adaattn

@@ -1,0 +1,173 @@
+"""Tests of torch.ops.adaattn.sym_eig, the batched symmetric eigensolver behind rank_plan.
+
+Every result is checked in float64 against the input: eigenvectors orthonormal to 64 float32
+epsilons, A U = U diag(w) to 1e-5 ||A||_F, eigenvalues equal to torch.linalg.eigh's (float64) to
+1e-5 ||A||_F, descending, each column's entry of largest magnitude positive. Inputs: random
+symmetric matrices, Gram matrices with a planted rank-8 spectrum plus noise, repeated eigenvalues
+(identity, zeros, clusters), D from 1 to 128 (the CUDA kernel) and one D > 128 (CUDA: the float64
+eigh path), an empty batch. Also determinism (bitwise, and independent of the batch position),
+CUDA agreeing with CPU, errors naming `a`, and torch.library.opcheck.
+"""
+import pytest
+import torch
+
+import adaattn  # noqa: F401  (loads the op library)
+
+EPS32 = torch.finfo(torch.float32).eps
+DIMS = [1, 2, 17, 32, 64, 100, 128, 160]
+
+
+def sym_eig(a):
+    return torch.ops.adaattn.sym_eig(a)
+
+
+def random_symmetric(n, dim, device):
+    x = torch.randn(n, dim, dim, dtype=torch.float64)
+    return (x + x.mT).float().to(device)
+
+
+def planted_gram(n, dim, device, rank=8, noise=0.01, length=512):
+    """X^T X for X = (rank-`rank` signal with well-separated scales) + noise."""
+    basis = torch.linalg.qr(torch.randn(n, dim, dim, dtype=torch.float64))[0][..., :rank]
+    scales = torch.linspace(10, 3, rank, dtype=torch.float64)
+    x = torch.randn(n, length, rank, dtype=torch.float64) * scales @ basis.mT
+    x = x + noise * torch.randn(n, length, dim, dtype=torch.float64)
+    return (x.mT @ x).float().to(device)
+
+
+def with_spectrum(values, device):
+    """Q diag(values) Q^T for a random orthogonal Q, one matrix per row of `values`."""
+    q = torch.linalg.qr(torch.randn(values.shape[0], values.shape[1], values.shape[1],
+                                    dtype=torch.float64))[0]
+    return ((q * values.double().unsqueeze(-2)) @ q.mT).float().to(device)
+
+
+def check(a, w, v):
+    """The decomposition's accuracy and conventions, in float64."""
+    n, dim = a.shape[0], a.shape[-1]
+    assert w.shape == (n, dim) and v.shape == (n, dim, dim)
+    assert w.dtype == torch.float32 and v.dtype == torch.float32
+    assert w.device == a.device and v.device == a.device
+    assert torch.isfinite(w).all() and torch.isfinite(v).all()
+    a64, w64, v64 = a.double().cpu(), w.double().cpu(), v.double().cpu()
+    norm = torch.linalg.matrix_norm(a64).clamp(min=torch.finfo(torch.float64).tiny)
+    eye = torch.eye(dim, dtype=torch.float64).expand(n, dim, dim)
+    torch.testing.assert_close(v64.mT @ v64, eye, atol=64 * EPS32, rtol=0)
+    residual = (a64 @ v64 - v64 * w64.unsqueeze(-2)).abs().amax((-1, -2))
+    assert (residual <= 1e-5 * norm).all(), (residual / norm).max()
+    ref = torch.linalg.eigvalsh(a64.tril() + a64.tril(-1).mT).flip(-1)
+    error = (w64 - ref).abs().amax(-1)
+    assert (error <= 1e-5 * norm).all(), (error / norm).max()
+    assert (w[:, :-1] >= w[:, 1:]).all()
+    largest = v.gather(-2, v.abs().argmax(-2, keepdim=True))  # first row on ties
+    assert (largest > 0).all()
+
+
+@pytest.mark.parametrize("dim", DIMS)
+def test_random_symmetric(device, dim):
+    a = random_symmetric(3, dim, device)
+    check(a, *sym_eig(a))
+
+
+@pytest.mark.parametrize("dim", [17, 64, 128, 160])
+def test_planted_gram(device, dim):
+    a = planted_gram(2, dim, device)
+    w, v = sym_eig(a)
+    check(a, w, v)
+    # The planted directions are well separated: they match eigh's eigenvectors (same sign
+    # convention) one by one.
+    _, ref = torch.linalg.eigh(a.double().cpu())
+    ref = ref.flip(-1)[..., :8]
+    ref = ref * ref.gather(-2, ref.abs().argmax(-2, keepdim=True)).sign()
+    torch.testing.assert_close(v[..., :8].double().cpu(), ref, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("dim", [5, 17, 128])
+def test_identity_and_zeros(device, dim):
+    a = torch.stack([torch.eye(dim), torch.zeros(dim, dim), 3 * torch.eye(dim)]).to(device)
+    w, v = sym_eig(a)
+    check(a, w, v)
+    # Nothing to rotate: the basis stays the identity, in index order (ties keep it).
+    assert torch.equal(w.cpu(), torch.tensor([1.0, 0.0, 3.0]).repeat_interleave(dim).view(3, dim))
+    assert torch.equal(v.cpu(), torch.eye(dim).expand(3, dim, dim))
+
+
+@pytest.mark.parametrize("dim", [16, 64, 128])
+def test_clusters(device, dim):
+    """Repeated eigenvalues: the eigenvectors of a cluster are any basis of its eigenspace, so
+    the check is A U = U diag(w) plus the projector onto each cluster."""
+    levels = torch.tensor([5.0, 2.0, 1.0, 0.0])
+    values = levels.repeat_interleave(dim // 4).expand(2, dim)
+    a = with_spectrum(values, device)
+    w, v = sym_eig(a)
+    check(a, w, v)
+    torch.testing.assert_close(w.cpu(), values, atol=1e-5 * dim, rtol=0)
+    _, ref = torch.linalg.eigh(a.double().cpu())
+    ref = ref.flip(-1)
+    v64 = v.double().cpu()
+    for c in range(4):
+        part = slice(c * dim // 4, (c + 1) * dim // 4)
+        torch.testing.assert_close(v64[..., part] @ v64[..., part].mT,
+                                   ref[..., part] @ ref[..., part].mT, atol=1e-5, rtol=0)
+
+
+def test_graded_and_scaled(device):
+    """Eigenvalues over 8 decades, and matrices near the float32 range's ends (the norms are
+    summed in double)."""
+    values = torch.logspace(4, -4, 64).expand(2, 64)
+    a = with_spectrum(values, device)
+    check(a, *sym_eig(a))
+    for scale in (1e30, 1e-30):
+        b = a * scale
+        w, v = sym_eig(b)
+        check(b, w, v)
+
+
+def test_empty_batch(device):
+    for dim in (1, 128, 160):
+        w, v = sym_eig(torch.empty(0, dim, dim, device=device))
+        assert w.shape == (0, dim) and v.shape == (0, dim, dim)
+
+
+@pytest.mark.parametrize("dim", [17, 128, 160])
+def test_deterministic(device, dim):
+    a = planted_gram(4, dim, device)
+    w, v = sym_eig(a)
+    w2, v2 = sym_eig(a)
+    assert torch.equal(w, w2) and torch.equal(v, v2)
+    # Each matrix is solved on its own: its position in the batch does not matter.
+    w3, v3 = sym_eig(a.flip(0).contiguous())
+    assert torch.equal(w3.flip(0), w) and torch.equal(v3.flip(0), v)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dim", [17, 64, 128, 160])
+def test_cuda_matches_cpu(dim):
+    a = planted_gram(3, dim, "cpu")
+    w, v = sym_eig(a)
+    wc, vc = sym_eig(a.cuda())
+    check(a.cuda(), wc, vc)
+    norm = torch.linalg.matrix_norm(a.double()).max()
+    torch.testing.assert_close(wc.cpu().double(), w.double(), atol=1e-5 * norm, rtol=0)
+    torch.testing.assert_close(vc.cpu()[..., :8], v[..., :8], atol=1e-5, rtol=0)
+
+
+def test_bad_input():
+    with pytest.raises(RuntimeError, match="sym_eig: a must be float32"):
+        sym_eig(torch.eye(4, dtype=torch.float64)[None])
+    with pytest.raises(RuntimeError, match=r"sym_eig: a must have 3 dims \[N, D, D\]"):
+        sym_eig(torch.eye(4))
+    with pytest.raises(RuntimeError, match="sym_eig: a must be square"):
+        sym_eig(torch.zeros(2, 4, 5))
+    with pytest.raises(RuntimeError, match=r"sym_eig: D = a.size\(1\) must be in \[1, 256\]"):
+        sym_eig(torch.zeros(2, 0, 0))
+    with pytest.raises(RuntimeError, match=r"sym_eig: D = a.size\(1\) must be in \[1, 256\]"):
+        sym_eig(torch.zeros(1, 257, 257))
+    with pytest.raises(RuntimeError, match="sym_eig: a must be contiguous"):
+        sym_eig(torch.zeros(2, 4, 4).mT)
+
+
+@pytest.mark.parametrize("dim", [17, 128])
+def test_opcheck(device, dim):
+    a = random_symmetric(2, dim, device)
+    torch.library.opcheck(torch.ops.adaattn.sym_eig.default, (a,))
