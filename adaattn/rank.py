@@ -84,25 +84,42 @@ def rank_plan(q: torch.Tensor, k: torch.Tensor, *, energy: float = 0.99, min_ran
     Returns:
         :class:`RankPlan` ``(basis [B, Hkv, D, R], ranks [B, Hkv], eigenvalues [B, Hkv, D])``.
     """
+    group = _check_plan_args(q, k, energy, min_rank, multiple)
+    return _plan_from_gram(*_plan_gram(q, k, group), energy, min_rank, multiple)
+
+
+def _check_plan_args(q: torch.Tensor, k: torch.Tensor, energy: float, min_rank: int,
+                     multiple: int) -> int:
     group = _check_qk(q, k)
     if not 0.0 < energy <= 1.0:
         raise ValueError(f"adaattn: energy must be in (0, 1], got {energy}")
     if min_rank < 1 or multiple < 1:
         raise ValueError(f"adaattn: min_rank and multiple must be positive, got {min_rank}, "
                          f"{multiple}")
+    return group
+
+
+def _plan_gram(q: torch.Tensor, k: torch.Tensor, group: int) -> Tuple[torch.Tensor, bool]:
+    """``G [B * Hkv, D, D]`` and whether the plan takes the exact float64 path."""
     b, hkv, dim = k.shape[0], k.shape[1], k.shape[3]
     exact = torch.float64 in (q.dtype, k.dtype) or not 1 <= dim <= _SYM_EIG_MAX_DIM
     gram = _gram(q.reshape(b * hkv, group * q.shape[2], dim), k.reshape(b * hkv, k.shape[2], dim),
                  torch.float64 if exact else torch.float32)
+    return gram.reshape(b, hkv, dim, dim), exact
+
+
+def _plan_from_gram(gram: torch.Tensor, exact: bool, energy: float, min_rank: int,
+                    multiple: int) -> RankPlan:
+    b, hkv, dim = gram.shape[:3]
     if exact:
         values, vectors = torch.linalg.eigh(gram)  # ascending
         values, vectors = values.flip(-1).float(), vectors.flip(-1).float()
     else:
-        values, vectors = torch.ops.adaattn.sym_eig(gram)  # descending
-    values = values.clamp(min=0).reshape(b, hkv, dim)
-    vectors = vectors.reshape(b, hkv, dim, dim)
+        values, vectors = torch.ops.adaattn.sym_eig(gram.reshape(b * hkv, dim, dim))  # descending
+        values, vectors = values.reshape(b, hkv, dim), vectors.reshape(b, hkv, dim, dim)
+    values = values.clamp(min=0)
     if energy >= 1.0:
-        ranks = torch.full((b, hkv), dim, dtype=torch.int32, device=q.device)
+        ranks = torch.full((b, hkv), dim, dtype=torch.int32, device=gram.device)
     else:
         # The cumulative energy is non-decreasing: the rank is the index of its first entry that
         # reaches the target, plus one.
@@ -111,9 +128,31 @@ def rank_plan(q: torch.Tensor, k: torch.Tensor, *, energy: float = 0.99, min_ran
         ranks = first.clamp(min=min_rank)
         ranks = ((ranks + multiple - 1) // multiple * multiple).clamp(max=dim).to(torch.int32)
     width = int(ranks.max().item()) if ranks.numel() else 0
-    columns = torch.arange(width, device=q.device)
+    columns = torch.arange(width, device=gram.device)
     basis = vectors[..., :width] * (columns < ranks.unsqueeze(-1)).unsqueeze(-2)
     return RankPlan(basis.contiguous(), ranks, values)
+
+
+def _keeps_every_direction(gram: torch.Tensor, energy: float, min_rank: int,
+                           multiple: int) -> bool:
+    """True only if the plan of ``gram [B, Hkv, D, D]`` provably gives every head rank D.
+
+    A rank rounds up to D iff it exceeds ``c = multiple * floor((D - 1) / multiple)``, i.e. iff
+    the top ``c`` eigenvalues hold less than ``energy`` of the trace, i.e. iff the bottom
+    ``D - c`` hold more than ``1 - energy`` of it. That holds when every eigenvalue exceeds
+    ``t = (1 - energy) * trace / (D - c)``, which a successful Cholesky factorisation of
+    ``G - t I`` proves (batched, one host sync). ``t`` carries a margin of ``8 D eps * trace``
+    for the factorisation's rounding (backward error ~ D eps ||G||, ||G|| <= trace)."""
+    dim = gram.shape[-1]
+    cut = multiple * ((dim - 1) // multiple)
+    if energy >= 1.0 or min_rank > cut:
+        return True
+    trace = gram.diagonal(dim1=-2, dim2=-1).sum(-1)
+    eps = torch.finfo(gram.dtype).eps
+    shift = ((1.0 - energy) / (dim - cut) + 8 * dim * eps) * trace
+    eye = torch.eye(dim, dtype=gram.dtype, device=gram.device)
+    info = torch.linalg.cholesky_ex(gram - shift[..., None, None] * eye).info
+    return bool((info == 0).all().item())
 
 
 @torch.no_grad()
@@ -187,7 +226,10 @@ def adaptive_rank_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     """:func:`rank_plan` (detached) followed by :func:`low_rank_attn` at the plan's rank.
 
     When the plan keeps every direction (largest rank = D) this is :func:`flash_attn` itself:
-    projecting onto a full orthonormal basis changes nothing but the cost.
+    projecting onto a full orthonormal basis changes nothing but the cost. Full-rank inputs are
+    recognised before the eigendecomposition (a Cholesky factorisation of the shifted Gram
+    matrix proves every eigenvalue large enough that each head's rank rounds up to D), so they
+    cost the Gram matrices, the factorisation and one host sync on top of flash_attn.
 
     Args:
         q: ``[B, Hq, Lq, D]``; k: ``[B, Hkv, Lk, D]``; v: ``[B, Hkv, Lk, Dv]``.
@@ -199,9 +241,13 @@ def adaptive_rank_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     Returns:
         ``out [B, Hq, Lq, Dv]``, and the plan when ``return_plan``.
     """
-    plan = rank_plan(q.detach(), k.detach(), energy=energy, min_rank=min_rank,
-                     multiple=multiple)
-    if plan.basis.shape[-1] == q.shape[-1]:
+    with torch.no_grad():
+        group = _check_plan_args(q, k, energy, min_rank, multiple)
+        gram, exact = _plan_gram(q.detach(), k.detach(), group)
+        # Full-rank inputs skip the eigendecomposition: the plan would keep every direction.
+        full = not return_plan and _keeps_every_direction(gram, energy, min_rank, multiple)
+        plan = None if full else _plan_from_gram(gram, exact, energy, min_rank, multiple)
+    if full or plan.basis.shape[-1] == q.shape[-1]:
         out = flash_attn(q, k, v, causal=causal, softmax_scale=softmax_scale)
     else:
         out = low_rank_attn(q, k, v, plan.basis, causal=causal, softmax_scale=softmax_scale)

@@ -133,6 +133,31 @@ def test_adaptive_rank_runs_at_the_planned_rank(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_adaptive_rank_full_rank_shortcut(device):
+    """Full-rank inputs skip the eigendecomposition, and only when the plan would keep every
+    direction: over spectra from flat to steep, the certificate never claims rank D for a plan
+    with a smaller rank, and it does fire on isotropic q, k."""
+    from adaattn.rank import _check_plan_args, _keeps_every_direction, _plan_gram
+    fired = 0
+    for decay in (0.0, 0.005, 0.01, 0.02, 0.05, 0.1):
+        for energy in (0.9, 0.99, 0.999):
+            scale = torch.exp(-decay * torch.arange(64, dtype=torch.float32))
+            q = (torch.randn(2, 4, 256, 64) * scale).to(device)
+            k = (torch.randn(2, 2, 256, 64) * scale).to(device)
+            gram, exact = _plan_gram(q, k, _check_plan_args(q, k, energy, 16, 16))
+            certified = _keeps_every_direction(gram, energy, 16, 16)
+            plan = adaattn.rank_plan(q, k, energy=energy)
+            if certified:
+                fired += 1
+                assert (plan.ranks == 64).all(), (decay, energy, plan.ranks)
+    assert fired > 0
+    q, k, v = (torch.randn(2, 4, 256, 64, device=device) for _ in range(3))
+    k, v = k[:, :2], v[:, :2]
+    torch.testing.assert_close(adaattn.adaptive_rank_attn(q, k, v, causal=True),
+                               adaattn.flash_attn(q, k, v, causal=True), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_opcheck_low_rank(device):
     dtype = torch.float64 if device == "cpu" else torch.bfloat16
     q = torch.randn(1, 4, 33, 64, device=device, dtype=dtype, requires_grad=True)
