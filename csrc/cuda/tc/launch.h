@@ -31,7 +31,7 @@ struct FlashConfig<64> {
 
 template <>
 struct FlashConfig<128> {
-  static constexpr int kFwdWarps = 4, kFwdMI = 2, kFwdBlockN = 32;
+  static constexpr int kFwdWarps = 4, kFwdMI = 2, kFwdBlockN = 64;
   static constexpr int kKVWarps = 4, kKVMI = 1, kKVBlockM = 64;
   static constexpr int kQWarps = 4, kQMI = 2, kQBlockN = 32;
 };
