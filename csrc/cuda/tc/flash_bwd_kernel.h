@@ -128,155 +128,165 @@ __device__ __forceinline__ void bwd_dkdv_block(const AttnParams& p, int block) {
   zero(dk);
   zero(dv);
 
-  const QuerySteps<BM> query = query_steps<BM>(p, b, h_kv, n0, rows);
-  const int steps = query.count;
-  const bool param_grads = kElastic && p.dbias != nullptr;
-  const int bias_span = p.bias_window < p.len_k ? p.bias_window : p.len_k;  // distances < Lk
+  // The mainloop over the key tile's query steps (tiles.h). Dense masks get their own copy
+  // with a plain range, so the block-list lookup costs them nothing.
+  auto mainloop = [&](const auto& query) {
+    const int steps = query.count;
+    const bool param_grads = kElastic && p.dbias != nullptr;
+    const int bias_span = p.bias_window < p.len_k ? p.bias_window : p.len_k;  // distances < Lk
 
-  auto issue_step = [&](int s, int buf) {
-    int h, m0;
-    query.at(p, s, h, m0);
-    const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride +
-                 (lens.q_start + m0) * p.q_row_stride;
-    const T* d = static_cast<const T*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride +
-                 (lens.q_start + m0) * p.do_row_stride;
-    load_tile_async<BM, DK, kThreads>(sQ(buf), q, p.q_row_stride, lens.rows_q - m0, tid);
-    load_tile_async<BM, DV, kThreads>(sdO(buf), d, p.do_row_stride, lens.rows_q - m0, tid);
-    const int64_t lse_off = row_stat_offset(p, lens, b, h);
-    for (int i = tid; i < BM; i += kThreads) {
-      const bool valid = m0 + i < lens.rows_q;
-      sLse(buf)[i] = lse_log2(p.lse + lse_off, m0 + i, lens.rows_q);
-      sDelta(buf)[i] = valid ? p.delta[lse_off + m0 + i] : 0.f;
-      if (kElastic) {
-        sShift(buf)[i] = valid ? lazy_shift<float>(p, h, lazy_position(lens, m0 + i)) : 0.f;
+    auto issue_step = [&](int s, int buf) {
+      int h, m0;
+      query.at(p, s, h, m0);
+      const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride +
+                   (lens.q_start + m0) * p.q_row_stride;
+      const T* d = static_cast<const T*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride +
+                   (lens.q_start + m0) * p.do_row_stride;
+      load_tile_async<BM, DK, kThreads>(sQ(buf), q, p.q_row_stride, lens.rows_q - m0, tid);
+      load_tile_async<BM, DV, kThreads>(sdO(buf), d, p.do_row_stride, lens.rows_q - m0, tid);
+      const int64_t lse_off = row_stat_offset(p, lens, b, h);
+      for (int i = tid; i < BM; i += kThreads) {
+        const bool valid = m0 + i < lens.rows_q;
+        sLse(buf)[i] = lse_log2(p.lse + lse_off, m0 + i, lens.rows_q);
+        sDelta(buf)[i] = valid ? p.delta[lse_off + m0 + i] : 0.f;
+        if (kElastic) {
+          sShift(buf)[i] = valid ? lazy_shift<float>(p, h, lazy_position(lens, m0 + i)) : 0.f;
+        }
       }
-    }
-  };
+    };
 
-  if (steps > 0) {
-    load_tile_async<kBlockN, DK, kThreads>(sK, kptr, p.k_row_stride, valid_k, tid);
-    load_tile_async<kBlockN, DV, kThreads>(sV, vptr, p.v_row_stride, valid_k, tid);
-    issue_step(0, 0);
-    cp_async_commit();
-  }
-
-  for (int s = 0; s < steps; ++s) {
-    const int buf = s & 1;
-    int h, m0;
-    query.at(p, s, h, m0);
-    cp_async_wait_all();
-    __syncthreads();
-    if (s + 1 < steps) {
-      issue_step(s + 1, buf ^ 1);
+    if (steps > 0) {
+      load_tile_async<kBlockN, DK, kThreads>(sK, kptr, p.k_row_stride, valid_k, tid);
+      load_tile_async<kBlockN, DV, kThreads>(sV, vptr, p.v_row_stride, valid_k, tid);
+      issue_step(0, 0);
       cp_async_commit();
     }
 
-    // S^T[key, query] in log2 units, then P^T (and the weights A^T when elastic).
-    float st[MI][NT][4];
-    zero(st);
-    warp_gemm_nt<MI, NT, DK>(st, sK, warp_row0, sQ(buf), 0, lane);
-#pragma unroll
-    for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-      for (int ni = 0; ni < NT; ++ni)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) st[mi][ni][e] *= p.scale_log2;
-    if (kElastic && tile_meets_bias(p, lens, m0, n0 + warp_row0 + 16 * MI - 1)) {
-      add_bias<true>(st, p, lens, h, n0 + warp_row0, m0, lane);
-    }
-    const bool full = tile_is_full(p, lens, m0, m0 + BM, n0 + warp_row0, n0 + warp_row0 + 16 * MI);
-    float at[MI][NT][4];  // elastic weights A^T
-    bool any_weight = true;
-#pragma unroll
-    for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-      for (int ni = 0; ni < NT; ++ni)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int qcol = ni * 8 + 2 * t + (e & 1);
-          float pe = exp2f(st[mi][ni][e] - sLse(buf)[qcol]);
-          bool attended = true;
-          if (!full) {
-            const int key = n0 + warp_row0 + mi * 16 + g + 8 * (e >> 1);
-            const KeyRange r = key_range(p, lens, m0 + qcol);
-            attended = key >= r.lo && key < r.hi;
-            if (!attended) pe = 0.f;
-          }
-          st[mi][ni][e] = pe;
-          if (kElastic) at[mi][ni][e] = attended ? fmaxf(0.f, pe + sShift(buf)[qcol]) : 0.f;
-        }
-    if (kElastic) {
-      bool any = false;
-#pragma unroll
-      for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-        for (int ni = 0; ni < NT; ++ni)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) any |= at[mi][ni][e] > 0.f;
-      any_weight = __any_sync(0xffffffff, any);
-    }
-
-    // dA^T = dP^T = V dO^T (elastic: only where some weight is live).
-    float dpt[MI][NT][4];
-    zero(dpt);
-    if (any_weight) warp_gemm_nt<MI, NT, DV>(dpt, sV, warp_row0, sdO(buf), 0, lane);
-
-    if (any_weight) {
-      uint32_t pa[MI][NT / 2][4];
-      to_a_frags<MI, NT, T>(kElastic ? at : st, pa);
-      warp_gemm_rs<MI, DTV, NT / 2, DV>(dv, pa, sdO(buf), 0, lane);
-    }
-
-    // dS^T = P^T * (M dA^T - Delta)   (softmax: M = 1).
-#pragma unroll
-    for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-      for (int ni = 0; ni < NT; ++ni)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int qcol = ni * 8 + 2 * t + (e & 1);
-          const float da = !kElastic || at[mi][ni][e] > 0.f ? dpt[mi][ni][e] : 0.f;
-          dpt[mi][ni][e] = st[mi][ni][e] * (da - sDelta(buf)[qcol]);
-        }
-
-    if (param_grads && tile_meets_bias(p, lens, m0, n0 + kBlockN - 1)) {
-      // dbias: stage dS^T, then thread i sums diagonals i, i + kThreads, ... (distance
-      // d = pos(query) - key) in a fixed order into this CTA's partial for head h.
-      constexpr int kStageKeys = Traits::kStageKeys;
-      float* partial =
-          p.dbias_partial +
-          (h * tile_slots<true>(p, kBlockN) + tile.slot) * static_cast<int64_t>(bias_span);
-      const int base = lazy_position(lens, m0) - n0;
-      for (int r0 = 0; r0 < kBlockN; r0 += kStageKeys) {
-        if (warp_row0 >= r0 && warp_row0 < r0 + kStageKeys) {
-#pragma unroll
-          for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-            for (int ni = 0; ni < NT; ++ni)
-#pragma unroll
-              for (int e = 0; e < 4; ++e) {
-                const int key = warp_row0 - r0 + mi * 16 + g + 8 * (e >> 1);
-                sStage[key * BM + ni * 8 + 2 * t + (e & 1)] = dpt[mi][ni][e];
-              }
-        }
-        __syncthreads();
-        // o = query - key; keys [r0, r0 + kStageKeys) meet queries [0, BM).
-        for (int o = tid - (r0 + kStageKeys - 1); o < BM - r0; o += kThreads) {
-          const int d = base + o;
-          if (d < 0 || d >= bias_span) continue;
-          const int k_lo = -o > r0 ? -o : r0;
-          const int k_hi = BM - o < r0 + kStageKeys ? BM - o : r0 + kStageKeys;
-          float sum = 0.f;
-          for (int kr = k_lo; kr < k_hi; ++kr) sum += sStage[(kr - r0) * BM + kr + o];
-          partial[d] += sum;
-        }
-        __syncthreads();
+    for (int s = 0; s < steps; ++s) {
+      const int buf = s & 1;
+      int h, m0;
+      query.at(p, s, h, m0);
+      cp_async_wait_all();
+      __syncthreads();
+      if (s + 1 < steps) {
+        issue_step(s + 1, buf ^ 1);
+        cp_async_commit();
       }
+
+      // S^T[key, query] in log2 units, then P^T (and the weights A^T when elastic).
+      float st[MI][NT][4];
+      zero(st);
+      warp_gemm_nt<MI, NT, DK>(st, sK, warp_row0, sQ(buf), 0, lane);
+  #pragma unroll
+      for (int mi = 0; mi < MI; ++mi)
+  #pragma unroll
+        for (int ni = 0; ni < NT; ++ni)
+  #pragma unroll
+          for (int e = 0; e < 4; ++e) st[mi][ni][e] *= p.scale_log2;
+      if (kElastic && tile_meets_bias(p, lens, m0, n0 + warp_row0 + 16 * MI - 1)) {
+        add_bias<true>(st, p, lens, h, n0 + warp_row0, m0, lane);
+      }
+      const bool full =
+          tile_is_full(p, lens, m0, m0 + BM, n0 + warp_row0, n0 + warp_row0 + 16 * MI);
+      float at[MI][NT][4];  // elastic weights A^T
+      bool any_weight = true;
+  #pragma unroll
+      for (int mi = 0; mi < MI; ++mi)
+  #pragma unroll
+        for (int ni = 0; ni < NT; ++ni)
+  #pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int qcol = ni * 8 + 2 * t + (e & 1);
+            float pe = exp2f(st[mi][ni][e] - sLse(buf)[qcol]);
+            bool attended = true;
+            if (!full) {
+              const int key = n0 + warp_row0 + mi * 16 + g + 8 * (e >> 1);
+              const KeyRange r = key_range(p, lens, m0 + qcol);
+              attended = key >= r.lo && key < r.hi;
+              if (!attended) pe = 0.f;
+            }
+            st[mi][ni][e] = pe;
+            if (kElastic) at[mi][ni][e] = attended ? fmaxf(0.f, pe + sShift(buf)[qcol]) : 0.f;
+          }
+      if (kElastic) {
+        bool any = false;
+  #pragma unroll
+        for (int mi = 0; mi < MI; ++mi)
+  #pragma unroll
+          for (int ni = 0; ni < NT; ++ni)
+  #pragma unroll
+            for (int e = 0; e < 4; ++e) any |= at[mi][ni][e] > 0.f;
+        any_weight = __any_sync(0xffffffff, any);
+      }
+
+      // dA^T = dP^T = V dO^T (elastic: only where some weight is live).
+      float dpt[MI][NT][4];
+      zero(dpt);
+      if (any_weight) warp_gemm_nt<MI, NT, DV>(dpt, sV, warp_row0, sdO(buf), 0, lane);
+
+      if (any_weight) {
+        uint32_t pa[MI][NT / 2][4];
+        to_a_frags<MI, NT, T>(kElastic ? at : st, pa);
+        warp_gemm_rs<MI, DTV, NT / 2, DV>(dv, pa, sdO(buf), 0, lane);
+      }
+
+      // dS^T = P^T * (M dA^T - Delta)   (softmax: M = 1).
+  #pragma unroll
+      for (int mi = 0; mi < MI; ++mi)
+  #pragma unroll
+        for (int ni = 0; ni < NT; ++ni)
+  #pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int qcol = ni * 8 + 2 * t + (e & 1);
+            const float da = !kElastic || at[mi][ni][e] > 0.f ? dpt[mi][ni][e] : 0.f;
+            dpt[mi][ni][e] = st[mi][ni][e] * (da - sDelta(buf)[qcol]);
+          }
+
+      if (param_grads && tile_meets_bias(p, lens, m0, n0 + kBlockN - 1)) {
+        // dbias: stage dS^T, then thread i sums diagonals i, i + kThreads, ... (distance
+        // d = pos(query) - key) in a fixed order into this CTA's partial for head h.
+        constexpr int kStageKeys = Traits::kStageKeys;
+        float* partial =
+            p.dbias_partial +
+            (h * tile_slots<true>(p, kBlockN) + tile.slot) * static_cast<int64_t>(bias_span);
+        const int base = lazy_position(lens, m0) - n0;
+        for (int r0 = 0; r0 < kBlockN; r0 += kStageKeys) {
+          if (warp_row0 >= r0 && warp_row0 < r0 + kStageKeys) {
+  #pragma unroll
+            for (int mi = 0; mi < MI; ++mi)
+  #pragma unroll
+              for (int ni = 0; ni < NT; ++ni)
+  #pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                  const int key = warp_row0 - r0 + mi * 16 + g + 8 * (e >> 1);
+                  sStage[key * BM + ni * 8 + 2 * t + (e & 1)] = dpt[mi][ni][e];
+                }
+          }
+          __syncthreads();
+          // o = query - key; keys [r0, r0 + kStageKeys) meet queries [0, BM).
+          for (int o = tid - (r0 + kStageKeys - 1); o < BM - r0; o += kThreads) {
+            const int d = base + o;
+            if (d < 0 || d >= bias_span) continue;
+            const int k_lo = -o > r0 ? -o : r0;
+            const int k_hi = BM - o < r0 + kStageKeys ? BM - o : r0 + kStageKeys;
+            float sum = 0.f;
+            for (int kr = k_lo; kr < k_hi; ++kr) sum += sStage[(kr - r0) * BM + kr + o];
+            partial[d] += sum;
+          }
+          __syncthreads();
+        }
+      }
+
+      uint32_t dsa[MI][NT / 2][4];
+      to_a_frags<MI, NT, T>(dpt, dsa);
+      warp_gemm_rs<MI, DTK, NT / 2, DK>(dk, dsa, sQ(buf), 0, lane);
     }
 
-    uint32_t dsa[MI][NT / 2][4];
-    to_a_frags<MI, NT, T>(dpt, dsa);
-    warp_gemm_rs<MI, DTK, NT / 2, DK>(dk, dsa, sQ(buf), 0, lane);
+  };
+  if (kElastic || p.block_kv_num == nullptr) {
+    mainloop(dense_query_steps<BM>(p, h_kv, rows));
+  } else {
+    mainloop(query_steps<BM>(p, b, h_kv, n0, rows));
   }
 
   // Stage through the warp's own rows of sK (all reads of sK/sV are done after this barrier).
@@ -375,98 +385,107 @@ __device__ __forceinline__ void bwd_dq_block(const AttnParams& p, int block) {
   float dq[MI][DTK][4];
   zero(dq);
   const int valid_q = lens.rows_q - m0;
-  const KeyTiles tiles = key_tiles<BN>(p, tile_keys, b, h, m0);
-  if (tiles.count > 0) {
-    auto issue_kv = [&](int n_block, int buf) {
-      const int n0 = n_block * BN;
-      load_tile_async<BN, DK, kThreads>(sK(buf), k + static_cast<int64_t>(n0) * p.k_row_stride,
-                                        p.k_row_stride, lens.rows_k - n0, tid);
-      load_tile_async<BN, DV, kThreads>(sV(buf), v + static_cast<int64_t>(n0) * p.v_row_stride,
-                                        p.v_row_stride, lens.rows_k - n0, tid);
-    };
-    load_tile_async<kBlockM, DK, kThreads>(sQ, q, p.q_row_stride, valid_q, tid);
-    load_tile_async<kBlockM, DV, kThreads>(sdO, dout, p.do_row_stride, valid_q, tid);
-    issue_kv(tiles.at(0), 0);
-    cp_async_commit();
+  // The mainloop over the row tile's key tiles (tiles.h); dense masks get their own copy, as
+  // in the forward kernel.
+  auto mainloop = [&](const auto& tiles) {
+    if (tiles.count > 0) {
+      auto issue_kv = [&](int n_block, int buf) {
+        const int n0 = n_block * BN;
+        load_tile_async<BN, DK, kThreads>(sK(buf), k + static_cast<int64_t>(n0) * p.k_row_stride,
+                                          p.k_row_stride, lens.rows_k - n0, tid);
+        load_tile_async<BN, DV, kThreads>(sV(buf), v + static_cast<int64_t>(n0) * p.v_row_stride,
+                                          p.v_row_stride, lens.rows_k - n0, tid);
+      };
+      load_tile_async<kBlockM, DK, kThreads>(sQ, q, p.q_row_stride, valid_q, tid);
+      load_tile_async<kBlockM, DV, kThreads>(sdO, dout, p.do_row_stride, valid_q, tid);
+      issue_kv(tiles.at(0), 0);
+      cp_async_commit();
 
-    for (int i = 0; i < tiles.count; ++i) {
-      const int buf = i & 1;
-      const int n0 = tiles.at(i) * BN;
-      cp_async_wait_all();
-      __syncthreads();
-      if (i + 1 < tiles.count) {
-        issue_kv(tiles.at(i + 1), buf ^ 1);
-        cp_async_commit();
-      }
-      float s[MI][NT][4];
-      zero(s);
-      warp_gemm_nt<MI, NT, DK>(s, sQ, warp_row0, sK(buf), 0, lane);
-      const bool full =
-          tile_is_full(p, lens, m0 + warp_row0, m0 + warp_row0 + 16 * MI, n0, n0 + BN);
-#pragma unroll
-      for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-        for (int ni = 0; ni < NT; ++ni)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) s[mi][ni][e] = s[mi][ni][e] * p.scale_log2;
-      if (kElastic && tile_meets_bias(p, lens, m0 + warp_row0, n0 + BN - 1)) {
-        add_bias<false>(s, p, lens, h, m0 + warp_row0, n0, lane);
-      }
-      if (!full) mask_scores(s, rr, n0, lane);
-      // P, and the elastic live mask M (as the weight a > 0) kept in `live`.
-      uint32_t live[MI] = {};
-      bool any_live = true;
-#pragma unroll
-      for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-        for (int ni = 0; ni < NT; ++ni)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const bool attended = s[mi][ni][e] != -INFINITY;
-            const float pe = exp2f(s[mi][ni][e] - lse2[mi][e >> 1]);
-            s[mi][ni][e] = pe;
-            if (kElastic && attended && pe + shift[mi][e >> 1] > 0.f) {
-              live[mi] |= 1u << (ni * 4 + e);
-            }
-          }
-      if (kElastic) {
-        uint32_t mine = 0;
-#pragma unroll
-        for (int mi = 0; mi < MI; ++mi) mine |= live[mi];
-        any_live = __any_sync(0xffffffff, mine != 0);
-      }
-
-      float dp[MI][NT][4];
-      zero(dp);
-      if (any_live) warp_gemm_nt<MI, NT, DV>(dp, sdO, warp_row0, sV(buf), 0, lane);
-      if constexpr (kRowPass) {
-#pragma unroll
+      for (int i = 0; i < tiles.count; ++i) {
+        const int buf = i & 1;
+        const int n0 = tiles.at(i) * BN;
+        cp_async_wait_all();
+        __syncthreads();
+        if (i + 1 < tiles.count) {
+          issue_kv(tiles.at(i + 1), buf ^ 1);
+          cp_async_commit();
+        }
+        float s[MI][NT][4];
+        zero(s);
+        warp_gemm_nt<MI, NT, DK>(s, sQ, warp_row0, sK(buf), 0, lane);
+        const bool full =
+            tile_is_full(p, lens, m0 + warp_row0, m0 + warp_row0 + 16 * MI, n0, n0 + BN);
+  #pragma unroll
         for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
+  #pragma unroll
           for (int ni = 0; ni < NT; ++ni)
-#pragma unroll
+  #pragma unroll
+            for (int e = 0; e < 4; ++e) s[mi][ni][e] = s[mi][ni][e] * p.scale_log2;
+        if (kElastic && tile_meets_bias(p, lens, m0 + warp_row0, n0 + BN - 1)) {
+          add_bias<false>(s, p, lens, h, m0 + warp_row0, n0, lane);
+        }
+        if (!full) mask_scores(s, rr, n0, lane);
+        // P, and the elastic live mask M (as the weight a > 0) kept in `live`.
+        uint32_t live[MI] = {};
+        bool any_live = true;
+  #pragma unroll
+        for (int mi = 0; mi < MI; ++mi)
+  #pragma unroll
+          for (int ni = 0; ni < NT; ++ni)
+  #pragma unroll
             for (int e = 0; e < 4; ++e) {
-              if (live[mi] & (1u << (ni * 4 + e))) {
-                row_g[mi][e >> 1] += dp[mi][ni][e];
-                row_dl[mi][e >> 1] += s[mi][ni][e] * dp[mi][ni][e];
+              const bool attended = s[mi][ni][e] != -INFINITY;
+              const float pe = exp2f(s[mi][ni][e] - lse2[mi][e >> 1]);
+              s[mi][ni][e] = pe;
+              if (kElastic && attended && pe + shift[mi][e >> 1] > 0.f) {
+                live[mi] |= 1u << (ni * 4 + e);
               }
             }
-      } else {
-#pragma unroll
-        for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-          for (int ni = 0; ni < NT; ++ni)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const float da =
-                  !kElastic || (live[mi] & (1u << (ni * 4 + e))) ? dp[mi][ni][e] : 0.f;
-              dp[mi][ni][e] = s[mi][ni][e] * (da - delta[mi][e >> 1]);
-            }
-        uint32_t dsa[MI][NT / 2][4];
-        to_a_frags<MI, NT, T>(dp, dsa);
-        warp_gemm_rs<MI, DTK, NT / 2, DK>(dq, dsa, sK(buf), 0, lane);
+        if (kElastic) {
+          uint32_t mine = 0;
+  #pragma unroll
+          for (int mi = 0; mi < MI; ++mi) mine |= live[mi];
+          any_live = __any_sync(0xffffffff, mine != 0);
+        }
+
+        float dp[MI][NT][4];
+        zero(dp);
+        if (any_live) warp_gemm_nt<MI, NT, DV>(dp, sdO, warp_row0, sV(buf), 0, lane);
+        if constexpr (kRowPass) {
+  #pragma unroll
+          for (int mi = 0; mi < MI; ++mi)
+  #pragma unroll
+            for (int ni = 0; ni < NT; ++ni)
+  #pragma unroll
+              for (int e = 0; e < 4; ++e) {
+                if (live[mi] & (1u << (ni * 4 + e))) {
+                  row_g[mi][e >> 1] += dp[mi][ni][e];
+                  row_dl[mi][e >> 1] += s[mi][ni][e] * dp[mi][ni][e];
+                }
+              }
+        } else {
+  #pragma unroll
+          for (int mi = 0; mi < MI; ++mi)
+  #pragma unroll
+            for (int ni = 0; ni < NT; ++ni)
+  #pragma unroll
+              for (int e = 0; e < 4; ++e) {
+                const float da =
+                    !kElastic || (live[mi] & (1u << (ni * 4 + e))) ? dp[mi][ni][e] : 0.f;
+                dp[mi][ni][e] = s[mi][ni][e] * (da - delta[mi][e >> 1]);
+              }
+          uint32_t dsa[MI][NT / 2][4];
+          to_a_frags<MI, NT, T>(dp, dsa);
+          warp_gemm_rs<MI, DTK, NT / 2, DK>(dq, dsa, sK(buf), 0, lane);
+        }
       }
     }
+
+  };
+  if (kElastic || p.block_kv_num == nullptr) {
+    mainloop(dense_key_tiles<BN>(tile_keys));  // lazy attention has no block-sparse form
+  } else {
+    mainloop(key_tiles<BN>(p, tile_keys, b, h, m0));
   }
 
   if constexpr (kRowPass) {

@@ -86,6 +86,28 @@ struct QuerySteps {
   }
 };
 
+// The steps of a contiguous row span over every query head of the group, for loops specialised
+// to dense masks.
+template <int BM>
+struct DenseQuerySteps {
+  int h0, m_begin, per_head, count;
+
+  __device__ __forceinline__ void at(const AttnParams&, int s, int& h, int& m0) const {
+    h = h0 + s / per_head;
+    m0 = (m_begin + s % per_head) * BM;
+  }
+};
+
+template <int BM>
+__device__ __forceinline__ DenseQuerySteps<BM> dense_query_steps(const AttnParams& p, int h_kv,
+                                                                 RowSpan rows) {
+  const int group = p.heads_q / p.heads_kv;
+  if (rows.last <= rows.first) return {h_kv * group, 0, 1, 0};
+  const int m_begin = rows.first / BM;
+  const int per_head = (rows.last + BM - 1) / BM - m_begin;
+  return {h_kv * group, m_begin, per_head, per_head * group};
+}
+
 template <int BM>
 __device__ __forceinline__ QuerySteps<BM> query_steps(const AttnParams& p, int b, int h_kv,
                                                       int n0, RowSpan rows) {
