@@ -21,9 +21,11 @@
 // * Then one Newton-Schulz step (two n x n x n products in shared memory), ranks, signs and
 //   coalesced stores.
 //
-// Expected cost at n = 128: ~120 instructions per thread per round, i.e. ~1000 cycles of issue,
-// about matched by the shared-memory traffic (~900 wavefronts); 127 rounds per sweep and 6-13
-// sweeps: ~0.8-1.6 M cycles, 0.45-0.9 ms at 1.75 GHz for any N <= #SMs (one CTA per SM).
+// Expected cost at n = 128 (from the sm_90 SASS): ~140 instructions per thread per round (2 tasks
+// of ~32, ~60 for V, the rest loop, barrier and exchange), i.e. ~1100 cycles of issue for 32
+// warps, with ~1000 shared-memory wavefronts alongside: ~1100-1300 cycles per round. 127 rounds
+// per sweep, 6-13 sweeps (8 for a random Gram matrix): ~1.1-1.3 M cycles typical, 0.6-0.75 ms
+// at 1.75 GHz, for any N up to the number of SMs (one CTA per SM).
 //
 // D > 128 (A would not fit in shared memory): float64 at::linalg_eigh, then the same order and
 // sign convention.
