@@ -1,11 +1,10 @@
-// sym_eig: eigenvalues and eigenvectors of a batch of small symmetric float32 matrices by the
-// parallel cyclic Jacobi method of core/jacobi.h. Validation, the CPU kernel and its
-// registration; the CUDA kernel is cuda/sym_eig.cu.
+// sym_eig: eigenvalues and eigenvectors of a batch of small symmetric float32 matrices by
+// tridiagonalisation, multisection and inverse iteration (core/sym_eig.h). Validation, the CPU
+// kernel and its registration; the CUDA kernel is cuda/sym_eig.cu.
 //
-// The CPU kernel runs the CUDA kernel's algorithm (ordering, rotations, stopping rule,
-// Newton-Schulz step, output conventions) in the same float32 arithmetic, one matrix per task of
-// at::parallel_for, so that it tests the algorithm where no GPU is present. It keeps the matrix
-// full and indexed by the original indices; only the pairing follows the positions of the ring.
+// The CPU kernel runs the CUDA kernel's algorithm step by step in float32, one matrix per task of
+// at::parallel_for, so that it tests the algorithm where no GPU is present; only the order of
+// float sums differs (the CUDA kernel's reductions are trees).
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -16,7 +15,7 @@
 #include <numeric>
 #include <vector>
 
-#include "core/jacobi.h"
+#include "core/sym_eig.h"
 #include "sym_eig_api.h"
 
 namespace adaattn {
@@ -42,103 +41,183 @@ std::tuple<at::Tensor, at::Tensor> sym_eig_outputs(const at::Tensor& a) {
 namespace {
 
 // One matrix: a [D, D] (its lower triangle is read) -> w [D], v [D, D] (columns).
-void sym_eig_matrix(const float* a, int dim, float* w, float* v) {
-  const int n = jacobi_padded_dim(dim), m = n / 2;
-  std::vector<float> A(static_cast<size_t>(n) * n, 0.f);
-  std::vector<float> vt(static_cast<size_t>(n) * n, 0.f);  // vt[x][r] = V[r][x]
-  for (int y = 0; y < dim; ++y) {
-    for (int x = 0; x <= y; ++x) A[x * n + y] = A[y * n + x] = a[y * dim + x];
+void sym_eig_matrix(const float* a, int n, float* w, float* v) {
+  // 1. Scale (A full, symmetric).
+  float max_abs = 0.f;
+  for (int y = 0; y < n; ++y) {
+    for (int x = 0; x <= y; ++x) max_abs = std::fmax(max_abs, std::fabs(a[y * n + x]));
   }
-  for (int x = 0; x < n; ++x) vt[x * n + x] = 1.f;
-
-  const auto off_norm2 = [&] {
-    double s = 0;
-    for (int y = 0; y < n; ++y) {
-      for (int x = 0; x < n; ++x) s += x == y ? 0. : static_cast<double>(A[y * n + x]) * A[y * n + x];
-    }
-    return s;
-  };
+  const int ex = sym_eig_exponent(max_abs);
+  std::vector<float> A(static_cast<size_t>(n) * n);
   double norm2 = 0;
-  for (float x : A) norm2 += static_cast<double>(x) * x;
-  double off2 = off_norm2();
-  const float skip_tol = static_cast<float>(kSymEigTol * std::sqrt(norm2) / n);
-
-  std::vector<int> at(n), next(n);  // at[pos]: the index at position pos this round
-  std::iota(at.begin(), at.end(), 0);
-  std::vector<JacobiRotation> rot(m);
-  for (int sweep = 0; sweep < kSymEigMaxSweeps; ++sweep) {
-    if (!(off2 > kSymEigTol * kSymEigTol * norm2)) break;
-    for (int round = 0; round < n - 1; ++round) {
-      for (int k = 0; k < m; ++k) {
-        const int p = at[k], q = at[m + k];
-        const float apq = A[p * n + q];
-        rot[k] = jacobi_rotation(A[p * n + p], A[q * n + q], apq, skip_tol);
-        if (rot[k].skipped) continue;
-        A[p * n + p] -= rot[k].t * apq;
-        A[q * n + q] += rot[k].t * apq;
-        A[p * n + q] = A[q * n + p] = 0.f;
-      }
-      for (int i = 0; i < m; ++i) {
-        const int pi = at[i], qi = at[m + i];
-        for (int j = i + 1; j < m; ++j) {
-          const int pj = at[j], qj = at[m + j];
-          float x[4] = {A[pi * n + pj], A[pi * n + qj], A[qi * n + pj], A[qi * n + qj]};
-          jacobi_rotate_block(x, rot[i].c, rot[i].s, rot[j].c, rot[j].s);
-          A[pi * n + pj] = A[pj * n + pi] = x[0];
-          A[pi * n + qj] = A[qj * n + pi] = x[1];
-          A[qi * n + pj] = A[pj * n + qi] = x[2];
-          A[qi * n + qj] = A[qj * n + qi] = x[3];
-        }
-      }
-      for (int k = 0; k < m; ++k) {
-        if (rot[k].skipped) continue;
-        const float c = rot[k].c, s = rot[k].s;
-        float* vp = &vt[at[k] * n];
-        float* vq = &vt[at[m + k] * n];
-        for (int r = 0; r < n; ++r) {
-          const float xp = vp[r], xq = vq[r];
-          vp[r] = c * xp - s * xq;
-          vq[r] = s * xp + c * xq;
-        }
-      }
-      for (int pos = 0; pos < n; ++pos) next[jacobi_ring_next(pos, m)] = at[pos];
-      at.swap(next);
+  for (int y = 0; y < n; ++y) {
+    for (int x = 0; x <= y; ++x) {
+      const float s = std::ldexp(a[y * n + x], -ex);
+      A[x * n + y] = A[y * n + x] = s;
+      norm2 += (x == y ? 1. : 2.) * s * s;
     }
-    off2 = off_norm2();
   }
+  const float anorm = static_cast<float>(std::sqrt(norm2));
 
-  // Newton-Schulz on U = V[:D, :D]: U^T <- U^T - (U^T U - I) U^T / 2.
-  std::vector<float> mm(static_cast<size_t>(dim) * dim), ut(static_cast<size_t>(dim) * dim);
-  for (int x = 0; x < dim; ++x) {
-    for (int y = 0; y < dim; ++y) {
+  // 2. Tridiagonalisation; v of step k is kept in row k, entries k+2..n-1.
+  std::vector<float> d(n), e(n, 0.f), tau(n, 0.f), p(n);
+  for (int k = 0; k + 2 < n; ++k) {
+    float* x = &A[k * n];
+    d[k] = x[k];
+    const float alpha = x[k + 1];
+    float sigma = 0.f;
+    for (int i = k + 2; i < n; ++i) sigma += x[i] * x[i];
+    e[k] = alpha;
+    if (sigma == 0.f) continue;
+    const float mu = std::sqrt(alpha * alpha + sigma);
+    const float beta = alpha <= 0.f ? mu : -mu;
+    const float t = (beta - alpha) / beta, sc = 1.f / (alpha - beta);
+    for (int i = k + 2; i < n; ++i) x[i] *= sc;
+    e[k] = beta;
+    tau[k] = t;
+    const auto vi = [&](int i) { return i == k + 1 ? 1.f : x[i]; };
+    float pv = 0.f;
+    for (int i = k + 1; i < n; ++i) {
       float s = 0.f;
-      for (int r = 0; r < dim; ++r) s += vt[x * n + r] * vt[y * n + r];
-      mm[x * dim + y] = s - (x == y ? 1.f : 0.f);
+      for (int j = k + 1; j < n; ++j) s += A[i * n + j] * vi(j);
+      p[i] = t * s;
+      pv += p[i] * vi(i);
+    }
+    const float kk = 0.5f * t * pv;
+    for (int i = k + 1; i < n; ++i) p[i] -= kk * vi(i);  // p is w now
+    for (int i = k + 1; i < n; ++i) {
+      for (int j = k + 1; j < n; ++j) A[i * n + j] -= vi(i) * p[j] + p[i] * vi(j);
     }
   }
-  for (int x = 0; x < dim; ++x) {
-    for (int r = 0; r < dim; ++r) {
-      float s = 0.f;
-      for (int k = 0; k < dim; ++k) s += mm[k * dim + x] * vt[k * n + r];
-      ut[x * dim + r] = vt[x * n + r] - 0.5f * s;
+  if (n >= 2) {
+    d[n - 2] = A[(n - 2) * n + n - 2];
+    e[n - 2] = A[(n - 1) * n + n - 2];
+  }
+  d[n - 1] = A[(n - 1) * n + n - 1];
+
+  // 3. Split into unreduced blocks: start[i] = first index of i's block.
+  std::vector<float> e2(n, 0.f);
+  std::vector<int> start(n);
+  for (int i = 0; i < n; ++i) {
+    if (i > 0 && std::fabs(e[i - 1]) <= kSymEigSplit * anorm) e[i - 1] = 0.f;
+    if (i > 0) e2[i - 1] = e[i - 1] * e[i - 1];
+    start[i] = i > 0 && e[i - 1] != 0.f ? start[i - 1] : i;
+  }
+  const auto block_size = [&](int b) {
+    int m = 1;
+    while (b + m < n && start[b + m] == b) ++m;
+    return m;
+  };
+
+  // 4. Eigenvalues (ascending within each block).
+  std::vector<float> lam(n);
+  for (int b = 0; b < n; b += block_size(b)) {
+    const int m = block_size(b);
+    if (m == 1) {
+      lam[b] = d[b];
+      continue;
+    }
+    float glo, ghi;
+    sym_eig_gerschgorin(d.data(), e.data(), b, m, glo, ghi);
+    for (int j = 0; j < m; ++j) {
+      float lo = glo, hi = ghi;
+      for (int step = 0; step < kSymEigSections; ++step) {
+        float nlo = lo, nhi = hi;
+        for (int t = 0; t < kSymEigPoints; ++t) {
+          const float xt = sym_eig_point(lo, hi, t);
+          if (sym_eig_sturm(d.data(), e2.data(), b, m, xt) <= j) {
+            nlo = xt;
+          } else if (nhi == hi) {
+            nhi = xt;
+          }
+        }
+        lo = nlo;
+        hi = nhi;
+      }
+      lam[b + j] = 0.5f * (lo + hi);
     }
   }
 
-  std::vector<int> order(dim);
+  // 5-6. Eigenvectors of T: zt[j][i] = Z[i][j].
+  std::vector<float> zt(static_cast<size_t>(n) * n, 0.f), r(n), h(n);
+  const float tiny = kSymEigPivot * anorm, ctol = kSymEigCluster * anorm;
+  for (int j = 0; j < n; ++j) {
+    const int b = start[j], m = block_size(b);
+    float* z = &zt[j * n];
+    if (m == 1) {
+      z[b] = 1.f;
+      continue;
+    }
+    const int its =
+        j > b && lam[j] - lam[j - 1] <= kSymEigDegenerate * anorm ? 1 : kSymEigInverseIts;
+    sym_eig_inverse_iteration(d.data(), e.data(), b, m, lam[j], tiny, its, j, z, 1, r.data(), 1);
+    int c0 = j;
+    while (c0 > b && lam[c0] - lam[c0 - 1] <= ctol) --c0;
+    if (c0 == j) continue;
+    for (int pass = 0; pass < 2; ++pass) {
+      for (int i = c0; i < j; ++i) {
+        float s = 0.f;
+        for (int y = b; y < b + m; ++y) s += zt[i * n + y] * z[y];
+        h[i] = s;
+      }
+      for (int y = b; y < b + m; ++y) {
+        float s = 0.f;
+        for (int i = c0; i < j; ++i) s += h[i] * zt[i * n + y];
+        z[y] -= s;
+      }
+    }
+    float s = 0.f;
+    for (int y = b; y < b + m; ++y) s += z[y] * z[y];
+    const float inv = 1.f / std::sqrt(s);
+    for (int y = b; y < b + m; ++y) z[y] *= inv;
+  }
+
+  // 7. Back-transformation.
+  for (int k = n - 3; k >= 0; --k) {
+    if (tau[k] == 0.f) continue;
+    const float* x = &A[k * n];
+    for (int j = 0; j < n; ++j) {
+      float* z = &zt[j * n];
+      float s = z[k + 1];
+      for (int i = k + 2; i < n; ++i) s += x[i] * z[i];
+      s *= tau[k];
+      z[k + 1] -= s;
+      for (int i = k + 2; i < n; ++i) z[i] -= s * x[i];
+    }
+  }
+
+  // 8. Newton-Schulz: U^T <- U^T - (U^T U - I) U^T / 2.
+  std::vector<float> mm(static_cast<size_t>(n) * n), ut(static_cast<size_t>(n) * n);
+  for (int x = 0; x < n; ++x) {
+    for (int y = 0; y < n; ++y) {
+      float s = 0.f;
+      for (int i = 0; i < n; ++i) s += zt[x * n + i] * zt[y * n + i];
+      mm[x * n + y] = s - (x == y ? 1.f : 0.f);
+    }
+  }
+  for (int x = 0; x < n; ++x) {
+    for (int i = 0; i < n; ++i) {
+      float s = 0.f;
+      for (int k = 0; k < n; ++k) s += mm[k * n + x] * zt[k * n + i];
+      ut[x * n + i] = zt[x * n + i] - 0.5f * s;
+    }
+  }
+
+  // 9. Order, signs, stores.
+  std::vector<int> order(n);
   std::iota(order.begin(), order.end(), 0);
-  std::sort(order.begin(), order.end(), [&](int i, int j) {
-    return jacobi_precedes(A[i * n + i], i, A[j * n + j], j);
-  });
-  for (int col = 0; col < dim; ++col) {
-    const int x = order[col];
-    const float* u = &ut[x * dim];
+  std::sort(order.begin(), order.end(),
+            [&](int i, int j) { return sym_eig_precedes(lam[i], i, lam[j], j); });
+  for (int col = 0; col < n; ++col) {
+    const int j = order[col];
+    const float* u = &ut[j * n];
     int big = 0;
-    for (int r = 1; r < dim; ++r) {
-      if (jacobi_larger_entry(u[r], r, u[big], big)) big = r;
+    for (int y = 1; y < n; ++y) {
+      if (sym_eig_larger_entry(u[y], y, u[big], big)) big = y;
     }
     const float sign = u[big] < 0.f ? -1.f : 1.f;
-    w[col] = A[x * n + x];
-    for (int r = 0; r < dim; ++r) v[r * dim + col] = sign * u[r];
+    w[col] = std::ldexp(lam[j], ex);
+    for (int y = 0; y < n; ++y) v[y * n + col] = sign * u[y];
   }
 }
 

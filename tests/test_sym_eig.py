@@ -4,8 +4,9 @@ Every result is checked in float64 against the input: eigenvectors orthonormal t
 epsilons, A U = U diag(w) to 1e-5 ||A||_F, eigenvalues equal to torch.linalg.eigh's (float64) to
 1e-5 ||A||_F, descending, each column's entry of largest magnitude positive. Inputs: random
 symmetric matrices, Gram matrices with a planted rank-8 spectrum plus noise, repeated eigenvalues
-(identity, zeros, clusters), D from 1 to 128 (the CUDA kernel) and one D > 128 (CUDA: the float64
-eigh path), an empty batch. Also determinism (bitwise, and independent of the batch position),
+(identity, zeros, clusters, a large near-degenerate cluster under a planted rank-32 spectrum),
+tridiagonal inputs with zero and tiny couplings, D from 1 to 128 (the CUDA kernel) and one D > 128
+(CUDA: the float64 eigh path), an empty batch. Also determinism (bitwise, and independent of the batch position),
 CUDA agreeing with CPU, errors naming `a`, and torch.library.opcheck.
 """
 import pytest
@@ -121,6 +122,53 @@ def test_graded_and_scaled(device):
         b = a * scale
         w, v = sym_eig(b)
         check(b, w, v)
+
+
+@pytest.mark.parametrize("dim", [96, 128])
+def test_large_noise_cluster(device, dim):
+    """A planted rank-32 Gram matrix plus 1% noise: the other dim - 32 eigenvalues sit within
+    float32 resolution of ||A|| of each other (one cluster for the inverse iteration)."""
+    a = planted_gram(2, dim, device, rank=32, noise=0.01)
+    check(a, *sym_eig(a))
+
+
+@pytest.mark.parametrize("dim", [24, 100, 128])
+def test_repeated_eigenvalues(device, dim):
+    """Exactly repeated eigenvalues inside one unreduced tridiagonal block and over several."""
+    values = torch.cat([torch.full((dim // 2,), 2.0), torch.full((dim - dim // 2,), -1.0)])
+    a = with_spectrum(values.expand(2, dim), device)
+    w, v = sym_eig(a)
+    check(a, w, v)
+    torch.testing.assert_close(w.cpu(), values.expand(2, dim), atol=1e-5 * dim, rtol=0)
+
+
+@pytest.mark.parametrize("dim", [2, 3, 50, 127, 128])
+def test_tridiagonal_input(device, dim):
+    """Already tridiagonal (every reflector is the identity), with tiny and zero couplings."""
+    d = torch.randn(2, dim, dtype=torch.float64)
+    e = torch.randn(2, dim - 1, dtype=torch.float64)
+    e[:, ::7] = 0.0
+    e[:, 3::11] = 1e-9
+    a = torch.diag_embed(d) + torch.diag_embed(e, 1) + torch.diag_embed(e, -1)
+    check(a.float().to(device), *sym_eig(a.float().to(device)))
+
+
+def test_wilkinson_like(device):
+    """W+ style matrix: pairs of eigenvalues closer than float32 resolution in one block."""
+    dim = 41
+    d = (torch.arange(dim) - dim // 2).abs().double()
+    a = torch.diag_embed(d) + torch.diag_embed(torch.ones(dim - 1), 1) + \
+        torch.diag_embed(torch.ones(dim - 1), -1)
+    check(a[None].float().to(device), *sym_eig(a[None].float().to(device)))
+
+
+@pytest.mark.parametrize("dim", [5, 33, 77, 113])
+def test_psd_gram_odd_dims(device, dim):
+    """Random Gram matrices with D not a multiple of 16, and the same with a rank-deficient X."""
+    x = torch.randn(2, 3 * dim, dim, dtype=torch.float64)
+    check((x.mT @ x).float().to(device), *sym_eig((x.mT @ x).float().to(device)))
+    x = torch.randn(2, dim // 2 + 1, dim, dtype=torch.float64)
+    check((x.mT @ x).float().to(device), *sym_eig((x.mT @ x).float().to(device)))
 
 
 def test_empty_batch(device):
