@@ -1,36 +1,32 @@
-// CUDA kernel of sym_eig: the parallel cyclic Jacobi eigensolver of core/jacobi.h, one CTA per
-// matrix, for D <= 128 (n = jacobi_padded_dim(D), 16..128, is a template parameter).
+// CUDA kernel of sym_eig for D <= 128: the algorithm of core/sym_eig.h (tridiagonalisation,
+// multisection, inverse iteration, cluster Gram-Schmidt, back-transformation, Newton-Schulz), one
+// CTA of 1024 threads per matrix, everything in shared memory (3 buffers of 128 x 129 floats:
+// A and the reflectors, Z, scratch; ~200 KB).
 //
-// Shared memory holds A's strict upper triangle in position order (position x holds the index
-// that sits at x this round; pair k = (k, m + k)), twice: round R reads buffer R % 2 and writes
-// every entry to its position of round R + 1 in the other buffer. Each thread's loads and stores
-// are then at offsets fixed for the whole run, the A update needs no synchronisation of its own,
-// and a round costs one __syncthreads. The diagonal d and the rotations (c, s) are kept apart,
-// also double-buffered.
+// Why not Jacobi: parallel Jacobi needs 127 rounds x 6-13 sweeps, each round a barrier, and was
+// latency-bound at 1.2-1.65 ms for 64 matrices of 128. Here the sequential depth is ~126
+// Householder steps (3 barriers each), 10 multisection steps and 126 reflector applications
+// (no barrier: each thread keeps 16 entries of Z in registers).
 //
-// * A tasks: the m (m - 1) / 2 off-diagonal 2x2 blocks of a round, fixed per thread (2 per thread
-//   at n = 128, 1024 threads): 4 loads, 2 rotation loads, 16 FMA, 4 stores. The task holding the
-//   entry that the next round pairs computes that pair's rotation and diagonal update from its
-//   fresh value, so rotations need no phase of their own; these m tasks come first so that their
-//   longer dependency chain overlaps the other warps' work.
-// * V in registers: thread (segment g, row r) owns row r's columns of pairs 8g..8g+7 (16 floats);
-//   each round the ring moves one column into each neighbouring segment, through shared memory.
-// * Stopping (core/jacobi.h): the off-norm is summed in double during the last round of a sweep,
-//   whose designated tasks only move the diagonal; the next sweep's first rotations are computed
-//   after the decision, by the rotate_pairs phase.
-// * Then one Newton-Schulz step (two n x n x n products in shared memory), ranks, signs and
-//   coalesced stores.
+// Expected cost at D = 128 (issue and shared-memory estimate, not measured):
+// * tridiagonalisation: step k touches the m x m trailing block (m = 127 - k) twice (matvec, then
+//   rank-2 update: ~3 m^2 shared accesses, ~1500 wavefronts at m = 127) plus a one-warp
+//   reflector (~400 cycles latency) and 3 barriers: ~2000 cycles at the start, ~700 on average:
+//   ~90k cycles.
+// * multisection: 10 steps of one Sturm count (<= 128 dependent steps, ~8 instructions) per
+//   thread, 32 warps: ~8k cycles of issue per step: ~80k cycles.
+// * inverse iteration: one thread per eigenvalue, factor + 3 x 2 bidiagonal solves of 128
+//   dependent steps: ~15k cycles.
+// * cluster Gram-Schmidt: ~2k cycles per cluster member after the first (5 barriers): 0 for a
+//   well-separated spectrum, ~190k for the 96-member noise cluster of a planted rank-32 Gram
+//   matrix (the largest remaining cost; see the report).
+// * back-transformation: 126 steps of 16 FMA + 16 loads + 3 shuffles + 16 FMA per thread:
+//   ~60k cycles. Newton-Schulz (two 128^3 products): ~20k. Loads, sorting, stores: ~10k.
+// Total ~0.3 M cycles (0.17 ms at 1.75 GHz) for a random Gram matrix, ~0.5 M (0.28 ms) with a
+// 96-member cluster; one CTA per SM, so 64 matrices take one wave.
 //
-// Expected cost at n = 128 (from the sm_90 SASS): ~140 instructions per thread per round (2 tasks
-// of ~32, ~60 for V, the rest loop, barrier and exchange), i.e. ~1100 cycles of issue for 32
-// warps, with ~1000 shared-memory wavefronts alongside: ~1100-1300 cycles per round. 127 rounds
-// per sweep, 6-13 sweeps (8 for a random Gram matrix): ~1.1-1.3 M cycles typical, 0.6-0.75 ms
-// at 1.75 GHz, for any N up to the number of SMs (one CTA per SM). Measured on the H100
-// (benchmarks/bench_rank.py, 64 matrices): 1.22 ms for random Gram matrices, 1.65 ms for planted
-// low-rank ones, so about twice the issue estimate.
-//
-// D > 128 (A would not fit in shared memory): float64 at::linalg_eigh, then the same order and
-// sign convention.
+// D > 128 (A, Z and the scratch would not fit in shared memory): float64 at::linalg_eigh, then
+// the same order and sign convention.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
@@ -39,390 +35,336 @@
 
 #include <cstdint>
 
-#include "../core/jacobi.h"
+#include "../core/sym_eig.h"
 #include "../sym_eig_api.h"
 
 namespace adaattn {
 namespace {
 
 constexpr int kMaxSmemDim = 128;
-
-template <int N>
-struct EigCfg {
-  static constexpr int M = N / 2;
-  static constexpr int S = N + 1;   // A row stride: odd, so columns are conflict-free too
-  static constexpr int S2 = N + 4;  // post-processing stride: 16-byte rows, 4-bank row shift
-  static constexpr int G = N / 16;  // V segments (8 pairs each) per row
-  static constexpr int VT = N * G;  // V threads; also the (N / 4)^2 GEMM tiles
-  static constexpr int T = (VT + 31) / 32 * 32;  // whole warps (block_sum)
-  static constexpr int WARPS = T / 32;
-  static constexpr int TASKS = M * (M - 1) / 2;
-  static constexpr int NT = (TASKS + T - 1) / T;  // tasks per thread
-  // Shared memory, in floats.
-  static constexpr int ABUF = N * S2;  // one A buffer (N * S used); U and U^T U - I afterwards
-  static constexpr int OFF_D = 2 * ABUF;
-  static constexpr int OFF_ROT = OFF_D + 2 * N;
-  static constexpr int OFF_X = OFF_ROT + 4 * M;  // V exchange [2][2][VT]; ranks, signs later
-  static constexpr int OFF_RED = OFF_X + 4 * VT;
-  static constexpr int FLOATS = OFF_RED + 2 * WARPS;  // one double per warp
-  static constexpr int SMEM_BYTES = FLOATS * 4;
-  static_assert(4 * VT >= 3 * N, "ranks, inverse ranks and signs reuse the exchange buffer");
-  static_assert(M <= T, "the designated tasks (the first m) must be every thread's first task");
-};
-
-// Offset of entry (x, y), x != y, in an A buffer (upper triangle, stride S).
-template <int N>
-__device__ __forceinline__ int upper(int x, int y) {
-  return x < y ? x * EigCfg<N>::S + y : y * EigCfg<N>::S + x;
-}
-
-// One off-diagonal block (pairs i < j) of every round, with its load and store offsets.
-struct Task {
-  int rb1, rb2;    // offsets of a(k_i, k_j) and of a(k_j, m + k_i) - m
-  int w[4];        // where the 4 entries live next round
-  int roti, rotj;  // byte offsets of the pairs' rotations; roti < 0: no task
-  int desig;       // (next pair k + 1) | (entry e << 8) when this block holds the next a_pq
-};
-
-// Task f: first the m blocks that hold the next round's pairs (next pair k comes from blocks
-// (0, 1), (0, 2), (k - 1, k + 1) for 2 <= k <= m - 2 and (m - 2, m - 1)), then the others row by
-// row: j >= 3 in row 0, j = i + 1 and j >= i + 3 in rows 1..m-3.
-template <int N>
-__device__ Task make_task(int f) {
-  using C = EigCfg<N>;
-  constexpr int M = C::M, S = C::S;
-  Task t;
-  t.desig = 0;
-  if (f >= C::TASKS) {
-    t.roti = -1;
-    return t;
-  }
-  int i, j;
-  if (f < M) {
-    const int k = f;
-    i = k == 0 ? 0 : k == 1 ? 0 : k == M - 1 ? M - 2 : k - 1;
-    j = k == 0 ? 1 : k == 1 ? 2 : k == M - 1 ? M - 1 : k + 1;
-  } else {
-    int rest = f - M;
-    for (i = 0;; ++i) {
-      const int len = M - 1 - i - (i == 0 ? 2 : 1);
-      if (rest < len) break;
-      rest -= len;
-    }
-    j = i == 0 ? 3 + rest : i + 1 + rest + (rest >= 1);
-  }
-  t.roti = i * static_cast<int>(sizeof(float2));
-  t.rotj = j * static_cast<int>(sizeof(float2));
-  t.rb1 = i * S + j;
-  t.rb2 = j * S + i;
-  const int xs[4] = {i, i, M + i, M + i};
-  const int ys[4] = {j, M + j, j, M + j};
-#pragma unroll
-  for (int e = 0; e < 4; ++e) {
-    const int nx = jacobi_ring_next(xs[e], M), ny = jacobi_ring_next(ys[e], M);
-    t.w[e] = upper<N>(nx, ny);
-    if (f < M && t.w[e] == upper<N>(f, M + f)) t.desig = (f + 1) | (e << 8);
-  }
-  return t;
-}
+constexpr int kT = 1024;  // threads: 8 per eigenvalue (multisection), 8 per column of Z
+constexpr int kWarps = kT / 32;
+constexpr int kS = kMaxSmemDim + 1;  // row stride: columns are conflict-free too
+constexpr int kBuf = kMaxSmemDim * kS;
+// Shared memory, in 4-byte words.
+constexpr int kOffA = 0, kOffZ = kBuf, kOffR = 2 * kBuf;
+constexpr int kOffVec = 3 * kBuf;  // d, e, e2, tau, p, lam, h, sgn; start, bsz, c0, inv (ints)
+constexpr int kOffRed = kOffVec + 12 * kMaxSmemDim;  // kWarps doubles
+constexpr int kSmemBytes = (kOffRed + 2 * kWarps) * 4;
+static_assert(kSmemBytes <= 227 * 1024, "shared memory per CTA");
 
 // Sum of v over the CTA in a fixed order (every thread gets the same value). Synchronises.
-template <int N>
 __device__ __forceinline__ double block_sum(double v, double* red) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  __syncthreads();
   if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
   __syncthreads();
   double s = 0;
 #pragma unroll 1
-  for (int w = 0; w < EigCfg<N>::WARPS; ++w) s += red[w];
+  for (int w = 0; w < kWarps; ++w) s += red[w];
   return s;
 }
 
-// The first rotations of a sweep (thread k < m: pair k), in place in the buffers of parity P.
-template <int N>
-__device__ __forceinline__ void rotate_pair(float* sm, int P, int k, float skip_tol) {
-  using C = EigCfg<N>;
-  constexpr int M = C::M, S = C::S;
-  float* A = sm + P * C::ABUF;
-  float* d = sm + C::OFF_D + P * N;
-  const float apq = A[k * S + M + k], app = d[k], aqq = d[M + k];
-  const JacobiRotation r = jacobi_rotation(app, aqq, apq, skip_tol);
-  reinterpret_cast<float2*>(sm + C::OFF_ROT)[P * M + k] = make_float2(r.c, r.s);
-  if (!r.skipped) {
-    d[k] = app - r.t * apq;
-    d[M + k] = aqq + r.t * apq;
-    A[k * S + M + k] = 0.f;
-  }
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
 }
 
-// One round: apply the rotations of parity P to A (into the other buffer) and to V, and prepare
-// the next round's rotations, or, in the LAST round of a sweep, move the diagonal and sum the
-// off-norm.
-template <int N, int P, bool LAST>
-__device__ __forceinline__ void jacobi_round(float* sm, const Task (&task)[EigCfg<N>::NT],
-                                             int wdiag, float (&top)[8], float (&bot)[8],
-                                             float skip_tol, double& off2) {
-  using C = EigCfg<N>;
-  constexpr int M = C::M, S = C::S, G = C::G, VT = C::VT;
-  const float* Ar = sm + P * C::ABUF;
-  float* Aw = sm + (1 - P) * C::ABUF;
-  const float2* rot = reinterpret_cast<const float2*>(sm + C::OFF_ROT) + P * M;
-  const char* rot_bytes = reinterpret_cast<const char*>(rot);
-  float2* rot_next = reinterpret_cast<float2*>(sm + C::OFF_ROT) + (1 - P) * M;
-  const float* d = sm + C::OFF_D + P * N;
-  float* d_next = sm + C::OFF_D + (1 - P) * N;
-  const int tid = threadIdx.x;
-
-#pragma unroll
-  for (int s = 0; s < C::NT; ++s) {
-    const Task& tk = task[s];
-    if (tk.roti < 0) continue;
-    float x[4] = {Ar[tk.rb1], Ar[tk.rb1 + M], Ar[tk.rb2 + M], Ar[tk.rb1 + M * S + M]};
-    const float2 ri = *reinterpret_cast<const float2*>(rot_bytes + tk.roti);
-    const float2 rj = *reinterpret_cast<const float2*>(rot_bytes + tk.rotj);
-    jacobi_rotate_block(x, ri.x, ri.y, rj.x, rj.y);
-    if (LAST) {
-      off2 += 2.0 * ((double)x[0] * x[0] + (double)x[1] * x[1] + (double)x[2] * x[2] +
-                     (double)x[3] * x[3]);
-    }
-    if (s == 0 && tk.desig) {  // designated tasks are the first T
-      const int k = (tk.desig & 0xff) - 1, e = tk.desig >> 8;
-      const float apq = e == 0 ? x[0] : e == 1 ? x[1] : e == 2 ? x[2] : x[3];
-      const float app = d[jacobi_ring_prev(k, M)], aqq = d[jacobi_ring_prev(M + k, M)];
-      if (LAST) {
-        d_next[k] = app;
-        d_next[M + k] = aqq;
-      } else {
-        const JacobiRotation r = jacobi_rotation(app, aqq, apq, skip_tol);
-        rot_next[k] = make_float2(r.c, r.s);
-        d_next[k] = app - r.t * apq;
-        d_next[M + k] = aqq + r.t * apq;
-        if (!r.skipped) {
-          if (e == 0) x[0] = 0.f;
-          if (e == 1) x[1] = 0.f;
-          if (e == 2) x[2] = 0.f;
-          if (e == 3) x[3] = 0.f;
-        }
-      }
-    }
-#pragma unroll
-    for (int e = 0; e < 4; ++e) Aw[tk.w[e]] = x[e];
-  }
-  // The pairs' own a_pq (0, or kept when skipped) move too.
-  if (tid < M) {
-    const float v = Ar[tid * S + M + tid];
-    Aw[wdiag] = v;
-    if (LAST) off2 += 2.0 * (double)v * v;
-  }
-
-  if (tid < VT) {
-    const int g = tid / N;
-    const float4* r4 = reinterpret_cast<const float4*>(rot + 8 * g);
-#pragma unroll
-    for (int h = 0; h < 4; ++h) {
-      const float4 cs = r4[h];
-      const float c[2] = {cs.x, cs.z}, sn[2] = {cs.y, cs.w};
-#pragma unroll
-      for (int b = 0; b < 2; ++b) {
-        const int u = 2 * h + b;
-        const float tp = top[u], bt = bot[u];
-        top[u] = c[b] * tp - sn[b] * bt;
-        bot[u] = sn[b] * tp + c[b] * bt;
-      }
-    }
-    // Ring step: tops move one pair right, bottoms one pair left; pair 0's top stays, the last
-    // top turns into the last bottom and the first bottom into pair 1's top.
-    float* xo = sm + C::OFF_X + P * 2 * VT;
-    xo[tid] = top[7];
-    xo[VT + tid] = bot[0];
-    const float last_top = top[7], first_bot = bot[0];
-#pragma unroll
-    for (int u = 7; u >= 2; --u) top[u] = top[u - 1];
-    top[1] = g == 0 ? first_bot : top[0];
-#pragma unroll
-    for (int u = 0; u < 7; ++u) bot[u] = bot[u + 1];
-    if (g == G - 1) bot[7] = last_top;
-    // top[0] (g > 0) and bot[7] (g < G - 1) arrive after the barrier: receive_columns.
-  }
-}
-
-template <int N>
-__device__ __forceinline__ void receive_columns(const float* sm, int P, float (&top)[8],
-                                                float (&bot)[8]) {
-  using C = EigCfg<N>;
-  const int tid = threadIdx.x;
-  if (tid >= C::VT) return;
-  const int g = tid / N;
-  const float* xo = sm + C::OFF_X + P * 2 * C::VT;
-  if (g > 0) top[0] = xo[tid - N];
-  if (g < C::G - 1) bot[7] = xo[C::VT + tid + N];
-}
-
-template <int N>
-__global__ void __launch_bounds__(EigCfg<N>::T, 1)
+__global__ void __launch_bounds__(kT, 1)
     sym_eig_kernel(const float* __restrict__ a_all, float* __restrict__ w_all,
-                   float* __restrict__ v_all, int dim) {
-  using C = EigCfg<N>;
-  constexpr int M = C::M, S = C::S, S2 = C::S2, VT = C::VT, Q = N / 4;
+                   float* __restrict__ v_all, int n) {
   extern __shared__ __align__(16) float sm[];
-  double* red = reinterpret_cast<double*>(sm + C::OFF_RED);
-  const int tid = threadIdx.x;
+  float* A = sm + kOffA;
+  float* Z = sm + kOffZ;
+  float* R = sm + kOffR;
+  float* d = sm + kOffVec;
+  float* e = d + kMaxSmemDim;
+  float* e2 = e + kMaxSmemDim;
+  float* tau = e2 + kMaxSmemDim;
+  float* p = tau + kMaxSmemDim;
+  float* lam = p + kMaxSmemDim;
+  float* h = lam + kMaxSmemDim;
+  float* sgn = h + kMaxSmemDim;
+  int* start = reinterpret_cast<int*>(sgn + kMaxSmemDim);
+  int* bsz = start + kMaxSmemDim;
+  int* c0 = bsz + kMaxSmemDim;
+  int* inv = c0 + kMaxSmemDim;
+  double* red = reinterpret_cast<double*>(sm + kOffRed);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int64_t mat = blockIdx.x;
-  const float* a = a_all + mat * dim * dim;
+  const float* a = a_all + mat * n * n;
 
-  // A (lower triangle, zero-padded to N) -> buffer 0 and d; norms in double.
-  double norm2 = 0, off2 = 0;
-  for (int idx = tid; idx < N * N; idx += C::T) {
-    const int y = idx / N, x = idx % N;
+  // 1. Scale: max |a_ij| (max is order-independent), then A (zero-padded to 128) and ||A||_F.
+  float mx = 0.f;
+  for (int idx = tid; idx < n * n; idx += kT) {
+    const int y = idx / n, x = idx % n;
+    if (x <= y) mx = fmaxf(mx, fabsf(a[idx]));
+  }
+  for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  if (lane == 0) h[warp] = mx;
+  __syncthreads();
+  mx = 0.f;
+  for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, h[w]);
+  const int ex = sym_eig_exponent(mx);
+  double norm2 = 0;
+  for (int idx = tid; idx < kMaxSmemDim * kMaxSmemDim; idx += kT) {
+    const int y = idx / kMaxSmemDim, x = idx % kMaxSmemDim;
+    Z[y * kS + x] = 0.f;
     if (x > y) continue;
-    const float v = y < dim ? a[y * dim + x] : 0.f;
-    if (x == y) {
-      sm[C::OFF_D + x] = v;
-      norm2 += (double)v * v;
-    } else {
-      sm[x * S + y] = v;
-      norm2 += 2.0 * v * v;
-      off2 += 2.0 * v * v;
+    const float v = y < n ? ldexpf(a[y * n + x], -ex) : 0.f;
+    A[y * kS + x] = A[x * kS + y] = v;
+    norm2 += (x == y ? 1.0 : 2.0) * v * v;
+  }
+  const float anorm = static_cast<float>(sqrt(block_sum(norm2, red)));
+
+  // 2. Tridiagonalisation; v of step k is kept in row k, entries k+2..n-1.
+#pragma unroll 1
+  for (int k = 0; k + 2 < n; ++k) {
+    float* x = A + k * kS;
+    if (warp == 0) {
+      float sig = 0.f;
+      for (int i = k + 2 + lane; i < n; i += 32) sig += x[i] * x[i];
+      sig = warp_sum(sig);
+      const float alpha = x[k + 1];
+      float t = 0.f, beta = alpha;
+      if (sig != 0.f) {
+        const float mu = sqrtf(alpha * alpha + sig);
+        beta = alpha <= 0.f ? mu : -mu;
+        t = (beta - alpha) / beta;
+        const float sc = 1.f / (alpha - beta);
+        for (int i = k + 2 + lane; i < n; i += 32) x[i] *= sc;
+      }
+      if (lane == 0) {
+        d[k] = x[k];
+        e[k] = beta;
+        tau[k] = t;
+      }
+    }
+    __syncthreads();
+    const float t = tau[k];
+    if (t == 0.f) continue;  // uniform: A' is unchanged
+    // p = tau A' v: 8 threads per row (consecutive lanes), shuffle-reduced.
+    {
+      const int i = k + 1 + (tid >> 3), part = tid & 7;
+      float s = 0.f;
+      if (i < n) {
+        for (int j = k + 1 + part; j < n; j += 8) s += A[i * kS + j] * (j == k + 1 ? 1.f : x[j]);
+      }
+      s += __shfl_xor_sync(0xffffffffu, s, 4);
+      s += __shfl_xor_sync(0xffffffffu, s, 2);
+      s += __shfl_xor_sync(0xffffffffu, s, 1);
+      if (i < n && part == 0) p[i] = t * s;
+    }
+    __syncthreads();
+    // Every warp forms p . v itself (same order, same value): no barrier.
+    float pv = 0.f;
+    for (int i = k + 1 + lane; i < n; i += 32) pv += p[i] * (i == k + 1 ? 1.f : x[i]);
+    const float kk = 0.5f * t * warp_sum(pv);
+    const int m = n - k - 1;
+    for (int idx = tid; idx < m * m; idx += kT) {
+      const int i = k + 1 + idx / m, j = k + 1 + idx % m;
+      const float vi = i == k + 1 ? 1.f : x[i], vj = j == k + 1 ? 1.f : x[j];
+      const float wi = p[i] - kk * vi, wj = p[j] - kk * vj;
+      A[i * kS + j] -= vi * wj + wi * vj;
+    }
+    __syncthreads();
+  }
+
+  // 3. Split (one thread: n sequential steps): e, e2, block starts and sizes.
+  if (tid == 0) {
+    if (n >= 2) {
+      d[n - 2] = A[(n - 2) * kS + n - 2];
+      e[n - 2] = A[(n - 1) * kS + n - 2];
+    }
+    d[n - 1] = A[(n - 1) * kS + n - 1];
+    for (int i = 0; i < n; ++i) {
+      if (i > 0 && fabsf(e[i - 1]) <= kSymEigSplit * anorm) e[i - 1] = 0.f;
+      if (i > 0) e2[i - 1] = e[i - 1] * e[i - 1];
+      start[i] = i > 0 && e[i - 1] != 0.f ? start[i - 1] : i;
+      bsz[start[i]] = i - start[i] + 1;
     }
   }
-  Task task[C::NT];
-#pragma unroll
-  for (int s = 0; s < C::NT; ++s) task[s] = make_task<N>(tid + s * C::T);
-  const int wdiag =
-      tid < M ? upper<N>(jacobi_ring_next(tid, M), jacobi_ring_next(M + tid, M)) : 0;
-  const int g = tid / N, row = tid % N;
-  float top[8], bot[8];
-#pragma unroll
-  for (int u = 0; u < 8; ++u) {
-    top[u] = row == 8 * g + u ? 1.f : 0.f;
-    bot[u] = row == M + 8 * g + u ? 1.f : 0.f;
-  }
-  norm2 = block_sum<N>(norm2, red);
   __syncthreads();
-  off2 = block_sum<N>(off2, red);
-  const double thr2 = kSymEigTol * kSymEigTol * norm2;
-  const float skip_tol = static_cast<float>(kSymEigTol * sqrt(norm2) / N);
 
-  int P = 0;
+  // 4. Eigenvalues: 8 consecutive lanes per eigenvalue, one Sturm count each per step.
+  {
+    const int j = tid >> 3, t = tid & 7, gshift = lane & ~7;
+    const int b = j < n ? start[j] : 0, m = j < n ? bsz[b] : 1, jj = j - b;
+    float lo = 0.f, hi = 0.f;
+    if (m > 1) sym_eig_gerschgorin(d, e, b, m, lo, hi);
 #pragma unroll 1
-  for (int sweep = 0; sweep < kSymEigMaxSweeps && off2 > thr2; ++sweep) {
-    if (tid < M) rotate_pair<N>(sm, P, tid, skip_tol);
-    __syncthreads();
-    double acc = 0;
+    for (int step = 0; step < kSymEigSections; ++step) {
+      const float xt = sym_eig_point(lo, hi, t);
+      const bool below = m > 1 && sym_eig_sturm(d, e2, b, m, xt) <= jj;
+      const unsigned g = (__ballot_sync(0xffffffffu, below) >> gshift) & 0xffu;
+      // CPU twin: lo = the last point with count <= jj, hi = the first with count > jj.
+      const float nlo = __shfl_sync(0xffffffffu, xt, gshift + (g ? 31 - __clz(g) : 0));
+      const unsigned above = ~g & 0xffu;
+      const float nhi = __shfl_sync(0xffffffffu, xt, gshift + (above ? __ffs(above) - 1 : 0));
+      if (g) lo = nlo;
+      if (above) hi = nhi;
+    }
+    if (j < n && t == 0) lam[j] = m == 1 ? d[b] : 0.5f * (lo + hi);
+  }
+  __syncthreads();
+
+  // 5. Inverse iteration, one thread per eigenvalue (Z was zeroed in step 1).
+  const float tiny = kSymEigPivot * anorm, ctol = kSymEigCluster * anorm;
+  if (tid < n) {
+    const int j = tid, b = start[j], m = bsz[b];
+    if (m == 1) {
+      Z[b * kS + j] = 1.f;
+    } else {
+      const int its =
+          j > b && lam[j] - lam[j - 1] <= kSymEigDegenerate * anorm ? 1 : kSymEigInverseIts;
+      sym_eig_inverse_iteration(d, e, b, m, lam[j], tiny, its, j, Z + j, kS, R + j, kS);
+    }
+    int c = j;
+    while (c > b && lam[c] - lam[c - 1] <= ctol) --c;
+    c0[j] = c;
+  }
+  __syncthreads();
+
+  // 6. Clusters: classical Gram-Schmidt twice against the cluster's earlier vectors, members in
+  // ascending order (the CPU twin's order).
 #pragma unroll 1
-    for (int t = 0; t < N - 2; ++t) {
-      if (P == 0) {
-        jacobi_round<N, 0, false>(sm, task, wdiag, top, bot, skip_tol, acc);
-      } else {
-        jacobi_round<N, 1, false>(sm, task, wdiag, top, bot, skip_tol, acc);
+  for (int j = 1; j < n; ++j) {
+    const int c = c0[j];
+    if (c == j) continue;  // uniform
+    const int b = start[j], m = bsz[b];
+#pragma unroll 1
+    for (int pass = 0; pass < 2; ++pass) {
+      for (int i = c + warp; i < j; i += kWarps) {
+        float s = 0.f;
+        for (int y = b + lane; y < b + m; y += 32) s += Z[y * kS + i] * Z[y * kS + j];
+        s = warp_sum(s);
+        if (lane == 0) h[i] = s;
       }
       __syncthreads();
-      receive_columns<N>(sm, P, top, bot);
-      P ^= 1;
+      if (tid < m) {
+        const int y = b + tid;
+        float s = 0.f;
+        for (int i = c; i < j; ++i) s += h[i] * Z[y * kS + i];
+        Z[y * kS + j] -= s;
+      }
+      __syncthreads();
     }
-    if (P == 0) {
-      jacobi_round<N, 0, true>(sm, task, wdiag, top, bot, skip_tol, acc);
-    } else {
-      jacobi_round<N, 1, true>(sm, task, wdiag, top, bot, skip_tol, acc);
+    if (warp == 0) {
+      float s = 0.f;
+      for (int y = b + lane; y < b + m; y += 32) s += Z[y * kS + j] * Z[y * kS + j];
+      s = warp_sum(s);
+      const float iv = 1.f / sqrtf(s);
+      for (int y = b + lane; y < b + m; y += 32) Z[y * kS + j] *= iv;
     }
     __syncthreads();
-    receive_columns<N>(sm, P, top, bot);
-    P ^= 1;
-    off2 = block_sum<N>(acc, red);
   }
-  // Every thread is past the last reads of the A buffers (the last barrier), which now hold U.
-  const float* d = sm + C::OFF_D + P * N;
-  float* ut = sm;            // ut[x][r] = U[r][x], stride S2, zero outside [0, dim)^2
-  float* mm = sm + C::ABUF;  // U^T U - I
-  if (tid < VT) {
+
+  // 7. Back-transformation: thread (column col, part) keeps rows part + 8 q of Z in registers;
+  // the 8 threads of a column are consecutive lanes.
+  {
+    const int col = tid >> 3, part = tid & 7;
+    float z[16];
 #pragma unroll
-    for (int u = 0; u < 8; ++u) {
-      const int xt = 8 * g + u, xb = M + 8 * g + u;
-      ut[xt * S2 + row] = xt < dim && row < dim ? top[u] : 0.f;
-      ut[xb * S2 + row] = xb < dim && row < dim ? bot[u] : 0.f;
-    }
-  }
-  __syncthreads();
-  // Newton-Schulz: mm = U^T U - I; thread tile rows a0 + i Q, columns b0 + j Q (strided rows keep
-  // the float4 loads of different rows on different banks).
-  if (tid < VT) {
-    const int a0 = tid / Q, b0 = tid % Q;
-    float acc[4][4] = {};
+    for (int q = 0; q < 16; ++q) z[q] = Z[(part + 8 * q) * kS + col];
 #pragma unroll 1
-    for (int r = 0; r < N; r += 4) {
-      float4 yb[4];
+    for (int k = n - 3; k >= 0; --k) {
+      const float t = tau[k];
+      if (t == 0.f) continue;
+      const float* x = A + k * kS;
+      float vq[16], s = 0.f;
 #pragma unroll
-      for (int j = 0; j < 4; ++j) yb[j] = *reinterpret_cast<const float4*>(ut + (b0 + j * Q) * S2 + r);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float4 xa = *reinterpret_cast<const float4*>(ut + (a0 + i * Q) * S2 + r);
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          acc[i][j] += xa.x * yb[j].x;
-          acc[i][j] += xa.y * yb[j].y;
-          acc[i][j] += xa.z * yb[j].z;
-          acc[i][j] += xa.w * yb[j].w;
-        }
+      for (int q = 0; q < 16; ++q) {
+        const int y = part + 8 * q;
+        vq[q] = y == k + 1 ? 1.f : y > k + 1 ? x[y] : 0.f;
+        s += vq[q] * z[q];
       }
+      s += __shfl_xor_sync(0xffffffffu, s, 4);
+      s += __shfl_xor_sync(0xffffffffu, s, 2);
+      s += __shfl_xor_sync(0xffffffffu, s, 1);
+      s *= t;
+#pragma unroll
+      for (int q = 0; q < 16; ++q) z[q] -= s * vq[q];
     }
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int x = a0 + i * Q, y = b0 + j * Q;
-        mm[x * S2 + y] = acc[i][j] - (x == y ? 1.f : 0.f);
-      }
-    }
-  }
-  __syncthreads();
-  // U^T <- U^T - mm U^T / 2 (mm is symmetric); thread tile rows 4 a0.., columns 4 b0...
-  float4 wt[4];
-  if (tid < VT) {
-    const int a0 = tid / Q, b0 = tid % Q;
-    float acc[4][4] = {};
-#pragma unroll 4
-    for (int k = 0; k < N; ++k) {
-      const float4 mk = *reinterpret_cast<const float4*>(mm + k * S2 + 4 * a0);
-      const float4 uk = *reinterpret_cast<const float4*>(ut + k * S2 + 4 * b0);
-      const float mv[4] = {mk.x, mk.y, mk.z, mk.w}, uv[4] = {uk.x, uk.y, uk.z, uk.w};
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-#pragma unroll
-        for (int j = 0; j < 4; ++j) acc[i][j] += mv[i] * uv[j];
-      }
-    }
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float4 u = *reinterpret_cast<const float4*>(ut + (4 * a0 + i) * S2 + 4 * b0);
-      wt[i] = make_float4(u.x - 0.5f * acc[i][0], u.y - 0.5f * acc[i][1], u.z - 0.5f * acc[i][2],
-                          u.w - 0.5f * acc[i][3]);
-    }
-  }
-  __syncthreads();
-  if (tid < VT) {
-    const int a0 = tid / Q, b0 = tid % Q;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) *reinterpret_cast<float4*>(ut + (4 * a0 + i) * S2 + 4 * b0) = wt[i];
+    for (int q = 0; q < 16; ++q) Z[(part + 8 * q) * kS + col] = z[q];
   }
   __syncthreads();
 
-  // Order (descending, jacobi_precedes) and sign (largest entry positive) of each eigenvector.
-  int* inv = reinterpret_cast<int*>(sm + C::OFF_X);  // inv[rank] = index
-  float* sgn = sm + C::OFF_X + N;
-  if (tid < dim) {
-    const float lam = d[tid];
+  // 8. Newton-Schulz: R = U^T U - I, then U <- U - U R / 2. Thread tile: rows/columns
+  // a0 + 32 i, b0 + 32 j (a0 is warp-uniform: broadcast loads; b0 = lane: conflict-free).
+  {
+    const int a0 = warp, b0 = lane;
+    float acc[4][4] = {};
+#pragma unroll 2
+    for (int r = 0; r < kMaxSmemDim; ++r) {
+      float xa[4], yb[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        xa[i] = Z[r * kS + a0 + 32 * i];
+        yb[i] = Z[r * kS + b0 + 32 * i];
+      }
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+#pragma unroll
+        for (int jx = 0; jx < 4; ++jx) acc[i][jx] += xa[i] * yb[jx];
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+#pragma unroll
+      for (int jx = 0; jx < 4; ++jx) {
+        const int x = a0 + 32 * i, y = b0 + 32 * jx;
+        R[x * kS + y] = x < n && y < n ? acc[i][jx] - (x == y ? 1.f : 0.f) : 0.f;
+      }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+#pragma unroll
+      for (int jx = 0; jx < 4; ++jx) acc[i][jx] = 0.f;
+    }
+#pragma unroll 2
+    for (int k = 0; k < kMaxSmemDim; ++k) {
+      float ua[4], rb[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        ua[i] = Z[(a0 + 32 * i) * kS + k];
+        rb[i] = R[k * kS + b0 + 32 * i];
+      }
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+#pragma unroll
+        for (int jx = 0; jx < 4; ++jx) acc[i][jx] += ua[i] * rb[jx];
+      }
+    }
+    float out[4][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+#pragma unroll
+      for (int jx = 0; jx < 4; ++jx) {
+        out[i][jx] = Z[(a0 + 32 * i) * kS + b0 + 32 * jx] - 0.5f * acc[i][jx];
+      }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+#pragma unroll
+      for (int jx = 0; jx < 4; ++jx) Z[(a0 + 32 * i) * kS + b0 + 32 * jx] = out[i][jx];
+    }
+  }
+  __syncthreads();
+
+  // 9. Order (descending, sym_eig_precedes) and sign (largest entry positive) of each column.
+  if (tid < n) {
+    const float l = lam[tid];
     int rank = 0;
-    for (int y = 0; y < dim; ++y) rank += jacobi_precedes(d[y], y, lam, tid);
+    for (int y = 0; y < n; ++y) rank += sym_eig_precedes(lam[y], y, l, tid);
     inv[rank] = tid;
-    // Scanning from row tid spreads the threads over the banks; the winner does not depend on
-    // the order.
-    const float* u = ut + tid * S2;
     int big = 0;
-    float bv = u[0];
-    for (int s = 0; s < dim; ++s) {
-      const int r = s + tid < dim ? s + tid : s + tid - dim;
-      const float v = u[r];
-      if (jacobi_larger_entry(v, r, bv, big)) {
+    float bv = Z[tid];
+    for (int r = 1; r < n; ++r) {
+      const float v = Z[r * kS + tid];
+      if (sym_eig_larger_entry(v, r, bv, big)) {
         big = r;
         bv = v;
       }
@@ -430,26 +372,22 @@ __global__ void __launch_bounds__(EigCfg<N>::T, 1)
     sgn[tid] = bv < 0.f ? -1.f : 1.f;
   }
   __syncthreads();
-  float* w = w_all + mat * dim;
-  float* v = v_all + mat * dim * dim;
-  if (tid < dim) w[tid] = d[inv[tid]];
-  for (int o = tid; o < dim * dim; o += C::T) {
-    const int r = o / dim, x = inv[o % dim];
-    v[o] = sgn[x] * ut[x * S2 + r];
+  float* w = w_all + mat * n;
+  float* v = v_all + mat * n * n;
+  if (tid < n) w[tid] = ldexpf(lam[inv[tid]], ex);
+  for (int o = tid; o < n * n; o += kT) {
+    const int r = o / n, x = inv[o % n];
+    v[o] = sgn[x] * Z[r * kS + x];
   }
 }
 
-template <int N>
 void launch(const at::Tensor& a, at::Tensor& w, at::Tensor& v) {
-  using C = EigCfg<N>;
-  auto kernel = sym_eig_kernel<N>;
-  if (C::SMEM_BYTES > 48 * 1024) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        C::SMEM_BYTES));
-  }
-  kernel<<<static_cast<unsigned>(a.size(0)), C::T, C::SMEM_BYTES,
-           at::cuda::getCurrentCUDAStream()>>>(a.data_ptr<float>(), w.data_ptr<float>(),
-                                               v.data_ptr<float>(), static_cast<int>(a.size(1)));
+  C10_CUDA_CHECK(cudaFuncSetAttribute(sym_eig_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      kSmemBytes));
+  sym_eig_kernel<<<static_cast<unsigned>(a.size(0)), kT, kSmemBytes,
+                   at::cuda::getCurrentCUDAStream()>>>(a.data_ptr<float>(), w.data_ptr<float>(),
+                                                       v.data_ptr<float>(),
+                                                       static_cast<int>(a.size(1)));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -470,16 +408,7 @@ std::tuple<at::Tensor, at::Tensor> sym_eig_cuda(const at::Tensor& a) {
   if (dim > kMaxSmemDim && a.size(0) > 0) return sym_eig_eigh(a);
   auto [w, v] = sym_eig_outputs(a);
   if (a.size(0) == 0) return {w, v};
-  switch (jacobi_padded_dim(dim)) {
-    case 16: launch<16>(a, w, v); break;
-    case 32: launch<32>(a, w, v); break;
-    case 48: launch<48>(a, w, v); break;
-    case 64: launch<64>(a, w, v); break;
-    case 80: launch<80>(a, w, v); break;
-    case 96: launch<96>(a, w, v); break;
-    case 112: launch<112>(a, w, v); break;
-    default: launch<128>(a, w, v); break;
-  }
+  launch(a, w, v);
   return {w, v};
 }
 
