@@ -138,32 +138,38 @@ void sym_eig_matrix(const float* a, int n, float* w, float* v) {
     }
   }
 
-  // 5-6. Eigenvectors of T: zt[j][i] = Z[i][j].
-  std::vector<float> zt(static_cast<size_t>(n) * n, 0.f), r(n), h(n);
+  // 5-6. Eigenvectors of T: zt[j][i] = Z[i][j]; rt[j] the factors of T - lam_j I.
+  std::vector<float> zt(static_cast<size_t>(n) * n, 0.f), rt(static_cast<size_t>(n) * n), h(n);
   const float tiny = kSymEigPivot * anorm, ctol = kSymEigCluster * anorm;
   for (int j = 0; j < n; ++j) {
     const int b = start[j], m = block_size(b);
     float* z = &zt[j * n];
+    float* r = &rt[j * n];
     if (m == 1) {
       z[b] = 1.f;
       continue;
     }
-    const int its =
-        j > b && lam[j] - lam[j - 1] <= kSymEigDegenerate * anorm ? 1 : kSymEigInverseIts;
-    sym_eig_inverse_iteration(d.data(), e.data(), b, m, lam[j], tiny, its, j, z, 1, r.data(), 1);
+    const bool degenerate = j > b && lam[j] - lam[j - 1] <= kSymEigDegenerate * anorm;
+    sym_eig_factor(d.data(), e.data(), b, m, lam[j], tiny, r, 1);
+    for (int y = b; y < b + m; ++y) z[y] = sym_eig_start(y, j);
+    for (int it = 0; it < (degenerate ? 1 : kSymEigInverseIts); ++it) {
+      sym_eig_solve(e.data(), b, m, r, 1, z, 1);
+    }
     int c0 = j;
     while (c0 > b && lam[c0] - lam[c0 - 1] <= ctol) --c0;
-    if (c0 == j) continue;
-    for (int pass = 0; pass < 2; ++pass) {
-      for (int i = c0; i < j; ++i) {
-        float s = 0.f;
-        for (int y = b; y < b + m; ++y) s += zt[i * n + y] * z[y];
-        h[i] = s;
-      }
-      for (int y = b; y < b + m; ++y) {
-        float s = 0.f;
-        for (int i = c0; i < j; ++i) s += h[i] * zt[i * n + y];
-        z[y] -= s;
+    for (int round = 0; round < (c0 == j ? 0 : degenerate ? 2 : 1); ++round) {
+      if (round == 1) sym_eig_solve(e.data(), b, m, r, 1, z, 1);
+      for (int pass = 0; pass < 2; ++pass) {
+        for (int i = c0; i < j; ++i) {
+          float s = 0.f;
+          for (int y = b; y < b + m; ++y) s += zt[i * n + y] * z[y];
+          h[i] = s;
+        }
+        for (int y = b; y < b + m; ++y) {
+          float s = 0.f;
+          for (int i = c0; i < j; ++i) s += h[i] * zt[i * n + y];
+          z[y] -= s;
+        }
       }
     }
     float s = 0.f;

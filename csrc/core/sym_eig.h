@@ -18,7 +18,8 @@
 //    Fixed step count: deterministic, and one eigenvalue per 8 threads on the GPU.
 // 5. Eigenvectors by inverse iteration on T_block - lambda I: LU without pivoting (the Sturm
 //    recurrence; pivots below kSymEigPivot * ||A||_F raised to it, a backward error of that size),
-//    kSymEigInverseIts solves from a fixed pseudo-random start (sym_eig_start), each normalised.
+//    kSymEigInverseIts solves from a fixed pseudo-random start (sym_eig_start), each scaled to
+//    max |z_i| = 1; normalised once its cluster step (6) is done.
 //    An eigenvalue within kSymEigDegenerate * ||A||_F of the previous one of its block gets one
 //    solve only: more would pull both vectors to the same direction of their (numerically single)
 //    eigenspace, while one solve from a different start leaves an independent vector of it.
@@ -26,7 +27,10 @@
 //    ||A||_F. Inverse iteration leaves vectors of eigenvalues g apart about eps ||A|| / g
 //    non-orthogonal, and mixing them by that much moves A u - lambda u by only eps ||A||; inside a
 //    cluster the j-th vector is orthogonalised against the cluster's earlier ones by classical
-//    Gram-Schmidt applied twice (parallel over the earlier ones on the GPU), then normalised.
+//    Gram-Schmidt applied twice (parallel over the earlier ones on the GPU). A degenerate member
+//    (one solve) then gets one more solve and the same Gram-Schmidt (LAPACK stein's order): the
+//    first projection may leave a small remainder, which the solve cleans of other eigenvectors.
+//    Then normalised.
 // 7. Back-transformation U = H_0 ... H_{D-3} Z, reflectors applied last first.
 // 8. One Newton-Schulz step U <- U - U (U^T U - I) / 2: the pairs just outside clusters (gaps near
 //    kSymEigCluster ||A||) are ~1e-4 non-orthogonal, ~1e-8 after it.
@@ -114,41 +118,36 @@ ADAATTN_HD float sym_eig_start(int i, int j) {
   return static_cast<float>(h >> 8) * (1.f / 8388608.f) - 1.f;
 }
 
-// Eigenvector j of block [b, b + m) (m >= 2) for eigenvalue lambda by `its` inverse iterations:
-// z[i * zs] for i in [b, b + m), normalised; r[i * rs] is scratch (the pivots' inverses).
-ADAATTN_HD void sym_eig_inverse_iteration(const float* d, const float* e, int b, int m,
-                                          float lambda, float tiny, int its, int j, float* z,
-                                          int zs, float* r, int rs) {
-  const int end = b + m;
+// LU of T_block - lambda I without pivoting (block [b, b + m), m >= 2): r[i * rs] = 1 / u_i.
+ADAATTN_HD void sym_eig_factor(const float* d, const float* e, int b, int m, float lambda,
+                               float tiny, float* r, int rs) {
   float u = d[b] - lambda;
   for (int i = b;; ++i) {
     if (fabsf(u) < tiny) u = u < 0.f ? -tiny : tiny;
     r[i * rs] = 1.f / u;
-    if (i + 1 == end) break;
+    if (i + 1 == b + m) break;
     u = (d[i + 1] - lambda) - e[i] * e[i] * r[i * rs];
   }
-  for (int i = b; i < end; ++i) z[i * zs] = sym_eig_start(i, j);
-  for (int it = 0; it < its; ++it) {
-    // L y = x (L unit lower bidiagonal, l_i = e_i / u_i), then U z = y (U upper bidiagonal:
-    // u_i, e_i), in place; then scale to max |z_i| = 1.
-    float y = z[b * zs];
-    for (int i = b + 1; i < end; ++i) {
-      y = z[i * zs] - e[i - 1] * r[(i - 1) * rs] * y;
-      z[i * zs] = y;
-    }
-    float x = y * r[(end - 1) * rs], big = fabsf(x);
-    z[(end - 1) * zs] = x;
-    for (int i = end - 2; i >= b; --i) {
-      x = (z[i * zs] - e[i] * x) * r[i * rs];
-      z[i * zs] = x;
-      big = fmaxf(big, fabsf(x));
-    }
-    const float inv = 1.f / big;
-    for (int i = b; i < end; ++i) z[i * zs] *= inv;
+}
+
+// z <- (T_block - lambda I)^-1 z through the factors of sym_eig_factor (L y = z with
+// l_i = e_i / u_i, then U z = y, in place), scaled to max |z_i| = 1.
+ADAATTN_HD void sym_eig_solve(const float* e, int b, int m, const float* r, int rs, float* z,
+                              int zs) {
+  const int end = b + m;
+  float y = z[b * zs];
+  for (int i = b + 1; i < end; ++i) {
+    y = z[i * zs] - e[i - 1] * r[(i - 1) * rs] * y;
+    z[i * zs] = y;
   }
-  float s = 0.f;
-  for (int i = b; i < end; ++i) s += z[i * zs] * z[i * zs];
-  const float inv = 1.f / sqrtf(s);
+  float x = y * r[(end - 1) * rs], big = fabsf(x);
+  z[(end - 1) * zs] = x;
+  for (int i = end - 2; i >= b; --i) {
+    x = (z[i * zs] - e[i] * x) * r[i * rs];
+    z[i * zs] = x;
+    big = fmaxf(big, fabsf(x));
+  }
+  const float inv = 1.f / big;
   for (int i = b; i < end; ++i) z[i * zs] *= inv;
 }
 

@@ -17,13 +17,14 @@
 //   thread, 32 warps: ~8k cycles of issue per step: ~80k cycles.
 // * inverse iteration: one thread per eigenvalue, factor + 3 x 2 bidiagonal solves of 128
 //   dependent steps: ~15k cycles.
-// * cluster Gram-Schmidt: ~2k cycles per cluster member after the first (5 barriers): 0 for a
-//   well-separated spectrum, ~190k for the 96-member noise cluster of a planted rank-32 Gram
-//   matrix (the largest remaining cost; see the report).
+// * cluster Gram-Schmidt: ~2k cycles per cluster member after the first (5 barriers; a
+//   degenerate member adds a one-thread solve, ~3k, and 4 barriers): 0 for a well-separated
+//   spectrum, ~0.2-0.5 M for the 96-member noise cluster of a planted rank-32 Gram matrix (the
+//   largest remaining cost: the members are processed one after another).
 // * back-transformation: 126 steps of 16 FMA + 16 loads + 3 shuffles + 16 FMA per thread:
 //   ~60k cycles. Newton-Schulz (two 128^3 products): ~20k. Loads, sorting, stores: ~10k.
-// Total ~0.3 M cycles (0.17 ms at 1.75 GHz) for a random Gram matrix, ~0.5 M (0.28 ms) with a
-// 96-member cluster; one CTA per SM, so 64 matrices take one wave.
+// Total ~0.3 M cycles (0.17 ms at 1.75 GHz) for a random Gram matrix, ~0.5-0.8 M (0.3-0.45 ms)
+// with a 96-member cluster; one CTA per SM, so 64 matrices take one wave.
 //
 // D > 128 (A, Z and the scratch would not fit in shared memory): float64 at::linalg_eigh, then
 // the same order and sign convention.
@@ -208,46 +209,64 @@ __global__ void __launch_bounds__(kT, 1)
   }
   __syncthreads();
 
-  // 5. Inverse iteration, one thread per eigenvalue (Z was zeroed in step 1).
+  // 5. Inverse iteration, one thread per eigenvalue (Z was zeroed in step 1); R column j keeps
+  // the factors of T - lam_j I for step 6. Vectors outside clusters are normalised here.
   const float tiny = kSymEigPivot * anorm, ctol = kSymEigCluster * anorm;
   if (tid < n) {
     const int j = tid, b = start[j], m = bsz[b];
-    if (m == 1) {
-      Z[b * kS + j] = 1.f;
-    } else {
-      const int its =
-          j > b && lam[j] - lam[j - 1] <= kSymEigDegenerate * anorm ? 1 : kSymEigInverseIts;
-      sym_eig_inverse_iteration(d, e, b, m, lam[j], tiny, its, j, Z + j, kS, R + j, kS);
-    }
     int c = j;
     while (c > b && lam[c] - lam[c - 1] <= ctol) --c;
     c0[j] = c;
+    if (m == 1) {
+      Z[b * kS + j] = 1.f;
+    } else {
+      const bool degenerate = j > b && lam[j] - lam[j - 1] <= kSymEigDegenerate * anorm;
+      sym_eig_factor(d, e, b, m, lam[j], tiny, R + j, kS);
+      for (int y = b; y < b + m; ++y) Z[y * kS + j] = sym_eig_start(y, j);
+      for (int it = 0; it < (degenerate ? 1 : kSymEigInverseIts); ++it) {
+        sym_eig_solve(e, b, m, R + j, kS, Z + j, kS);
+      }
+      if (c == j) {
+        float s = 0.f;
+        for (int y = b; y < b + m; ++y) s += Z[y * kS + j] * Z[y * kS + j];
+        const float iv = 1.f / sqrtf(s);
+        for (int y = b; y < b + m; ++y) Z[y * kS + j] *= iv;
+      }
+    }
   }
   __syncthreads();
 
   // 6. Clusters: classical Gram-Schmidt twice against the cluster's earlier vectors, members in
-  // ascending order (the CPU twin's order).
+  // ascending order (the CPU twin's order); degenerate members get a second solve and round.
 #pragma unroll 1
   for (int j = 1; j < n; ++j) {
     const int c = c0[j];
     if (c == j) continue;  // uniform
     const int b = start[j], m = bsz[b];
+    const bool degenerate = lam[j] - lam[j - 1] <= kSymEigDegenerate * anorm;
 #pragma unroll 1
-    for (int pass = 0; pass < 2; ++pass) {
-      for (int i = c + warp; i < j; i += kWarps) {
-        float s = 0.f;
-        for (int y = b + lane; y < b + m; y += 32) s += Z[y * kS + i] * Z[y * kS + j];
-        s = warp_sum(s);
-        if (lane == 0) h[i] = s;
+    for (int round = 0; round < (degenerate ? 2 : 1); ++round) {
+      if (round == 1) {
+        if (tid == 0) sym_eig_solve(e, b, m, R + j, kS, Z + j, kS);
+        __syncthreads();
       }
-      __syncthreads();
-      if (tid < m) {
-        const int y = b + tid;
-        float s = 0.f;
-        for (int i = c; i < j; ++i) s += h[i] * Z[y * kS + i];
-        Z[y * kS + j] -= s;
+#pragma unroll 1
+      for (int pass = 0; pass < 2; ++pass) {
+        for (int i = c + warp; i < j; i += kWarps) {
+          float s = 0.f;
+          for (int y = b + lane; y < b + m; y += 32) s += Z[y * kS + i] * Z[y * kS + j];
+          s = warp_sum(s);
+          if (lane == 0) h[i] = s;
+        }
+        __syncthreads();
+        if (tid < m) {
+          const int y = b + tid;
+          float s = 0.f;
+          for (int i = c; i < j; ++i) s += h[i] * Z[y * kS + i];
+          Z[y * kS + j] -= s;
+        }
+        __syncthreads();
       }
-      __syncthreads();
     }
     if (warp == 0) {
       float s = 0.f;
