@@ -28,7 +28,7 @@ class RankPlan(NamedTuple):
     eigenvalues: torch.Tensor
 
 
-# Largest D of torch.ops.adaattn.sym_eig (core/jacobi.h's kSymEigMaxDim).
+# Largest D of torch.ops.adaattn.sym_eig (core/sym_eig.h's kSymEigMaxDim).
 _SYM_EIG_MAX_DIM = 256
 
 
@@ -67,7 +67,7 @@ def rank_plan(q: torch.Tensor, k: torch.Tensor, *, energy: float = 0.99, min_ran
 
     For each ``(b, g)``: ``G = K^T K + sum over the query heads h of group g of Q_h^T Q_h``
     (``D x D``, accumulated in float32 without a float32 copy of q and k on CUDA), eigendecomposed
-    by ``torch.ops.adaattn.sym_eig`` (batched Jacobi, float32, eigenvectors orthonormal to a few
+    by ``torch.ops.adaattn.sym_eig`` (batched tridiagonal eigensolver, float32, eigenvectors orthonormal to a few
     float32 ulps); the rank is the smallest ``r >= min_rank``, rounded up to a multiple of
     ``multiple`` and capped at ``D``, whose largest eigenvalues hold ``energy`` of the trace.
     float64 inputs (and ``D > 256``) take an exact path instead: ``G`` in float64 and

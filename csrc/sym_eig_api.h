@@ -1,5 +1,5 @@
-// sym_eig, the batched symmetric eigensolver for small matrices (parallel cyclic Jacobi, see
-// core/jacobi.h): validation and output allocation shared by the CPU (sym_eig.cpp) and CUDA
+// sym_eig, the batched symmetric eigensolver for small matrices (tridiagonalisation, multisection
+// and inverse iteration, see core/sym_eig.h): validation and output allocation shared by the CPU (sym_eig.cpp) and CUDA
 // (cuda/sym_eig.cu) kernels.
 #pragma once
 
