@@ -1,8 +1,8 @@
 """Adaptive-rank attention on inputs with a planted spectrum (spec §3.4).
 
 Queries and keys of each head have an exponentially decaying spectrum whose decay length differs
-per head (2 to 16 of D = 128 directions), plus small isotropic noise. The script prints the per-head ranks that
-``adaattn.rank_plan`` picks, then for energy in {0.9, 0.95, 0.99, 0.999}: the realised ranks,
+per head (2 to 16 of D = 128 directions), plus small isotropic noise. The script prints the
+per-head ranks that ``adaattn.rank_plan`` picks, then for energy in {0.9, 0.95, 0.99, 0.999}: the realised ranks,
 the relative output error of ``adaattn.low_rank_attn`` against exact attention, the error bound
 of ``adaattn.rank_error_bound`` (relative, as ``||bound||_2 / ||O||_F`` over heads), and the
 forward time against ``adaattn.flash_attn``. It saves a PNG of error and speed against energy.

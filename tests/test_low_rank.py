@@ -192,6 +192,23 @@ def test_low_rank_torch_compile_fullgraph(device, dtype):
         torch.testing.assert_close(c, e, msg=lambda m: f"tensor {i}: {m}")
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", [(0, 8), (1, 0)], ids=["empty-batch", "zero-length"])
+def test_low_rank_empty_inputs(device, shape):
+    """Empty batches and L = 0 give empty results; a rank-0 basis attends uniformly."""
+    b, length = shape
+    q = torch.randn(b, 4, length, 64, device=device)
+    k = torch.randn(b, 2, length, 64, device=device)
+    v = torch.randn(b, 2, length, 32, device=device)
+    u = torch.randn(b, 2, 64, 16, device=device)
+    assert adaattn.low_rank_attn(q, k, v, u).shape == (b, 4, length, 32)
+    assert adaattn.adaptive_rank_attn(q, k, v).shape == (b, 4, length, 32)
+    q, k = torch.randn(1, 2, 5, 64, device=device), torch.randn(1, 2, 7, 64, device=device)
+    v = torch.randn(1, 2, 7, 64, device=device)
+    out = adaattn.low_rank_attn(q, k, v, torch.zeros(1, 2, 64, 0, device=device))
+    torch.testing.assert_close(out, v.mean(2, keepdim=True).expand_as(out))
+
+
 def test_low_rank_bad_input():
     q = torch.randn(1, 4, 8, 16)
     k = torch.randn(1, 2, 8, 16)
