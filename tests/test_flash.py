@@ -241,9 +241,9 @@ LOW_PRECISION_CPU_CASES = [
 ]
 
 
-def _check_low_precision(case, dtype, device):
+def _check_low_precision(case, dtype, device, deterministic=False):
     q, k, v, seqlens, dout = make_inputs(case, dtype, device)
-    ours = run_ours(case, q, k, v, seqlens, dout)
+    ours = run_ours(case, q, k, v, seqlens, dout, deterministic=deterministic)
     ref64 = run_reference(case, q, k, v, seqlens, dout, torch.float64)
     ref_low = run_reference(case, q, k, v, seqlens, dout, dtype)
     for name, a, lo, e in zip(NAMES, ours, ref_low, ref64):
@@ -261,6 +261,17 @@ def test_low_precision_cpu(case, dtype):
 @pytest.mark.parametrize("case", _low_precision_cuda_grid(), ids=str)
 def test_low_precision_cuda(case, dtype):
     _check_low_precision(case, dtype, "cuda")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", LOW_PRECISION, ids=str)
+@pytest.mark.parametrize("case", _low_precision_cuda_grid()[::5] + _low_precision_cuda_grid()[3::5],
+                         ids=str)
+def test_low_precision_cuda_deterministic(case, dtype):
+    """The default backward accumulates dq with atomics; deterministic=True takes the two-pass
+    kernels instead, which must meet the same rule (two fifths of the grid: both head dims,
+    causal or not, every GQA ratio, windows, seqlens, transposed inputs)."""
+    _check_low_precision(case, dtype, "cuda", deterministic=True)
 
 
 @pytest.mark.cuda

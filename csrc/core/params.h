@@ -31,7 +31,11 @@ struct AttnParams {
   int64_t dk_batch_stride, dk_head_stride, dk_row_stride;
   int64_t dv_batch_stride, dv_head_stride, dv_row_stride;
   float* delta;     // lse-shaped scratch: rowsum(dO * O)
-  float* dq_accum;  // fp32 scratch for kernels that accumulate dq across KV blocks (may be null)
+  // Tensor-core backward with !deterministic: float32 dQ accumulator, [rows in lse order, D]
+  // (dense [B, Hq, Lq, D], packed [Hq, Tq, D]), zeroed by the launcher. The dK/dV CTAs add their
+  // dS K into it with atomics (no second pass over the keys) and a last pass writes
+  // dq = scale * dq_accum. Null: the two-pass backward, bit-reproducible.
+  float* dq_accum;
 
   // ---- sizes ----------------------------------------------------------------------------
   int batch;     // B

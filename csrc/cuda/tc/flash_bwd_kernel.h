@@ -1,12 +1,17 @@
-// Tensor-core backward of the flash family, deterministic by construction (no atomics):
+// Tensor-core backward of the flash family:
 //   1. delta kernel:  Delta_i = dO_i . O_i
 //   2. dK/dV kernel:  one CTA per (key tile, batch, kv head); warps own key rows and compute the
 //      transposed scores S^T = K Q^T directly, so P^T and dS^T are already A-fragments for
 //      dV += P^T dO and dK += dS^T Q. It loops over the query heads of its GQA group, so K/V are
 //      never expanded to Hq heads and dK/dV are reduced in registers.
-//   3. dQ kernel:     one CTA per (query tile, batch, head), like the forward.
-// The dQ kernel recomputes S and dP (two extra products) instead of accumulating dQ with
-// atomics across key tiles: that keeps results bit-reproducible and needs no fp32 dQ buffer.
+//   3. dQ, in one of two ways:
+//      - atomic (p.dq_accum set; by default where launch.h's FlashConfig measured it faster):
+//        each dK/dV step also stages dS^T in shared memory and adds dS K for its query tile
+//        into a float32 accumulator with atomics; a last kernel scales and converts it. Five
+//        products per (query, key) tile pair in all.
+//      - deterministic (p.deterministic): a dQ CTA per (query tile, batch, head), like the
+//        forward, recomputes S and dP (seven products in all) so that no sum depends on the
+//        order in which CTAs finish: results are bit-reproducible.
 //
 // The elastic softmax of lazy attention (variant.h) replaces step 1 by a row pass over the keys
 // (the dQ kernel's loop without its last product) that accumulates G_i = sum_j M_ij dA_ij and
@@ -59,7 +64,8 @@ __device__ __forceinline__ float lse_log2(const float* lse, int row, int len) {
   return l == -INFINITY ? INFINITY : l * float(M_LOG2E);
 }
 
-template <typename T, int DK, int DV, int NWARPS, int MI_K, int BM, typename Variant>
+template <typename T, int DK, int DV, int NWARPS, int MI_K, int BM, typename Variant,
+          bool kAtomicDQ>
 struct BwdKVTraits {
   static constexpr int kThreads = NWARPS * 32;
   static constexpr int kBlockN = NWARPS * 16 * MI_K;  // keys per CTA
@@ -73,12 +79,57 @@ struct BwdKVTraits {
   static constexpr int kStageKeys = kBlockN * kBlockM > 2048 ? 2048 / kBlockM : kBlockN;
   static_assert(kStageKeys % (16 * MI_K) == 0, "a staging round holds whole warps' key rows");
   static constexpr int kStageFloats = Variant::kElastic ? kStageKeys * kBlockM : 0;
+  // Atomic dQ: the step's dS^T, [kBlockN][BM] in T, after the float vectors.
+  static constexpr int kDsElems = kAtomicDQ ? kBlockN * kBlockM : 0;
   static constexpr int kSmemBytes = (kBlockN + 2 * kBlockM) * (DK + DV) * sizeof(T) +
-                                    (2 * kRowVectors * kBlockM + kStageFloats) * sizeof(float);
+                                    (2 * kRowVectors * kBlockM + kStageFloats) * sizeof(float) +
+                                    kDsElems * sizeof(T);
+  // Atomic dQ: warps split the [BM][DK] dQ tile into 16-row groups x column ranges, done in
+  // chunks of at most 64 columns (32 accumulator registers) next to the dK/dV accumulators.
+  static constexpr int kDqWarpsM = kBlockM / 16;
+  static constexpr int kDqWarpsN = NWARPS / kDqWarpsM;
+  static constexpr int kDqCols = DK / kDqWarpsN;
+  static constexpr int kDqChunk = kDqCols < 64 ? kDqCols : 64;
+  static_assert(!kAtomicDQ || (NWARPS % kDqWarpsM == 0 && DK % kDqWarpsN == 0 &&
+                               kDqCols % kDqChunk == 0 && kDqChunk % 16 == 0),
+                "the dQ tile must split evenly among the warps");
 };
 
+// Atomic dQ of one dK/dV step: dq_accum[row0 + i] += dS[i] K over the CTA's kBlockN keys for
+// the step's BM queries (rows >= valid_rows are outside the sequence and skipped), from the
+// staged dS^T [kBlockN][BM] and the key tile [kBlockN][DK].
+template <typename Traits, typename T, int DK, int BM>
+__device__ __forceinline__ void bwd_atomic_dq(const AttnParams& p, const T* sdS, const T* sK,
+                                              int64_t row0, int valid_rows, int warp, int lane) {
+  constexpr int kChunk = Traits::kDqChunk;
+  const int q0 = (warp % Traits::kDqWarpsM) * 16;
+  const int c0 = (warp / Traits::kDqWarpsM) * Traits::kDqCols;
+  const int g = lane >> 2;
+  const int t = lane & 3;
+#pragma unroll 1
+  for (int c = c0; c < c0 + Traits::kDqCols; c += kChunk) {
+    float acc[kChunk / 8][4];
+#pragma unroll
+    for (int ni = 0; ni < kChunk / 8; ++ni)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[ni][e] = 0.f;
+    warp_gemm_tn<kChunk / 8, Traits::kBlockN / 16, BM, DK>(acc, sdS, q0, sK, c, lane);
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int i = q0 + g + 8 * hh;
+      if (i >= valid_rows) continue;
+      float* dst = p.dq_accum + (row0 + i) * DK + c + 2 * t;
+#pragma unroll
+      for (int ni = 0; ni < kChunk / 8; ++ni) {
+        atomic_add2(dst + ni * 8, acc[ni][2 * hh], acc[ni][2 * hh + 1]);
+      }
+    }
+  }
+}
+
 // dK/dV for key tile `block` (key tile index is the slowest-varying part of `block`).
-template <typename Traits, typename T, int DK, int DV, int MI, int BM, typename Variant>
+template <typename Traits, typename T, int DK, int DV, int MI, int BM, typename Variant,
+          bool kAtomicDQ>
 __device__ __forceinline__ void bwd_dkdv_block(const AttnParams& p, int block) {
   constexpr bool kElastic = Variant::kElastic;
   constexpr int kBlockN = Traits::kBlockN;
@@ -96,6 +147,7 @@ __device__ __forceinline__ void bwd_dkdv_block(const AttnParams& p, int block) {
   float* const sDelta0 = sLse0 + 2 * BM;
   float* const sShift0 = sDelta0 + 2 * BM;                     // elastic only
   float* const sStage = sLse0 + 2 * Traits::kRowVectors * BM;  // elastic only
+  T* const sdS = reinterpret_cast<T*>(sStage + Traits::kStageFloats);  // atomic dQ only
   auto sQ = [&](int buf) { return sQ0 + buf * BM * DK; };
   auto sdO = [&](int buf) { return sdO0 + buf * BM * DV; };
   auto sLse = [&](int buf) { return sLse0 + buf * BM; };
@@ -279,7 +331,26 @@ __device__ __forceinline__ void bwd_dkdv_block(const AttnParams& p, int block) {
 
       uint32_t dsa[MI][NT / 2][4];
       to_a_frags<MI, NT, T>(dpt, dsa);
+      if constexpr (kAtomicDQ) {
+        // dS^T [key][query] for the dQ product (the A-fragment words are pairs of neighbouring
+        // queries of one key row).
+  #pragma unroll
+        for (int mi = 0; mi < MI; ++mi)
+  #pragma unroll
+          for (int kt = 0; kt < NT / 2; ++kt)
+  #pragma unroll
+            for (int r = 0; r < 4; ++r) {
+              const int key = warp_row0 + mi * 16 + g + 8 * (r & 1);
+              const int query = kt * 16 + 8 * (r >> 1) + 2 * t;
+              *reinterpret_cast<uint32_t*>(sdS + swz<BM>(key, query)) = dsa[mi][kt][r];
+            }
+      }
       warp_gemm_rs<MI, DTK, NT / 2, DK>(dk, dsa, sQ(buf), 0, lane);
+      if constexpr (kAtomicDQ) {
+        __syncthreads();  // every warp's dS^T rows are staged
+        bwd_atomic_dq<Traits, T, DK, BM>(p, sdS, sK, row_stat_offset(p, lens, b, h) + m0,
+                                         lens.rows_q - m0, warp, lane);
+      }
     }
 
   };
@@ -517,18 +588,42 @@ __device__ __forceinline__ void bwd_dq_block(const AttnParams& p, int block) {
   }
 }
 
-// The dK/dV and dQ passes are independent (both only read delta), so one launch runs both:
-// the first kv_blocks CTAs do dK/dV, the rest dQ. Sharing the grid lets each pass fill the
-// other's last partial wave.
-template <typename KVTraits, typename QTraits, typename T, int DK, int DV, typename Variant>
+// Deterministic: the dK/dV and dQ passes are independent (both only read delta), so one
+// launch runs both: the first kv_blocks CTAs do dK/dV, the rest dQ. Sharing the grid lets each
+// pass fill the other's last partial wave. Atomic dQ: every CTA is a dK/dV CTA.
+template <typename KVTraits, typename QTraits, typename T, int DK, int DV, typename Variant,
+          bool kAtomicDQ>
 __global__ void __launch_bounds__(KVTraits::kThreads)
     flash_bwd_kernel(const AttnParams p, int kv_blocks) {
   static_assert(KVTraits::kThreads == QTraits::kThreads, "both passes share the block shape");
-  if (static_cast<int>(blockIdx.x) < kv_blocks) {
-    bwd_dkdv_block<KVTraits, T, DK, DV, KVTraits::kMI, KVTraits::kBlockM, Variant>(p, blockIdx.x);
-  } else {
+  if (kAtomicDQ || static_cast<int>(blockIdx.x) < kv_blocks) {
+    bwd_dkdv_block<KVTraits, T, DK, DV, KVTraits::kMI, KVTraits::kBlockM, Variant, kAtomicDQ>(
+        p, blockIdx.x);
+  } else if constexpr (!kAtomicDQ) {
     bwd_dq_block<QTraits, T, DK, DV, QTraits::kMI, QTraits::kBlockN, Variant, false>(
         p, blockIdx.x - kv_blocks);
+  }
+}
+
+// Atomic dQ, last step: dq = scale * dq_accum in T, one warp per row in lse order (as the
+// delta kernel).
+template <typename T, int DK>
+__global__ void flash_bwd_dq_convert_kernel(const AttnParams p) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= row_items<false>(p)) return;
+  const int i = static_cast<int>(row % p.len_q);
+  const int64_t bh = row / p.len_q;
+  const int h = static_cast<int>(bh % p.heads_q);
+  const int b = static_cast<int>(bh / p.heads_q);
+  T* dq = static_cast<T*>(p.dq) + b * p.dq_batch_stride + h * p.dq_head_stride +
+          static_cast<int64_t>(i) * p.dq_row_stride;
+  const float* acc = p.dq_accum + row * DK;
+  const float scale = static_cast<float>(p.scale);
+#pragma unroll
+  for (int c = 2 * lane; c < DK; c += 64) {
+    const float2 v = *reinterpret_cast<const float2*>(acc + c);
+    *reinterpret_cast<uint32_t*>(dq + c) = MmaOp<T>::pack(v.x * scale, v.y * scale);
   }
 }
 

@@ -19,6 +19,11 @@ namespace tc {
 // warps per CTA, 16-row groups per warp (MI), and the streamed tile size. Two row groups per
 // warp halve the shared-memory reads per MMA, which bound these kernels on Hopper, as long as
 // the accumulators still fit in registers.
+// kAtomicDQ: whether the non-deterministic backward accumulates dQ with atomics in the dK/dV
+// CTAs (flash_bwd_kernel.h). Measured on the H100 (bf16, B.L = 16k): at DV = 64 it is 4-8%
+// faster end to end than the two-pass backward; at DV = 128 the dK/dV CTA (one row group per
+// warp, as the dK and dV accumulators take 128 registers) is bound by shared-memory reads, the
+// dQ product adds to them, and the atomic form was 0-5% slower, so DV = 128 keeps two passes.
 template <int DV>
 struct FlashConfig;
 
@@ -26,6 +31,7 @@ template <>
 struct FlashConfig<64> {
   static constexpr int kFwdWarps = 4, kFwdMI = 2, kFwdBlockN = 64;
   static constexpr int kKVWarps = 4, kKVMI = 2, kKVBlockM = 32;
+  static constexpr bool kAtomicDQ = true;
   static constexpr int kQWarps = 4, kQMI = 2, kQBlockN = 64;
 };
 
@@ -33,6 +39,7 @@ template <>
 struct FlashConfig<128> {
   static constexpr int kFwdWarps = 4, kFwdMI = 2, kFwdBlockN = 64;
   static constexpr int kKVWarps = 4, kKVMI = 1, kKVBlockM = 64;
+  static constexpr bool kAtomicDQ = false;
   static constexpr int kQWarps = 4, kQMI = 2, kQBlockN = 32;
 };
 
@@ -61,17 +68,19 @@ void launch_fwd(const AttnParams& p) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// The fused dK/dV + dQ launch (both read lse and delta).
-template <typename T, int DK, int DV, typename Variant>
+// The dK/dV launch; deterministic: fused with the dQ CTAs (both read lse and delta), atomic:
+// dQ accumulated by the dK/dV CTAs into p.dq_accum.
+template <typename T, int DK, int DV, typename Variant, bool kAtomicDQ>
 void launch_bwd_main(const AttnParams& p) {
   using C = FlashConfig<DV>;
-  using KV = BwdKVTraits<T, DK, DV, C::kKVWarps, C::kKVMI, C::kKVBlockM, Variant>;
+  using KV = BwdKVTraits<T, DK, DV, C::kKVWarps, C::kKVMI, C::kKVBlockM, Variant, kAtomicDQ>;
   using Q = BwdQTraits<T, DK, DV, C::kQWarps, C::kQMI, C::kQBlockN>;
-  auto kernel = flash_bwd_kernel<KV, Q, T, DK, DV, Variant>;
-  constexpr int kSmem = KV::kSmemBytes > Q::kSmemBytes ? KV::kSmemBytes : Q::kSmemBytes;
+  auto kernel = flash_bwd_kernel<KV, Q, T, DK, DV, Variant, kAtomicDQ>;
+  constexpr int kSmem =
+      kAtomicDQ || KV::kSmemBytes > Q::kSmemBytes ? KV::kSmemBytes : Q::kSmemBytes;
   set_smem(kernel, kSmem);
   const int64_t kv_blocks = tile_slots<true>(p, KV::kBlockN) * p.heads_kv;
-  const int64_t q_blocks = tile_slots<false>(p, Q::kBlockM) * p.heads_q;
+  const int64_t q_blocks = kAtomicDQ ? 0 : tile_slots<false>(p, Q::kBlockM) * p.heads_q;
   kernel<<<grid_size(kv_blocks + q_blocks), KV::kThreads, kSmem,
            at::cuda::getCurrentCUDAStream()>>>(p, grid_size(kv_blocks));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -82,16 +91,30 @@ void run_flash_fwd(const AttnParams& p) {
   launch_fwd<T, DK, DV, SoftmaxVariant>(p);
 }
 
+// Delta, then dK/dV/dQ: with atomic dQ where the config measured it faster (fewer products, a
+// float32 accumulator of 2x dq's size) unless p.deterministic; two passes otherwise.
 template <typename T, int DK, int DV>
-void run_flash_bwd(const AttnParams& p) {
-  {
-    constexpr int kRowsPerBlock = 8;
-    const int grid = grid_size((row_items<false>(p) + kRowsPerBlock - 1) / kRowsPerBlock);
-    flash_bwd_delta_kernel<T, DV>
-        <<<grid, kRowsPerBlock * 32, 0, at::cuda::getCurrentCUDAStream()>>>(p);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+void run_flash_bwd(const AttnParams& p_in) {
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  constexpr int kRowsPerBlock = 8;
+  const int row_grid = grid_size((row_items<false>(p_in) + kRowsPerBlock - 1) / kRowsPerBlock);
+  flash_bwd_delta_kernel<T, DV><<<row_grid, kRowsPerBlock * 32, 0, stream>>>(p_in);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if constexpr (FlashConfig<DV>::kAtomicDQ) {
+    if (!p_in.deterministic) {
+      AttnParams p = p_in;
+      // Freed on return; the caching allocator keeps it for this stream.
+      const at::Tensor accum = at::zeros({row_items<false>(p) * DK},
+                                         at::TensorOptions().dtype(at::kFloat).device(
+                                             at::kCUDA, c10::cuda::current_device()));
+      p.dq_accum = accum.data_ptr<float>();
+      launch_bwd_main<T, DK, DV, SoftmaxVariant, true>(p);
+      flash_bwd_dq_convert_kernel<T, DK><<<row_grid, kRowsPerBlock * 32, 0, stream>>>(p);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      return;
+    }
   }
-  launch_bwd_main<T, DK, DV, SoftmaxVariant>(p);
+  launch_bwd_main<T, DK, DV, SoftmaxVariant, false>(p_in);
 }
 
 template <typename T, int D>
@@ -104,7 +127,7 @@ void run_lazy_fwd(const AttnParams& p) {
 template <typename T, int D>
 void run_lazy_bwd(const AttnParams& p_in) {
   using C = FlashConfig<D>;
-  using KV = BwdKVTraits<T, D, D, C::kKVWarps, C::kKVMI, C::kKVBlockM, LazyVariant>;
+  using KV = BwdKVTraits<T, D, D, C::kKVWarps, C::kKVMI, C::kKVBlockM, LazyVariant, false>;
   using Q = BwdQTraits<T, D, D, C::kQWarps, C::kQMI, C::kQBlockN>;
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   AttnParams p = p_in;
@@ -124,7 +147,7 @@ void run_lazy_bwd(const AttnParams& p_in) {
     kernel<<<grid_size(q_blocks), Q::kThreads, Q::kSmemBytes, stream>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
-  launch_bwd_main<T, D, D, LazyVariant>(p);
+  launch_bwd_main<T, D, D, LazyVariant, false>(p);
   if (p.dtau == nullptr) return;
   constexpr int kReduceThreads = 256;
   lazy_dtau_kernel<kReduceThreads><<<p.heads_q, kReduceThreads, 0, stream>>>(p);

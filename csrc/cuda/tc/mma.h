@@ -161,6 +161,40 @@ __device__ __forceinline__ void warp_gemm_rs(float (&acc)[MI][NT][4],
   }
 }
 
+// acc[NT] (one 16 x 8 fragment row) += A^T * B where A = rows [0, 16*KT) x columns
+// [a_col0, a_col0 + 16) of a swizzled [rows][WA] tile and B = the same rows x columns
+// [b_col0, b_col0 + 8*NT) of a swizzled [rows][WB] tile: both are stored reduction-major, so
+// both are read with transposing ldmatrix. (dQ += dS K from a staged dS^T.)
+template <int NT, int KT, int WA, int WB, typename T>
+__device__ __forceinline__ void warp_gemm_tn(float (&acc)[NT][4], const T* sA, int a_col0,
+                                             const T* sB, int b_col0, int lane) {
+  static_assert(NT % 2 == 0, "NT must be even (x4 ldmatrix loads two n-tiles)");
+#pragma unroll
+  for (int kt = 0; kt < KT; ++kt) {
+    uint32_t a[4];
+    ldmatrix_x4_trans(a, sA + swz<WA>(kt * 16 + (lane & 7) + ((lane >> 4) << 3),
+                                      a_col0 + ((lane >> 3) & 1) * 8));
+#pragma unroll
+    for (int ni = 0; ni < NT; ni += 2) {
+      uint32_t b[4];
+      const int row = kt * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
+      ldmatrix_x4_trans(b, sB + swz<WB>(row, b_col0 + ni * 8 + (lane >> 4) * 8));
+      MmaOp<T>::run(acc[ni], a, b[0], b[1]);
+      MmaOp<T>::run(acc[ni + 1], a, b[2], b[3]);
+    }
+  }
+}
+
+// *addr += a, addr[1] += b without a return value (a reduction in L2); addr 8-byte aligned.
+__device__ __forceinline__ void atomic_add2(float* addr, float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  atomicAdd(reinterpret_cast<float2*>(addr), make_float2(a, b));
+#else
+  atomicAdd(addr, a);
+  atomicAdd(addr + 1, b);
+#endif
+}
+
 // Re-packs accumulator fragments (16 x 8, fp32) as A-fragments (16 x 16, T): the accumulator
 // layout of two neighbouring n-tiles is exactly the A layout, so no data moves between lanes.
 template <int MI, int NT, typename T>
