@@ -297,18 +297,41 @@ __global__ void __launch_bounds__(kT, 1)
       }
 #pragma unroll 1
       for (int pass = 0; pass < 2; ++pass) {
-        for (int i = c + warp; i < j; i += kWarps) {
+        // h_i = z_i . z_j, i in [c, j): 8 consecutive lanes per column i, lane `part` summing
+        // rows b + 4 part + r + 32 s (r, s < 4): the 32 lanes of a warp (4 columns x 8 parts)
+        // hit 32 different banks (row stride 129).
+        {
+          const int i = c + (tid >> 3), part = tid & 7;
           float s = 0.f;
-          for (int y = b + lane; y < b + m; y += 32) s += Z[y * kS + i] * Z[y * kS + j];
-          s = warp_sum(s);
-          if (lane == 0) h[i] = s;
+          if (i < j) {
+#pragma unroll
+            for (int q = 0; q < 16; ++q) {
+              const int y = b + 4 * part + (q & 3) + 32 * (q >> 2);
+              if (y < b + m) s += Z[y * kS + i] * Z[y * kS + j];
+            }
+          }
+          s += __shfl_xor_sync(0xffffffffu, s, 4);
+          s += __shfl_xor_sync(0xffffffffu, s, 2);
+          s += __shfl_xor_sync(0xffffffffu, s, 1);
+          if (i < j && part == 0) h[i] = s;
         }
         __syncthreads();
-        if (tid < m) {
-          const int y = b + tid;
+        // z_j -= sum_i h_i z_i: 8 consecutive lanes per row y, lane `part` summing the columns
+        // c + 4 part + r + 32 s (conflict-free likewise); only column j is written.
+        {
+          const int y = b + (tid >> 3), part = tid & 7;
           float s = 0.f;
-          for (int i = c; i < j; ++i) s += h[i] * Z[y * kS + i];
-          Z[y * kS + j] -= s;
+          if (y < b + m) {
+#pragma unroll
+            for (int q = 0; q < 16; ++q) {
+              const int i = c + 4 * part + (q & 3) + 32 * (q >> 2);
+              if (i < j) s += h[i] * Z[y * kS + i];
+            }
+          }
+          s += __shfl_xor_sync(0xffffffffu, s, 4);
+          s += __shfl_xor_sync(0xffffffffu, s, 2);
+          s += __shfl_xor_sync(0xffffffffu, s, 1);
+          if (y < b + m && part == 0) Z[y * kS + j] -= s;
         }
         __syncthreads();
       }
