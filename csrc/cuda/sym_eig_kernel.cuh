@@ -110,6 +110,31 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
+// One warp: the Householder reflector of step k from x = row k of A (its trailing part holds
+// column k): v is stored over x[k+2..n) (v_{k+1} = 1 implicit), d[k] = x[k], e[k] = beta,
+// tau[k] (0 when x[k+2..n) is exactly 0).
+__device__ __forceinline__ void tridiag_reflector(float* A, int k, int n, int lane, float* d,
+                                                  float* e, float* tau) {
+  float* x = A + k * kS;
+  float sig = 0.f;
+  for (int i = k + 2 + lane; i < n; i += 32) sig += x[i] * x[i];
+  sig = warp_sum(sig);
+  const float alpha = x[k + 1];
+  float t = 0.f, beta = alpha;
+  if (sig != 0.f) {
+    const float mu = sqrtf(alpha * alpha + sig);
+    beta = alpha <= 0.f ? mu : -mu;
+    t = (beta - alpha) / beta;
+    const float sc = 1.f / (alpha - beta);
+    for (int i = k + 2 + lane; i < n; i += 32) x[i] *= sc;
+  }
+  if (lane == 0) {
+    d[k] = x[k];
+    e[k] = beta;
+    tau[k] = t;
+  }
+}
+
 __global__ void __launch_bounds__(kT, 1)
     sym_eig_kernel(const float* __restrict__ a_all, float* __restrict__ w_all,
                    float* __restrict__ v_all, int n ADAATTN_SYM_EIG_STAGE_PARAM) {
@@ -159,38 +184,32 @@ __global__ void __launch_bounds__(kT, 1)
   const float anorm = static_cast<float>(sqrt(block_sum(norm2, red)));
   ADAATTN_SYM_EIG_STAGE(kStageScale);
 
-  // 2. Tridiagonalisation; v of step k is kept in row k, entries k+2..n-1.
+  // 2. Tridiagonalisation; v of step k is kept in row k, entries k+2..n-1. Two barriers per step:
+  // the reflector of step k + 1 is formed by warp 0 inside step k's rank-2 update (look-ahead:
+  // warp 0 owns row k + 1 of the update and does it first), overlapping the other warps' rows.
+  if (warp == 0 && n > 2) tridiag_reflector(A, 0, n, lane, d, e, tau);
+  __syncthreads();
 #pragma unroll 1
   for (int k = 0; k + 2 < n; ++k) {
-    float* x = A + k * kS;
-    if (warp == 0) {
-      float sig = 0.f;
-      for (int i = k + 2 + lane; i < n; i += 32) sig += x[i] * x[i];
-      sig = warp_sum(sig);
-      const float alpha = x[k + 1];
-      float t = 0.f, beta = alpha;
-      if (sig != 0.f) {
-        const float mu = sqrtf(alpha * alpha + sig);
-        beta = alpha <= 0.f ? mu : -mu;
-        t = (beta - alpha) / beta;
-        const float sc = 1.f / (alpha - beta);
-        for (int i = k + 2 + lane; i < n; i += 32) x[i] *= sc;
-      }
-      if (lane == 0) {
-        d[k] = x[k];
-        e[k] = beta;
-        tau[k] = t;
-      }
-    }
-    __syncthreads();
+    const float* x = A + k * kS;
     const float t = tau[k];
-    if (t == 0.f) continue;  // uniform: A' is unchanged
-    // p = tau A' v: 8 threads per row (consecutive lanes), shuffle-reduced.
+    const bool next = k + 3 < n;  // step k + 1 has a reflector
+    if (t == 0.f) {               // uniform: A' is unchanged
+      if (warp == 0 && next) tridiag_reflector(A, k + 1, n, lane, d, e, tau);
+      __syncthreads();
+      continue;
+    }
+    // p = tau A' v: 8 consecutive lanes per row, lane `part` summing the columns
+    // k + 1 + 4 part + r + 32 s (r, s < 4): a warp's 4 rows x 8 parts hit 32 different banks.
     {
       const int i = k + 1 + (tid >> 3), part = tid & 7;
       float s = 0.f;
       if (i < n) {
-        for (int j = k + 1 + part; j < n; j += 8) s += A[i * kS + j] * (j == k + 1 ? 1.f : x[j]);
+#pragma unroll
+        for (int q = 0; q < 16; ++q) {
+          const int j = k + 1 + 4 * part + (q & 3) + 32 * (q >> 2);
+          if (j < n) s += A[i * kS + j] * (j == k + 1 ? 1.f : x[j]);
+        }
       }
       s += __shfl_xor_sync(0xffffffffu, s, 4);
       s += __shfl_xor_sync(0xffffffffu, s, 2);
@@ -202,12 +221,29 @@ __global__ void __launch_bounds__(kT, 1)
     float pv = 0.f;
     for (int i = k + 1 + lane; i < n; i += 32) pv += p[i] * (i == k + 1 ? 1.f : x[i]);
     const float kk = 0.5f * t * warp_sum(pv);
-    const int m = n - k - 1;
-    for (int idx = tid; idx < m * m; idx += kT) {
-      const int i = k + 1 + idx / m, j = k + 1 + idx % m;
-      const float vi = i == k + 1 ? 1.f : x[i], vj = j == k + 1 ? 1.f : x[j];
-      const float wi = p[i] - kk * vi, wj = p[j] - kk * vj;
-      A[i * kS + j] -= vi * wj + wi * vj;
+    // Rank-2 update: warp w updates rows k + 1 + w + 32 r, lane l columns k + 1 + l + 32 c (no
+    // index division; v_j and w_j loaded once per thread; rows conflict-free).
+    float vj[4], wj[4];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int j = k + 1 + lane + 32 * c;
+      vj[c] = j == k + 1 ? 1.f : j < n ? x[j] : 0.f;
+      wj[c] = j < n ? p[j] - kk * vj[c] : 0.f;
+    }
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int i = k + 1 + warp + 32 * r;
+      if (i >= n) break;  // warp-uniform
+      const float vi = i == k + 1 ? 1.f : x[i], wi = p[i] - kk * vi;
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int j = k + 1 + lane + 32 * c;
+        if (j < n) A[i * kS + j] -= vi * wj[c] + wi * vj[c];
+      }
+      if (r == 0 && warp == 0 && next) {  // row k + 1 is final: the next reflector
+        __syncwarp();
+        tridiag_reflector(A, k + 1, n, lane, d, e, tau);
+      }
     }
     __syncthreads();
   }
