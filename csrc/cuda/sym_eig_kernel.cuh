@@ -13,29 +13,40 @@
 //
 // Why not Jacobi: parallel Jacobi needs 127 rounds x 6-13 sweeps, each round a barrier, and was
 // latency-bound at 1.2-1.65 ms for 64 matrices of 128. Here the sequential depth is ~126
-// Householder steps (3 barriers each), 10 multisection steps and 126 reflector applications
-// (no barrier: each thread keeps 16 entries of Z in registers).
+// Householder steps (2 barriers each), 10 multisection steps, the cluster members one after
+// another, and 126 reflector applications (no barrier: each thread keeps 16 entries of Z in
+// registers).
 //
-// Measured on the H100 (benchmarks/bench_rank.py at e406e14, 64 or 16 matrices of 128): 1.09-1.12 ms
-// for random Gram matrices, 1.24-1.38 ms planted (Jacobi: 1.22 / 1.65-1.69 ms), six times the
-// estimate below; which stage misses its estimate is not yet measured.
-// Issue-and-shared-memory estimate at D = 128:
-// * tridiagonalisation: step k touches the m x m trailing block (m = 127 - k) twice (matvec, then
-//   rank-2 update: ~3 m^2 shared accesses, ~1500 wavefronts at m = 127) plus a one-warp
-//   reflector (~400 cycles latency) and 3 barriers: ~2000 cycles at the start, ~700 on average:
-//   ~90k cycles.
-// * multisection: 10 steps of one Sturm count (<= 128 dependent steps, ~8 instructions) per
-//   thread, 32 warps: ~8k cycles of issue per step: ~80k cycles.
-// * inverse iteration: one thread per eigenvalue, factor + 3 x 2 bidiagonal solves of 128
-//   dependent steps: ~15k cycles.
-// * cluster Gram-Schmidt: ~2k cycles per cluster member after the first (5 barriers; a
-//   degenerate member adds a one-thread solve, ~3k, and 4 barriers): 0 for a well-separated
-//   spectrum, ~0.2-0.5 M for the 96-member noise cluster of a planted rank-32 Gram matrix (the
-//   largest remaining cost: the members are processed one after another).
-// * back-transformation: 126 steps of 16 FMA + 16 loads + 3 shuffles + 16 FMA per thread:
-//   ~60k cycles. Newton-Schulz (two 128^3 products): ~20k. Loads, sorting, stores: ~10k.
-// Total ~0.3 M cycles (0.17 ms at 1.75 GHz) for a random Gram matrix, ~0.5-0.8 M (0.3-0.45 ms)
-// with a 96-member cluster; one CTA per SM, so 64 matrices take one wave.
+// Measured on the H100 before the changes below (benchmarks/bench_rank.py at e406e14, 64 or 16
+// matrices of 128): 1.09-1.12 ms for random Gram matrices, 1.24-1.38 ms planted; the stages were
+// never timed. The kernel has been changed since WITHOUT being run on a GPU: its new cost is
+// not measured. Measure it per stage with benchmarks/sym_eig_stages.cu.
+//
+// What the benchmark's spectra imply (numpy on one sample of each): the clusters are large.
+// A Gram matrix of 8192 Gaussian rows has gaps ~32 < kSymEigCluster ||A||_F ~ 93 (clusters of
+// ~110 and ~16 members); the planted rank-32 one has a 96-member noise cluster with ~17
+// degenerate members (each a one-thread bidiagonal solve plus a second Gram-Schmidt round). So the
+// cluster stage runs ~96-125 sequential members in both cases, which the old estimate (0 for a
+// "well-separated" random Gram matrix) missed.
+// Changes and their estimated savings (cycles per CTA, issue and shared-memory wavefront counts,
+// not measured):
+// * cluster Gram-Schmidt: both halves of a pass (h = Z_c^T z_j, z_j -= Z_c h) on all 1024
+//   threads, 8 lanes per column / row with 16 terms each and a 3-shuffle reduction, 4-interleaved
+//   so that a warp's loads hit 32 banks. Before: one warp per column (4 columns per warp in
+//   sequence, 5 shuffles each) and a 127-term serial sum on 128 threads, ~5k cycles per member;
+//   now ~1.2k (5 barriers remain). ~0.6 M -> ~0.15 M cycles for ~125 members. Degenerate members
+//   still add a one-thread solve (~128 x 3 dependent steps, a few k cycles each).
+// * tridiagonalisation: 2 barriers per step instead of 3 (warp 0 forms reflector k + 1 right after
+//   updating row k + 1 of step k, overlapped with the other warps' rows), the rank-2 update
+//   without a runtime division per element (2-D warp/lane mapping, v and w loaded once per
+//   thread), the matvec free of its 4-way bank conflicts. Estimate ~3k -> ~1.5k cycles per step
+//   on average, ~0.35 M -> ~0.2 M.
+// * back-transformation: rows where the reflector is 0 skipped: ~100k -> ~55k.
+// Unchanged: multisection (~85k: one MUFU reciprocal per Sturm step, 1024 x 128 x 10 at 16 per
+// cycle), inverse iteration (~20k), Newton-Schulz (~65k: two 128^3 products, bound by ~32k
+// shared-load wavefronts each), loads and stores (~10k).
+// Total estimate ~0.6 M cycles (~0.33 ms at 1.75 GHz) against ~1.3 M before; the old estimate
+// was 6x below the measurement, so trust the stage benchmark, not these numbers.
 //
 // D > 128 (A, Z and the scratch would not fit in shared memory): the launcher (sym_eig.cu) uses
 // float64 at::linalg_eigh, then the same order and sign convention.
