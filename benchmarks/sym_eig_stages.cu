@@ -1,0 +1,231 @@
+// Standalone timing of the sym_eig CUDA kernel (csrc/cuda/sym_eig_kernel.cuh), stage by stage,
+// without torch. Build and run (on a machine with an sm_90 GPU):
+//
+//   nvcc -O3 -std=c++17 -arch=sm_90 --use_fast_math -DADAATTN_SYM_EIG_STAGES -Icsrc \
+//       benchmarks/sym_eig_stages.cu -o /tmp/sym_eig_stages && /tmp/sym_eig_stages [N]
+//
+// (--use_fast_math as in setup.py's nvcc flags.) For N (default 64) Gram matrices G = X^T X of
+// 128 x 128, X with 8192 rows (rank_plan's G = q^T q + k^T k with Lq = Lk = 4096, as in
+// benchmarks/bench_rank.py), in two kinds:
+// * random: X standard normal (Marchenko-Pastur spectrum in [~6300, ~10400]);
+// * planted: X = C B^T + 0.05 E, C 8192 x 32 and E standard normal, B 128 x 32 orthonormal
+//   (32 eigenvalues ~8192 plus a 96-member noise cluster near 0.0025 * 8192).
+// Prints the kernel's median time over 20 launches (CUDA events, after warmup), then for one
+// launch each stage's median over CTAs of clock64() cycles and its share of the kernel's median,
+// the cluster structure the eigenvalues imply, and the accuracy: max |A U - U diag(w)| / ||A||_F
+// and max |U^T U - I| in float32 epsilons (tests/test_sym_eig.py's bounds: 1e-5 and 64). Exits 1
+// when a bound is missed. The stage probes add 10 global stores per CTA.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <vector>
+
+#include "cuda/sym_eig_kernel.cuh"
+
+#ifndef ADAATTN_SYM_EIG_STAGES
+#error "build with -DADAATTN_SYM_EIG_STAGES"
+#endif
+
+#define CK(x)                                                                          \
+  do {                                                                                 \
+    const cudaError_t err_ = (x);                                                      \
+    if (err_ != cudaSuccess) {                                                         \
+      std::fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, cudaGetErrorString(err_)); \
+      std::exit(2);                                                                    \
+    }                                                                                  \
+  } while (0)
+
+constexpr int kD = 128, kRows = 8192, kPlanted = 32;
+
+__device__ float hash_normal(unsigned long long i, unsigned seed) {
+  auto mix = [](unsigned long long x) {
+    x ^= x >> 33;
+    x *= 0xff51afd7ed558ccdull;
+    x ^= x >> 33;
+    x *= 0xc4ceb9fe1a85ec53ull;
+    return x ^ (x >> 33);
+  };
+  const unsigned long long h = mix(i * 0x9e3779b97f4a7c15ull + seed);
+  const float u1 = (static_cast<float>(h >> 40) + 1.f) * (1.f / 16777217.f);
+  const float u2 = static_cast<float>((h >> 8) & 0xffffffu) * (1.f / 16777216.f);
+  return sqrtf(-2.f * logf(u1)) * cospif(2.f * u2);
+}
+
+__global__ void fill_normal(float* x, size_t count, unsigned seed) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < count;
+       i += size_t(gridDim.x) * blockDim.x) {
+    x[i] = hash_normal(i, seed);
+  }
+}
+
+// x[b, r, :] <- c[b, r, :] B[b]^T + 0.05 x[b, r, :] (B [N, kD, kPlanted]).
+__global__ void plant(float* x, const float* c, const float* basis) {
+  const size_t row = blockIdx.x;  // b * kRows + r
+  const int i = threadIdx.x, b = static_cast<int>(row / kRows);
+  float s = 0.f;
+  for (int t = 0; t < kPlanted; ++t) s += c[row * kPlanted + t] * basis[(b * kD + i) * kPlanted + t];
+  x[row * kD + i] = s + 0.05f * x[row * kD + i];
+}
+
+// g[b] = x[b]^T x[b]: one CTA of 256 threads per matrix, each an 8 x 8 tile (exactly symmetric:
+// g_ij and g_ji sum the same products in the same order).
+__global__ void gram(const float* x, float* g) {
+  __shared__ float xs[32][kD];
+  const int ti = threadIdx.x / 16, tj = threadIdx.x % 16;
+  const float* xb = x + size_t(blockIdx.x) * kRows * kD;
+  float acc[8][8] = {};
+  for (int r0 = 0; r0 < kRows; r0 += 32) {
+    __syncthreads();
+    for (int o = threadIdx.x; o < 32 * kD; o += 256) xs[o / kD][o % kD] = xb[size_t(r0) * kD + o];
+    __syncthreads();
+    for (int r = 0; r < 32; ++r) {
+#pragma unroll
+      for (int a = 0; a < 8; ++a) {
+#pragma unroll
+        for (int c = 0; c < 8; ++c) acc[a][c] += xs[r][ti + 16 * a] * xs[r][tj + 16 * c];
+      }
+    }
+  }
+  for (int a = 0; a < 8; ++a) {
+    for (int c = 0; c < 8; ++c) g[(size_t(blockIdx.x) * kD + ti + 16 * a) * kD + tj + 16 * c] = acc[a][c];
+  }
+}
+
+static const char* kStageNames[adaattn::kSymEigStageCount] = {
+    "", "scale/load", "tridiagonalisation", "split", "multisection", "inverse iteration",
+    "cluster Gram-Schmidt", "back-transformation", "Newton-Schulz", "order/sign/store"};
+
+static double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0. : v[v.size() / 2];
+}
+
+static bool run(const char* kind, int n, float* d_x, float* d_g) {
+  const size_t xs = size_t(n) * kRows * kD;
+  fill_normal<<<4096, 256>>>(d_x, xs, 1234u);
+  if (kind[0] == 'p') {
+    std::mt19937_64 rng(42);
+    std::normal_distribution<double> nd;
+    std::vector<float> basis(size_t(n) * kD * kPlanted);
+    std::vector<double> q(kD * kPlanted);
+    for (int b = 0; b < n; ++b) {  // modified Gram-Schmidt of a normal 128 x 32, in double
+      for (double& t : q) t = nd(rng);
+      for (int c = 0; c < kPlanted; ++c) {
+        for (int p = 0; p < c; ++p) {
+          double s = 0;
+          for (int i = 0; i < kD; ++i) s += q[i * kPlanted + p] * q[i * kPlanted + c];
+          for (int i = 0; i < kD; ++i) q[i * kPlanted + c] -= s * q[i * kPlanted + p];
+        }
+        double s = 0;
+        for (int i = 0; i < kD; ++i) s += q[i * kPlanted + c] * q[i * kPlanted + c];
+        for (int i = 0; i < kD; ++i) q[i * kPlanted + c] /= std::sqrt(s);
+      }
+      for (int o = 0; o < kD * kPlanted; ++o) basis[size_t(b) * kD * kPlanted + o] = float(q[o]);
+    }
+    float *d_c, *d_b;
+    CK(cudaMalloc(&d_c, size_t(n) * kRows * kPlanted * 4));
+    CK(cudaMalloc(&d_b, basis.size() * 4));
+    CK(cudaMemcpy(d_b, basis.data(), basis.size() * 4, cudaMemcpyHostToDevice));
+    fill_normal<<<4096, 256>>>(d_c, size_t(n) * kRows * kPlanted, 777u);
+    plant<<<n * kRows, kD>>>(d_x, d_c, d_b);
+    CK(cudaDeviceSynchronize());
+    CK(cudaFree(d_c));
+    CK(cudaFree(d_b));
+  }
+  gram<<<n, 256>>>(d_x, d_g);
+  CK(cudaGetLastError());
+  float *d_w, *d_v;
+  long long* d_st;
+  CK(cudaMalloc(&d_w, size_t(n) * kD * 4));
+  CK(cudaMalloc(&d_v, size_t(n) * kD * kD * 4));
+  CK(cudaMalloc(&d_st, size_t(n) * adaattn::kSymEigStageCount * 8));
+  for (int i = 0; i < 3; ++i) CK(adaattn::sym_eig_launch(d_g, d_w, d_v, n, kD, 0, d_st));
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  std::vector<double> ms;
+  for (int i = 0; i < 20; ++i) {
+    CK(cudaEventRecord(e0));
+    CK(adaattn::sym_eig_launch(d_g, d_w, d_v, n, kD, 0, d_st));
+    CK(cudaEventRecord(e1));
+    CK(cudaEventSynchronize(e1));
+    float t;
+    CK(cudaEventElapsedTime(&t, e0, e1));
+    ms.push_back(t);
+  }
+  const double ms_med = median(ms);
+  std::vector<float> g(size_t(n) * kD * kD), w(size_t(n) * kD), v(size_t(n) * kD * kD);
+  std::vector<long long> st(size_t(n) * adaattn::kSymEigStageCount);
+  CK(cudaMemcpy(g.data(), d_g, g.size() * 4, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(w.data(), d_w, w.size() * 4, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(v.data(), d_v, v.size() * 4, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(st.data(), d_st, st.size() * 8, cudaMemcpyDeviceToHost));
+  CK(cudaFree(d_w));
+  CK(cudaFree(d_v));
+  CK(cudaFree(d_st));
+
+  const int ns = adaattn::kSymEigStageCount;
+  std::vector<double> total;
+  for (int b = 0; b < n; ++b) total.push_back(double(st[b * ns + ns - 1] - st[b * ns]));
+  const double tot = median(total);
+  std::printf("\n%s: %d matrices of %d: kernel %.3f ms (median of 20); %.0f cycles per CTA "
+              "(median; %.2f GHz if the kernel time were all CTA time)\n",
+              kind, n, kD, ms_med, tot, tot / (ms_med * 1e6));
+  for (int s = 1; s < ns; ++s) {
+    std::vector<double> c;
+    for (int b = 0; b < n; ++b) c.push_back(double(st[b * ns + s] - st[b * ns + s - 1]));
+    const double m = median(c);
+    std::printf("  %-22s %9.0f cycles  %5.1f%%\n", kStageNames[s], m, 100. * m / tot);
+  }
+
+  // Accuracy (float64) and the cluster structure of the computed spectrum.
+  double res = 0, orth = 0;
+  int clustered = 0, degenerate = 0;
+  bool order = true;
+  for (int b = 0; b < n; ++b) {
+    const float* a = &g[size_t(b) * kD * kD];
+    const float* u = &v[size_t(b) * kD * kD];
+    const float* wb = &w[size_t(b) * kD];
+    double norm = 0;
+    for (int o = 0; o < kD * kD; ++o) norm += double(a[o]) * a[o];
+    norm = std::sqrt(norm);
+    for (int j = 0; j < kD; ++j) {
+      if (j > 0 && wb[j] > wb[j - 1]) order = false;
+      if (j > 0 && wb[j - 1] - wb[j] <= 1e-3 * norm) ++clustered;
+      if (j > 0 && wb[j - 1] - wb[j] <= 16 * 5.96e-8 * norm) ++degenerate;
+      for (int i = 0; i < kD; ++i) {
+        double au = 0, uu = 0;
+        for (int k = 0; k < kD; ++k) {
+          au += double(a[i * kD + k]) * u[k * kD + j];
+          uu += double(u[k * kD + i]) * u[k * kD + j];
+        }
+        res = std::max(res, std::fabs(au - double(u[i * kD + j]) * wb[j]) / norm);
+        orth = std::max(orth, std::fabs(uu - (i == j ? 1. : 0.)));
+      }
+    }
+  }
+  const double eps = 1.1920929e-7;
+  const bool ok = order && res <= 1e-5 && orth <= 64 * eps;
+  std::printf("  clustered gaps (<= 1e-3 ||A||_F) %.1f per matrix, degenerate %.1f per matrix\n",
+              double(clustered) / n, double(degenerate) / n);
+  std::printf("  residual %.2e ||A||_F, orthonormal to %.1f eps, descending %s: %s\n", res,
+              orth / eps, order ? "yes" : "NO", ok ? "ok" : "FAILED");
+  return ok;
+}
+
+int main(int argc, char** argv) {
+  const int n = argc > 1 ? std::atoi(argv[1]) : 64;
+  if (n < 1) return 2;
+  float *d_x, *d_g;
+  CK(cudaMalloc(&d_x, size_t(n) * kRows * kD * 4));
+  CK(cudaMalloc(&d_g, size_t(n) * kD * kD * 4));
+  bool ok = run("random", n, d_x, d_g);
+  ok = run("planted", n, d_x, d_g) && ok;
+  CK(cudaFree(d_x));
+  CK(cudaFree(d_g));
+  return ok ? 0 : 1;
+}

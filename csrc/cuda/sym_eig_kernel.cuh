@@ -1,0 +1,545 @@
+// The CUDA kernel of sym_eig for D <= 128, torch-free (CUDA and core/sym_eig.h only): included by
+// the op's launcher (sym_eig.cu) and by the standalone benchmark benchmarks/sym_eig_stages.cu.
+//
+// Per-stage timing: compiled with -DADAATTN_SYM_EIG_STAGES, the kernel takes one more argument,
+// long long* stages ([N, kSymEigStageCount] or nullptr), and thread 0 of CTA b writes clock64()
+// to stages[b * kSymEigStageCount + s] right after the barrier that ends stage s (s =
+// kStageBegin: the kernel's start). Without the macro the probes compile to nothing.
+//
+// CUDA kernel of sym_eig for D <= 128: the algorithm of core/sym_eig.h (tridiagonalisation,
+// multisection, inverse iteration, cluster Gram-Schmidt, back-transformation, Newton-Schulz), one
+// CTA of 1024 threads per matrix, everything in shared memory (3 buffers of 128 x 129 floats:
+// A and the reflectors, Z, scratch; ~200 KB).
+//
+// Why not Jacobi: parallel Jacobi needs 127 rounds x 6-13 sweeps, each round a barrier, and was
+// latency-bound at 1.2-1.65 ms for 64 matrices of 128. Here the sequential depth is ~126
+// Householder steps (2 barriers each), 10 multisection steps, the cluster members one after
+// another, and 126 reflector applications (no barrier: each thread keeps 16 entries of Z in
+// registers).
+//
+// Measured on the H100 before the changes below (benchmarks/bench_rank.py at e406e14, 64 or 16
+// matrices of 128): 1.09-1.12 ms for random Gram matrices, 1.24-1.38 ms planted; the stages were
+// never timed. The kernel has been changed since WITHOUT being run on a GPU: its new cost is
+// not measured. Measure it per stage with benchmarks/sym_eig_stages.cu.
+//
+// What the benchmark's spectra imply (numpy on one sample of each): the clusters are large.
+// A Gram matrix of 8192 Gaussian rows has gaps ~32 < kSymEigCluster ||A||_F ~ 93 (clusters of
+// ~110 and ~16 members); the planted rank-32 one has a 96-member noise cluster with ~17
+// degenerate members (each a one-thread bidiagonal solve plus a second Gram-Schmidt round). So the
+// cluster stage runs ~96-125 sequential members in both cases, which the old estimate (0 for a
+// "well-separated" random Gram matrix) missed.
+// Changes and their estimated savings (cycles per CTA, issue and shared-memory wavefront counts,
+// not measured):
+// * cluster Gram-Schmidt: both halves of a pass (h = Z_c^T z_j, z_j -= Z_c h) on all 1024
+//   threads, 8 lanes per column / row with 16 terms each and a 3-shuffle reduction, 4-interleaved
+//   so that a warp's loads hit 32 banks. Before: one warp per column (4 columns per warp in
+//   sequence, 5 shuffles each) and a 127-term serial sum on 128 threads, ~5k cycles per member;
+//   now ~1.2k (5 barriers remain). ~0.6 M -> ~0.15 M cycles for ~125 members. Degenerate members
+//   still add a one-thread solve (~128 x 3 dependent steps, a few k cycles each).
+// * tridiagonalisation: 2 barriers per step instead of 3 (warp 0 forms reflector k + 1 right after
+//   updating row k + 1 of step k, overlapped with the other warps' rows), the rank-2 update
+//   without a runtime division per element (2-D warp/lane mapping, v and w loaded once per
+//   thread), the matvec free of its 4-way bank conflicts. Estimate ~3k -> ~1.5k cycles per step
+//   on average, ~0.35 M -> ~0.2 M.
+// * back-transformation: rows where the reflector is 0 skipped: ~100k -> ~55k.
+// Unchanged: multisection (~85k: one MUFU reciprocal per Sturm step, 1024 x 128 x 10 at 16 per
+// cycle), inverse iteration (~20k), Newton-Schulz (~65k: two 128^3 products, bound by ~32k
+// shared-load wavefronts each), loads and stores (~10k).
+// Total estimate ~0.6 M cycles (~0.33 ms at 1.75 GHz) against ~1.3 M before; the old estimate
+// was 6x below the measurement, so trust the stage benchmark, not these numbers.
+//
+// D > 128 (A, Z and the scratch would not fit in shared memory): the launcher (sym_eig.cu) uses
+// float64 at::linalg_eigh, then the same order and sign convention.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "../core/sym_eig.h"
+
+#ifdef ADAATTN_SYM_EIG_STAGES
+#define ADAATTN_SYM_EIG_STAGE_PARAM , long long* __restrict__ stages
+#define ADAATTN_SYM_EIG_STAGE_ARG(s) , (s)
+#define ADAATTN_SYM_EIG_STAGE(s)                                                               \
+  do {                                                                                         \
+    if (threadIdx.x == 0 && stages != nullptr) stages[mat * kSymEigStageCount + (s)] = clock64(); \
+  } while (0)
+#else
+#define ADAATTN_SYM_EIG_STAGE_PARAM
+#define ADAATTN_SYM_EIG_STAGE_ARG(s)
+#define ADAATTN_SYM_EIG_STAGE(s) \
+  do {                           \
+  } while (0)
+#endif
+
+namespace adaattn {
+namespace {
+
+// Stage probes (ADAATTN_SYM_EIG_STAGES): stage s ends at stages[s]; its cost is
+// stages[s] - stages[s - 1].
+enum SymEigStage {
+  kStageBegin = 0,
+  kStageScale,         // 1. scale, load A, ||A||_F
+  kStageTridiag,       // 2. Householder tridiagonalisation
+  kStageSplit,         // 3. split (one thread)
+  kStageMultisection,  // 4. eigenvalues
+  kStageInverse,       // 5. inverse iteration
+  kStageCluster,       // 6. cluster Gram-Schmidt
+  kStageBack,          // 7. back-transformation
+  kStageNewtonSchulz,  // 8. Newton-Schulz
+  kStageStore,         // 9. order, signs, stores
+  kSymEigStageCount
+};
+
+constexpr int kMaxSmemDim = 128;
+constexpr int kT = 1024;  // threads: 8 per eigenvalue (multisection), 8 per column of Z
+constexpr int kWarps = kT / 32;
+constexpr int kS = kMaxSmemDim + 1;  // row stride: columns are conflict-free too
+constexpr int kBuf = kMaxSmemDim * kS;
+// Shared memory, in 4-byte words.
+constexpr int kOffA = 0, kOffZ = kBuf, kOffR = 2 * kBuf;
+constexpr int kOffVec = 3 * kBuf;  // d, e, e2, tau, p, lam, h, sgn; start, bsz, c0, inv (ints)
+constexpr int kOffRed = kOffVec + 12 * kMaxSmemDim;  // kWarps doubles
+constexpr int kSmemBytes = (kOffRed + 2 * kWarps) * 4;
+static_assert(kSmemBytes <= 227 * 1024, "shared memory per CTA");
+
+// Sum of v over the CTA in a fixed order (every thread gets the same value). Synchronises.
+__device__ __forceinline__ double block_sum(double v, double* red) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  __syncthreads();
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+  __syncthreads();
+  double s = 0;
+#pragma unroll 1
+  for (int w = 0; w < kWarps; ++w) s += red[w];
+  return s;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// One warp: the Householder reflector of step k from x = row k of A (its trailing part holds
+// column k): v is stored over x[k+2..n) (v_{k+1} = 1 implicit), d[k] = x[k], e[k] = beta,
+// tau[k] (0 when x[k+2..n) is exactly 0).
+__device__ __forceinline__ void tridiag_reflector(float* A, int k, int n, int lane, float* d,
+                                                  float* e, float* tau) {
+  float* x = A + k * kS;
+  float sig = 0.f;
+  for (int i = k + 2 + lane; i < n; i += 32) sig += x[i] * x[i];
+  sig = warp_sum(sig);
+  const float alpha = x[k + 1];
+  float t = 0.f, beta = alpha;
+  if (sig != 0.f) {
+    const float mu = sqrtf(alpha * alpha + sig);
+    beta = alpha <= 0.f ? mu : -mu;
+    t = (beta - alpha) / beta;
+    const float sc = 1.f / (alpha - beta);
+    for (int i = k + 2 + lane; i < n; i += 32) x[i] *= sc;
+  }
+  if (lane == 0) {
+    d[k] = x[k];
+    e[k] = beta;
+    tau[k] = t;
+  }
+}
+
+__global__ void __launch_bounds__(kT, 1)
+    sym_eig_kernel(const float* __restrict__ a_all, float* __restrict__ w_all,
+                   float* __restrict__ v_all, int n ADAATTN_SYM_EIG_STAGE_PARAM) {
+  extern __shared__ __align__(16) float sm[];
+  float* A = sm + kOffA;
+  float* Z = sm + kOffZ;
+  float* R = sm + kOffR;
+  float* d = sm + kOffVec;
+  float* e = d + kMaxSmemDim;
+  float* e2 = e + kMaxSmemDim;
+  float* tau = e2 + kMaxSmemDim;
+  float* p = tau + kMaxSmemDim;
+  float* lam = p + kMaxSmemDim;
+  float* h = lam + kMaxSmemDim;
+  float* sgn = h + kMaxSmemDim;
+  int* start = reinterpret_cast<int*>(sgn + kMaxSmemDim);
+  int* bsz = start + kMaxSmemDim;
+  int* c0 = bsz + kMaxSmemDim;
+  int* inv = c0 + kMaxSmemDim;
+  double* red = reinterpret_cast<double*>(sm + kOffRed);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int64_t mat = blockIdx.x;
+  const float* a = a_all + mat * n * n;
+  ADAATTN_SYM_EIG_STAGE(kStageBegin);
+
+  // 1. Scale: max |a_ij| (max is order-independent), then A (zero-padded to 128) and ||A||_F.
+  float mx = 0.f;
+  for (int idx = tid; idx < n * n; idx += kT) {
+    const int y = idx / n, x = idx % n;
+    if (x <= y) mx = fmaxf(mx, fabsf(a[idx]));
+  }
+  for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  if (lane == 0) h[warp] = mx;
+  __syncthreads();
+  mx = 0.f;
+  for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, h[w]);
+  const int ex = sym_eig_exponent(mx);
+  double norm2 = 0;
+  for (int idx = tid; idx < kMaxSmemDim * kMaxSmemDim; idx += kT) {
+    const int y = idx / kMaxSmemDim, x = idx % kMaxSmemDim;
+    Z[y * kS + x] = 0.f;
+    if (x > y) continue;
+    const float v = y < n ? ldexpf(a[y * n + x], -ex) : 0.f;
+    A[y * kS + x] = A[x * kS + y] = v;
+    norm2 += (x == y ? 1.0 : 2.0) * v * v;
+  }
+  const float anorm = static_cast<float>(sqrt(block_sum(norm2, red)));
+  ADAATTN_SYM_EIG_STAGE(kStageScale);
+
+  // 2. Tridiagonalisation; v of step k is kept in row k, entries k+2..n-1. Two barriers per step:
+  // the reflector of step k + 1 is formed by warp 0 inside step k's rank-2 update (look-ahead:
+  // warp 0 owns row k + 1 of the update and does it first), overlapping the other warps' rows.
+  if (warp == 0 && n > 2) tridiag_reflector(A, 0, n, lane, d, e, tau);
+  __syncthreads();
+#pragma unroll 1
+  for (int k = 0; k + 2 < n; ++k) {
+    const float* x = A + k * kS;
+    const float t = tau[k];
+    const bool next = k + 3 < n;  // step k + 1 has a reflector
+    if (t == 0.f) {               // uniform: A' is unchanged
+      if (warp == 0 && next) tridiag_reflector(A, k + 1, n, lane, d, e, tau);
+      __syncthreads();
+      continue;
+    }
+    // p = tau A' v: 8 consecutive lanes per row, lane `part` summing the columns
+    // k + 1 + 4 part + r + 32 s (r, s < 4): a warp's 4 rows x 8 parts hit 32 different banks.
+    {
+      const int i = k + 1 + (tid >> 3), part = tid & 7;
+      float s = 0.f;
+      if (i < n) {
+#pragma unroll
+        for (int q = 0; q < 16; ++q) {
+          const int j = k + 1 + 4 * part + (q & 3) + 32 * (q >> 2);
+          if (j < n) s += A[i * kS + j] * (j == k + 1 ? 1.f : x[j]);
+        }
+      }
+      s += __shfl_xor_sync(0xffffffffu, s, 4);
+      s += __shfl_xor_sync(0xffffffffu, s, 2);
+      s += __shfl_xor_sync(0xffffffffu, s, 1);
+      if (i < n && part == 0) p[i] = t * s;
+    }
+    __syncthreads();
+    // Every warp forms p . v itself (same order, same value): no barrier.
+    float pv = 0.f;
+    for (int i = k + 1 + lane; i < n; i += 32) pv += p[i] * (i == k + 1 ? 1.f : x[i]);
+    const float kk = 0.5f * t * warp_sum(pv);
+    // Rank-2 update: warp w updates rows k + 1 + w + 32 r, lane l columns k + 1 + l + 32 c (no
+    // index division; v_j and w_j loaded once per thread; rows conflict-free).
+    float vj[4], wj[4];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int j = k + 1 + lane + 32 * c;
+      vj[c] = j == k + 1 ? 1.f : j < n ? x[j] : 0.f;
+      wj[c] = j < n ? p[j] - kk * vj[c] : 0.f;
+    }
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int i = k + 1 + warp + 32 * r;
+      if (i >= n) break;  // warp-uniform
+      const float vi = i == k + 1 ? 1.f : x[i], wi = p[i] - kk * vi;
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int j = k + 1 + lane + 32 * c;
+        if (j < n) A[i * kS + j] -= vi * wj[c] + wi * vj[c];
+      }
+      if (r == 0 && warp == 0 && next) {  // row k + 1 is final: the next reflector
+        __syncwarp();
+        tridiag_reflector(A, k + 1, n, lane, d, e, tau);
+      }
+    }
+    __syncthreads();
+  }
+  ADAATTN_SYM_EIG_STAGE(kStageTridiag);
+
+  // 3. Split (one thread: n sequential steps): e, e2, block starts and sizes.
+  if (tid == 0) {
+    if (n >= 2) {
+      d[n - 2] = A[(n - 2) * kS + n - 2];
+      e[n - 2] = A[(n - 1) * kS + n - 2];
+    }
+    d[n - 1] = A[(n - 1) * kS + n - 1];
+    for (int i = 0; i < n; ++i) {
+      if (i > 0 && fabsf(e[i - 1]) <= kSymEigSplit * anorm) e[i - 1] = 0.f;
+      if (i > 0) e2[i - 1] = e[i - 1] * e[i - 1];
+      start[i] = i > 0 && e[i - 1] != 0.f ? start[i - 1] : i;
+      bsz[start[i]] = i - start[i] + 1;
+    }
+  }
+  __syncthreads();
+  ADAATTN_SYM_EIG_STAGE(kStageSplit);
+
+  // 4. Eigenvalues: 8 consecutive lanes per eigenvalue, one Sturm count each per step.
+  {
+    const int j = tid >> 3, t = tid & 7, gshift = lane & ~7;
+    const int b = j < n ? start[j] : 0, m = j < n ? bsz[b] : 1, jj = j - b;
+    float lo = 0.f, hi = 0.f;
+    if (m > 1) sym_eig_gerschgorin(d, e, b, m, lo, hi);
+#pragma unroll 1
+    for (int step = 0; step < kSymEigSections; ++step) {
+      const float xt = sym_eig_point(lo, hi, t);
+      const bool below = m > 1 && sym_eig_sturm(d, e2, b, m, xt) <= jj;
+      const unsigned g = (__ballot_sync(0xffffffffu, below) >> gshift) & 0xffu;
+      // CPU twin: lo = the last point with count <= jj, hi = the first with count > jj.
+      const float nlo = __shfl_sync(0xffffffffu, xt, gshift + (g ? 31 - __clz(g) : 0));
+      const unsigned above = ~g & 0xffu;
+      const float nhi = __shfl_sync(0xffffffffu, xt, gshift + (above ? __ffs(above) - 1 : 0));
+      if (g) lo = nlo;
+      if (above) hi = nhi;
+    }
+    if (j < n && t == 0) lam[j] = m == 1 ? d[b] : 0.5f * (lo + hi);
+  }
+  __syncthreads();
+  ADAATTN_SYM_EIG_STAGE(kStageMultisection);
+
+  // 5. Inverse iteration, one thread per eigenvalue (Z was zeroed in step 1); R column j keeps
+  // the factors of T - lam_j I for step 6. Vectors outside clusters are normalised here.
+  const float tiny = kSymEigPivot * anorm, ctol = kSymEigCluster * anorm;
+  if (tid < n) {
+    const int j = tid, b = start[j], m = bsz[b];
+    int c = j;
+    while (c > b && lam[c] - lam[c - 1] <= ctol) --c;
+    c0[j] = c;
+    if (m == 1) {
+      Z[b * kS + j] = 1.f;
+    } else {
+      const bool degenerate = j > b && lam[j] - lam[j - 1] <= kSymEigDegenerate * anorm;
+      sym_eig_factor(d, e, b, m, lam[j], tiny, R + j, kS);
+      for (int y = b; y < b + m; ++y) Z[y * kS + j] = sym_eig_start(y, j);
+      for (int it = 0; it < (degenerate ? 1 : kSymEigInverseIts); ++it) {
+        sym_eig_solve(e, b, m, R + j, kS, Z + j, kS);
+      }
+      if (c == j) {
+        float s = 0.f;
+        for (int y = b; y < b + m; ++y) s += Z[y * kS + j] * Z[y * kS + j];
+        const float iv = 1.f / sqrtf(s);
+        for (int y = b; y < b + m; ++y) Z[y * kS + j] *= iv;
+      }
+    }
+  }
+  __syncthreads();
+  ADAATTN_SYM_EIG_STAGE(kStageInverse);
+
+  // 6. Clusters: classical Gram-Schmidt twice against the cluster's earlier vectors, members in
+  // ascending order (the CPU twin's order); degenerate members get a second solve and round.
+#pragma unroll 1
+  for (int j = 1; j < n; ++j) {
+    const int c = c0[j];
+    if (c == j) continue;  // uniform
+    const int b = start[j], m = bsz[b];
+    const bool degenerate = lam[j] - lam[j - 1] <= kSymEigDegenerate * anorm;
+#pragma unroll 1
+    for (int round = 0; round < (degenerate ? 2 : 1); ++round) {
+      if (round == 1) {
+        if (tid == 0) sym_eig_solve(e, b, m, R + j, kS, Z + j, kS);
+        __syncthreads();
+      }
+#pragma unroll 1
+      for (int pass = 0; pass < 2; ++pass) {
+        // h_i = z_i . z_j, i in [c, j): 8 consecutive lanes per column i, lane `part` summing
+        // rows b + 4 part + r + 32 s (r, s < 4): the 32 lanes of a warp (4 columns x 8 parts)
+        // hit 32 different banks (row stride 129).
+        {
+          const int i = c + (tid >> 3), part = tid & 7;
+          float s = 0.f;
+          if (i < j) {
+#pragma unroll
+            for (int q = 0; q < 16; ++q) {
+              const int y = b + 4 * part + (q & 3) + 32 * (q >> 2);
+              if (y < b + m) s += Z[y * kS + i] * Z[y * kS + j];
+            }
+          }
+          s += __shfl_xor_sync(0xffffffffu, s, 4);
+          s += __shfl_xor_sync(0xffffffffu, s, 2);
+          s += __shfl_xor_sync(0xffffffffu, s, 1);
+          if (i < j && part == 0) h[i] = s;
+        }
+        __syncthreads();
+        // z_j -= sum_i h_i z_i: 8 consecutive lanes per row y, lane `part` summing the columns
+        // c + 4 part + r + 32 s (conflict-free likewise); only column j is written.
+        {
+          const int y = b + (tid >> 3), part = tid & 7;
+          float s = 0.f;
+          if (y < b + m) {
+#pragma unroll
+            for (int q = 0; q < 16; ++q) {
+              const int i = c + 4 * part + (q & 3) + 32 * (q >> 2);
+              if (i < j) s += h[i] * Z[y * kS + i];
+            }
+          }
+          s += __shfl_xor_sync(0xffffffffu, s, 4);
+          s += __shfl_xor_sync(0xffffffffu, s, 2);
+          s += __shfl_xor_sync(0xffffffffu, s, 1);
+          if (y < b + m && part == 0) Z[y * kS + j] -= s;
+        }
+        __syncthreads();
+      }
+    }
+    if (warp == 0) {
+      float s = 0.f;
+      for (int y = b + lane; y < b + m; y += 32) s += Z[y * kS + j] * Z[y * kS + j];
+      s = warp_sum(s);
+      const float iv = 1.f / sqrtf(s);
+      for (int y = b + lane; y < b + m; y += 32) Z[y * kS + j] *= iv;
+    }
+    __syncthreads();
+  }
+  ADAATTN_SYM_EIG_STAGE(kStageCluster);
+
+  // 7. Back-transformation: thread (column col, part) keeps rows part + 8 q of Z in registers;
+  // the 8 threads of a column are consecutive lanes.
+  {
+    const int col = tid >> 3, part = tid & 7;
+    float z[16];
+#pragma unroll
+    for (int q = 0; q < 16; ++q) z[q] = Z[(part + 8 * q) * kS + col];
+#pragma unroll 1
+    for (int k = n - 3; k >= 0; --k) {
+      const float t = tau[k];
+      if (t == 0.f) continue;
+      const float* x = A + k * kS;
+      // v is 0 in rows <= k: q with 8 q + 7 <= k (all 8 parts' rows) is skipped (warp-uniform),
+      // about half of the q's over the 126 steps.
+      float vq[16], s = 0.f;
+#pragma unroll
+      for (int q = 0; q < 16; ++q) {
+        if (8 * q + 7 > k) {
+          const int y = part + 8 * q;
+          vq[q] = y == k + 1 ? 1.f : y > k + 1 ? x[y] : 0.f;
+          s += vq[q] * z[q];
+        }
+      }
+      s += __shfl_xor_sync(0xffffffffu, s, 4);
+      s += __shfl_xor_sync(0xffffffffu, s, 2);
+      s += __shfl_xor_sync(0xffffffffu, s, 1);
+      s *= t;
+#pragma unroll
+      for (int q = 0; q < 16; ++q) {
+        if (8 * q + 7 > k) z[q] -= s * vq[q];
+      }
+    }
+#pragma unroll
+    for (int q = 0; q < 16; ++q) Z[(part + 8 * q) * kS + col] = z[q];
+  }
+  __syncthreads();
+  ADAATTN_SYM_EIG_STAGE(kStageBack);
+
+  // 8. Newton-Schulz: R = U^T U - I, then U <- U - U R / 2. Thread tile: rows/columns
+  // a0 + 32 i, b0 + 32 j (a0 is warp-uniform: broadcast loads; b0 = lane: conflict-free).
+  {
+    const int a0 = warp, b0 = lane;
+    float acc[4][4] = {};
+#pragma unroll 2
+    for (int r = 0; r < kMaxSmemDim; ++r) {
+      float xa[4], yb[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        xa[i] = Z[r * kS + a0 + 32 * i];
+        yb[i] = Z[r * kS + b0 + 32 * i];
+      }
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+#pragma unroll
+        for (int jx = 0; jx < 4; ++jx) acc[i][jx] += xa[i] * yb[jx];
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+#pragma unroll
+      for (int jx = 0; jx < 4; ++jx) {
+        const int x = a0 + 32 * i, y = b0 + 32 * jx;
+        R[x * kS + y] = x < n && y < n ? acc[i][jx] - (x == y ? 1.f : 0.f) : 0.f;
+      }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+#pragma unroll
+      for (int jx = 0; jx < 4; ++jx) acc[i][jx] = 0.f;
+    }
+#pragma unroll 2
+    for (int k = 0; k < kMaxSmemDim; ++k) {
+      float ua[4], rb[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        ua[i] = Z[(a0 + 32 * i) * kS + k];
+        rb[i] = R[k * kS + b0 + 32 * i];
+      }
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+#pragma unroll
+        for (int jx = 0; jx < 4; ++jx) acc[i][jx] += ua[i] * rb[jx];
+      }
+    }
+    float out[4][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+#pragma unroll
+      for (int jx = 0; jx < 4; ++jx) {
+        out[i][jx] = Z[(a0 + 32 * i) * kS + b0 + 32 * jx] - 0.5f * acc[i][jx];
+      }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+#pragma unroll
+      for (int jx = 0; jx < 4; ++jx) Z[(a0 + 32 * i) * kS + b0 + 32 * jx] = out[i][jx];
+    }
+  }
+  __syncthreads();
+  ADAATTN_SYM_EIG_STAGE(kStageNewtonSchulz);
+
+  // 9. Order (descending, sym_eig_precedes) and sign (largest entry positive) of each column.
+  if (tid < n) {
+    const float l = lam[tid];
+    int rank = 0;
+    for (int y = 0; y < n; ++y) rank += sym_eig_precedes(lam[y], y, l, tid);
+    inv[rank] = tid;
+    int big = 0;
+    float bv = Z[tid];
+    for (int r = 1; r < n; ++r) {
+      const float v = Z[r * kS + tid];
+      if (sym_eig_larger_entry(v, r, bv, big)) {
+        big = r;
+        bv = v;
+      }
+    }
+    sgn[tid] = bv < 0.f ? -1.f : 1.f;
+  }
+  __syncthreads();
+  float* w = w_all + mat * n;
+  float* v = v_all + mat * n * n;
+  if (tid < n) w[tid] = ldexpf(lam[inv[tid]], ex);
+  for (int o = tid; o < n * n; o += kT) {
+    const int r = o / n, x = inv[o % n];
+    v[o] = sgn[x] * Z[r * kS + x];
+  }
+#ifdef ADAATTN_SYM_EIG_STAGES
+  __syncthreads();
+#endif
+  ADAATTN_SYM_EIG_STAGE(kStageStore);
+}
+
+// Launches the kernel on a [batch, n, n] (n <= kMaxSmemDim) on `stream`; `stages` is written only
+// when compiled with ADAATTN_SYM_EIG_STAGES.
+inline cudaError_t sym_eig_launch(const float* a, float* w, float* v, int batch, int n,
+                                  cudaStream_t stream, long long* stages = nullptr) {
+  (void)stages;
+  const cudaError_t err = cudaFuncSetAttribute(
+      sym_eig_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  if (err != cudaSuccess) return err;
+  sym_eig_kernel<<<static_cast<unsigned>(batch), kT, kSmemBytes, stream>>>(
+      a, w, v, n ADAATTN_SYM_EIG_STAGE_ARG(stages));
+  return cudaGetLastError();
+}
+
+}  // namespace
+}  // namespace adaattn
