@@ -17,36 +17,29 @@
 // another, and 126 reflector applications (no barrier: each thread keeps 16 entries of Z in
 // registers).
 //
-// Measured on the H100 before the changes below (benchmarks/bench_rank.py at e406e14, 64 or 16
-// matrices of 128): 1.09-1.12 ms for random Gram matrices, 1.24-1.38 ms planted; the stages were
-// never timed. The kernel has been changed since WITHOUT being run on a GPU: its new cost is
-// not measured. Measure it per stage with benchmarks/sym_eig_stages.cu.
-//
-// What the benchmark's spectra imply (numpy on one sample of each): the clusters are large.
-// A Gram matrix of 8192 Gaussian rows has gaps ~32 < kSymEigCluster ||A||_F ~ 93 (clusters of
-// ~110 and ~16 members); the planted rank-32 one has a 96-member noise cluster with ~17
-// degenerate members (each a one-thread bidiagonal solve plus a second Gram-Schmidt round). So the
-// cluster stage runs ~96-125 sequential members in both cases, which the old estimate (0 for a
-// "well-separated" random Gram matrix) missed.
-// Changes and their estimated savings (cycles per CTA, issue and shared-memory wavefront counts,
-// not measured):
+// Measured per stage on the H100 (benchmarks/sym_eig_stages.cu, 64 matrices of 128, cycles per
+// CTA, before -> after the changes listed below):
+//                          random              planted (rank 32 + noise)
+//   tridiagonalisation     728k -> 491k        728k -> 491k
+//   multisection           185k -> 183k        185k -> 183k
+//   inverse iteration       63k ->  63k         63k ->  63k
+//   cluster Gram-Schmidt   802k -> 729k        905k -> 955k
+//   back-transformation    195k -> 234k        195k -> 234k
+//   Newton-Schulz           71k ->  74k         71k ->  74k
+//   kernel                1.114 -> 0.933 ms   1.181 -> 1.130 ms
+// The clusters are large: a Gram matrix of 8192 Gaussian rows has gaps ~32 < kSymEigCluster
+// ||A||_F ~ 93 (~125 clustered gaps per matrix); the planted one has a 96-member noise cluster
+// with ~19 degenerate members. The cluster stage runs its members one after another, which
+// keeps it the largest cost; the estimates (issue and shared-memory counts) were 2-6x low.
+// Changes:
 // * cluster Gram-Schmidt: both halves of a pass (h = Z_c^T z_j, z_j -= Z_c h) on all 1024
 //   threads, 8 lanes per column / row with 16 terms each and a 3-shuffle reduction, 4-interleaved
-//   so that a warp's loads hit 32 banks. Before: one warp per column (4 columns per warp in
-//   sequence, 5 shuffles each) and a 127-term serial sum on 128 threads, ~5k cycles per member;
-//   now ~1.2k (5 barriers remain). ~0.6 M -> ~0.15 M cycles for ~125 members. Degenerate members
-//   still add a one-thread solve (~128 x 3 dependent steps, a few k cycles each).
+//   so that a warp's loads hit 32 banks (was one warp per column and a 127-term serial sum).
 // * tridiagonalisation: 2 barriers per step instead of 3 (warp 0 forms reflector k + 1 right after
 //   updating row k + 1 of step k, overlapped with the other warps' rows), the rank-2 update
 //   without a runtime division per element (2-D warp/lane mapping, v and w loaded once per
-//   thread), the matvec free of its 4-way bank conflicts. Estimate ~3k -> ~1.5k cycles per step
-//   on average, ~0.35 M -> ~0.2 M.
-// * back-transformation: rows where the reflector is 0 skipped: ~100k -> ~55k.
-// Unchanged: multisection (~85k: one MUFU reciprocal per Sturm step, 1024 x 128 x 10 at 16 per
-// cycle), inverse iteration (~20k), Newton-Schulz (~65k: two 128^3 products, bound by ~32k
-// shared-load wavefronts each), loads and stores (~10k).
-// Total estimate ~0.6 M cycles (~0.33 ms at 1.75 GHz) against ~1.3 M before; the old estimate
-// was 6x below the measurement, so trust the stage benchmark, not these numbers.
+//   thread), the matvec free of its 4-way bank conflicts.
+// * back-transformation: rows where the reflector is 0 skipped.
 //
 // D > 128 (A, Z and the scratch would not fit in shared memory): the launcher (sym_eig.cu) uses
 // float64 at::linalg_eigh, then the same order and sign convention.
