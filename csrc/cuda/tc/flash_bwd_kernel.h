@@ -34,26 +34,35 @@
 namespace adaattn {
 namespace tc {
 
+// The query row of this warp for the one-warp-per-row kernels, in lse order: dense (b, h, i);
+// packed (h, t) with b = 0 (batch strides are 0). valid == false past the last row.
+struct WarpRow {
+  int64_t row;
+  int b, h, i;
+  bool valid;
+};
+__device__ __forceinline__ WarpRow warp_row(const AttnParams& p) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  const int64_t bh = row / p.len_q;
+  return {row, static_cast<int>(bh / p.heads_q), static_cast<int>(bh % p.heads_q),
+          static_cast<int>(row % p.len_q), row < row_items<false>(p)};
+}
+
 template <typename T, int DV>
 __global__ void flash_bwd_delta_kernel(const AttnParams p) {
-  // One warp per row, rows in lse order (dense (b, h, i); packed (h, t), batch strides 0).
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  const WarpRow r = warp_row(p);
   const int lane = threadIdx.x % 32;
-  if (row >= row_items<false>(p)) return;
-  const int i = static_cast<int>(row % p.len_q);
-  const int64_t bh = row / p.len_q;
-  const int h = static_cast<int>(bh % p.heads_q);
-  const int b = static_cast<int>(bh / p.heads_q);
-  const T* o = static_cast<const T*>(p.out) + b * p.o_batch_stride + h * p.o_head_stride +
-               static_cast<int64_t>(i) * p.o_row_stride;
-  const T* d = static_cast<const T*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride +
-               static_cast<int64_t>(i) * p.do_row_stride;
+  if (!r.valid) return;
+  const T* o = static_cast<const T*>(p.out) + r.b * p.o_batch_stride + r.h * p.o_head_stride +
+               static_cast<int64_t>(r.i) * p.o_row_stride;
+  const T* d = static_cast<const T*>(p.dout) + r.b * p.do_batch_stride + r.h * p.do_head_stride +
+               static_cast<int64_t>(r.i) * p.do_row_stride;
   float acc = 0.f;
 #pragma unroll
   for (int c = lane; c < DV; c += 32) acc += to_float(o[c]) * to_float(d[c]);
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffff, acc, off);
-  if (lane == 0) p.delta[row] = acc;
+  if (lane == 0) p.delta[r.row] = acc;
 }
 
 // log2-domain lse for recomputing P = exp2(s * scale_log2 - lse2); rows that saw nothing (and
@@ -609,16 +618,12 @@ __global__ void __launch_bounds__(KVTraits::kThreads)
 // delta kernel).
 template <typename T, int DK>
 __global__ void flash_bwd_dq_convert_kernel(const AttnParams p) {
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  const WarpRow r = warp_row(p);
   const int lane = threadIdx.x % 32;
-  if (row >= row_items<false>(p)) return;
-  const int i = static_cast<int>(row % p.len_q);
-  const int64_t bh = row / p.len_q;
-  const int h = static_cast<int>(bh % p.heads_q);
-  const int b = static_cast<int>(bh / p.heads_q);
-  T* dq = static_cast<T*>(p.dq) + b * p.dq_batch_stride + h * p.dq_head_stride +
-          static_cast<int64_t>(i) * p.dq_row_stride;
-  const float* acc = p.dq_accum + row * DK;
+  if (!r.valid) return;
+  T* dq = static_cast<T*>(p.dq) + r.b * p.dq_batch_stride + r.h * p.dq_head_stride +
+          static_cast<int64_t>(r.i) * p.dq_row_stride;
+  const float* acc = p.dq_accum + r.row * DK;
   const float scale = static_cast<float>(p.scale);
 #pragma unroll
   for (int c = 2 * lane; c < DK; c += 64) {
