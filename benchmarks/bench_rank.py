@@ -32,21 +32,6 @@ KV_HEADS = (16, 4)
 PLANTED_RANK = 32
 
 
-def event_ms(fn: Callable, warmup: int, reps: int) -> float:
-    """Median milliseconds per call of fn, CUDA events around each call."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
-
-
 def inputs(hkv: int, kind: str):
     shape_q, shape_k = (BATCH, HEADS, LENGTH, DIM), (BATCH, hkv, LENGTH, DIM)
     if kind == "random":
@@ -80,7 +65,7 @@ def measure(hkv: int, kind: str, args) -> List[list]:
     rows = []
 
     def row(name: str, fn: Callable, reps: Optional[int] = None):
-        ms = event_ms(fn, args.warmup, reps or args.reps)
+        ms = ba.event_bench(fn, (), args.warmup, reps or args.reps)
         rows.append([hkv, kind, name, ms])
         print(f"Hkv={hkv:2d} {kind:8s} {name:34s} {ms:9.3f} ms", flush=True)
 
