@@ -300,7 +300,8 @@ def test_low_precision_long_cuda(dtype):
 
 # The CUDA tensor-core path (float16/bfloat16, D and Dv in {64, 128}): chunk boundaries, packed
 # sequences (zero-length, one row, exactly one chunk), every feature map, causal and not,
-# transposed inputs and initial states; other head dims take the exact path.
+# transposed inputs, initial states and sequences longer than the scan's chunk groups; other
+# head dims take the exact path.
 TC_CASES = [
     Case(b=2, t=200, d=64, dv=64, state=True),
     Case(t=130, d=128, dv=128, state=True),
@@ -312,6 +313,9 @@ TC_CASES = [
     Case(lens=(0, 1, 64, 65, 0, 200, 1), d=64, dv=64, state=True),
     Case(lens=(130, 3, 0), d=64, dv=128, causal=False, state=True),
     Case(t=1, d=64, dv=64),
+    # Several groups of the scan's ring (4 chunks each), the last one partial.
+    Case(t=600, d=128, dv=128, state=True),
+    Case(lens=(300, 0, 700), d=64, dv=64, fmap="relu", state=True),
 ]
 
 

@@ -2,29 +2,34 @@
 // is cut into chunks of kChunk = 64 rows (chunks never cross a sequence boundary); with the
 // augmented state S = [S_v | z] (core/linear.h) of chunk c's predecessors, S_{c-1}:
 //   u_i = phi(q_i) S_{c-1} + sum_{j <= i in chunk} (phi(q_i) . phi(k_j)) [v_j | 1]
-// Forward:  (1) chunk_state_kernel: per chunk, L_c = phi(K_c)^T [V_c | 1] (fp32);
-//           (2) scan_kernel: exclusive prefix over a sequence's chunks in fp32, starting from the
-//               initial state; its total is state_out (and the non-causal state);
-//           (3) fwd_out_kernel: per chunk, u = phi(Q_c) S_{c-1} + mask(phi(Q_c) phi(K_c)^T) V_c,
+// Forward:  (1) state_scan_kernel: walks each sequence's chunks in order, adding
+//               phi(K_c)^T [V_c | 1] to an fp32 running state that starts at the initial state,
+//               and writes S_{c-1} before chunk c (causal) or the total (non-causal) as a
+//               prefix state; the fp32 total is state_out;
+//           (2) fwd_out_kernel: per chunk, u = phi(Q_c) S_{c-1} + mask(phi(Q_c) phi(K_c)^T) V_c,
 //               out = u_v / u_z.
 // Backward (formulas in cpu/linear_cpu.cpp; du_i = [r_i g_i | du_z_i], r = 1 / u_z):
-//           (1)+(2) as forward (S_{c-1} and the total);
-//           (3) bwd_dq_kernel: recomputes u, writes r and du_z per row and
+//           (1) as forward (S_{c-1}, or the total);
+//           (2) bwd_dq_kernel: recomputes u, writes r and du_z per row and
 //               dphi(Q) = dU_v S_v^T + du_z z^T + mask(dU_v V^T + du_z 1^T) phi(K);
-//           (4) chunk_state_kernel (backward mode): per chunk, phi(Q_c)^T dU_c;
-//           (5) scan_kernel in reverse from dstate: dR after each chunk, total = dstate_in;
-//           (6) bwd_dkdv_kernel: dV = phi(K) dR_v + mask(P)^T dU_v,
+//           (3) state_scan_kernel in reverse from dstate, adding phi(Q_c)^T dU_c: dR after each
+//               chunk (or the total), whose fp32 total is dstate_in;
+//           (4) bwd_dkdv_kernel: dV = phi(K) dR_v + mask(P)^T dU_v,
 //               dphi(K) = V dR_v^T + 1 dR_z^T + mask(dU V^T + du_z)^T phi(Q).
+// A prefix state is S_v rounded to the input dtype ([D][Dv], the MMA operand its consumers
+// would round it to anyway) plus the fp32 z column, in a [slots, H, D, Dv] / [slots, H, D]
+// pair (slot = virtual chunk when causal, sequence when not): half the bytes of an fp32 state
+// and written once, where a separate per-chunk pass and scan moved four fp32 copies.
 // The z column never enters an MMA: its products are fp32 vector work (row sums of the rounded
 // intra-chunk weights, dot products with z). phi is applied in fp32 on the shared-memory tiles
 // and rounded to the input dtype, as are the states loaded as MMA operands (S_v, dR_v); every
 // MMA accumulates in fp32 and states are summed in fp32. Rows past a sequence's end are zero in
 // every tile, so they add nothing to states or products.
 //
-// CTA per (chunk, head), 4 warps, each warp owning 16 rows of the chunk (state kernel: 16 rows
-// of the state per pass of 64). Packed sequences use a virtual chunk index vc = floor(cu[n] / 64) + n + j
-// for chunk j of sequence n (at most T/64 + N of them, none scheduled for padding); the
-// fp32 state scratch is [chunks, H, D, E].
+// Chunk kernels: CTA per (chunk, head), 4 warps, each warp owning 16 rows of the chunk. The
+// scan: CTA per (sequence, head, tile of the state), see state_scan_kernel. Packed sequences
+// use a virtual chunk index vc = floor(cu[n] / 64) + n + j for chunk j of sequence n (at most
+// T/64 + N of them, none scheduled for padding); the prefix states are [chunks, H, ...].
 #pragma once
 
 #include "../../core/linear.h"
@@ -37,8 +42,23 @@ namespace lin {
 constexpr int kChunk = 64;
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
-constexpr int kScanThreads = 256;
-constexpr int kScanBatch = 8;  // loads in flight per thread in the sequential scan
+constexpr int kScanRows = 32;  // state rows of one scan CTA
+constexpr int kScanGroup = 4;  // chunks per step of the scan's walk
+constexpr int kScanGroups = 2; // groups in the scan's cp.async ring (one lands while one is used)
+
+// State columns of one scan CTA. Measured on the H100 (bf16, 64k tokens, H = 16): at Dv = 64
+// 32-column CTAs (twice as many) walk faster than CTAs over all 64 columns; at Dv = 128
+// CTAs over all columns are as fast as 32-column ones and load each chunk's V a quarter as often.
+template <int DV>
+constexpr int scan_cols() {
+  return DV == 64 ? 32 : DV;
+}
+
+// Threads of a scan CTA: one warp per 16 rows x 32 columns of its tile.
+template <int DV>
+constexpr int scan_threads() {
+  return kScanRows / 16 * (scan_cols<DV>() / 32) * 32;
+}
 
 template <typename T>
 __device__ __forceinline__ T from_float(float x);
@@ -152,73 +172,42 @@ __device__ __forceinline__ void warp_gemm_rs_nt(float (&acc)[MI][NT][4],
   }
 }
 
-// acc[MI][NT] += A^T B where A = columns [a_col0, a_col0 + 16*MI) of a swizzled [K][WA] tile and
-// B = columns [0, 8*NT) of a swizzled [K][WB] tile, reduced over all K rows (the chunk's rows):
-// the A-fragments come from transposing ldmatrix loads. (phi(K)^T V, phi(Q)^T dU.)
-template <int MI, int NT, int K, int WA, int WB, typename T>
-__device__ __forceinline__ void warp_gemm_tn(float (&acc)[MI][NT][4], const T* sA, int a_col0,
-                                             const T* sB, int lane) {
-  static_assert(NT % 2 == 0, "NT must be even (x4 ldmatrix loads two n-tiles)");
-#pragma unroll
-  for (int k0 = 0; k0 < K; k0 += 16) {
-    uint32_t a[MI][4];
-#pragma unroll
-    for (int mi = 0; mi < MI; ++mi) {
-      // Matrix j = lane / 8 is A rows +8*(j&1), k +8*(j>>1): tile rows k, columns m.
-      const int row = k0 + (lane & 7) + ((lane >> 4) << 3);
-      ldmatrix_x4_trans(a[mi], sA + swz<WA>(row, a_col0 + mi * 16 + ((lane >> 3) & 1) * 8));
-    }
-#pragma unroll
-    for (int ni = 0; ni < NT; ni += 2) {
-      uint32_t b[4];
-      const int row = k0 + (lane & 7) + (((lane >> 3) & 1) << 3);
-      ldmatrix_x4_trans(b, sB + swz<WB>(row, ni * 8 + (lane >> 4) * 8));
-#pragma unroll
-      for (int mi = 0; mi < MI; ++mi) {
-        MmaOp<T>::run(acc[mi][ni], a[mi], b[0], b[1]);
-        MmaOp<T>::run(acc[mi][ni + 1], a[mi], b[2], b[3]);
-      }
-    }
-  }
-}
-
 // ---- tile passes ---------------------------------------------------------------------------
+
+// The four packed pairs of a 16-byte chunk, each mapped by fn(float2) -> packed pair.
+template <typename T, typename Fn>
+__device__ __forceinline__ uint4 map_pairs(uint4 x, Fn fn) {
+  return make_uint4(fn(unpack2<T>(x.x)), fn(unpack2<T>(x.y)), fn(unpack2<T>(x.z)),
+                    fn(unpack2<T>(x.w)));
+}
 
 // In place over a [kChunk][W] tile: x -> phi(x) (fp32, rounded back to T); rows >= valid -> 0
 // (phi(0) = 1 for elu, and padding rows must add nothing).
-template <typename T, int W>
+template <typename T, int W, int THREADS = kThreads>
 __device__ __forceinline__ void features_in_place(T* tile, FeatureMap f, int valid, int tid) {
   if (f == FeatureMap::kIdentity) return;  // cp.async already zero-filled the padding rows
-  uint32_t* t2 = reinterpret_cast<uint32_t*>(tile);
-  for (int i = tid; i < kChunk * W / 2; i += kThreads) {
-    const int row = 2 * i / W;  // the swizzle permutes chunks within a row only
-    const float2 x = unpack2<T>(t2[i]);
-    t2[i] = row < valid ? MmaOp<T>::pack(feature(f, x.x), feature(f, x.y)) : 0u;
+  constexpr int kVecs = kChunk * W / 8;  // 16-byte chunks; the swizzle keeps each in its row
+  static_assert(kVecs % THREADS == 0, "tile chunks must divide evenly among threads");
+  uint4* t8 = reinterpret_cast<uint4*>(tile);
+  // Two at a time: the chains of load, exp, store overlap (a full unroll spills in bwd_dq_kernel).
+#pragma unroll 2
+  for (int k = 0; k < kVecs / THREADS; ++k) {
+    const int i = tid + k * THREADS;
+    const bool live = 8 * i / W < valid;
+    t8[i] = map_pairs<T>(t8[i], [&](float2 v) {
+      return live ? MmaOp<T>::pack(feature(f, v.x), feature(f, v.y)) : 0u;
+    });
   }
 }
 
-// In place over a [kChunk][W] tile: row i *= scale[i].
-template <typename T, int W>
-__device__ __forceinline__ void scale_rows(T* tile, const float* scale, int tid) {
-  uint32_t* t2 = reinterpret_cast<uint32_t*>(tile);
-  for (int i = tid; i < kChunk * W / 2; i += kThreads) {
-    const float s = scale[2 * i / W];
-    const float2 x = unpack2<T>(t2[i]);
-    t2[i] = MmaOp<T>::pack(x.x * s, x.y * s);
-  }
-}
-
-// The [D][DV] part of an fp32 state (row stride E) as a swizzled T tile, its z column (col DV)
-// into z[0:D] when normalize.
+// A prefix state (slot base pointers sv [D][DV], sz [D]) into a swizzled [D][DV] tile and z
+// (normalize only); the tile joins the caller's cp.async group.
 template <typename T, int D, int DV>
-__device__ __forceinline__ void load_state(T* tile, float* z, const float* st, int e,
+__device__ __forceinline__ void load_state(T* tile, float* z, const T* sv, const float* sz,
                                            bool normalize, int tid) {
-  for (int i = tid; i < D * DV; i += kThreads) {
-    const int row = i / DV, col = i % DV;
-    tile[swz<DV>(row, col)] = from_float<T>(st[static_cast<int64_t>(row) * e + col]);
-  }
+  load_tile_async<D, DV, kThreads>(tile, sv, DV, D, tid);
   if (normalize) {
-    for (int d = tid; d < D; d += kThreads) z[d] = st[static_cast<int64_t>(d) * e + DV];
+    for (int d = tid; d < D; d += kThreads) z[d] = sz[d];
   }
 }
 
@@ -286,68 +275,255 @@ __device__ __forceinline__ void causal_mask(float (&s)[1][8][4], int row0, int l
 
 // ---- kernels -------------------------------------------------------------------------------
 
-// Per chunk: local[vc, h] = A^T B' and, when normalize, its z column sum_i A[i] y_i, with
-// forward: A = phi(K), B' = V, y = 1;  backward: A = phi(Q), B' = diag(r) dO, y = du_z
-// (rs[vc, h, i] = (r_i, du_z_i) from bwd_dq_kernel).
+// load_tile_async for a loop that copies many [ROWS][W] tiles of one row stride: the per-thread
+// offsets are computed once, so a copy costs a compare, an add and the cp.async per 16 bytes
+// (in the scan the address arithmetic otherwise took half the issue slots of a chunk).
+template <int ROWS, int W, int THREADS>
+struct TileCopy {
+  static constexpr int kPer = ROWS * W / 8 / THREADS;
+  static_assert(kPer * THREADS * 8 == ROWS * W, "tile chunks must divide evenly among threads");
+  int row[kPer];
+  int dst[kPer];
+  int64_t src[kPer];
+  __device__ __forceinline__ TileCopy(int64_t row_stride, int tid) {
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) {
+      const int c = tid + k * THREADS;
+      row[k] = c / (W / 8);
+      const int col = c % (W / 8) * 8;
+      dst[k] = swz<W>(row[k], col);
+      src[k] = row[k] * row_stride + col;
+    }
+  }
+  // Rows >= valid_rows are zero-filled.
+  template <typename T>
+  __device__ __forceinline__ void issue(T* tile, const T* base, int valid_rows) const {
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) {
+      const bool valid = row[k] < valid_rows;
+      cp_async16(tile + dst[k], base + (valid ? src[k] : 0), valid);
+    }
+  }
+};
+
+template <int DV, typename T>
+struct ScanSmem {
+  // Per chunk slot of the ring: the chunk's [kChunk][kScanRows] slice of A, its
+  // [kChunk][scan_cols] slice of B' and (r, du_z) per row (backward).
+  static constexpr int kABytes = kChunk * kScanRows * static_cast<int>(sizeof(T));
+  static constexpr int kBBytes = kChunk * scan_cols<DV>() * static_cast<int>(sizeof(T));
+  static constexpr int kSlotBytes = kABytes + kBBytes + kChunk * 8;
+  static constexpr int kSlots = kScanGroup * kScanGroups;
+  static constexpr int kBytes = kSlots * kSlotBytes;
+};
+
+// zc += A^T [y_hi | y_lo | 0 ...] for the 16 columns [a_col0, a_col0 + 16) of a [kChunk][32]
+// tile A: the z column of a chunk's state by tensor core (lanes with t = 0 get
+// z(row g) = zc[0] + zc[1] and z(row g + 8) = zc[2] + zc[3]). Forward: y = 1 (rows past the
+// chunk are zero in A). Backward: y = du_z (sw[i].y) split as y_hi + y_lo, both in T, so the
+// sum keeps about 16 bits of y where B' keeps T's.
+template <typename T, bool kBwd>
+__device__ __forceinline__ void chunk_column_sums(float (&zc)[4], const T* sA, int a_col0,
+                                                  const float2* sw, int lane) {
+  const int g = lane >> 2, t = lane & 3;
+  auto y_pair = [&](int i) {  // (y[i], y[i + 1]) as column g of B: hi (g = 0), lo (g = 1), 0
+    if (g > 1) return 0u;
+    if (!kBwd) return g == 0 ? MmaOp<T>::pack(1.f, 1.f) : 0u;
+    const float y0 = sw[i].y, y1 = sw[i + 1].y;
+    const float h0 = round_to<T>(y0), h1 = round_to<T>(y1);
+    return g == 0 ? MmaOp<T>::pack(h0, h1) : MmaOp<T>::pack(y0 - h0, y1 - h1);
+  };
+#pragma unroll
+  for (int kt = 0; kt < kChunk / 16; ++kt) {
+    uint32_t a[4];
+    ldmatrix_x4_trans(a, sA + swz<kScanRows>(kt * 16 + (lane & 7) + ((lane >> 4) << 3),
+                                             a_col0 + ((lane >> 3) & 1) * 8));
+    MmaOp<T>::run(zc, a, y_pair(kt * 16 + 2 * t), y_pair(kt * 16 + 2 * t + 8));
+  }
+}
+
+// Prefix states of one sequence: the running state S = init + sum over chunks (in order;
+// kBwd: in reverse) of A_c^T [B'_c | y_c] with
+//   forward:  A = phi(K), B' = V, y = 1, init = state_in;
+//   backward: A = phi(Q), B' = diag(r) dO, y = du_z (rs[vc, h, i] = (r_i, du_z_i) from
+//             bwd_dq_kernel, zero past a chunk's rows), init = dstate.
+// CTA (pair = n * H + h, tile): state rows [d0, d0 + kScanRows) x columns [v0, v0 + scan_cols)
+// in fp32 fragments for the whole walk (warp w: rows 16 (w % 2), columns 32 (w / 2) of the
+// tile); in the tiles of column 0, warps 0 and 1 also keep z of their rows. Causal: before chunk c is added, the state is written to slot c
+// (the virtual chunk); non-causal: the total is written to slot n. total (may be null): the
+// fp32 total [N, H, D, E].
+// The walk is sequential and latency-bound: it steps kScanGroup chunks at a time (their
+// products are independent MMA chains, then the prefixes are summed in registers), with one
+// group of tiles landing through cp.async while the other is used.
 template <typename T, int D, int DV, bool kBwd>
-__global__ void __launch_bounds__(kThreads)
-    chunk_state_kernel(const LinearParams p, int64_t cps, float* __restrict__ local,
-                       const float2* __restrict__ rs) {
-  __shared__ __align__(16) T sA[kChunk * D];
-  __shared__ __align__(16) T sB[kChunk * DV];
-  __shared__ float sw[kChunk];
-  __shared__ float sy[kChunk];
+__global__ void __launch_bounds__(scan_threads<DV>())
+    state_scan_kernel(const LinearParams p, int64_t cps, T* __restrict__ pv,
+                      float* __restrict__ pz, const float* __restrict__ init,
+                      float* __restrict__ total, const float2* __restrict__ rs) {
+  using Smem = ScanSmem<DV, T>;
+  constexpr int kThr = scan_threads<DV>();
+  constexpr int kCols = scan_cols<DV>();
+  constexpr int NT = 4;  // 32 columns per warp
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  auto slot_a = [&](int s) { return reinterpret_cast<T*>(smem_raw + s * Smem::kSlotBytes); };
+  auto slot_b = [&](int s) {
+    return reinterpret_cast<T*>(smem_raw + s * Smem::kSlotBytes + Smem::kABytes);
+  };
+  auto slot_w = [&](int s) {
+    return reinterpret_cast<float2*>(smem_raw + s * Smem::kSlotBytes + Smem::kABytes +
+                                     Smem::kBBytes);
+  };
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int64_t vc = blockIdx.x;
-  const int h = blockIdx.y;
-  const Chunk c = locate_chunk(p, cps, vc);
-  if (c.rows == 0) return;
+  const int g = lane >> 2, t = lane & 3;
+  const int64_t pair = blockIdx.x;
+  const int n = static_cast<int>(pair / p.heads), h = static_cast<int>(pair % p.heads);
+  const int d0 = static_cast<int>(blockIdx.y) / (DV / kCols) * kScanRows;
+  const int v0 = static_cast<int>(blockIdx.y) % (DV / kCols) * kCols;
+  const int a_col0 = (warp % 2) * 16;  // the warp's state rows within the tile
+  const int b_col0 = (warp / 2) * 32;  // and columns
+  const int row0 = d0 + a_col0, col0 = v0 + b_col0;
+  const bool keeps_z = p.normalize && v0 == 0 && warp < 2;
+  int64_t start, len;
+  seq_range(p, n, start, len);
+  const int64_t chunks = (len + kChunk - 1) / kChunk;
+  const int64_t base = chunk_base(p, cps, n);
+  const int e = p.state_cols;
   const LinearStrides& as = kBwd ? p.q_s : p.k_s;
   const LinearStrides& bs = kBwd ? p.do_s : p.v_s;
-  const T* a = static_cast<const T*>(kBwd ? p.q : p.k) + row_offset(as, p, c.n, h, c.start, c.c0);
-  const T* b =
-      static_cast<const T*>(kBwd ? p.dout : p.v) + row_offset(bs, p, c.n, h, c.start, c.c0);
-  load_tile_async<kChunk, D, kThreads>(sA, a, as.row, c.rows, tid);
-  load_tile_async<kChunk, DV, kThreads>(sB, b, bs.row, c.rows, tid);
-  cp_async_commit();
-  const int64_t pair = vc * p.heads + h;
-  if (tid < kChunk) {
-    const bool valid = tid < c.rows;
-    const float2 w = kBwd && valid ? rs[pair * kChunk + tid] : make_float2(1.f, 1.f);
-    sw[tid] = valid ? w.x : 0.f;
-    sy[tid] = valid ? w.y : 0.f;
-  }
-  cp_async_wait_all();
-  __syncthreads();
-  features_in_place<T, D>(sA, p.feature_map, c.rows, tid);
-  if (kBwd) scale_rows<T, DV>(sB, sw, tid);
-  __syncthreads();
+  // Chunk c's rows start at a_seq + c * a_step (its A columns d0...), b_seq + c * b_step.
+  const T* a_seq = static_cast<const T*>(kBwd ? p.q : p.k) + row_offset(as, p, n, h, start, 0) + d0;
+  const T* b_seq =
+      static_cast<const T*>(kBwd ? p.dout : p.v) + row_offset(bs, p, n, h, start, 0) + v0;
+  const int64_t a_step = kChunk * as.row, b_step = kChunk * bs.row;
+  const TileCopy<kChunk, kScanRows, kThr> copy_a(as.row, tid);
+  const TileCopy<kChunk, kCols, kThr> copy_b(bs.row, tid);
+  const float2* rs_seq = rs + (base * p.heads + h) * kChunk + 2 * tid;
 
-  // State rows in passes of 64 (warp w: rows pass * 64 + 16 w): one 16-row accumulator set
-  // per warp keeps D = 128 free of spills.
-  constexpr int NT = DV / 8;
-  const int e = p.state_cols;
-  float* out = local + pair * D * e;
-  const int g = lane >> 2, t = lane & 3;
-#pragma unroll 1
-  for (int pass = 0; pass < D / 64; ++pass) {
-    const int row0 = pass * 64 + warp * 16;
-    float acc[1][NT][4];
-    zero(acc);
-    warp_gemm_tn<1, NT, kChunk, D, DV>(acc, sA, row0, sB, lane);
+  float acc[NT][4];
+  float z[2] = {0.f, 0.f};  // rows row0 + g, row0 + g + 8 (lanes with t = 0)
+#pragma unroll
+  for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+    for (int k = 0; k < 4; ++k) acc[ni][k] = 0.f;
+  if (init != nullptr) {
+    const float* st = init + pair * D * e;
 #pragma unroll
     for (int ni = 0; ni < NT; ++ni)
 #pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const int row = row0 + g + 8 * (k >> 1);
-        out[static_cast<int64_t>(row) * e + ni * 8 + 2 * t + (k & 1)] = acc[0][ni][k];
-      }
+      for (int k = 0; k < 4; ++k)
+        acc[ni][k] = st[static_cast<int64_t>(row0 + g + 8 * (k >> 1)) * e + col0 + ni * 8 +
+                        2 * t + (k & 1)];
+    if (keeps_z) {
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) z[hh] = st[static_cast<int64_t>(row0 + g + 8 * hh) * e + DV];
+    }
   }
-  if (p.normalize) {
-    for (int d = tid; d < D; d += kThreads) {
-      float s = 0.f;
-      for (int i = 0; i < c.rows; ++i) s += to_float(sA[swz<D>(i, d)]) * sy[i];
-      out[static_cast<int64_t>(d) * e + DV] = s;
+  // Writes the running state to a slot (rounded S_v, fp32 z).
+  auto write_slot = [&](int64_t slot) {
+    T* dst = pv + (slot * p.heads + h) * D * DV;
+#pragma unroll
+    for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh)
+        *reinterpret_cast<uint32_t*>(dst + (row0 + g + 8 * hh) * DV + col0 + ni * 8 + 2 * t) =
+            MmaOp<T>::pack(acc[ni][2 * hh], acc[ni][2 * hh + 1]);
+    if (keeps_z && t == 0) {
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) pz[(slot * p.heads + h) * D + row0 + g + 8 * hh] = z[hh];
+    }
+  };
+  auto chunk_of = [&](int64_t j) { return kBwd ? chunks - 1 - j : j; };
+  auto rows_of = [&](int64_t c) {
+    return static_cast<int>(len - c * kChunk < kChunk ? len - c * kChunk : kChunk);
+  };
+  // Group q's chunks into ring slots (q % kScanGroups) * kScanGroup + u.
+  auto issue = [&](int64_t q) {
+#pragma unroll
+    for (int u = 0; u < kScanGroup; ++u) {
+      const int64_t j = q * kScanGroup + u;
+      if (j < chunks) {
+        const int64_t c = chunk_of(j);
+        const int s = static_cast<int>(q % kScanGroups) * kScanGroup + u;
+        copy_a.issue(slot_a(s), a_seq + c * a_step, rows_of(c));
+        copy_b.issue(slot_b(s), b_seq + c * b_step, rows_of(c));
+        if (kBwd && tid < kChunk / 2) {
+          cp_async16(slot_w(s) + 2 * tid, rs_seq + c * p.heads * kChunk, true);
+        }
+      }
+    }
+    cp_async_commit();  // empty groups keep the wait count uniform
+  };
+  const int64_t groups = (chunks + kScanGroup - 1) / kScanGroup;
+#pragma unroll
+  for (int q = 0; q < kScanGroups - 1; ++q) issue(q);
+#pragma unroll 1
+  for (int64_t q = 0; q < groups; ++q) {
+    cp_async_wait<kScanGroups - 2>();
+    __syncthreads();  // group q landed for every thread; every thread is done with group q - 1
+    issue(q + kScanGroups - 1);
+    const int s0 = static_cast<int>(q % kScanGroups) * kScanGroup;
+#pragma unroll
+    for (int u = 0; u < kScanGroup; ++u) {
+      const int64_t j = q * kScanGroup + u;
+      if (j >= chunks) break;
+      features_in_place<T, kScanRows, kThr>(slot_a(s0 + u), p.feature_map, rows_of(chunk_of(j)),
+                                            tid);
+      if (kBwd) {
+        uint4* b8 = reinterpret_cast<uint4*>(slot_b(s0 + u));
+        const float2* sw = slot_w(s0 + u);
+#pragma unroll
+        for (int k = 0; k < kChunk * kCols / 8 / kThr; ++k) {
+          const int i = tid + k * kThr;
+          const float r = sw[8 * i / kCols].x;
+          b8[i] = map_pairs<T>(b8[i], [&](float2 v) { return MmaOp<T>::pack(v.x * r, v.y * r); });
+        }
+      }
+    }
+    __syncthreads();
+    // The group's products, independent of the running state and of each other.
+    float x[kScanGroup][NT][4];
+    float zc[kScanGroup][4];
+#pragma unroll
+    for (int u = 0; u < kScanGroup; ++u) {
+#pragma unroll
+      for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+        for (int k = 0; k < 4; ++k) x[u][ni][k] = 0.f;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) zc[u][k] = 0.f;
+      if (q * kScanGroup + u < chunks) {
+        warp_gemm_tn<NT, kChunk / 16, kScanRows, kCols>(x[u], slot_a(s0 + u), a_col0,
+                                                        slot_b(s0 + u), b_col0, lane);
+        if (keeps_z) {
+          chunk_column_sums<T, kBwd>(zc[u], slot_a(s0 + u), a_col0, slot_w(s0 + u), lane);
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kScanGroup; ++u) {
+      const int64_t j = q * kScanGroup + u;
+      if (j >= chunks) break;
+      if (p.causal) write_slot(base + chunk_of(j));
+#pragma unroll
+      for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+        for (int k = 0; k < 4; ++k) acc[ni][k] += x[u][ni][k];
+      z[0] += zc[u][0] + zc[u][1];
+      z[1] += zc[u][2] + zc[u][3];
+    }
+  }
+  if (!p.causal) write_slot(n);
+  if (total != nullptr) {
+    float* st = total + pair * D * e;
+#pragma unroll
+    for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+      for (int k = 0; k < 4; ++k)
+        st[static_cast<int64_t>(row0 + g + 8 * (k >> 1)) * e + col0 + ni * 8 + 2 * t + (k & 1)] =
+            acc[ni][k];
+    if (keeps_z && t == 0) {
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) st[static_cast<int64_t>(row0 + g + 8 * hh) * e + DV] = z[hh];
     }
   }
 }
@@ -394,12 +570,25 @@ __device__ __forceinline__ void chunk_outputs(float (&o)[1][DV / 8][4], float (&
   den[1] = quad_sum(den[1]);
 }
 
+// The prefix state of chunk vc of sequence n (causal: slot vc; else the total in slot n).
+template <int D, int DV, typename T>
+struct StateSlot {
+  const T* v;
+  const float* z;
+  __device__ __forceinline__ StateSlot(const LinearParams& p, const T* pv, const float* pz,
+                                       int64_t vc, int n, int h) {
+    const int64_t slot = (p.causal ? vc : n) * p.heads + h;
+    v = pv + slot * D * DV;
+    z = pz != nullptr ? pz + slot * D : nullptr;
+  }
+};
+
 // Loads the chunk's tiles for the output / dq kernels: Q (and K, V when causal), the state
-// preceding the chunk (causal: prefix[vc, h]; else the total) and applies phi.
+// preceding the chunk and applies phi.
 template <typename T, int D, int DV>
 __device__ __forceinline__ void load_out_tiles(const LinearParams& p, const Chunk& c, int h,
-                                               const float* st, T* sQ, T* sK, T* sV, T* sS,
-                                               float* sz, int tid) {
+                                               const StateSlot<D, DV, T>& st, T* sQ, T* sK,
+                                               T* sV, T* sS, float* sz, int tid) {
   load_tile_async<kChunk, D, kThreads>(
       sQ, static_cast<const T*>(p.q) + row_offset(p.q_s, p, c.n, h, c.start, c.c0), p.q_s.row,
       c.rows, tid);
@@ -411,8 +600,8 @@ __device__ __forceinline__ void load_out_tiles(const LinearParams& p, const Chun
         sV, static_cast<const T*>(p.v) + row_offset(p.v_s, p, c.n, h, c.start, c.c0), p.v_s.row,
         c.rows, tid);
   }
+  load_state<T, D, DV>(sS, sz, st.v, st.z, p.normalize, tid);
   cp_async_commit();
-  load_state<T, D, DV>(sS, sz, st, p.state_cols, p.normalize, tid);
   cp_async_wait_all();
   __syncthreads();
   features_in_place<T, D>(sQ, p.feature_map, c.rows, tid);
@@ -420,11 +609,11 @@ __device__ __forceinline__ void load_out_tiles(const LinearParams& p, const Chun
   __syncthreads();
 }
 
-// out rows of one chunk. prefix: [chunks, H, D, E] exclusive prefix states (causal);
-// p.state_out: the total (non-causal).
+// out rows of one chunk; pv, pz: the prefix states of state_scan_kernel.
 template <typename T, int D, int DV>
 __global__ void __launch_bounds__(kThreads)
-    fwd_out_kernel(const LinearParams p, int64_t cps, const float* __restrict__ prefix) {
+    fwd_out_kernel(const LinearParams p, int64_t cps, const T* __restrict__ pv,
+                   const float* __restrict__ pz) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* sQ = reinterpret_cast<T*>(smem_raw);
   T* sK = sQ + kChunk * D;
@@ -436,11 +625,8 @@ __global__ void __launch_bounds__(kThreads)
   const int h = blockIdx.y;
   const Chunk c = locate_chunk(p, cps, vc);
   if (c.rows == 0) return;
-  const int64_t de = static_cast<int64_t>(D) * p.state_cols;
-  const float* st = p.causal ? prefix + (vc * p.heads + h) * de
-                             : static_cast<const float*>(p.state_out) +
-                                   (static_cast<int64_t>(c.n) * p.heads + h) * de;
-  load_out_tiles<T, D, DV>(p, c, h, st, sQ, sK, sV, sS, sz, tid);
+  load_out_tiles<T, D, DV>(p, c, h, StateSlot<D, DV, T>(p, pv, pz, vc, c.n, h), sQ, sK, sV, sS,
+                           sz, tid);
 
   const int row0 = warp * 16;
   float o[1][DV / 8][4];
@@ -461,11 +647,12 @@ struct DqSmem {
       (2 * kChunk * D + 2 * kChunk * DV + D * DV) * static_cast<int>(sizeof(T)) + D * 4;
 };
 
-// dq rows of one chunk; also writes rs[vc, h, i] = (r_i, du_z_i) for the backward state kernel.
+// dq rows of one chunk; also writes rs[vc, h, i] = (r_i, du_z_i) for the backward scan (zero
+// past the chunk's rows). pv, pz: the forward prefix states.
 template <typename T, int D, int DV>
 __global__ void __launch_bounds__(kThreads)
-    bwd_dq_kernel(const LinearParams p, int64_t cps, const float* __restrict__ prefix,
-                  const float* __restrict__ total, float2* __restrict__ rs) {
+    bwd_dq_kernel(const LinearParams p, int64_t cps, const T* __restrict__ pv,
+                  const float* __restrict__ pz, float2* __restrict__ rs) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* sQ = reinterpret_cast<T*>(smem_raw);
   T* sK = sQ + kChunk * D;
@@ -479,13 +666,11 @@ __global__ void __launch_bounds__(kThreads)
   const int h = blockIdx.y;
   const Chunk c = locate_chunk(p, cps, vc);
   if (c.rows == 0) return;
-  const int64_t de = static_cast<int64_t>(D) * p.state_cols;
-  const float* st = p.causal ? prefix + (vc * p.heads + h) * de
-                             : total + (static_cast<int64_t>(c.n) * p.heads + h) * de;
   load_tile_async<kChunk, DV, kThreads>(
       sdO, static_cast<const T*>(p.dout) + row_offset(p.do_s, p, c.n, h, c.start, c.c0),
       p.do_s.row, c.rows, tid);
-  load_out_tiles<T, D, DV>(p, c, h, st, sQ, sK, sV, sS, sz, tid);
+  load_out_tiles<T, D, DV>(p, c, h, StateSlot<D, DV, T>(p, pv, pz, vc, c.n, h), sQ, sK, sV, sS,
+                           sz, tid);
 
   const int row0 = warp * 16;
   float r[2], duz[2];
@@ -514,7 +699,10 @@ __global__ void __launch_bounds__(kThreads)
       // du_z = -(g . u_v) / u_z^2
       duz[hh] = p.normalize ? -quad_sum(gu[hh]) * r[hh] * r[hh] : 0.f;
       const int row = row0 + g + 8 * hh;
-      if (t == 0 && row < c.rows) rs[(vc * p.heads + h) * kChunk + row] = make_float2(r[hh], duz[hh]);
+      if (t == 0) {
+        rs[(vc * p.heads + h) * kChunk + row] =
+            row < c.rows ? make_float2(r[hh], duz[hh]) : make_float2(0.f, 0.f);
+      }
     }
   }
 
@@ -556,12 +744,12 @@ struct DkdvSmem {
       (D + 2 * kChunk) * 4;
 };
 
-// dk, dv rows of one chunk. suffix: [chunks, H, D, E] dR after each chunk (causal);
-// p.dstate_in: the total dR (non-causal).
+// dk, dv rows of one chunk. pv, pz: the backward scan's states (dR after each chunk, or the
+// total dR).
 template <typename T, int D, int DV>
 __global__ void __launch_bounds__(kThreads)
-    bwd_dkdv_kernel(const LinearParams p, int64_t cps, const float* __restrict__ suffix,
-                    const float2* __restrict__ rs) {
+    bwd_dkdv_kernel(const LinearParams p, int64_t cps, const T* __restrict__ pv,
+                    const float* __restrict__ pz, const float2* __restrict__ rs) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* sQ = reinterpret_cast<T*>(smem_raw);
   T* sK = sQ + kChunk * D;
@@ -577,10 +765,7 @@ __global__ void __launch_bounds__(kThreads)
   const int h = blockIdx.y;
   const Chunk c = locate_chunk(p, cps, vc);
   if (c.rows == 0) return;
-  const int64_t de = static_cast<int64_t>(D) * p.state_cols;
-  const float* dr = p.causal ? suffix + (vc * p.heads + h) * de
-                             : static_cast<const float*>(p.dstate_in) +
-                                   (static_cast<int64_t>(c.n) * p.heads + h) * de;
+  const StateSlot<D, DV, T> dr(p, pv, pz, vc, c.n, h);
   const T* k = static_cast<const T*>(p.k) + row_offset(p.k_s, p, c.n, h, c.start, c.c0);
   load_tile_async<kChunk, D, kThreads>(sK, k, p.k_s.row, c.rows, tid);
   load_tile_async<kChunk, DV, kThreads>(
@@ -600,8 +785,8 @@ __global__ void __launch_bounds__(kThreads)
       sduz[tid] = w.y;
     }
   }
+  load_state<T, D, DV>(sR, srz, dr.v, dr.z, p.normalize, tid);
   cp_async_commit();
-  load_state<T, D, DV>(sR, srz, dr, p.state_cols, p.normalize, tid);
   cp_async_wait_all();
   __syncthreads();
   features_in_place<T, D>(sK, p.feature_map, c.rows, tid);

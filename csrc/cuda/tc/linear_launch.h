@@ -33,10 +33,10 @@ inline Grid chunk_grid(const LinearParams& p) {
   return {0, static_cast<int64_t>(p.len) / kChunk + p.num_seqs};
 }
 
-inline at::Tensor scratch(int64_t numel) {
-  // Stream-ordered caching allocator: freed on return, alive for the kernels queued here.
+// Stream-ordered caching allocator: freed on return, alive for the kernels queued here.
+inline at::Tensor scratch(int64_t numel, at::ScalarType dtype) {
   return at::empty({numel}, at::TensorOptions()
-                                .dtype(at::kFloat)
+                                .dtype(dtype)
                                 .device(at::kCUDA, c10::cuda::current_device()));
 }
 
@@ -47,67 +47,73 @@ inline dim3 chunk_blocks(const LinearParams& p, const Grid& g) {
   return dim3(static_cast<unsigned>(g.chunks), static_cast<unsigned>(p.heads));
 }
 
+// Prefix states (linear_kernels.h): S_v in T per slot and, when normalize, fp32 z.
+template <typename T, int D, int DV>
+struct PrefixStates {
+  at::Tensor v, z;
+  PrefixStates(const LinearParams& p, const Grid& g) {
+    const int64_t slots = (p.causal ? g.chunks : p.num_seqs) * p.heads;
+    v = scratch(slots * D * DV, std::is_same_v<T, __half> ? at::kHalf : at::kBFloat16);
+    if (p.normalize) z = scratch(slots * D, at::kFloat);
+  }
+  T* sv() const { return reinterpret_cast<T*>(v.data_ptr()); }
+  float* sz() const { return z.defined() ? z.data_ptr<float>() : nullptr; }
+};
+
 template <typename T, int D, int DV, bool kBwd>
-void launch_chunk_states(const LinearParams& p, const Grid& g, float* local, const float2* rs) {
-  chunk_state_kernel<T, D, DV, kBwd><<<chunk_blocks(p, g), kThreads, 0,
-                                       at::cuda::getCurrentCUDAStream()>>>(p, g.cps, local, rs);
+void launch_scan(const LinearParams& p, const Grid& g, const PrefixStates<T, D, DV>& out,
+                 const void* init, void* total, const float2* rs) {
+  const int64_t pairs = static_cast<int64_t>(p.num_seqs) * p.heads;
+  if (pairs == 0) return;
+  const dim3 blocks(static_cast<unsigned>(grid_size(pairs)),
+                    D / kScanRows * (DV / scan_cols<DV>()));
+  constexpr int kSmem = ScanSmem<DV, T>::kBytes;
+  auto kernel = state_scan_kernel<T, D, DV, kBwd>;
+  set_smem(kernel, kSmem);
+  kernel<<<blocks, scan_threads<DV>(), kSmem, at::cuda::getCurrentCUDAStream()>>>(
+      p, g.cps, out.sv(), out.sz(), static_cast<const float*>(init), static_cast<float*>(total),
+      rs);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
-
-// The fp32 scan over chunks (scan_kernel in linear_tc.cu, one copy for every dtype).
-void launch_scan(const LinearParams& p, const Grid& g, float* local, const void* init,
-                 void* total, bool reverse);
 
 template <typename T, int D, int DV>
 void run_fwd(const LinearParams& p) {
   const Grid g = chunk_grid(p);
-  const int64_t de = static_cast<int64_t>(D) * p.state_cols;
-  const at::Tensor local = scratch(g.chunks * p.heads * de);
-  if (g.chunks > 0) launch_chunk_states<T, D, DV, false>(p, g, local.data_ptr<float>(), nullptr);
-  launch_scan(p, g, local.data_ptr<float>(), p.state_in, p.state_out, false);
+  const PrefixStates<T, D, DV> prefix(p, g);
+  launch_scan<T, D, DV, false>(p, g, prefix, p.state_in, p.state_out, nullptr);
   if (g.chunks == 0) return;
   constexpr int kSmem = OutSmem<D, DV, T>::kBytes;
   auto kernel = fwd_out_kernel<T, D, DV>;
   set_smem(kernel, kSmem);
   kernel<<<chunk_blocks(p, g), kThreads, kSmem, at::cuda::getCurrentCUDAStream()>>>(
-      p, g.cps, local.data_ptr<float>());
+      p, g.cps, prefix.sv(), prefix.sz());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 template <typename T, int D, int DV>
 void run_bwd(const LinearParams& p) {
   const Grid g = chunk_grid(p);
-  const int64_t de = static_cast<int64_t>(D) * p.state_cols;
-  // One [chunks, H, D, E] buffer: S prefixes for the dq kernel, then dR suffixes.
-  const at::Tensor local = scratch(g.chunks * p.heads * de);
-  const at::Tensor total = scratch(static_cast<int64_t>(p.num_seqs) * p.heads * de);
-  const at::Tensor rs = scratch(2 * g.chunks * p.heads * kChunk);
-  float* buf = local.data_ptr<float>();
+  // One set of prefix states: S before each chunk for the dq kernel, then dR after each chunk.
+  const PrefixStates<T, D, DV> states(p, g);
+  const at::Tensor rs = scratch(2 * g.chunks * p.heads * kChunk, at::kFloat);
   float2* rows = reinterpret_cast<float2*>(rs.data_ptr<float>());
-  if (g.chunks == 0) {
-    launch_scan(p, g, buf, p.dstate, p.dstate_in, true);
-    return;
-  }
-  launch_chunk_states<T, D, DV, false>(p, g, buf, nullptr);
-  launch_scan(p, g, buf, p.state_in, total.data_ptr<float>(), false);
-  {
+  if (g.chunks > 0) {
+    launch_scan<T, D, DV, false>(p, g, states, p.state_in, nullptr, nullptr);
     constexpr int kSmem = DqSmem<D, DV, T>::kBytes;
     auto kernel = bwd_dq_kernel<T, D, DV>;
     set_smem(kernel, kSmem);
     kernel<<<chunk_blocks(p, g), kThreads, kSmem, at::cuda::getCurrentCUDAStream()>>>(
-        p, g.cps, buf, total.data_ptr<float>(), rows);
+        p, g.cps, states.sv(), states.sz(), rows);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
-  launch_chunk_states<T, D, DV, true>(p, g, buf, rows);
-  launch_scan(p, g, buf, p.dstate, p.dstate_in, true);
-  {
-    constexpr int kSmem = DkdvSmem<D, DV, T>::kBytes;
-    auto kernel = bwd_dkdv_kernel<T, D, DV>;
-    set_smem(kernel, kSmem);
-    kernel<<<chunk_blocks(p, g), kThreads, kSmem, at::cuda::getCurrentCUDAStream()>>>(
-        p, g.cps, buf, rows);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
+  launch_scan<T, D, DV, true>(p, g, states, p.dstate, p.dstate_in, rows);
+  if (g.chunks == 0) return;
+  constexpr int kSmem = DkdvSmem<D, DV, T>::kBytes;
+  auto kernel = bwd_dkdv_kernel<T, D, DV>;
+  set_smem(kernel, kSmem);
+  kernel<<<chunk_blocks(p, g), kThreads, kSmem, at::cuda::getCurrentCUDAStream()>>>(
+      p, g.cps, states.sv(), states.sz(), rows);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 // D, Dv in {64, 128} (linear_tc_supports in linear_api.h).
