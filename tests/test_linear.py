@@ -341,6 +341,25 @@ def test_low_precision_scan_groups_cuda():
     check_low_precision_cuda(Case(t=600, d=128, dv=128, state=True), torch.bfloat16)
 
 
+# Walks long enough, on a batch small enough, that the CUDA scan splits them into segments
+# (linear_launch.h: one launch sums the segments, a second walks them from those sums): dense,
+# packed (sequences in different numbers of segments, an empty one), non-causal, unnormalised,
+# all with initial states. bfloat16 only, as above.
+SPLIT_SCAN_CASES = [
+    Case(t=4133, h=1, d=128, dv=128, state=True),
+    Case(lens=(3000, 5, 0, 1300), h=1, d=64, dv=64, fmap="relu", state=True),
+    Case(b=2, h=1, t=2500, d=64, dv=128, causal=False, state=True),
+    Case(t=3000, h=1, d=128, dv=64, fmap="identity", normalize=False, transposed=True,
+         state=True),
+]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", SPLIT_SCAN_CASES, ids=str)
+def test_low_precision_split_scan_cuda(case):
+    check_low_precision_cuda(case, torch.bfloat16)
+
+
 # --------------------------------------------------------------------------------------------
 # Varlen, state passing, empty inputs, determinism
 # --------------------------------------------------------------------------------------------

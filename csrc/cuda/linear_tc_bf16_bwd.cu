@@ -1,4 +1,4 @@
-// Tensor-core linear attention, bf16 bwdward (one file per dtype and pass for parallel builds).
+// Tensor-core linear attention, bf16 backward (one file per dtype and pass for parallel builds).
 #include "tc/linear_launch.h"
 
 namespace adaattn {

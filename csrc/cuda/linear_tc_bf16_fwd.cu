@@ -1,4 +1,4 @@
-// Tensor-core linear attention, bf16 fwdward (one file per dtype and pass for parallel builds).
+// Tensor-core linear attention, bf16 forward (one file per dtype and pass for parallel builds).
 #include "tc/linear_launch.h"
 
 namespace adaattn {

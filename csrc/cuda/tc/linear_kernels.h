@@ -43,8 +43,14 @@ constexpr int kChunk = 64;
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr int kScanRows = 32;  // state rows of one scan CTA
-constexpr int kScanGroup = 4;  // chunks per step of the scan's walk
 constexpr int kScanGroups = 2; // groups in the scan's cp.async ring (one lands while one is used)
+
+// Chunks per step of the scan's walk: 4, but 2 at Dv = 128 so that the ring (84 KiB) lets two
+// CTAs share an SM, which a split walk (ScanSplit) needs to run all its segments at once.
+template <int DV>
+constexpr int scan_group() {
+  return DV == 128 ? 2 : 4;
+}
 
 // State columns of one scan CTA. Measured on the H100 (bf16, 64k tokens, H = 16): at Dv = 64,
 // 32-column CTAs (twice as many) made forward+backward 10% faster than CTAs over all 64
@@ -59,6 +65,13 @@ constexpr int scan_cols() {
 template <int DV>
 constexpr int scan_threads() {
   return kScanRows / 16 * (scan_cols<DV>() / 32) * 32;
+}
+
+// CTAs of the scan per SM that registers must allow (the ring's shared memory allows 2 at
+// Dv = 128, 3 at Dv = 64).
+template <int DV>
+constexpr int scan_ctas_per_sm() {
+  return DV == 128 ? 2 : 3;
 }
 
 template <typename T>
@@ -314,7 +327,7 @@ struct ScanSmem {
   static constexpr int kABytes = kChunk * kScanRows * static_cast<int>(sizeof(T));
   static constexpr int kBBytes = kChunk * scan_cols<DV>() * static_cast<int>(sizeof(T));
   static constexpr int kSlotBytes = kABytes + kBBytes + kChunk * 8;
-  static constexpr int kSlots = kScanGroup * kScanGroups;
+  static constexpr int kSlots = scan_group<DV>() * kScanGroups;
   static constexpr int kBytes = kSlots * kSlotBytes;
 };
 
@@ -343,27 +356,38 @@ __device__ __forceinline__ void chunk_column_sums(float (&zc)[4], const T* sA, i
   }
 }
 
+// A sequence's walk cut into segments of seg_chunks steps (walk order: reverse in the backward),
+// one CTA per segment (grid z), so that a short batch still fills the GPU: a first launch
+// (kSegTotals) sums every segment but the last on its own into seg_totals [segs - 1, N, H, D, E]
+// (fp32); the second starts segment s from init + the totals of segments 0..s-1 in that order.
+struct ScanSplit {
+  int64_t seg_chunks;  // walk steps per segment, a multiple of the scan group
+  float* seg_totals;   // null when the walk is not split
+};
+
 // Prefix states of one sequence: the running state S = init + sum over chunks (in order;
 // kBwd: in reverse) of A_c^T [B'_c | y_c] with
 //   forward:  A = phi(K), B' = V, y = 1, init = state_in;
 //   backward: A = phi(Q), B' = diag(r) dO, y = du_z (rs[vc, h, i] = (r_i, du_z_i) from
 //             bwd_dq_kernel, zero past a chunk's rows), init = dstate.
-// CTA (pair = n * H + h, tile): state rows [d0, d0 + kScanRows) x columns [v0, v0 + scan_cols)
-// in fp32 fragments for the whole walk (warp w: rows 16 (w % 2), columns 32 (w / 2) of the
-// tile); in the tiles of column 0, warps 0 and 1 also keep z of their rows. Causal: before chunk c is added, the state is written to slot c
-// (the virtual chunk); non-causal: the total is written to slot n. total (may be null): the
-// fp32 total [N, H, D, E].
-// The walk is sequential and latency-bound: it steps kScanGroup chunks at a time (their
+// CTA (pair = n * H + h, tile, segment): state rows [d0, d0 + kScanRows) x columns
+// [v0, v0 + scan_cols) in fp32 fragments for the whole walk (warp w: rows 16 (w % 2), columns
+// 32 (w / 2) of the tile); in the tiles of column 0, warps 0 and 1 also keep z of their rows.
+// Causal: before chunk c is added, the state is written to slot c (the virtual chunk);
+// non-causal: the total is written to slot n. total (may be null): the fp32 total [N, H, D, E].
+// kSegTotals: only the segment's own sum, to split.seg_totals.
+// The walk is sequential and latency-bound: it steps scan_group chunks at a time (their
 // products are independent MMA chains, then the prefixes are summed in registers), with one
 // group of tiles landing through cp.async while the other is used.
-template <typename T, int D, int DV, bool kBwd>
-__global__ void __launch_bounds__(scan_threads<DV>())
-    state_scan_kernel(const LinearParams p, int64_t cps, T* __restrict__ pv,
+template <typename T, int D, int DV, bool kBwd, bool kSegTotals>
+__global__ void __launch_bounds__(scan_threads<DV>(), scan_ctas_per_sm<DV>())
+    state_scan_kernel(const LinearParams p, int64_t cps, ScanSplit split, T* __restrict__ pv,
                       float* __restrict__ pz, const float* __restrict__ init,
                       float* __restrict__ total, const float2* __restrict__ rs) {
   using Smem = ScanSmem<DV, T>;
   constexpr int kThr = scan_threads<DV>();
   constexpr int kCols = scan_cols<DV>();
+  constexpr int kGroup = scan_group<DV>();
   constexpr int NT = 4;  // 32 columns per warp
   extern __shared__ __align__(16) unsigned char smem_raw[];
   auto slot_a = [&](int s) { return reinterpret_cast<T*>(smem_raw + s * Smem::kSlotBytes); };
@@ -387,8 +411,20 @@ __global__ void __launch_bounds__(scan_threads<DV>())
   int64_t start, len;
   seq_range(p, n, start, len);
   const int64_t chunks = (len + kChunk - 1) / kChunk;
+  // This CTA's segment: walk steps [j0, j1). The last segment (the only one of an unsplit
+  // walk) writes the total; the others only have prefixes to write, and none when non-causal.
+  const int seg = static_cast<int>(blockIdx.z);
+  const int64_t seg_chunks = split.seg_totals != nullptr ? split.seg_chunks : chunks;
+  const int64_t last_seg = chunks == 0 ? 0 : (chunks - 1) / seg_chunks;
+  if (seg > last_seg || (kSegTotals && seg == last_seg) ||
+      (!kSegTotals && !p.causal && seg != last_seg)) {
+    return;
+  }
+  const int64_t j0 = seg * seg_chunks;
+  const int64_t j1 = chunks < j0 + seg_chunks ? chunks : j0 + seg_chunks;
   const int64_t base = chunk_base(p, cps, n);
   const int e = p.state_cols;
+  const int64_t pairs = static_cast<int64_t>(gridDim.x);
   const LinearStrides& as = kBwd ? p.q_s : p.k_s;
   const LinearStrides& bs = kBwd ? p.do_s : p.v_s;
   // Chunk c's rows start at a_seq + c * a_step (its A columns d0...), b_seq + c * b_step.
@@ -406,18 +442,34 @@ __global__ void __launch_bounds__(scan_threads<DV>())
   for (int ni = 0; ni < NT; ++ni)
 #pragma unroll
     for (int k = 0; k < 4; ++k) acc[ni][k] = 0.f;
-  if (init != nullptr) {
-    const float* st = init + pair * D * e;
+  // The fp32 [D][E] state at st, this thread's elements.
+  auto element = [&](int ni, int k) {
+    return static_cast<int64_t>(row0 + g + 8 * (k >> 1)) * e + col0 + ni * 8 + 2 * t + (k & 1);
+  };
+  auto add_state = [&](const float* st) {
 #pragma unroll
     for (int ni = 0; ni < NT; ++ni)
 #pragma unroll
-      for (int k = 0; k < 4; ++k)
-        acc[ni][k] = st[static_cast<int64_t>(row0 + g + 8 * (k >> 1)) * e + col0 + ni * 8 +
-                        2 * t + (k & 1)];
+      for (int k = 0; k < 4; ++k) acc[ni][k] += st[element(ni, k)];
     if (keeps_z) {
 #pragma unroll
-      for (int hh = 0; hh < 2; ++hh) z[hh] = st[static_cast<int64_t>(row0 + g + 8 * hh) * e + DV];
+      for (int hh = 0; hh < 2; ++hh) z[hh] += st[static_cast<int64_t>(row0 + g + 8 * hh) * e + DV];
     }
+  };
+  auto store_state = [&](float* st) {
+#pragma unroll
+    for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+      for (int k = 0; k < 4; ++k) st[element(ni, k)] = acc[ni][k];
+    if (keeps_z && t == 0) {
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) st[static_cast<int64_t>(row0 + g + 8 * hh) * e + DV] = z[hh];
+    }
+  };
+  auto seg_total = [&](int s) { return split.seg_totals + (s * pairs + pair) * D * e; };
+  if (!kSegTotals) {
+    if (init != nullptr) add_state(init + pair * D * e);
+    for (int s = 0; s < seg; ++s) add_state(seg_total(s));
   }
   // Writes the running state to a slot (rounded S_v, fp32 z).
   auto write_slot = [&](int64_t slot) {
@@ -437,14 +489,15 @@ __global__ void __launch_bounds__(scan_threads<DV>())
   auto rows_of = [&](int64_t c) {
     return static_cast<int>(len - c * kChunk < kChunk ? len - c * kChunk : kChunk);
   };
-  // Group q's chunks into ring slots (q % kScanGroups) * kScanGroup + u.
+  // Group q's chunks (walk steps j0 + q * kGroup + u) into ring slots
+  // (q % kScanGroups) * kGroup + u.
   auto issue = [&](int64_t q) {
 #pragma unroll
-    for (int u = 0; u < kScanGroup; ++u) {
-      const int64_t j = q * kScanGroup + u;
-      if (j < chunks) {
+    for (int u = 0; u < kGroup; ++u) {
+      const int64_t j = j0 + q * kGroup + u;
+      if (j < j1) {
         const int64_t c = chunk_of(j);
-        const int s = static_cast<int>(q % kScanGroups) * kScanGroup + u;
+        const int s = static_cast<int>(q % kScanGroups) * kGroup + u;
         copy_a.issue(slot_a(s), a_seq + c * a_step, rows_of(c));
         copy_b.issue(slot_b(s), b_seq + c * b_step, rows_of(c));
         if (kBwd && tid < kChunk / 2) {
@@ -454,7 +507,7 @@ __global__ void __launch_bounds__(scan_threads<DV>())
     }
     cp_async_commit();  // empty groups keep the wait count uniform
   };
-  const int64_t groups = (chunks + kScanGroup - 1) / kScanGroup;
+  const int64_t groups = (j1 - j0 + kGroup - 1) / kGroup;
 #pragma unroll
   for (int q = 0; q < kScanGroups - 1; ++q) issue(q);
 #pragma unroll 1
@@ -462,11 +515,11 @@ __global__ void __launch_bounds__(scan_threads<DV>())
     cp_async_wait<kScanGroups - 2>();
     __syncthreads();  // group q landed for every thread; every thread is done with group q - 1
     issue(q + kScanGroups - 1);
-    const int s0 = static_cast<int>(q % kScanGroups) * kScanGroup;
+    const int s0 = static_cast<int>(q % kScanGroups) * kGroup;
 #pragma unroll
-    for (int u = 0; u < kScanGroup; ++u) {
-      const int64_t j = q * kScanGroup + u;
-      if (j >= chunks) break;
+    for (int u = 0; u < kGroup; ++u) {
+      const int64_t j = j0 + q * kGroup + u;
+      if (j >= j1) break;
       features_in_place<T, kScanRows, kThr>(slot_a(s0 + u), p.feature_map, rows_of(chunk_of(j)),
                                             tid);
       if (kBwd) {
@@ -482,17 +535,17 @@ __global__ void __launch_bounds__(scan_threads<DV>())
     }
     __syncthreads();
     // The group's products, independent of the running state and of each other.
-    float x[kScanGroup][NT][4];
-    float zc[kScanGroup][4];
+    float x[kGroup][NT][4];
+    float zc[kGroup][4];
 #pragma unroll
-    for (int u = 0; u < kScanGroup; ++u) {
+    for (int u = 0; u < kGroup; ++u) {
 #pragma unroll
       for (int ni = 0; ni < NT; ++ni)
 #pragma unroll
         for (int k = 0; k < 4; ++k) x[u][ni][k] = 0.f;
 #pragma unroll
       for (int k = 0; k < 4; ++k) zc[u][k] = 0.f;
-      if (q * kScanGroup + u < chunks) {
+      if (j0 + q * kGroup + u < j1) {
         warp_gemm_tn<NT, kChunk / 16, kScanRows, kCols>(x[u], slot_a(s0 + u), a_col0,
                                                         slot_b(s0 + u), b_col0, lane);
         if (keeps_z) {
@@ -501,10 +554,10 @@ __global__ void __launch_bounds__(scan_threads<DV>())
       }
     }
 #pragma unroll
-    for (int u = 0; u < kScanGroup; ++u) {
-      const int64_t j = q * kScanGroup + u;
-      if (j >= chunks) break;
-      if (p.causal) write_slot(base + chunk_of(j));
+    for (int u = 0; u < kGroup; ++u) {
+      const int64_t j = j0 + q * kGroup + u;
+      if (j >= j1) break;
+      if (!kSegTotals && p.causal) write_slot(base + chunk_of(j));
 #pragma unroll
       for (int ni = 0; ni < NT; ++ni)
 #pragma unroll
@@ -513,20 +566,13 @@ __global__ void __launch_bounds__(scan_threads<DV>())
       z[1] += zc[u][2] + zc[u][3];
     }
   }
-  if (!p.causal) write_slot(n);
-  if (total != nullptr) {
-    float* st = total + pair * D * e;
-#pragma unroll
-    for (int ni = 0; ni < NT; ++ni)
-#pragma unroll
-      for (int k = 0; k < 4; ++k)
-        st[static_cast<int64_t>(row0 + g + 8 * (k >> 1)) * e + col0 + ni * 8 + 2 * t + (k & 1)] =
-            acc[ni][k];
-    if (keeps_z && t == 0) {
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) st[static_cast<int64_t>(row0 + g + 8 * hh) * e + DV] = z[hh];
-    }
+  if (kSegTotals) {
+    store_state(seg_total(seg));
+    return;
   }
+  if (seg != last_seg) return;
+  if (!p.causal) write_slot(n);
+  if (total != nullptr) store_state(total + pair * D * e);
 }
 
 template <int D, int DV, typename T>

@@ -8,6 +8,7 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
 
+#include <algorithm>
 #include <limits>
 #include <type_traits>
 
@@ -60,19 +61,52 @@ struct PrefixStates {
   float* sz() const { return z.defined() ? z.data_ptr<float>() : nullptr; }
 };
 
+// Shortest segment of a split scan walk: shorter ones would spend more on the extra launch and
+// the re-read of their tiles than the walk saves.
+constexpr int64_t kMinSegChunks = 16;
+
+// The scan walks every (sequence, head) pair's chunks in order, one CTA per state tile. When
+// those CTAs fill less than the GPU, the walk is split into as many segments as the GPU holds
+// at once (ScanSplit): one launch sums the segments, a second walks them all in parallel.
 template <typename T, int D, int DV, bool kBwd>
 void launch_scan(const LinearParams& p, const Grid& g, const PrefixStates<T, D, DV>& out,
                  const void* init, void* total, const float2* rs) {
   const int64_t pairs = static_cast<int64_t>(p.num_seqs) * p.heads;
   if (pairs == 0) return;
-  const dim3 blocks(static_cast<unsigned>(grid_size(pairs)),
-                    D / kScanRows * (DV / scan_cols<DV>()));
+  constexpr int kTiles = D / kScanRows * (DV / scan_cols<DV>());
   constexpr int kSmem = ScanSmem<DV, T>::kBytes;
-  auto kernel = state_scan_kernel<T, D, DV, kBwd>;
-  set_smem(kernel, kSmem);
-  kernel<<<blocks, scan_threads<DV>(), kSmem, at::cuda::getCurrentCUDAStream()>>>(
-      p, g.cps, out.sv(), out.sz(), static_cast<const float*>(init), static_cast<float*>(total),
-      rs);
+  constexpr int kThr = scan_threads<DV>();
+  auto walk = state_scan_kernel<T, D, DV, kBwd, false>;
+  auto sums = state_scan_kernel<T, D, DV, kBwd, true>;
+  set_smem(walk, kSmem);
+  int per_sm = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, walk, kThr, kSmem));
+  const int64_t resident =
+      static_cast<int64_t>(per_sm) * at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  // The longest walk: a dense sequence's chunks, or (packed) every chunk in one sequence.
+  const int64_t longest = g.cps > 0 ? g.cps : g.chunks;
+  int64_t segs = std::min(resident / (pairs * kTiles), longest / kMinSegChunks);
+  ScanSplit split{0, nullptr};
+  at::Tensor seg_totals;  // freed on return; the caching allocator keeps it for this stream
+  if (segs > 1) {
+    constexpr int kGroup = scan_group<DV>();
+    split.seg_chunks = ((longest + segs - 1) / segs + kGroup - 1) / kGroup * kGroup;
+    segs = (longest + split.seg_chunks - 1) / split.seg_chunks;
+  }
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const dim3 blocks(static_cast<unsigned>(grid_size(pairs)), kTiles,
+                    static_cast<unsigned>(std::max<int64_t>(segs, 1)));
+  if (segs > 1) {
+    seg_totals = scratch((segs - 1) * pairs * D * p.state_cols, at::kFloat);
+    split.seg_totals = seg_totals.data_ptr<float>();
+    set_smem(sums, kSmem);
+    sums<<<dim3(blocks.x, blocks.y, blocks.z - 1), kThr, kSmem, stream>>>(
+        p, g.cps, split, out.sv(), out.sz(), nullptr, nullptr, rs);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  walk<<<blocks, kThr, kSmem, stream>>>(p, g.cps, split, out.sv(), out.sz(),
+                                        static_cast<const float*>(init),
+                                        static_cast<float*>(total), rs);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
