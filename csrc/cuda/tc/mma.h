@@ -237,6 +237,7 @@ __device__ __forceinline__ void store_rows(const float (&acc)[MI][NT][4], const 
   static_assert(8 * NT == D, "store_rows writes full rows");
   const int g = lane >> 2;
   const int t = lane & 3;
+  __syncwarp();  // other lanes of the warp may still be reading these rows (their fragments)
 #pragma unroll
   for (int mi = 0; mi < MI; ++mi) {
 #pragma unroll
