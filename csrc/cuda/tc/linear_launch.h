@@ -110,18 +110,24 @@ void launch_scan(const LinearParams& p, const Grid& g, const PrefixStates<T, D, 
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// A chunk kernel (CTA per (chunk, head), kThreads threads, kSmem bytes of dynamic shared
+// memory) called as kernel(p, cps, args...).
+template <int kSmem, typename Kernel, typename... Args>
+void launch_chunks(Kernel kernel, const LinearParams& p, const Grid& g, Args... args) {
+  set_smem(kernel, kSmem);
+  kernel<<<chunk_blocks(p, g), kThreads, kSmem, at::cuda::getCurrentCUDAStream()>>>(p, g.cps,
+                                                                                   args...);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 template <typename T, int D, int DV>
 void run_fwd(const LinearParams& p) {
   const Grid g = chunk_grid(p);
   const PrefixStates<T, D, DV> prefix(p, g);
   launch_scan<T, D, DV, false>(p, g, prefix, p.state_in, p.state_out, nullptr);
   if (g.chunks == 0) return;
-  constexpr int kSmem = OutSmem<D, DV, T>::kBytes;
-  auto kernel = fwd_out_kernel<T, D, DV>;
-  set_smem(kernel, kSmem);
-  kernel<<<chunk_blocks(p, g), kThreads, kSmem, at::cuda::getCurrentCUDAStream()>>>(
-      p, g.cps, prefix.sv(), prefix.sz());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_chunks<OutSmem<D, DV, T>::kBytes>(fwd_out_kernel<T, D, DV>, p, g, prefix.sv(),
+                                           prefix.sz());
 }
 
 template <typename T, int D, int DV>
@@ -133,21 +139,13 @@ void run_bwd(const LinearParams& p) {
   float2* rows = reinterpret_cast<float2*>(rs.data_ptr<float>());
   if (g.chunks > 0) {
     launch_scan<T, D, DV, false>(p, g, states, p.state_in, nullptr, nullptr);
-    constexpr int kSmem = DqSmem<D, DV, T>::kBytes;
-    auto kernel = bwd_dq_kernel<T, D, DV>;
-    set_smem(kernel, kSmem);
-    kernel<<<chunk_blocks(p, g), kThreads, kSmem, at::cuda::getCurrentCUDAStream()>>>(
-        p, g.cps, states.sv(), states.sz(), rows);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch_chunks<DqSmem<D, DV, T>::kBytes>(bwd_dq_kernel<T, D, DV>, p, g, states.sv(),
+                                            states.sz(), rows);
   }
   launch_scan<T, D, DV, true>(p, g, states, p.dstate, p.dstate_in, rows);
   if (g.chunks == 0) return;
-  constexpr int kSmem = DkdvSmem<D, DV, T>::kBytes;
-  auto kernel = bwd_dkdv_kernel<T, D, DV>;
-  set_smem(kernel, kSmem);
-  kernel<<<chunk_blocks(p, g), kThreads, kSmem, at::cuda::getCurrentCUDAStream()>>>(
-      p, g.cps, states.sv(), states.sz(), rows);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_chunks<DkdvSmem<D, DV, T>::kBytes>(bwd_dkdv_kernel<T, D, DV>, p, g, states.sv(),
+                                            states.sz(), rows);
 }
 
 // D, Dv in {64, 128} (linear_tc_supports in linear_api.h).
