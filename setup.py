@@ -3,7 +3,8 @@
 Knobs (environment variables):
   ADAATTN_CUDA=0|1        force the CPU-only build, or require the CUDA build (default: CUDA when
                           nvcc is found and torch was built with CUDA)
-  ADAATTN_CUDA_ARCHS      semicolon list of SM versions to compile for (default "80;90")
+  ADAATTN_CUDA_ARCHS      semicolon list of SM versions to compile for (default "80;90a"; "90a"
+                          adds the Hopper wgmma kernels, plain "90" builds only the SM80 ones)
   MAX_JOBS                parallel compile jobs (torch's ninja build)
 """
 import glob
@@ -28,10 +29,11 @@ def want_cuda():
 
 
 def gencode_flags():
-    archs = os.environ.get("ADAATTN_CUDA_ARCHS", "80;90").replace(",", ";").split(";")
-    flags = []
-    for arch in filter(None, (a.strip() for a in archs)):
-        flags.append(f"-gencode=arch=compute_{arch},code=sm_{arch}")
+    archs = os.environ.get("ADAATTN_CUDA_ARCHS", "80;90a").replace(",", ";").split(";")
+    archs = [a.strip() for a in archs if a.strip()]
+    flags = [f"-gencode=arch=compute_{arch},code=sm_{arch}" for arch in archs]
+    if "90a" in archs:
+        flags.append("-DADAATTN_SM90A")
     return flags
 
 

@@ -276,6 +276,17 @@ def test_low_precision_cuda_deterministic(case, dtype):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", LOW_PRECISION, ids=str)
+@pytest.mark.parametrize("case", _low_precision_cuda_grid()[1::4], ids=str)
+def test_low_precision_cuda_sm80_kernels(case, dtype, monkeypatch):
+    """On a Hopper GPU the forward runs the wgmma kernel; ADAATTN_DISABLE_SM90=1 selects the
+    mma.sync kernels that every other GPU runs, which must meet the same rule (a quarter of the
+    grid; elsewhere this repeats the grid's own path)."""
+    monkeypatch.setenv("ADAATTN_DISABLE_SM90", "1")
+    _check_low_precision(case, dtype, "cuda")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", LOW_PRECISION, ids=str)
 @pytest.mark.parametrize("d", [32, 80, 96, 256])
 def test_low_precision_cuda_other_head_dims(d, dtype):
     """Spec §1: tensor-core head dims beyond {64, 128} either work (and meet the rule) or are

@@ -7,10 +7,12 @@
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAException.h>
 
+#include <cstdlib>
 #include <limits>
 
 #include "flash_bwd_kernel.h"
 #include "flash_fwd_kernel.h"
+#include "flash_fwd_sm90.h"
 
 namespace adaattn {
 namespace tc {
@@ -57,8 +59,39 @@ void set_smem(Kernel kernel, int bytes) {
   }
 }
 
+// Whether the Hopper (wgmma) kernels run: the library carries sm_90a code (ADAATTN_SM90A, set by
+// the build when "90a" is among the architectures) and the current GPU is an sm_90 one.
+// ADAATTN_DISABLE_SM90=1 selects the SM80 kernels instead (A/B runs, testing both paths on one
+// GPU); it is read at every call so that a test can flip it.
+inline bool use_sm90() {
+#ifdef ADAATTN_SM90A
+  const char* disable = std::getenv("ADAATTN_DISABLE_SM90");
+  if (disable != nullptr && disable[0] == '1') return false;
+  const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
+  return prop->major == 9 && prop->minor == 0;
+#else
+  return false;
+#endif
+}
+
+template <typename T, int DK, int DV, typename Variant>
+void launch_fwd_sm90(const AttnParams& p) {
+  using Traits = Sm90FwdTraits<T, DK, DV>;
+  auto kernel = flash_fwd_sm90_kernel<Traits, T, DK, DV, Variant>;
+  set_smem(kernel, Traits::kSmemBytes);
+  const int grid = grid_size(tile_slots<false>(p, Traits::kBlockM) * p.heads_q);
+  kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, at::cuda::getCurrentCUDAStream()>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 template <typename T, int DK, int DV, typename Variant>
 void launch_fwd(const AttnParams& p) {
+  if constexpr (!Variant::kElastic && DK % 64 == 0) {
+    if (use_sm90()) {
+      launch_fwd_sm90<T, DK, DV, Variant>(p);
+      return;
+    }
+  }
   using C = FlashConfig<DV>;
   using Traits = FwdTraits<T, DK, DV, C::kFwdWarps, C::kFwdMI, C::kFwdBlockN>;
   auto kernel = flash_fwd_kernel<Traits, T, DK, DV, C::kFwdMI, C::kFwdBlockN, Variant>;

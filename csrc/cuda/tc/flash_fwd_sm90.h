@@ -1,0 +1,192 @@
+// Hopper forward of the flash family: the mainloop of flash_fwd_kernel.h with its two products
+// on warpgroup MMAs (wgmma.h) instead of per-warp mma.sync. A CTA is two warpgroups; each owns
+// 64 query rows and keeps O and the softmax state in registers. K and V tiles of 128 keys are
+// double-buffered in shared memory with cp.async: the next K tile loads during this tile's
+// softmax and P V, the next V tile during P V and the next Q K^T. Masks (dense ranges and
+// block-sparse lists, tiles.h) and the softmax code are the SM80 kernel's, since a warp's rows
+// of a wgmma accumulator are laid out as its mma.sync fragments.
+#pragma once
+
+#include <cmath>
+
+#include "flash_fwd_kernel.h"
+#include "wgmma.h"
+
+namespace adaattn {
+namespace tc {
+
+template <typename T, int DK, int DV>
+struct Sm90FwdTraits {
+  static constexpr int kWarpgroups = 2;
+  static constexpr int kThreads = kWarpgroups * 128;
+  static constexpr int kBlockM = kWarpgroups * 64;
+  static constexpr int kBlockN = 128;
+  static constexpr int kStages = 2;
+  static constexpr int kQElems = kBlockM * DK;
+  static constexpr int kKElems = kBlockN * DK;
+  static constexpr int kVElems = kBlockN * DV;
+  // Q, two K and two V stages; 1024 bytes of slack to align the swizzled tiles.
+  static constexpr int kSmemBytes =
+      (kQElems + kStages * (kKElems + kVElems)) * static_cast<int>(sizeof(T)) + 1024;
+  static_assert(DK % 64 == 0 && (DV == 64 || DV == 128), "wgmma tiles: DK % 64 == 0, DV 64/128");
+  static_assert(kBlockM * DV <= kQElems + kStages * kKElems, "output staging fits over Q and K");
+};
+
+template <typename Traits, typename T, int DK, int DV, typename Variant>
+__global__ void __launch_bounds__(Traits::kThreads, 1) flash_fwd_sm90_kernel(const AttnParams p) {
+#ifdef ADAATTN_SM90A_DEVICE
+  static_assert(!Variant::kElastic, "the Hopper forward runs the softmax variant");
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int BN = Traits::kBlockN;
+  constexpr int kThreads = Traits::kThreads;
+  constexpr int NT = BN / 8;  // score n-tiles per warp
+  constexpr int DT = DV / 8;  // output n-tiles per warp
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  // The 128-byte swizzle is a function of address bits 4-9: tiles start 1024-byte aligned.
+  T* const sQ = reinterpret_cast<T*>(smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023));
+  T* const sK = sQ + Traits::kQElems;                  // [kStages][BN][DK]
+  T* const sV = sK + Traits::kStages * Traits::kKElems;  // [kStages][BN][DV]
+
+  const int tid = threadIdx.x;
+  const int warp = tid / 32;
+  const int lane = tid % 32;
+  const int wg = warp / 4;
+  const WorkItem tile = tile_item<false, true>(p, blockIdx.x, kBlockM);
+  if (!tile.valid) return;
+  const int b = tile.b;
+  const int h = tile.h;
+  const int h_kv = h / (p.heads_q / p.heads_kv);
+  const int m0 = tile.index * kBlockM;
+
+  const SeqLens lens = seq_lens(p, b);
+  const KeyRange tile_keys = tile_key_range(p, lens, m0, m0 + kBlockM);
+
+  const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride +
+               (lens.q_start + m0) * p.q_row_stride;
+  const T* k = static_cast<const T*>(p.k) + b * p.k_batch_stride + h_kv * p.k_head_stride +
+               lens.k_start * p.k_row_stride;
+  const T* v = static_cast<const T*>(p.v) + b * p.v_batch_stride + h_kv * p.v_head_stride +
+               lens.k_start * p.v_row_stride;
+  T* out = static_cast<T*>(p.out) + b * p.o_batch_stride + h * p.o_head_stride +
+           (lens.q_start + m0) * p.o_row_stride;
+  float* lse = p.lse + row_stat_offset(p, lens, b, h);
+
+  const int warp_row0 = warp * 16;  // = 64 * wg + 16 * (warp % 4)
+  const int g = lane >> 2;
+  RowRanges<1> rr;
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const KeyRange r = key_range(p, lens, m0 + warp_row0 + g + 8 * hh);
+    rr.lo[0][hh] = r.lo;
+    rr.hi[0][hh] = r.hi;
+  }
+
+  float o[1][DT][4];
+  zero(o);
+  float row_max[1][2] = {{-INFINITY, -INFINITY}};
+  float row_sum[1][2] = {{0.f, 0.f}};
+  const int valid_q = lens.rows_q - m0;
+
+  auto mainloop = [&](const auto& tiles) {
+    if (tiles.count == 0) return;
+    auto load_k = [&](int stage, int tile) {
+      sm90::load_tile_gmma<BN, DK, kThreads>(
+          sK + stage * Traits::kKElems, k + static_cast<int64_t>(tile) * BN * p.k_row_stride,
+          p.k_row_stride, lens.rows_k - tile * BN, tid);
+    };
+    auto load_v = [&](int stage, int tile) {
+      sm90::load_tile_gmma<BN, DV, kThreads>(
+          sV + stage * Traits::kVElems, v + static_cast<int64_t>(tile) * BN * p.v_row_stride,
+          p.v_row_stride, lens.rows_k - tile * BN, tid);
+    };
+    // Commit groups, in order: {Q, K0}, {V0}, then {K i+1} and {V i+1} in iteration i (empty
+    // after the last tile), so "all but the newest group" is always the one needed next.
+    sm90::load_tile_gmma<kBlockM, DK, kThreads>(sQ, q, p.q_row_stride, valid_q, tid);
+    load_k(0, tiles.at(0));
+    cp_async_commit();
+    load_v(0, tiles.at(0));
+    cp_async_commit();
+
+    for (int i = 0; i < tiles.count; ++i) {
+      const int stage = i % 2;
+      const int n0 = tiles.at(i) * BN;
+      cp_async_wait<1>();
+      sm90::fence_proxy_async();
+      __syncthreads();  // K i visible; every warpgroup is done with stage 1 - stage
+      if (i + 1 < tiles.count) load_k(1 - stage, tiles.at(i + 1));
+      cp_async_commit();
+
+      // S = Q K^T: DK / 16 steps of k = 16; 64-column blocks of the swizzled tiles.
+      float s[1][NT][4];
+      sm90::wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < DK / 16; ++kk) {
+        const int blk = kk / 4, col = (kk % 4) * 16;
+        const T* a = sQ + blk * (kBlockM * 64) + wg * 64 * 64 + col;
+        const T* bk = sK + stage * Traits::kKElems + blk * (BN * 64) + col;
+        sm90::wgmma_ss_n128<T>(s[0], sm90::gmma_desc(a, 0, 1024), sm90::gmma_desc(bk, 0, 1024),
+                               kk > 0);
+      }
+      sm90::wgmma_commit();
+      sm90::wgmma_wait<0>(s[0]);
+
+#pragma unroll
+      for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[0][ni][e] *= p.scale_log2;
+      if (!tile_is_full(p, lens, m0 + warp_row0, m0 + warp_row0 + 16, n0, n0 + BN)) {
+        mask_scores(s, rr, n0, lane);
+      }
+      float corr[1][2];
+      online_softmax(s, row_max, row_sum, corr);
+#pragma unroll
+      for (int di = 0; di < DT; ++di)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[0][di][e] *= corr[0][e >> 1];
+      uint32_t pa[1][NT / 2][4];
+      to_a_frags<1, NT, T>(s, pa);
+
+      cp_async_wait<1>();
+      sm90::fence_proxy_async();
+      __syncthreads();  // V i visible
+      if (i + 1 < tiles.count) load_v(1 - stage, tiles.at(i + 1));
+      cp_async_commit();
+
+      // O += P V: BN / 16 steps of 16 keys; V is read transposed (MN-major), its 64-column
+      // blocks BN * 128 bytes apart.
+      sm90::wgmma_fence();
+#pragma unroll
+      for (int kt = 0; kt < BN / 16; ++kt) {
+        const T* bv = sV + stage * Traits::kVElems + kt * 16 * 64;
+        sm90::wgmma_rs<T, DT>(o[0], pa[0][kt], sm90::gmma_desc(bv, BN * 128, 1024));
+      }
+      sm90::wgmma_commit();
+      sm90::wgmma_wait<0>(o[0]);
+    }
+  };
+  if (p.block_kv_num == nullptr) {
+    mainloop(dense_key_tiles<BN>(tile_keys));
+  } else {
+    mainloop(key_tiles<BN>(p, tile_keys, b, h, m0));
+  }
+
+  float inv[1][2];
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    float l = row_sum[0][hh];
+    l += __shfl_xor_sync(0xffffffff, l, 1);
+    l += __shfl_xor_sync(0xffffffff, l, 2);
+    inv[0][hh] = l > 0.f ? 1.f / l : 0.f;
+    const int row = m0 + warp_row0 + g + 8 * hh;
+    if ((lane & 3) == 0 && row < lens.rows_q) {
+      lse[row] = l > 0.f ? (row_max[0][hh] + log2f(l)) * float(M_LN2) : -INFINITY;
+    }
+  }
+  // Output rows are staged over sQ/sK, which nobody reads after this barrier.
+  __syncthreads();
+  store_rows<1, DT, DV>(o, inv, sQ, warp_row0, out, p.o_row_stride, valid_q, lane);
+#endif
+}
+
+}  // namespace tc
+}  // namespace adaattn

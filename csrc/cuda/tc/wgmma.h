@@ -1,0 +1,182 @@
+// Hopper (sm_90a) warpgroup MMA building blocks for the tensor-core attention kernels:
+// 128-byte-swizzled shared-memory tiles, their matrix descriptors, and wgmma.mma_async for the
+// two products of an attention mainloop, S = Q K^T (both operands in shared memory) and
+// O += P V (P in registers, V in shared memory, read transposed). A warpgroup is 4 consecutive
+// warps; warp w of a warpgroup holds accumulator rows 16w .. 16w + 15 in exactly the layout of
+// mma.sync m16n8 fragments (mma.h), so the softmax and mask code of the SM80 kernels applies.
+// Everything here compiles only for sm_90a (ADAATTN_SM90A_DEVICE); other targets get no body.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "mma.h"
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define ADAATTN_SM90A_DEVICE 1
+#endif
+
+namespace adaattn {
+namespace tc {
+namespace sm90 {
+
+// Element offset of (row, col) in a [ROWS][W] tile stored as W / 64 column blocks of
+// [ROWS][64], each row of a block one 128-byte line whose 16-byte chunks are XORed with
+// row % 8 (the hardware's 128-byte swizzle; blocks must be 1024-byte aligned).
+template <int ROWS>
+__device__ __forceinline__ int gmma_off(int row, int col) {
+  return (col >> 6) * (ROWS * 64) + row * 64 + ((((col >> 3) & 7) ^ (row & 7)) << 3) + (col & 7);
+}
+
+// Copies a [ROWS][D] tile whose row r lives at src + r * row_stride into a gmma_off tile.
+// Rows >= valid_rows are zero-filled (their source address falls back to row 0).
+template <int ROWS, int D, int THREADS, typename T>
+__device__ __forceinline__ void load_tile_gmma(T* dst, const T* src, int64_t row_stride,
+                                               int valid_rows, int tid) {
+  constexpr int kChunksPerRow = D / 8;
+  constexpr int kChunks = ROWS * kChunksPerRow;
+  static_assert(kChunks % THREADS == 0, "tile chunks must divide evenly among threads");
+#pragma unroll
+  for (int i = 0; i < kChunks / THREADS; ++i) {
+    const int c = tid + i * THREADS;
+    const int r = c / kChunksPerRow;
+    const int col = (c % kChunksPerRow) * 8;
+    const bool valid = r < valid_rows;
+    cp_async16(dst + gmma_off<ROWS>(r, col), src + (valid ? r * row_stride : 0) + col, valid);
+  }
+}
+
+// Matrix descriptor of a 128-byte-swizzled operand at p (PTX ISA "matrix descriptor"):
+// start address, leading and stride byte offsets in 16-byte units, swizzle mode 1 (128 B).
+// K-major operands (rows of 64 reduction elements): the leading offset is unused and the
+// stride offset is 1024 B between 8-row groups. MN-major operands (V: rows of 64 output
+// columns, one row per reduction step): leading offset = distance between 64-column blocks,
+// stride offset = 1024 B between groups of 8 reduction rows.
+__device__ __forceinline__ uint64_t gmma_desc(const void* p, uint32_t leading_bytes,
+                                              uint32_t stride_bytes) {
+  const uint32_t addr = smem_addr(p);
+  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) |
+         static_cast<uint64_t>((leading_bytes >> 4) & 0x3FFF) << 16 |
+         static_cast<uint64_t>((stride_bytes >> 4) & 0x3FFF) << 32 | uint64_t{1} << 62;
+}
+
+// Orders this thread's generic-proxy shared-memory writes (cp.async, st.shared) before later
+// async-proxy reads (wgmma) once a barrier has passed.
+__device__ __forceinline__ void fence_proxy_async() {
+#ifdef ADAATTN_SM90A_DEVICE
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+// Makes register writes visible to the next wgmma (accumulators, register A operands).
+__device__ __forceinline__ void wgmma_fence() {
+#ifdef ADAATTN_SM90A_DEVICE
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wgmma_commit() {
+#ifdef ADAATTN_SM90A_DEVICE
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#endif
+}
+// Waits until at most N committed wgmma groups of this warpgroup are in flight. The
+// accumulators are listed so that no use of them is scheduled before the wait.
+template <int N, int NT>
+__device__ __forceinline__ void wgmma_wait(float (&d)[NT][4]) {
+#ifdef ADAATTN_SM90A_DEVICE
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+#pragma unroll
+  for (int j = 0; j < NT; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[j][e])::"memory");
+#endif
+}
+
+// Operand lists of the m64nNk16 accumulators: N / 2 fp32 registers per thread, written out
+// because inline asm takes no arrays.
+#define ADAATTN_WGMMA_D32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define ADAATTN_WGMMA_D64 \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+#define ADAATTN_WGMMA_ACC8 \
+  "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), \
+  "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), \
+  "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), \
+  "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), \
+  "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), \
+  "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), \
+  "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), \
+  "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+#define ADAATTN_WGMMA_ACC16 \
+  ADAATTN_WGMMA_ACC8, \
+  "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), \
+  "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), \
+  "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), \
+  "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), \
+  "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), \
+  "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), \
+  "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), \
+  "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
+
+// d[16][4] (+)= A B^T over k = 16: A = 64 rows of 16 reduction elements and B = 128 rows of 16
+// reduction elements, both K-major in shared memory. scale_d = 0 overwrites d.
+template <typename T>
+__device__ __forceinline__ void wgmma_ss_n128(float (&d)[16][4], uint64_t desc_a, uint64_t desc_b,
+                                              int scale_d) {
+#ifdef ADAATTN_SM90A_DEVICE
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " ADAATTN_WGMMA_D64
+                 ", %64, %65, p, 1, 1, 0, 0;\n}\n"
+                 : ADAATTN_WGMMA_ACC16
+                 : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+  } else {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 " ADAATTN_WGMMA_D64
+                 ", %64, %65, p, 1, 1, 0, 0;\n}\n"
+                 : ADAATTN_WGMMA_ACC16
+                 : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+  }
+#endif
+}
+
+// d[N/8][4] += A B over k = 16: A in registers (an mma.sync A fragment per warp, e.g. P from
+// to_a_frags) and B = 16 reduction rows of N columns, MN-major in shared memory (transposed).
+template <typename T, int NT>
+__device__ __forceinline__ void wgmma_rs(float (&d)[NT][4], const uint32_t (&a)[4],
+                                         uint64_t desc_b) {
+  static_assert(NT == 8 || NT == 16, "wgmma_rs covers N = 64 and N = 128");
+#ifdef ADAATTN_SM90A_DEVICE
+  constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
+  if constexpr (NT == 16 && kBf16) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " ADAATTN_WGMMA_D64
+                 ", {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+                 : ADAATTN_WGMMA_ACC16
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+  } else if constexpr (NT == 16) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 " ADAATTN_WGMMA_D64
+                 ", {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+                 : ADAATTN_WGMMA_ACC16
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+  } else if constexpr (kBf16) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " ADAATTN_WGMMA_D32
+                 ", {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+                 : ADAATTN_WGMMA_ACC8
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+  } else {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " ADAATTN_WGMMA_D32
+                 ", {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+                 : ADAATTN_WGMMA_ACC8
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+  }
+#endif
+}
+
+}  // namespace sm90
+}  // namespace tc
+}  // namespace adaattn
