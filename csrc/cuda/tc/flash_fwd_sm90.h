@@ -124,7 +124,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_fwd_sm90_kernel(con
         const int blk = kk / 4, col = (kk % 4) * 16;
         const T* a = sQ + blk * (kBlockM * 64) + wg * 64 * 64 + col;
         const T* bk = sK + stage * Traits::kKElems + blk * (BN * 64) + col;
-        sm90::wgmma_ss_n128<T>(s[0], sm90::gmma_desc(a, 0, 1024), sm90::gmma_desc(bk, 0, 1024),
+        sm90::wgmma_ss<T, NT>(s[0], sm90::gmma_desc(a, 0, 1024), sm90::gmma_desc(bk, 0, 1024),
                                kk > 0);
       }
       sm90::wgmma_commit();

@@ -12,6 +12,7 @@
 
 #include "flash_bwd_kernel.h"
 #include "flash_fwd_kernel.h"
+#include "flash_bwd_sm90.h"
 #include "flash_fwd_sm90.h"
 
 namespace adaattn {
@@ -124,8 +125,20 @@ void run_flash_fwd(const AttnParams& p) {
   launch_fwd<T, DK, DV, SoftmaxVariant>(p);
 }
 
-// Delta, then dK/dV/dQ: with atomic dQ where the config measured it faster (fewer products, a
-// float32 accumulator of 2x dq's size) unless p.deterministic; two passes otherwise.
+// The Hopper dK/dV + atomic dQ launch (flash_bwd_sm90.h); p.dq_accum must be zeroed.
+template <typename T, int D>
+void launch_bwd_sm90(const AttnParams& p) {
+  using Traits = Sm90BwdTraits<T, D>;
+  auto kernel = flash_bwd_sm90_kernel<Traits, T, D>;
+  set_smem(kernel, Traits::kSmemBytes);
+  const int grid = grid_size(tile_slots<true>(p, Traits::kBlockN) * p.heads_kv);
+  kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, at::cuda::getCurrentCUDAStream()>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// Delta, then dK/dV/dQ. Unless p.deterministic: on Hopper at D = Dv = 128 the wgmma kernel with
+// atomic dQ; elsewhere atomic dQ where the config measured it faster (fewer products, a float32
+// accumulator of 2x dq's size). Otherwise the two-pass kernels.
 template <typename T, int DK, int DV>
 void run_flash_bwd(const AttnParams& p_in) {
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
@@ -133,19 +146,23 @@ void run_flash_bwd(const AttnParams& p_in) {
   const int row_grid = grid_size((row_items<false>(p_in) + kRowsPerBlock - 1) / kRowsPerBlock);
   flash_bwd_delta_kernel<T, DV><<<row_grid, kRowsPerBlock * 32, 0, stream>>>(p_in);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  if constexpr (FlashConfig<DV>::kAtomicDQ) {
-    if (!p_in.deterministic) {
-      AttnParams p = p_in;
-      // Freed on return; the caching allocator keeps it for this stream.
-      const at::Tensor accum = at::zeros({row_items<false>(p) * DK},
-                                         at::TensorOptions().dtype(at::kFloat).device(
-                                             at::kCUDA, c10::cuda::current_device()));
-      p.dq_accum = accum.data_ptr<float>();
+  constexpr bool kSm90Dims = DK == 128 && DV == 128;
+  const bool sm90 = kSm90Dims && !p_in.deterministic && use_sm90();
+  if (sm90 || (FlashConfig<DV>::kAtomicDQ && !p_in.deterministic)) {
+    AttnParams p = p_in;
+    // Freed on return; the caching allocator keeps it for this stream.
+    const at::Tensor accum = at::zeros({row_items<false>(p) * DK},
+                                       at::TensorOptions().dtype(at::kFloat).device(
+                                           at::kCUDA, c10::cuda::current_device()));
+    p.dq_accum = accum.data_ptr<float>();
+    if constexpr (kSm90Dims) {
+      launch_bwd_sm90<T, DK>(p);
+    } else if constexpr (FlashConfig<DV>::kAtomicDQ) {
       launch_bwd_main<T, DK, DV, SoftmaxVariant, true>(p);
-      flash_bwd_dq_convert_kernel<T, DK><<<row_grid, kRowsPerBlock * 32, 0, stream>>>(p);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-      return;
     }
+    flash_bwd_dq_convert_kernel<T, DK><<<row_grid, kRowsPerBlock * 32, 0, stream>>>(p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return;
   }
   launch_bwd_main<T, DK, DV, SoftmaxVariant, false>(p_in);
 }

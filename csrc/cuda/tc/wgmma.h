@@ -81,16 +81,22 @@ __device__ __forceinline__ void wgmma_commit() {
   asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
 #endif
 }
-// Waits until at most N committed wgmma groups of this warpgroup are in flight. The
-// accumulators are listed so that no use of them is scheduled before the wait.
-template <int N, int NT>
-__device__ __forceinline__ void wgmma_wait(float (&d)[NT][4]) {
-#ifdef ADAATTN_SM90A_DEVICE
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+// Pins accumulator registers at this point of the program: no access to them moves across
+// (around wgmma issue and wait, which the compiler does not see as their writers).
+template <int NT>
+__device__ __forceinline__ void fence_operand(float (&d)[NT][4]) {
 #pragma unroll
   for (int j = 0; j < NT; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[j][e])::"memory");
+}
+// Waits until at most N committed wgmma groups of this warpgroup are in flight; d is the
+// accumulator whose product the caller reads next.
+template <int N, int NT>
+__device__ __forceinline__ void wgmma_wait(float (&d)[NT][4]) {
+#ifdef ADAATTN_SM90A_DEVICE
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+  fence_operand(d);
 #endif
 }
 
@@ -119,24 +125,40 @@ __device__ __forceinline__ void wgmma_wait(float (&d)[NT][4]) {
   "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), \
   "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
 
-// d[16][4] (+)= A B^T over k = 16: A = 64 rows of 16 reduction elements and B = 128 rows of 16
-// reduction elements, both K-major in shared memory. scale_d = 0 overwrites d.
-template <typename T>
-__device__ __forceinline__ void wgmma_ss_n128(float (&d)[16][4], uint64_t desc_a, uint64_t desc_b,
-                                              int scale_d) {
+// d[N/8][4] (+)= A B over k = 16, both operands in shared memory: A = 64 rows (M) x 16
+// reduction elements, B = N x 16. kTransA / kTransB = 0: the operand is K-major (rows of
+// reduction elements, as Q and K for S = Q K^T); 1: MN-major (rows of M / N elements, one row
+// per reduction step). scale_d = 0 overwrites d.
+template <typename T, int NT, int kTransA = 0, int kTransB = 0>
+__device__ __forceinline__ void wgmma_ss(float (&d)[NT][4], uint64_t desc_a, uint64_t desc_b,
+                                         int scale_d) {
+  static_assert(NT == 8 || NT == 16, "wgmma_ss covers N = 64 and N = 128");
 #ifdef ADAATTN_SM90A_DEVICE
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+  constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
+  if constexpr (NT == 16 && kBf16) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " ADAATTN_WGMMA_D64
-                 ", %64, %65, p, 1, 1, 0, 0;\n}\n"
+                 ", %64, %65, p, 1, 1, %67, %68;\n}\n"
                  : ADAATTN_WGMMA_ACC16
-                 : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-  } else {
+                 : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransA), "n"(kTransB));
+  } else if constexpr (NT == 16) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 " ADAATTN_WGMMA_D64
-                 ", %64, %65, p, 1, 1, 0, 0;\n}\n"
+                 ", %64, %65, p, 1, 1, %67, %68;\n}\n"
                  : ADAATTN_WGMMA_ACC16
-                 : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+                 : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransA), "n"(kTransB));
+  } else if constexpr (kBf16) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " ADAATTN_WGMMA_D32
+                 ", %32, %33, p, 1, 1, %35, %36;\n}\n"
+                 : ADAATTN_WGMMA_ACC8
+                 : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransA), "n"(kTransB));
+  } else {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " ADAATTN_WGMMA_D32
+                 ", %32, %33, p, 1, 1, %35, %36;\n}\n"
+                 : ADAATTN_WGMMA_ACC8
+                 : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransA), "n"(kTransB));
   }
 #endif
 }

@@ -1,0 +1,257 @@
+// Hopper backward of the flash family (softmax variant, D = Dv = 128, dQ by atomics): the dK/dV
+// pass of flash_bwd_kernel.h on warpgroup MMAs. A CTA owns 128 keys of one (batch, kv head),
+// 64 per warpgroup, and walks the query tiles (64 rows, every query head of its GQA group) that
+// meet them, with Q and dO double-buffered through cp.async. Per step and warpgroup:
+//   S^T = K Q^T, dP^T = V dO^T        (both operands in shared memory)
+//   P^T, dS^T = P^T (dP^T - Delta)    (registers: the accumulator rows are keys)
+//   dV += P^T dO, dK += dS^T Q        (P^T, dS^T as register A operands; dO, Q read transposed)
+//   dQ[:, 64w : 64w + 64] += dS K     (dS^T staged in shared memory by both warpgroups; warpgroup
+//                                      w adds its 64 columns of the product over all 128 keys
+//                                      to the fp32 accumulator with atomics)
+// Five products per tile pair, as FlashAttention-2/3. dK/dV stay in registers; the dQ
+// accumulator is scaled and converted by flash_bwd_dq_convert_kernel.
+#pragma once
+
+#include <cmath>
+
+#include "flash_bwd_kernel.h"
+#include "wgmma.h"
+
+namespace adaattn {
+namespace tc {
+
+template <typename T, int D>
+struct Sm90BwdTraits {
+  static constexpr int kThreads = 256;
+  static constexpr int kBlockN = 128;  // keys per CTA
+  static constexpr int kBlockM = 64;   // queries per step
+  static constexpr int kKElems = kBlockN * D;
+  static constexpr int kQElems = kBlockM * D;
+  static constexpr int kDsElems = kBlockN * kBlockM;
+  // K, V, two stages of Q and dO, dS^T, then lse2 and delta of both stages (fp32); 1024 bytes
+  // of slack to align the swizzled tiles.
+  static constexpr int kSmemBytes =
+      (2 * kKElems + 4 * kQElems + kDsElems) * static_cast<int>(sizeof(T)) +
+      4 * kBlockM * static_cast<int>(sizeof(float)) + 1024;
+  static_assert(D == 128, "the Hopper backward is written for D = Dv = 128");
+};
+
+template <typename Traits, typename T, int D>
+__global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90_kernel(const AttnParams p) {
+#ifdef ADAATTN_SM90A_DEVICE
+  constexpr int kBlockN = Traits::kBlockN;
+  constexpr int BM = Traits::kBlockM;
+  constexpr int kThreads = Traits::kThreads;
+  constexpr int NT = BM / 8;  // query n-tiles of S^T per warp
+  constexpr int DT = D / 8;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* const sK = reinterpret_cast<T*>(smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023));
+  T* const sV = sK + Traits::kKElems;
+  T* const sQ0 = sV + Traits::kKElems;         // [2][BM][D]
+  T* const sdO0 = sQ0 + 2 * Traits::kQElems;   // [2][BM][D]
+  T* const sdS = sdO0 + 2 * Traits::kQElems;   // [kBlockN keys][BM queries]
+  float* const sLse0 = reinterpret_cast<float*>(sdS + Traits::kDsElems);
+  float* const sDelta0 = sLse0 + 2 * BM;
+  auto sQ = [&](int buf) { return sQ0 + buf * Traits::kQElems; };
+  auto sdO = [&](int buf) { return sdO0 + buf * Traits::kQElems; };
+
+  const int tid = threadIdx.x;
+  const int warp = tid / 32;
+  const int lane = tid % 32;
+  const int wg = warp / 4;
+  const int g = lane >> 2;
+  const int t = lane & 3;
+  const WorkItem tile = tile_item<true, false>(p, blockIdx.x, kBlockN);
+  if (!tile.valid) return;
+  const int b = tile.b;
+  const int h_kv = tile.h;
+  const int n0 = tile.index * kBlockN;
+  const int warp_row0 = warp * 16;  // this warp's first key row of the CTA's tile
+
+  const SeqLens lens = seq_lens(p, b);
+  const RowSpan rows = rows_meeting_keys(p, lens, n0, n0 + kBlockN);
+  const T* kptr = static_cast<const T*>(p.k) + b * p.k_batch_stride + h_kv * p.k_head_stride +
+                  (lens.k_start + n0) * p.k_row_stride;
+  const T* vptr = static_cast<const T*>(p.v) + b * p.v_batch_stride + h_kv * p.v_head_stride +
+                  (lens.k_start + n0) * p.v_row_stride;
+  const int valid_k = lens.rows_k - n0;
+
+  float dk[1][DT][4];
+  float dv[1][DT][4];
+  zero(dk);
+  zero(dv);
+
+  auto mainloop = [&](const auto& query) {
+    const int steps = query.count;
+    if (steps == 0) return;
+    auto issue_step = [&](int s, int buf) {
+      int h, m0;
+      query.at(p, s, h, m0);
+      const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride +
+                   (lens.q_start + m0) * p.q_row_stride;
+      const T* d = static_cast<const T*>(p.dout) + b * p.do_batch_stride +
+                   h * p.do_head_stride + (lens.q_start + m0) * p.do_row_stride;
+      sm90::load_tile_gmma<BM, D, kThreads>(sQ(buf), q, p.q_row_stride, lens.rows_q - m0, tid);
+      sm90::load_tile_gmma<BM, D, kThreads>(sdO(buf), d, p.do_row_stride, lens.rows_q - m0, tid);
+      const int64_t lse_off = row_stat_offset(p, lens, b, h);
+      for (int i = tid; i < BM; i += kThreads) {
+        sLse0[buf * BM + i] = lse_log2(p.lse + lse_off, m0 + i, lens.rows_q);
+        sDelta0[buf * BM + i] = m0 + i < lens.rows_q ? p.delta[lse_off + m0 + i] : 0.f;
+      }
+    };
+
+    sm90::load_tile_gmma<kBlockN, D, kThreads>(sK, kptr, p.k_row_stride, valid_k, tid);
+    sm90::load_tile_gmma<kBlockN, D, kThreads>(sV, vptr, p.v_row_stride, valid_k, tid);
+    issue_step(0, 0);
+    cp_async_commit();
+
+    for (int s = 0; s < steps; ++s) {
+      const int buf = s & 1;
+      int h, m0;
+      query.at(p, s, h, m0);
+      cp_async_wait_all();
+      sm90::fence_proxy_async();
+      // Step s's tiles are visible; every warpgroup is done with buffer buf ^ 1 and with sdS.
+      __syncthreads();
+      if (s + 1 < steps) {
+        issue_step(s + 1, buf ^ 1);
+        cp_async_commit();
+      }
+      const float* lse2 = sLse0 + buf * BM;
+      const float* delta = sDelta0 + buf * BM;
+
+      // S^T = K Q^T and dP^T = V dO^T for this warpgroup's 64 keys.
+      float st[1][NT][4];
+      float dpt[1][NT][4];
+      sm90::wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        const int blk = kk / 4, col = (kk % 4) * 16;
+        const T* a = sK + blk * (kBlockN * 64) + wg * 64 * 64 + col;
+        const T* bq = sQ(buf) + blk * (BM * 64) + col;
+        sm90::wgmma_ss<T, NT>(st[0], sm90::gmma_desc(a, 0, 1024), sm90::gmma_desc(bq, 0, 1024),
+                              kk > 0);
+      }
+      sm90::wgmma_commit();
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        const int blk = kk / 4, col = (kk % 4) * 16;
+        const T* a = sV + blk * (kBlockN * 64) + wg * 64 * 64 + col;
+        const T* bd = sdO(buf) + blk * (BM * 64) + col;
+        sm90::wgmma_ss<T, NT>(dpt[0], sm90::gmma_desc(a, 0, 1024), sm90::gmma_desc(bd, 0, 1024),
+                              kk > 0);
+      }
+      sm90::wgmma_commit();
+      sm90::wgmma_wait<1>(st[0]);
+
+      // P^T[key, query] = exp2(s * scale_log2 - lse2[query]), 0 outside the mask.
+      const bool full =
+          tile_is_full(p, lens, m0, m0 + BM, n0 + warp_row0, n0 + warp_row0 + 16);
+#pragma unroll
+      for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int qcol = ni * 8 + 2 * t + (e & 1);
+          float pe = exp2f(st[0][ni][e] * p.scale_log2 - lse2[qcol]);
+          if (!full) {
+            const int key = n0 + warp_row0 + g + 8 * (e >> 1);
+            const KeyRange r = key_range(p, lens, m0 + qcol);
+            if (key < r.lo || key >= r.hi) pe = 0.f;
+          }
+          st[0][ni][e] = pe;
+        }
+      uint32_t pa[1][NT / 2][4];
+      to_a_frags<1, NT, T>(st, pa);
+
+      // dV += P^T dO: dO [BM][D] is read transposed; its 64-column blocks are BM * 128 B apart.
+      sm90::fence_operand(dv[0]);
+      sm90::wgmma_fence();
+#pragma unroll
+      for (int kt = 0; kt < BM / 16; ++kt) {
+        sm90::wgmma_rs<T, DT>(dv[0], pa[0][kt],
+                              sm90::gmma_desc(sdO(buf) + kt * 16 * 64, BM * 128, 1024));
+      }
+      sm90::wgmma_commit();
+      sm90::wgmma_wait<1>(dpt[0]);  // dP^T is ready (dV may still run)
+
+      // dS^T = P^T (dP^T - Delta); staged [key][query] for the dQ product.
+#pragma unroll
+      for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int qcol = ni * 8 + 2 * t + (e & 1);
+          dpt[0][ni][e] = st[0][ni][e] * (dpt[0][ni][e] - delta[qcol]);
+        }
+      uint32_t dsa[1][NT / 2][4];
+      to_a_frags<1, NT, T>(dpt, dsa);
+#pragma unroll
+      for (int kt = 0; kt < NT / 2; ++kt)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const int key = warp_row0 + g + 8 * (r & 1);
+          const int query = kt * 16 + 8 * (r >> 1) + 2 * t;
+          *reinterpret_cast<uint32_t*>(sdS + sm90::gmma_off<kBlockN>(key, query)) = dsa[0][kt][r];
+        }
+
+      // dK += dS^T Q: Q [BM][D] read transposed.
+      sm90::fence_operand(dk[0]);
+      sm90::wgmma_fence();
+#pragma unroll
+      for (int kt = 0; kt < BM / 16; ++kt) {
+        sm90::wgmma_rs<T, DT>(dk[0], dsa[0][kt],
+                              sm90::gmma_desc(sQ(buf) + kt * 16 * 64, BM * 128, 1024));
+      }
+      sm90::wgmma_commit();
+
+      // dQ[:, 64 wg : 64 wg + 64] = dS K over all 128 keys: A = dS^T staged [key][query]
+      // (MN-major), B = K [key][D] (MN-major, column block wg).
+      sm90::fence_proxy_async();
+      __syncthreads();  // both warpgroups' dS^T rows are staged
+      float dq[8][4];
+      sm90::wgmma_fence();
+#pragma unroll
+      for (int kt = 0; kt < kBlockN / 16; ++kt) {
+        const T* a = sdS + kt * 16 * 64;
+        const T* bk = sK + wg * (kBlockN * 64) + kt * 16 * 64;
+        sm90::wgmma_ss<T, 8, 1, 1>(dq, sm90::gmma_desc(a, kBlockN * 128, 1024),
+                                   sm90::gmma_desc(bk, kBlockN * 128, 1024), kt > 0);
+      }
+      sm90::wgmma_commit();
+      sm90::wgmma_wait<0>(dq);
+      sm90::fence_operand(dk[0]);
+      sm90::fence_operand(dv[0]);
+
+      const int valid_q = lens.rows_q - m0;
+      const int64_t row0 = row_stat_offset(p, lens, b, h) + m0;
+      const int q0 = (warp % 4) * 16;
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int i = q0 + g + 8 * hh;
+        if (i >= valid_q) continue;
+        float* dst = p.dq_accum + (row0 + i) * D + wg * 64 + 2 * t;
+#pragma unroll
+        for (int ni = 0; ni < 8; ++ni) atomic_add2(dst + ni * 8, dq[ni][2 * hh], dq[ni][2 * hh + 1]);
+      }
+    }
+  };
+  if (p.block_kv_num == nullptr) {
+    mainloop(dense_query_steps<BM>(p, h_kv, rows));
+  } else {
+    mainloop(query_steps<BM>(p, b, h_kv, n0, rows));
+  }
+
+  // dK and dV rows are staged over sK and sV, which nobody reads after this barrier.
+  __syncthreads();
+  const float kscale[1][2] = {{static_cast<float>(p.scale), static_cast<float>(p.scale)}};
+  const float one[1][2] = {{1.f, 1.f}};
+  T* dkptr = static_cast<T*>(p.dk) + b * p.dk_batch_stride + h_kv * p.dk_head_stride +
+             (lens.k_start + n0) * p.dk_row_stride;
+  T* dvptr = static_cast<T*>(p.dv) + b * p.dv_batch_stride + h_kv * p.dv_head_stride +
+             (lens.k_start + n0) * p.dv_row_stride;
+  store_rows<1, DT, D>(dk, kscale, sK, warp_row0, dkptr, p.dk_row_stride, valid_k, lane);
+  store_rows<1, DT, D>(dv, one, sV, warp_row0, dvptr, p.dv_row_stride, valid_k, lane);
+#endif
+}
+
+}  // namespace tc
+}  // namespace adaattn
