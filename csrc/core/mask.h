@@ -83,4 +83,22 @@ ADAATTN_HD RowSpan rows_meeting_keys(const AttnParams& p, SeqLens lens, int n0, 
   return {first, lo};
 }
 
+// The query rows [first, last) whose key_range holds key j: the same conditions solved for the
+// row (lo(row) <= j < hi(row), row < q), so a backward tile whose rows are keys masks with two
+// compares per element.
+ADAATTN_HD RowSpan rows_seeing_key(const AttnParams& p, SeqLens lens, int j) {
+  if (j >= lens.k) return {0, 0};
+  int first = 0;
+  int last = lens.q;
+  if (p.window_right >= 0) {
+    const int f = j - lens.shift - p.window_right;
+    first = f > 0 ? f : 0;
+  }
+  if (p.window_left >= 0) {
+    const int l = j - lens.shift + p.window_left + 1;
+    last = l < last ? l : last;
+  }
+  return {first, last};
+}
+
 }  // namespace adaattn

@@ -84,15 +84,16 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90_kernel(con
   auto mainloop = [&](const auto& query) {
     const int steps = query.count;
     if (steps == 0) return;
-    auto issue_step = [&](int s, int buf) {
-      int h, m0;
-      query.at(p, s, h, m0);
+    // Starts the loads of the step at (h, m0) into buffer buf.
+    auto issue_step = [&](int buf, int h, int m0) {
       const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride +
                    (lens.q_start + m0) * p.q_row_stride;
       const T* d = static_cast<const T*>(p.dout) + b * p.do_batch_stride +
                    h * p.do_head_stride + (lens.q_start + m0) * p.do_row_stride;
-      sm90::load_tile_gmma<BM, D, kThreads>(sQ(buf), q, p.q_row_stride, lens.rows_q - m0, tid);
-      sm90::load_tile_gmma<BM, D, kThreads>(sdO(buf), d, p.do_row_stride, lens.rows_q - m0, tid);
+      // Per-chunk addresses from an opaque tid are recomputed each step, not kept live.
+      const int ltid = sm90::opaque(tid);
+      sm90::load_tile_gmma<BM, D, kThreads>(sQ(buf), q, p.q_row_stride, lens.rows_q - m0, ltid);
+      sm90::load_tile_gmma<BM, D, kThreads>(sdO(buf), d, p.do_row_stride, lens.rows_q - m0, ltid);
       const int64_t lse_off = row_stat_offset(p, lens, b, h);
       for (int i = tid; i < BM; i += kThreads) {
         sLse0[buf * BM + i] = lse_log2(p.lse + lse_off, m0 + i, lens.rows_q);
@@ -102,23 +103,25 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90_kernel(con
 
     sm90::load_tile_gmma<kBlockN, D, kThreads>(sK, kptr, p.k_row_stride, valid_k, tid);
     sm90::load_tile_gmma<kBlockN, D, kThreads>(sV, vptr, p.v_row_stride, valid_k, tid);
-    issue_step(0, 0);
+    int h, m0;  // this step's query head and first row
+    query.at(p, 0, h, m0);
+    issue_step(0, h, m0);
     cp_async_commit();
 
     for (int s = 0; s < steps; ++s) {
       const int buf = s & 1;
-      int h, m0;
-      query.at(p, s, h, m0);
       cp_async_wait_all();
       sm90::fence_proxy_async();
       // Step s's tiles are visible; every warpgroup is done with buffer buf ^ 1 and with sdS.
       __syncthreads();
-      if (s + 1 < steps) {
-        issue_step(s + 1, buf ^ 1);
-        cp_async_commit();
-      }
       const float* lse2 = sLse0 + buf * BM;
       const float* delta = sDelta0 + buf * BM;
+      // Base descriptors of this step's operands (K-major: 1024 B between 8-row groups;
+      // MN-major: 64-column blocks rows * 128 B apart).
+      const uint64_t k_desc = sm90::opaque(sm90::gmma_desc(sK + wg * 64 * 64, 0, 1024));
+      const uint64_t v_desc = sm90::opaque(sm90::gmma_desc(sV + wg * 64 * 64, 0, 1024));
+      const uint64_t q_desc = sm90::opaque(sm90::gmma_desc(sQ(buf), 0, 1024));
+      const uint64_t do_desc = sm90::opaque(sm90::gmma_desc(sdO(buf), 0, 1024));
 
       // S^T = K Q^T and dP^T = V dO^T for this warpgroup's 64 keys.
       float st[1][NT][4];
@@ -127,37 +130,45 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90_kernel(con
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) {
         const int blk = kk / 4, col = (kk % 4) * 16;
-        const T* a = sK + blk * (kBlockN * 64) + wg * 64 * 64 + col;
-        const T* bq = sQ(buf) + blk * (BM * 64) + col;
-        sm90::wgmma_ss<T, NT>(st[0], sm90::gmma_desc(a, 0, 1024), sm90::gmma_desc(bq, 0, 1024),
-                              kk > 0);
+        sm90::wgmma_ss<T, NT>(st[0], sm90::desc_at<T>(k_desc, blk * (kBlockN * 64) + col),
+                              sm90::desc_at<T>(q_desc, blk * (BM * 64) + col), kk > 0);
       }
       sm90::wgmma_commit();
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) {
         const int blk = kk / 4, col = (kk % 4) * 16;
-        const T* a = sV + blk * (kBlockN * 64) + wg * 64 * 64 + col;
-        const T* bd = sdO(buf) + blk * (BM * 64) + col;
-        sm90::wgmma_ss<T, NT>(dpt[0], sm90::gmma_desc(a, 0, 1024), sm90::gmma_desc(bd, 0, 1024),
-                              kk > 0);
+        sm90::wgmma_ss<T, NT>(dpt[0], sm90::desc_at<T>(v_desc, blk * (kBlockN * 64) + col),
+                              sm90::desc_at<T>(do_desc, blk * (BM * 64) + col), kk > 0);
       }
       sm90::wgmma_commit();
+      // The next step's loads go out while the tensor cores work (a block-sparse step lookup
+      // reads the mask from global memory).
+      int next_h = h, next_m0 = m0;
+      if (s + 1 < steps) {
+        query.at(p, s + 1, next_h, next_m0);
+        issue_step(buf ^ 1, next_h, next_m0);
+        cp_async_commit();
+      }
       sm90::wgmma_wait<1>(st[0]);
 
       // P^T[key, query] = exp2(s * scale_log2 - lse2[query]), 0 outside the mask.
       const bool full =
           tile_is_full(p, lens, m0, m0 + BM, n0 + warp_row0, n0 + warp_row0 + 16);
+      RowSpan seen[2];  // query rows (relative to m0) that see this thread's two keys
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        seen[hh] = rows_seeing_key(p, lens, n0 + warp_row0 + g + 8 * hh);
+        seen[hh].first -= m0;
+        seen[hh].last -= m0;
+      }
 #pragma unroll
       for (int ni = 0; ni < NT; ++ni)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int qcol = ni * 8 + 2 * t + (e & 1);
           float pe = exp2f(st[0][ni][e] * p.scale_log2 - lse2[qcol]);
-          if (!full) {
-            const int key = n0 + warp_row0 + g + 8 * (e >> 1);
-            const KeyRange r = key_range(p, lens, m0 + qcol);
-            if (key < r.lo || key >= r.hi) pe = 0.f;
-          }
+          const RowSpan& r = seen[e >> 1];
+          if (!full && (qcol < r.first || qcol >= r.last)) pe = 0.f;
           st[0][ni][e] = pe;
         }
       uint32_t pa[1][NT / 2][4];
@@ -166,10 +177,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90_kernel(con
       // dV += P^T dO: dO [BM][D] is read transposed; its 64-column blocks are BM * 128 B apart.
       sm90::fence_operand(dv[0]);
       sm90::wgmma_fence();
+      const uint64_t do_t_desc = sm90::opaque(sm90::gmma_desc(sdO(buf), BM * 128, 1024));
 #pragma unroll
       for (int kt = 0; kt < BM / 16; ++kt) {
-        sm90::wgmma_rs<T, DT>(dv[0], pa[0][kt],
-                              sm90::gmma_desc(sdO(buf) + kt * 16 * 64, BM * 128, 1024));
+        sm90::wgmma_rs<T, DT>(dv[0], pa[0][kt], sm90::desc_at<T>(do_t_desc, kt * 16 * 64));
       }
       sm90::wgmma_commit();
       sm90::wgmma_wait<1>(dpt[0]);  // dP^T is ready (dV may still run)
@@ -184,22 +195,28 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90_kernel(con
         }
       uint32_t dsa[1][NT / 2][4];
       to_a_frags<1, NT, T>(dpt, dsa);
+      {
+        // gmma_off of (key, query), key = warp_row0 + g + 8 (r & 1), query = 16 kt + 8 (r >> 1)
+        // + 2t: key % 8 = g, so the swizzled chunk is (2 kt + (r >> 1)) ^ g. From opaque
+        // values, so that the 16 addresses are not kept live across steps.
+        const int gx = sm90::opaque(g);
+        T* const row = sdS + sm90::opaque((warp_row0 + g) * 64 + 2 * t);
 #pragma unroll
-      for (int kt = 0; kt < NT / 2; ++kt)
+        for (int kt = 0; kt < NT / 2; ++kt)
 #pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          const int key = warp_row0 + g + 8 * (r & 1);
-          const int query = kt * 16 + 8 * (r >> 1) + 2 * t;
-          *reinterpret_cast<uint32_t*>(sdS + sm90::gmma_off<kBlockN>(key, query)) = dsa[0][kt][r];
-        }
+          for (int r = 0; r < 4; ++r) {
+            const int chunk = (2 * kt + (r >> 1)) ^ gx;
+            *reinterpret_cast<uint32_t*>(row + (r & 1) * 8 * 64 + chunk * 8) = dsa[0][kt][r];
+          }
+      }
 
       // dK += dS^T Q: Q [BM][D] read transposed.
       sm90::fence_operand(dk[0]);
       sm90::wgmma_fence();
+      const uint64_t q_t_desc = sm90::opaque(sm90::gmma_desc(sQ(buf), BM * 128, 1024));
 #pragma unroll
       for (int kt = 0; kt < BM / 16; ++kt) {
-        sm90::wgmma_rs<T, DT>(dk[0], dsa[0][kt],
-                              sm90::gmma_desc(sQ(buf) + kt * 16 * 64, BM * 128, 1024));
+        sm90::wgmma_rs<T, DT>(dk[0], dsa[0][kt], sm90::desc_at<T>(q_t_desc, kt * 16 * 64));
       }
       sm90::wgmma_commit();
 
@@ -209,12 +226,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90_kernel(con
       __syncthreads();  // both warpgroups' dS^T rows are staged
       float dq[8][4];
       sm90::wgmma_fence();
+      const uint64_t ds_desc = sm90::opaque(sm90::gmma_desc(sdS, kBlockN * 128, 1024));
+      const uint64_t k_t_desc =
+          sm90::opaque(sm90::gmma_desc(sK + wg * (kBlockN * 64), kBlockN * 128, 1024));
 #pragma unroll
       for (int kt = 0; kt < kBlockN / 16; ++kt) {
-        const T* a = sdS + kt * 16 * 64;
-        const T* bk = sK + wg * (kBlockN * 64) + kt * 16 * 64;
-        sm90::wgmma_ss<T, 8, 1, 1>(dq, sm90::gmma_desc(a, kBlockN * 128, 1024),
-                                   sm90::gmma_desc(bk, kBlockN * 128, 1024), kt > 0);
+        sm90::wgmma_ss<T, 8, 1, 1>(dq, sm90::desc_at<T>(ds_desc, kt * 16 * 64),
+                                   sm90::desc_at<T>(k_t_desc, kt * 16 * 64), kt > 0);
       }
       sm90::wgmma_commit();
       sm90::wgmma_wait<0>(dq);
@@ -232,6 +250,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90_kernel(con
 #pragma unroll
         for (int ni = 0; ni < 8; ++ni) atomic_add2(dst + ni * 8, dq[ni][2 * hh], dq[ni][2 * hh + 1]);
       }
+      h = next_h;
+      m0 = next_m0;
     }
   };
   if (p.block_kv_num == nullptr) {

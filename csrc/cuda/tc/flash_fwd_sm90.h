@@ -107,14 +107,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_fwd_sm90_kernel(con
     load_v(0, tiles.at(0));
     cp_async_commit();
 
+    int tile_n = tiles.at(0);
     for (int i = 0; i < tiles.count; ++i) {
       const int stage = i % 2;
-      const int n0 = tiles.at(i) * BN;
+      const int n0 = tile_n * BN;
       cp_async_wait<1>();
       sm90::fence_proxy_async();
       __syncthreads();  // K i visible; every warpgroup is done with stage 1 - stage
-      if (i + 1 < tiles.count) load_k(1 - stage, tiles.at(i + 1));
-      cp_async_commit();
 
       // S = Q K^T: DK / 16 steps of k = 16; 64-column blocks of the swizzled tiles.
       float s[1][NT][4];
@@ -128,6 +127,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_fwd_sm90_kernel(con
                                kk > 0);
       }
       sm90::wgmma_commit();
+      // The next K tile loads while the tensor cores work (a block-sparse tile lookup reads
+      // the mask from global memory).
+      const int next_n = i + 1 < tiles.count ? tiles.at(i + 1) : tile_n;
+      if (i + 1 < tiles.count) load_k(1 - stage, next_n);
+      cp_async_commit();
       sm90::wgmma_wait<0>(s[0]);
 
 #pragma unroll
@@ -149,7 +153,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_fwd_sm90_kernel(con
       cp_async_wait<1>();
       sm90::fence_proxy_async();
       __syncthreads();  // V i visible
-      if (i + 1 < tiles.count) load_v(1 - stage, tiles.at(i + 1));
+      if (i + 1 < tiles.count) load_v(1 - stage, next_n);
       cp_async_commit();
 
       // O += P V: BN / 16 steps of 16 keys; V is read transposed (MN-major), its 64-column
@@ -162,6 +166,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_fwd_sm90_kernel(con
       }
       sm90::wgmma_commit();
       sm90::wgmma_wait<0>(o[0]);
+      tile_n = next_n;
     }
   };
   if (p.block_kv_num == nullptr) {

@@ -63,6 +63,24 @@ __device__ __forceinline__ uint64_t gmma_desc(const void* p, uint32_t leading_by
          static_cast<uint64_t>((stride_bytes >> 4) & 0x3FFF) << 32 | uint64_t{1} << 62;
 }
 
+// Descriptor of the operand `elems` elements of T further on. The start address field holds
+// address / 16 of a shared-memory address below 256 KiB, so offsets within the allocation
+// never carry into the other fields.
+template <typename T>
+__device__ __forceinline__ uint64_t desc_at(uint64_t desc, int elems) {
+  return desc + static_cast<uint64_t>(elems * static_cast<int>(sizeof(T)) / 16);
+}
+// The value of x, opaque to the compiler: a loop computes its descriptors from one such base
+// per operand instead of keeping every step's descriptor live across iterations.
+__device__ __forceinline__ uint64_t opaque(uint64_t x) {
+  asm volatile("" : "+l"(x));
+  return x;
+}
+__device__ __forceinline__ int opaque(int x) {
+  asm volatile("" : "+r"(x));
+  return x;
+}
+
 // Orders this thread's generic-proxy shared-memory writes (cp.async, st.shared) before later
 // async-proxy reads (wgmma) once a barrier has passed.
 __device__ __forceinline__ void fence_proxy_async() {
