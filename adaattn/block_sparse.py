@@ -244,7 +244,8 @@ class BlockSparseMask:
 
 def block_sparse_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       block_mask: BlockSparseMask, *, causal: bool = False,
-                      softmax_scale: Optional[float] = None, return_lse: bool = False
+                      softmax_scale: Optional[float] = None, return_lse: bool = False,
+                      deterministic: bool = False
                       ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Softmax attention restricted to the blocks of ``block_mask``; work scales with the number
     of listed blocks, forward and backward.
@@ -262,6 +263,8 @@ def block_sparse_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             ``block_mask.causal`` is set.
         softmax_scale: multiplies ``q @ k^T``; defaults to ``D ** -0.5``.
         return_lse: also return the float32 log-sum-exp ``[B, Hq, Lq]``.
+        deterministic: a bit-reproducible backward (as ``flash_attn``'s): on CUDA the default
+            may accumulate dq with atomics, whose order varies between runs.
 
     Returns:
         ``out [B, Hq, Lq, D]`` (dtype of q), and ``lse`` when ``return_lse``. A row that sees no
@@ -284,5 +287,5 @@ def block_sparse_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q_num_blocks, q_indices = block_mask.transposed()
     out, lse = ops.block_sparse_attn(q, k, v, block_mask.kv_num_blocks, block_mask.kv_indices,
                                      q_num_blocks, q_indices, bm, bn, softmax_scale,
-                                     bool(causal) or block_mask.causal)
+                                     bool(causal) or block_mask.causal, bool(deterministic))
     return (out, lse) if return_lse else out

@@ -186,7 +186,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_sparse_bwd_cpu_op(
     const at::Tensor& v_in, const at::Tensor& out_in, const at::Tensor& lse,
     const at::Tensor& kv_num_blocks, const at::Tensor& kv_indices,
     const at::Tensor& q_num_blocks, const at::Tensor& q_indices, int64_t block_m,
-    int64_t block_n, std::optional<double> softmax_scale, bool causal) {
+    int64_t block_n, std::optional<double> softmax_scale, bool causal,
+    bool /*deterministic: the CPU kernels always are*/) {
   BlockSparseMaskTensors mask{kv_num_blocks, kv_indices, q_num_blocks, q_indices};
   check_block_sparse_inputs(q_in, k_in, v_in, mask, block_m, block_n);
   check_flash_bwd_inputs(dout_in, q_in, v_in, out_in, lse, /*packed=*/false);
@@ -222,7 +223,7 @@ using BlockSparseFwdSig = std::tuple<at::Tensor, at::Tensor>(
 using BlockSparseBwdSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-    int64_t, int64_t, std::optional<double>, bool);
+    int64_t, int64_t, std::optional<double>, bool, bool);
 
 c10::TypedOperatorHandle<BlockSparseFwdSig> block_sparse_fwd_op() {
   static auto op = c10::Dispatcher::singleton()
@@ -239,7 +240,8 @@ class BlockSparseAttnFunction : public torch::autograd::Function<BlockSparseAttn
                                const at::Tensor& v, const at::Tensor& kv_num_blocks,
                                const at::Tensor& kv_indices, const at::Tensor& q_num_blocks,
                                const at::Tensor& q_indices, int64_t block_m, int64_t block_n,
-                               std::optional<double> softmax_scale, bool causal) {
+                               std::optional<double> softmax_scale, bool causal,
+                               bool deterministic) {
     at::AutoDispatchBelowADInplaceOrView guard;
     auto [out, lse] = block_sparse_fwd_op().call(q, k, v, kv_num_blocks, kv_indices, block_m,
                                                  block_n, softmax_scale, causal);
@@ -249,6 +251,7 @@ class BlockSparseAttnFunction : public torch::autograd::Function<BlockSparseAttn
     ctx->saved_data["block_n"] = block_n;
     save_scale(ctx, softmax_scale);
     ctx->saved_data["causal"] = causal;
+    ctx->saved_data["deterministic"] = deterministic;
     ctx->mark_non_differentiable({lse});
     return {out, lse};
   }
@@ -264,9 +267,10 @@ class BlockSparseAttnFunction : public torch::autograd::Function<BlockSparseAttn
     auto [dq, dk, dv] = bwd.call(dout, s[0], s[1], s[2], out, s[4], s[5], s[6], s[7], s[8],
                                  ctx->saved_data["block_m"].toInt(),
                                  ctx->saved_data["block_n"].toInt(), scale,
-                                 ctx->saved_data["causal"].toBool());
-    return {dq,          dk,          dv,          at::Tensor(), at::Tensor(), at::Tensor(),
-            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+                                 ctx->saved_data["causal"].toBool(),
+                                 ctx->saved_data["deterministic"].toBool());
+    return {dq,           dk,           dv,           at::Tensor(), at::Tensor(), at::Tensor(),
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -274,12 +278,13 @@ std::tuple<at::Tensor, at::Tensor> block_sparse_attn_autograd(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& kv_num_blocks, const at::Tensor& kv_indices,
     const at::Tensor& q_num_blocks, const at::Tensor& q_indices, int64_t block_m,
-    int64_t block_n, std::optional<double> softmax_scale, bool causal) {
+    int64_t block_n, std::optional<double> softmax_scale, bool causal, bool deterministic) {
   // Shapes of the transposed index are checked now, not first in backward.
   check_block_sparse_inputs(q, k, v, {kv_num_blocks, kv_indices, q_num_blocks, q_indices},
                             block_m, block_n);
   auto res = BlockSparseAttnFunction::apply(q, k, v, kv_num_blocks, kv_indices, q_num_blocks,
-                                            q_indices, block_m, block_n, softmax_scale, causal);
+                                            q_indices, block_m, block_n, softmax_scale, causal,
+                                            deterministic);
   return {res[0], res[1]};
 }
 
@@ -289,7 +294,8 @@ std::tuple<at::Tensor, at::Tensor> block_sparse_attn_no_grad(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& kv_num_blocks, const at::Tensor& kv_indices,
     const at::Tensor& q_num_blocks, const at::Tensor& q_indices, int64_t block_m,
-    int64_t block_n, std::optional<double> softmax_scale, bool causal) {
+    int64_t block_n, std::optional<double> softmax_scale, bool causal,
+    bool /*deterministic: backward only*/) {
   check_block_sparse_inputs(q, k, v, {kv_num_blocks, kv_indices, q_num_blocks, q_indices},
                             block_m, block_n);
   return block_sparse_fwd_op().call(q, k, v, kv_num_blocks, kv_indices, block_m, block_n,

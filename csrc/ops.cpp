@@ -606,15 +606,16 @@ TORCH_LIBRARY(adaattn, m) {
   m.def(
       "block_sparse_attn(Tensor q, Tensor k, Tensor v, Tensor kv_num_blocks, Tensor kv_indices, "
       "Tensor q_num_blocks, Tensor q_indices, int block_m=128, int block_n=128, "
-      "float? softmax_scale=None, bool causal=False) -> (Tensor out, Tensor lse)");
+      "float? softmax_scale=None, bool causal=False, bool deterministic=False) -> (Tensor out, "
+      "Tensor lse)");
   m.def(
       "block_sparse_fwd(Tensor q, Tensor k, Tensor v, Tensor kv_num_blocks, Tensor kv_indices, "
       "int block_m, int block_n, float? softmax_scale, bool causal) -> (Tensor out, Tensor lse)");
   m.def(
       "block_sparse_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
       "Tensor kv_num_blocks, Tensor kv_indices, Tensor q_num_blocks, Tensor q_indices, "
-      "int block_m, int block_n, float? softmax_scale, bool causal) -> (Tensor grad_q, "
-      "Tensor grad_k, Tensor grad_v)");
+      "int block_m, int block_n, float? softmax_scale, bool causal, bool deterministic=False) -> "
+      "(Tensor grad_q, Tensor grad_k, Tensor grad_v)");
   m.def(
       "low_rank_attn(Tensor q, Tensor k, Tensor v, Tensor basis, bool causal=False, "
       "float? softmax_scale=None) -> (Tensor out, Tensor lse)");

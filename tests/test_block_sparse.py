@@ -83,10 +83,11 @@ def make_inputs(case: Case, dtype, device, requires_grad=True):
     return q, k, v, mask, dout
 
 
-def run_ours(case: Case, q, k, v, mask, dout):
+def run_ours(case: Case, q, k, v, mask, dout, deterministic=False):
     """``(out, lse, dq, dk, dv)`` from adaattn.block_sparse_attn."""
     out, lse = adaattn.block_sparse_attn(q, k, v, mask, causal=case.causal,
-                                         softmax_scale=case.scale, return_lse=True)
+                                         softmax_scale=case.scale, return_lse=True,
+                                         deterministic=deterministic)
     assert out.shape == q.shape and out.dtype == q.dtype and out.device == q.device
     assert lse.shape == q.shape[:3] and lse.dtype == torch.float32
     grads = torch.autograd.grad(out, (q, k, v), dout)
@@ -321,8 +322,8 @@ def test_deterministic(device, dtype):
     case = Case(b=2, hq=8, hkv=2, lq=300, lk=257, d=64, block=(128, 128), density=0.5,
                 mask_h=True, causal=True)
     q, k, v, mask, dout = make_inputs(case, dtype, device)
-    first = run_ours(case, q, k, v, mask, dout)
-    second = run_ours(case, q, k, v, mask, dout)
+    first = run_ours(case, q, k, v, mask, dout, deterministic=True)
+    second = run_ours(case, q, k, v, mask, dout, deterministic=True)
     for name, a, b in zip(NAMES, first, second):
         assert torch.equal(a, b), f"{name} differs between two runs"
 

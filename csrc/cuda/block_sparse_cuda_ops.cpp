@@ -59,7 +59,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_sparse_bwd_cuda_op(
     const at::Tensor& v_in, const at::Tensor& out_in, const at::Tensor& lse,
     const at::Tensor& kv_num_blocks, const at::Tensor& kv_indices,
     const at::Tensor& q_num_blocks, const at::Tensor& q_indices, int64_t block_m,
-    int64_t block_n, std::optional<double> softmax_scale, bool causal) {
+    int64_t block_n, std::optional<double> softmax_scale, bool causal, bool deterministic) {
   BlockSparseMaskTensors mask{kv_num_blocks, kv_indices, q_num_blocks, q_indices};
   check_block_sparse_inputs(q_in, k_in, v_in, mask, block_m, block_n);
   check_flash_bwd_inputs(dout_in, q_in, v_in, out_in, lse, /*packed=*/false);
@@ -84,6 +84,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_sparse_bwd_cuda_op(
   }
   at::Tensor delta = at::empty(lse.sizes(), lse.options());
   AttnParams p = make_block_sparse_params(q, k, v, mask, block_m, block_n, softmax_scale, causal);
+  p.deterministic = deterministic;  // else dQ may be accumulated with atomics
   set_bwd_tensors(p, dout, out, lse, dq, dk, dv, delta);
   if (use_tensor_cores(q.scalar_type())) {
     flash_bwd_tc_cuda(p, q.scalar_type());
