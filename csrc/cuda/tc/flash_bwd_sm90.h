@@ -28,7 +28,7 @@ struct Sm90BwdTraits {
   static constexpr int kKElems = kBlockN * D;
   static constexpr int kQElems = kBlockM * D;
   static constexpr int kDsElems = kBlockN * kBlockM;
-  // K, V, two stages of Q and dO, dS^T, then lse2 and delta of both stages (fp32); 1024 bytes
+  // K, V, two stages of Q and dO, dS^T, then lse and delta of both stages (fp32); 1024 bytes
   // of slack to align the swizzled tiles.
   static constexpr int kSmemBytes =
       (2 * kKElems + 4 * kQElems + kDsElems) * static_cast<int>(sizeof(T)) +
@@ -94,13 +94,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90_kernel(con
       const int ltid = sm90::opaque(tid);
       sm90::load_tile_gmma<BM, D, kThreads>(sQ(buf), q, p.q_row_stride, lens.rows_q - m0, ltid);
       sm90::load_tile_gmma<BM, D, kThreads>(sdO(buf), d, p.do_row_stride, lens.rows_q - m0, ltid);
-      const int64_t lse_off = row_stat_offset(p, lens, b, h);
-      for (int i = tid; i < BM; i += kThreads) {
-        sLse0[buf * BM + i] = lse_log2(p.lse + lse_off, m0 + i, lens.rows_q);
-        sDelta0[buf * BM + i] = m0 + i < lens.rows_q ? p.delta[lse_off + m0 + i] : 0.f;
+      // Raw lse and delta of the step's rows, with the tiles (rows past the sequence: 0; they
+      // and rows with lse = -inf see no key, so the mask zeroes their P whatever lse is).
+      if (tid < BM) {
+        const int64_t off = row_stat_offset(p, lens, b, h) + m0 + tid;
+        const bool valid = m0 + tid < lens.rows_q;
+        cp_async4(sLse0 + buf * BM + tid, p.lse + (valid ? off : 0), valid);
+        cp_async4(sDelta0 + buf * BM + tid, p.delta + (valid ? off : 0), valid);
       }
     };
-
     sm90::load_tile_gmma<kBlockN, D, kThreads>(sK, kptr, p.k_row_stride, valid_k, tid);
     sm90::load_tile_gmma<kBlockN, D, kThreads>(sV, vptr, p.v_row_stride, valid_k, tid);
     int h, m0;  // this step's query head and first row
@@ -114,7 +116,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90_kernel(con
       sm90::fence_proxy_async();
       // Step s's tiles are visible; every warpgroup is done with buffer buf ^ 1 and with sdS.
       __syncthreads();
-      const float* lse2 = sLse0 + buf * BM;
+      const float* lse = sLse0 + buf * BM;
       const float* delta = sDelta0 + buf * BM;
       // Base descriptors of this step's operands (K-major: 1024 B between 8-row groups;
       // MN-major: 64-column blocks rows * 128 B apart).
@@ -151,7 +153,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90_kernel(con
       }
       sm90::wgmma_wait<1>(st[0]);
 
-      // P^T[key, query] = exp2(s * scale_log2 - lse2[query]), 0 outside the mask.
+      // P^T[key, query] = exp2(s * scale_log2 - lse[query] * log2 e), 0 outside the mask.
       const bool full =
           tile_is_full(p, lens, m0, m0 + BM, n0 + warp_row0, n0 + warp_row0 + 16);
       RowSpan seen[2];  // query rows (relative to m0) that see this thread's two keys
@@ -166,7 +168,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90_kernel(con
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int qcol = ni * 8 + 2 * t + (e & 1);
-          float pe = exp2f(st[0][ni][e] * p.scale_log2 - lse2[qcol]);
+          float pe = exp2f(st[0][ni][e] * p.scale_log2 - lse[qcol] * float(M_LOG2E));
           const RowSpan& r = seen[e >> 1];
           if (!full && (qcol < r.first || qcol >= r.last)) pe = 0.f;
           st[0][ni][e] = pe;
