@@ -1,13 +1,14 @@
-// Hopper backward of the flash family (softmax variant, D = Dv = 128, dQ by atomics): the dK/dV
-// pass of flash_bwd_kernel.h on warpgroup MMAs. A CTA owns 128 keys of one (batch, kv head),
+// Hopper backward of the flash family (softmax variant, D = Dv in {64, 128}, dQ by atomics):
+// the dK/dV pass of flash_bwd_kernel.h on warpgroup MMAs. A CTA owns 128 keys of one (batch, kv head),
 // 64 per warpgroup, and walks the query tiles (64 rows, every query head of its GQA group) that
 // meet them, with Q and dO double-buffered through cp.async. Per step and warpgroup:
 //   S^T = K Q^T, dP^T = V dO^T        (both operands in shared memory)
 //   P^T, dS^T = P^T (dP^T - Delta)    (registers: the accumulator rows are keys)
 //   dV += P^T dO, dK += dS^T Q        (P^T, dS^T as register A operands; dO, Q read transposed)
-//   dQ[:, 64w : 64w + 64] += dS K     (dS^T staged in shared memory by both warpgroups; warpgroup
-//                                      w adds its 64 columns of the product over all 128 keys
-//                                      to the fp32 accumulator with atomics)
+//   dQ += dS K                        (dS^T staged in shared memory by both warpgroups; at D = 128
+//                                      warpgroup w adds its 64 columns of the product over all
+//                                      128 keys to the fp32 accumulator with atomics, at D = 64
+//                                      all columns over its own 64 keys)
 // Five products per tile pair, as FlashAttention-2/3. dK/dV stay in registers; the dQ
 // accumulator is scaled and converted by flash_bwd_dq_convert_kernel.
 #pragma once
@@ -33,7 +34,11 @@ struct Sm90BwdTraits {
   static constexpr int kSmemBytes =
       (2 * kKElems + 4 * kQElems + kDsElems) * static_cast<int>(sizeof(T)) +
       4 * kBlockM * static_cast<int>(sizeof(float)) + 1024;
-  static_assert(D == 128, "the Hopper backward is written for D = Dv = 128");
+  // dQ: at D = 128 warpgroup w adds columns [64w, 64w + 64) over all 128 keys; at D = 64 it
+  // adds all 64 columns over its own 64 keys (both add to the same rows).
+  static constexpr bool kDqSplitCols = D == 128;
+  static constexpr int kDqKeys = kDqSplitCols ? kBlockN : 64;
+  static_assert(D == 64 || D == 128, "the Hopper backward takes D = Dv in {64, 128}");
 };
 
 template <typename Traits, typename T, int D>
@@ -222,17 +227,22 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90_kernel(con
       }
       sm90::wgmma_commit();
 
-      // dQ[:, 64 wg : 64 wg + 64] = dS K over all 128 keys: A = dS^T staged [key][query]
-      // (MN-major), B = K [key][D] (MN-major, column block wg).
+      // dQ += dS K (Traits::kDqSplitCols): A = dS^T staged [key][query] (MN-major), B = K
+      // [key][D] (MN-major): at D = 128 all keys and column block wg, at D = 64 the warpgroup's
+      // own 64 keys.
       sm90::fence_proxy_async();
       __syncthreads();  // both warpgroups' dS^T rows are staged
       float dq[8][4];
       sm90::wgmma_fence();
-      const uint64_t ds_desc = sm90::opaque(sm90::gmma_desc(sdS, kBlockN * 128, 1024));
-      const uint64_t k_t_desc =
-          sm90::opaque(sm90::gmma_desc(sK + wg * (kBlockN * 64), kBlockN * 128, 1024));
+      constexpr int kDqKeys = Traits::kDqKeys;
+      const int dq_key0 = Traits::kDqSplitCols ? 0 : wg * 64;
+      const int dq_col0 = Traits::kDqSplitCols ? wg * 64 : 0;
+      const uint64_t ds_desc =
+          sm90::opaque(sm90::gmma_desc(sdS + dq_key0 * 64, kBlockN * 128, 1024));
+      const uint64_t k_t_desc = sm90::opaque(sm90::gmma_desc(
+          sK + (dq_col0 / 64) * (kBlockN * 64) + dq_key0 * 64, kBlockN * 128, 1024));
 #pragma unroll
-      for (int kt = 0; kt < kBlockN / 16; ++kt) {
+      for (int kt = 0; kt < kDqKeys / 16; ++kt) {
         sm90::wgmma_ss<T, 8, 1, 1>(dq, sm90::desc_at<T>(ds_desc, kt * 16 * 64),
                                    sm90::desc_at<T>(k_t_desc, kt * 16 * 64), kt > 0);
       }
@@ -248,7 +258,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90_kernel(con
       for (int hh = 0; hh < 2; ++hh) {
         const int i = q0 + g + 8 * hh;
         if (i >= valid_q) continue;
-        float* dst = p.dq_accum + (row0 + i) * D + wg * 64 + 2 * t;
+        float* dst = p.dq_accum + (row0 + i) * D + dq_col0 + 2 * t;
 #pragma unroll
         for (int ni = 0; ni < 8; ++ni) atomic_add2(dst + ni * 8, dq[ni][2 * hh], dq[ni][2 * hh + 1]);
       }

@@ -136,9 +136,9 @@ void launch_bwd_sm90(const AttnParams& p) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// Delta, then dK/dV/dQ. Unless p.deterministic: on Hopper at D = Dv = 128 the wgmma kernel with
-// atomic dQ; elsewhere atomic dQ where the config measured it faster (fewer products, a float32
-// accumulator of 2x dq's size). Otherwise the two-pass kernels.
+// Delta, then dK/dV/dQ. Unless p.deterministic: on Hopper at D = Dv in {64, 128} the wgmma kernel
+// with atomic dQ; elsewhere atomic dQ where the config measured it faster (fewer products, a
+// float32 accumulator of 2x dq's size). Otherwise the two-pass kernels.
 template <typename T, int DK, int DV>
 void run_flash_bwd(const AttnParams& p_in) {
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
@@ -146,7 +146,7 @@ void run_flash_bwd(const AttnParams& p_in) {
   const int row_grid = grid_size((row_items<false>(p_in) + kRowsPerBlock - 1) / kRowsPerBlock);
   flash_bwd_delta_kernel<T, DV><<<row_grid, kRowsPerBlock * 32, 0, stream>>>(p_in);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  constexpr bool kSm90Dims = DK == 128 && DV == 128;
+  constexpr bool kSm90Dims = DK == DV && (DK == 64 || DK == 128);
   const bool sm90 = kSm90Dims && !p_in.deterministic && use_sm90();
   if (sm90 || (FlashConfig<DV>::kAtomicDQ && !p_in.deterministic)) {
     AttnParams p = p_in;
