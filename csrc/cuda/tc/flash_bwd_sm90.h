@@ -1,6 +1,6 @@
 // Hopper backward of the flash family (softmax variant, D = Dv in {64, 128}, dQ by atomics):
-// the dK/dV pass of flash_bwd_kernel.h on warpgroup MMAs. A CTA owns 128 keys of one (batch, kv head),
-// 64 per warpgroup, and walks the query tiles (64 rows, every query head of its GQA group) that
+// the dK/dV pass of flash_bwd_kernel.h on warpgroup MMAs. A CTA owns 128 keys of one (batch,
+// kv head), 64 per warpgroup, and walks the query tiles (64 rows, every query head of its GQA group) that
 // meet them, with Q and dO double-buffered through cp.async. Per step and warpgroup:
 //   S^T = K Q^T, dP^T = V dO^T        (both operands in shared memory)
 //   P^T, dS^T = P^T (dP^T - Delta)    (registers: the accumulator rows are keys)
@@ -260,7 +260,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90_kernel(con
         if (i >= valid_q) continue;
         float* dst = p.dq_accum + (row0 + i) * D + dq_col0 + 2 * t;
 #pragma unroll
-        for (int ni = 0; ni < 8; ++ni) atomic_add2(dst + ni * 8, dq[ni][2 * hh], dq[ni][2 * hh + 1]);
+        for (int ni = 0; ni < 8; ++ni) {
+          atomic_add2(dst + ni * 8, dq[ni][2 * hh], dq[ni][2 * hh + 1]);
+        }
       }
       h = next_h;
       m0 = next_m0;
