@@ -1,7 +1,7 @@
 // Hopper backward of the flash family (softmax variant, D = Dv in {64, 128}, dQ by atomics):
 // the dK/dV pass of flash_bwd_kernel.h on warpgroup MMAs. A CTA owns 128 keys of one (batch,
-// kv head), 64 per warpgroup, and walks the query tiles (64 rows, every query head of its GQA group) that
-// meet them, with Q and dO double-buffered through cp.async. Per step and warpgroup:
+// kv head), 64 per warpgroup, and walks the query tiles (64 rows, every query head of its GQA
+// group) that meet them, with Q and dO double-buffered through cp.async. Per step and warpgroup:
 //   S^T = K Q^T, dP^T = V dO^T        (both operands in shared memory)
 //   P^T, dS^T = P^T (dP^T - Delta)    (registers: the accumulator rows are keys)
 //   dV += P^T dO, dK += dS^T Q        (P^T, dS^T as register A operands; dO, Q read transposed)
