@@ -1,4 +1,5 @@
-// Hopper backward of the flash family (softmax variant, D = Dv in {64, 128}, dQ by atomics):
+// Hopper backward of the flash family (softmax variant, dQ by atomics; Dv in {64, 128}, D = Dv
+// or, for low-rank scores, D in {32, 64} below it):
 // the dK/dV pass of flash_bwd_kernel.h on warpgroup MMAs. A CTA owns 128 keys of one (batch,
 // kv head), 64 per warpgroup, and walks the query tiles (64 rows, every query head of its GQA
 // group) that meet them, with Q and dO double-buffered through cp.async. Per step and warpgroup:
@@ -7,7 +8,7 @@
 //   dV += P^T dO, dK += dS^T Q        (P^T, dS^T as register A operands; dO, Q read transposed)
 //   dQ += dS K                        (dS^T staged in shared memory by both warpgroups; at D = 128
 //                                      warpgroup w adds its 64 columns of the product over all
-//                                      128 keys to the fp32 accumulator with atomics, at D = 64
+//                                      128 keys to the fp32 accumulator with atomics, at D <= 64
 //                                      all columns over its own 64 keys)
 // Five products per tile pair, as FlashAttention-2/3. dK/dV stay in registers; the dQ
 // accumulator is scaled and converted by flash_bwd_dq_convert_kernel.
@@ -21,44 +22,51 @@
 namespace adaattn {
 namespace tc {
 
-template <typename T, int D>
+template <typename T, int DK, int DV>
 struct Sm90BwdTraits {
   static constexpr int kThreads = 256;
   static constexpr int kBlockN = 128;  // keys per CTA
   static constexpr int kBlockM = 64;   // queries per step
-  static constexpr int kKElems = kBlockN * D;
-  static constexpr int kQElems = kBlockM * D;
+  static constexpr int kKElems = kBlockN * DK;
+  static constexpr int kVElems = kBlockN * DV;
+  static constexpr int kQElems = kBlockM * DK;
+  static constexpr int kDoElems = kBlockM * DV;
   static constexpr int kDsElems = kBlockN * kBlockM;
   // K, V, two stages of Q and dO, dS^T, then lse and delta of both stages (fp32); 1024 bytes
   // of slack to align the swizzled tiles.
   static constexpr int kSmemBytes =
-      (2 * kKElems + 4 * kQElems + kDsElems) * static_cast<int>(sizeof(T)) +
+      (kKElems + kVElems + 2 * (kQElems + kDoElems) + kDsElems) * static_cast<int>(sizeof(T)) +
       4 * kBlockM * static_cast<int>(sizeof(float)) + 1024;
-  // dQ: at D = 128 warpgroup w adds columns [64w, 64w + 64) over all 128 keys; at D = 64 it
-  // adds all 64 columns over its own 64 keys (both add to the same rows).
-  static constexpr bool kDqSplitCols = D == 128;
+  // dQ: at DK = 128 warpgroup w adds columns [64w, 64w + 64) over all 128 keys; at DK <= 64 it
+  // adds all DK columns over its own 64 keys (both add to the same rows).
+  static constexpr bool kDqSplitCols = DK == 128;
   static constexpr int kDqKeys = kDqSplitCols ? kBlockN : 64;
-  static_assert(D == 64 || D == 128, "the Hopper backward takes D = Dv in {64, 128}");
+  static constexpr int kDqCols = kDqSplitCols ? 64 : DK;
+  static_assert((DK == 32 || DK == 64 || DK == 128) && (DV == 64 || DV == 128) && DK <= DV,
+                "the Hopper backward takes Dv in {64, 128} and D in {32, 64, 128}, D <= Dv");
 };
 
-template <typename Traits, typename T, int D>
+template <typename Traits, typename T, int DK, int DV>
 __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90_kernel(const AttnParams p) {
 #ifdef ADAATTN_SM90A_DEVICE
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int BM = Traits::kBlockM;
   constexpr int kThreads = Traits::kThreads;
   constexpr int NT = BM / 8;  // query n-tiles of S^T per warp
-  constexpr int DT = D / 8;
+  constexpr int DKT = DK / 8;
+  constexpr int DVT = DV / 8;
+  constexpr int kKWidth = sm90::GmmaLayout<DK>::kWidth;  // elements per swizzled row
+  constexpr int kVWidth = sm90::GmmaLayout<DV>::kWidth;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* const sK = reinterpret_cast<T*>(smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023));
   T* const sV = sK + Traits::kKElems;
-  T* const sQ0 = sV + Traits::kKElems;         // [2][BM][D]
-  T* const sdO0 = sQ0 + 2 * Traits::kQElems;   // [2][BM][D]
-  T* const sdS = sdO0 + 2 * Traits::kQElems;   // [kBlockN keys][BM queries]
+  T* const sQ0 = sV + Traits::kVElems;         // [2][BM][DK]
+  T* const sdO0 = sQ0 + 2 * Traits::kQElems;   // [2][BM][DV]
+  T* const sdS = sdO0 + 2 * Traits::kDoElems;  // [kBlockN keys][BM queries]
   float* const sLse0 = reinterpret_cast<float*>(sdS + Traits::kDsElems);
   float* const sDelta0 = sLse0 + 2 * BM;
   auto sQ = [&](int buf) { return sQ0 + buf * Traits::kQElems; };
-  auto sdO = [&](int buf) { return sdO0 + buf * Traits::kQElems; };
+  auto sdO = [&](int buf) { return sdO0 + buf * Traits::kDoElems; };
 
   const int tid = threadIdx.x;
   const int warp = tid / 32;
@@ -81,8 +89,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90_kernel(con
                   (lens.k_start + n0) * p.v_row_stride;
   const int valid_k = lens.rows_k - n0;
 
-  float dk[1][DT][4];
-  float dv[1][DT][4];
+  float dk[1][DKT][4];
+  float dv[1][DVT][4];
   zero(dk);
   zero(dv);
 
@@ -97,8 +105,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90_kernel(con
                    h * p.do_head_stride + (lens.q_start + m0) * p.do_row_stride;
       // Per-chunk addresses from an opaque tid are recomputed each step, not kept live.
       const int ltid = sm90::opaque(tid);
-      sm90::load_tile_gmma<BM, D, kThreads>(sQ(buf), q, p.q_row_stride, lens.rows_q - m0, ltid);
-      sm90::load_tile_gmma<BM, D, kThreads>(sdO(buf), d, p.do_row_stride, lens.rows_q - m0, ltid);
+      sm90::load_tile_gmma<BM, DK, kThreads>(sQ(buf), q, p.q_row_stride, lens.rows_q - m0, ltid);
+      sm90::load_tile_gmma<BM, DV, kThreads>(sdO(buf), d, p.do_row_stride, lens.rows_q - m0,
+                                             ltid);
       // Raw lse and delta of the step's rows, with the tiles (rows past the sequence: 0; they
       // and rows with lse = -inf see no key, so the mask zeroes their P whatever lse is).
       if (tid < BM) {
@@ -108,8 +117,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90_kernel(con
         cp_async4(sDelta0 + buf * BM + tid, p.delta + (valid ? off : 0), valid);
       }
     };
-    sm90::load_tile_gmma<kBlockN, D, kThreads>(sK, kptr, p.k_row_stride, valid_k, tid);
-    sm90::load_tile_gmma<kBlockN, D, kThreads>(sV, vptr, p.v_row_stride, valid_k, tid);
+    sm90::load_tile_gmma<kBlockN, DK, kThreads>(sK, kptr, p.k_row_stride, valid_k, tid);
+    sm90::load_tile_gmma<kBlockN, DV, kThreads>(sV, vptr, p.v_row_stride, valid_k, tid);
     int h, m0;  // this step's query head and first row
     query.at(p, 0, h, m0);
     issue_step(0, h, m0);
@@ -123,29 +132,30 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90_kernel(con
       __syncthreads();
       const float* lse = sLse0 + buf * BM;
       const float* delta = sDelta0 + buf * BM;
-      // Base descriptors of this step's operands (K-major: 1024 B between 8-row groups;
-      // MN-major: 64-column blocks rows * 128 B apart).
-      const uint64_t k_desc = sm90::opaque(sm90::gmma_desc(sK + wg * 64 * 64, 0, 1024));
-      const uint64_t v_desc = sm90::opaque(sm90::gmma_desc(sV + wg * 64 * 64, 0, 1024));
-      const uint64_t q_desc = sm90::opaque(sm90::gmma_desc(sQ(buf), 0, 1024));
-      const uint64_t do_desc = sm90::opaque(sm90::gmma_desc(sdO(buf), 0, 1024));
+      // Base descriptors of this step's K-major operands (this warpgroup's 64 key rows).
+      const uint64_t k_desc = sm90::opaque(sm90::gmma_desc_k<DK>(sK + wg * 64 * kKWidth));
+      const uint64_t v_desc = sm90::opaque(sm90::gmma_desc_k<DV>(sV + wg * 64 * kVWidth));
+      const uint64_t q_desc = sm90::opaque(sm90::gmma_desc_k<DK>(sQ(buf)));
+      const uint64_t do_desc = sm90::opaque(sm90::gmma_desc_k<DV>(sdO(buf)));
 
       // S^T = K Q^T and dP^T = V dO^T for this warpgroup's 64 keys.
       float st[1][NT][4];
       float dpt[1][NT][4];
       sm90::wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        const int blk = kk / 4, col = (kk % 4) * 16;
-        sm90::wgmma_ss<T, NT>(st[0], sm90::desc_at<T>(k_desc, blk * (kBlockN * 64) + col),
-                              sm90::desc_at<T>(q_desc, blk * (BM * 64) + col), kk > 0);
+      for (int kk = 0; kk < DK / 16; ++kk) {
+        const int key_col = sm90::gmma_kcol<kBlockN, DK>(kk * 16);
+        const int query_col = sm90::gmma_kcol<BM, DK>(kk * 16);
+        sm90::wgmma_ss<T, NT>(st[0], sm90::desc_at<T>(k_desc, key_col),
+                              sm90::desc_at<T>(q_desc, query_col), kk > 0);
       }
       sm90::wgmma_commit();
 #pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        const int blk = kk / 4, col = (kk % 4) * 16;
-        sm90::wgmma_ss<T, NT>(dpt[0], sm90::desc_at<T>(v_desc, blk * (kBlockN * 64) + col),
-                              sm90::desc_at<T>(do_desc, blk * (BM * 64) + col), kk > 0);
+      for (int kk = 0; kk < DV / 16; ++kk) {
+        const int key_col = sm90::gmma_kcol<kBlockN, DV>(kk * 16);
+        const int query_col = sm90::gmma_kcol<BM, DV>(kk * 16);
+        sm90::wgmma_ss<T, NT>(dpt[0], sm90::desc_at<T>(v_desc, key_col),
+                              sm90::desc_at<T>(do_desc, query_col), kk > 0);
       }
       sm90::wgmma_commit();
       // The next step's loads go out while the tensor cores work (a block-sparse step lookup
@@ -181,13 +191,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90_kernel(con
       uint32_t pa[1][NT / 2][4];
       to_a_frags<1, NT, T>(st, pa);
 
-      // dV += P^T dO: dO [BM][D] is read transposed; its 64-column blocks are BM * 128 B apart.
+      // dV += P^T dO: dO [BM][DV] is read transposed.
       sm90::fence_operand(dv[0]);
       sm90::wgmma_fence();
-      const uint64_t do_t_desc = sm90::opaque(sm90::gmma_desc(sdO(buf), BM * 128, 1024));
+      const uint64_t do_t_desc = sm90::opaque(sm90::gmma_desc_mn<BM, DV>(sdO(buf)));
 #pragma unroll
       for (int kt = 0; kt < BM / 16; ++kt) {
-        sm90::wgmma_rs<T, DT>(dv[0], pa[0][kt], sm90::desc_at<T>(do_t_desc, kt * 16 * 64));
+        sm90::wgmma_rs<T, DVT>(dv[0], pa[0][kt], sm90::desc_at<T>(do_t_desc, kt * 16 * kVWidth));
       }
       sm90::wgmma_commit();
       sm90::wgmma_wait<1>(dpt[0]);  // dP^T is ready (dV may still run)
@@ -217,34 +227,36 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90_kernel(con
           }
       }
 
-      // dK += dS^T Q: Q [BM][D] read transposed.
+      // dK += dS^T Q: Q [BM][DK] read transposed.
       sm90::fence_operand(dk[0]);
       sm90::wgmma_fence();
-      const uint64_t q_t_desc = sm90::opaque(sm90::gmma_desc(sQ(buf), BM * 128, 1024));
+      const uint64_t q_t_desc = sm90::opaque(sm90::gmma_desc_mn<BM, DK>(sQ(buf)));
 #pragma unroll
       for (int kt = 0; kt < BM / 16; ++kt) {
-        sm90::wgmma_rs<T, DT>(dk[0], dsa[0][kt], sm90::desc_at<T>(q_t_desc, kt * 16 * 64));
+        sm90::wgmma_rs<T, DKT>(dk[0], dsa[0][kt], sm90::desc_at<T>(q_t_desc, kt * 16 * kKWidth));
       }
       sm90::wgmma_commit();
 
       // dQ += dS K (Traits::kDqSplitCols): A = dS^T staged [key][query] (MN-major), B = K
-      // [key][D] (MN-major): at D = 128 all keys and column block wg, at D = 64 the warpgroup's
-      // own 64 keys.
+      // [key][DK] (MN-major): at DK = 128 all keys and column block wg, at DK <= 64 the
+      // warpgroup's own 64 keys.
       sm90::fence_proxy_async();
       __syncthreads();  // both warpgroups' dS^T rows are staged
-      float dq[8][4];
+      constexpr int kDqCols = Traits::kDqCols;
+      float dq[kDqCols / 8][4];
       sm90::wgmma_fence();
       constexpr int kDqKeys = Traits::kDqKeys;
       const int dq_key0 = Traits::kDqSplitCols ? 0 : wg * 64;
       const int dq_col0 = Traits::kDqSplitCols ? wg * 64 : 0;
       const uint64_t ds_desc =
-          sm90::opaque(sm90::gmma_desc(sdS + dq_key0 * 64, kBlockN * 128, 1024));
-      const uint64_t k_t_desc = sm90::opaque(sm90::gmma_desc(
-          sK + (dq_col0 / 64) * (kBlockN * 64) + dq_key0 * 64, kBlockN * 128, 1024));
+          sm90::opaque(sm90::gmma_desc_mn<kBlockN, BM>(sdS + dq_key0 * 64));
+      const uint64_t k_t_desc = sm90::opaque(sm90::gmma_desc_mn<kBlockN, DK>(
+          sK + (dq_col0 / kKWidth) * (kBlockN * kKWidth) + dq_key0 * kKWidth));
 #pragma unroll
       for (int kt = 0; kt < kDqKeys / 16; ++kt) {
-        sm90::wgmma_ss<T, 8, 1, 1>(dq, sm90::desc_at<T>(ds_desc, kt * 16 * 64),
-                                   sm90::desc_at<T>(k_t_desc, kt * 16 * 64), kt > 0);
+        sm90::wgmma_ss<T, kDqCols / 8, 1, 1>(dq, sm90::desc_at<T>(ds_desc, kt * 16 * 64),
+                                             sm90::desc_at<T>(k_t_desc, kt * 16 * kKWidth),
+                                             kt > 0);
       }
       sm90::wgmma_commit();
       sm90::wgmma_wait<0>(dq);
@@ -258,9 +270,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90_kernel(con
       for (int hh = 0; hh < 2; ++hh) {
         const int i = q0 + g + 8 * hh;
         if (i >= valid_q) continue;
-        float* dst = p.dq_accum + (row0 + i) * D + dq_col0 + 2 * t;
+        float* dst = p.dq_accum + (row0 + i) * DK + dq_col0 + 2 * t;
 #pragma unroll
-        for (int ni = 0; ni < 8; ++ni) {
+        for (int ni = 0; ni < kDqCols / 8; ++ni) {
           atomic_add2(dst + ni * 8, dq[ni][2 * hh], dq[ni][2 * hh + 1]);
         }
       }
@@ -282,8 +294,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90_kernel(con
              (lens.k_start + n0) * p.dk_row_stride;
   T* dvptr = static_cast<T*>(p.dv) + b * p.dv_batch_stride + h_kv * p.dv_head_stride +
              (lens.k_start + n0) * p.dv_row_stride;
-  store_rows<1, DT, D>(dk, kscale, sK, warp_row0, dkptr, p.dk_row_stride, valid_k, lane);
-  store_rows<1, DT, D>(dv, one, sV, warp_row0, dvptr, p.dv_row_stride, valid_k, lane);
+  store_rows<1, DKT, DK>(dk, kscale, sK, warp_row0, dkptr, p.dk_row_stride, valid_k, lane);
+  store_rows<1, DVT, DV>(dv, one, sV, warp_row0, dvptr, p.dv_row_stride, valid_k, lane);
 #endif
 }
 

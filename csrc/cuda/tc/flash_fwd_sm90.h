@@ -28,8 +28,10 @@ struct Sm90FwdTraits {
   // Q, two K and two V stages; 1024 bytes of slack to align the swizzled tiles.
   static constexpr int kSmemBytes =
       (kQElems + kStages * (kKElems + kVElems)) * static_cast<int>(sizeof(T)) + 1024;
-  static_assert(DK % 64 == 0 && (DV == 64 || DV == 128), "wgmma tiles: DK % 64 == 0, DV 64/128");
-  static_assert(kBlockM * DV <= kQElems + kStages * kKElems, "output staging fits over Q and K");
+  static_assert((DK % 64 == 0 || DK == 32) && (DV == 64 || DV == 128),
+                "wgmma tiles: DK % 64 == 0 or 32, DV 64/128");
+  static_assert(kBlockM * DV <= kQElems + kStages * (kKElems + kVElems),
+                "output staging fits over Q, K and V");
 };
 
 template <typename Traits, typename T, int DK, int DV, typename Variant>
@@ -41,6 +43,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_fwd_sm90_kernel(con
   constexpr int kThreads = Traits::kThreads;
   constexpr int NT = BN / 8;  // score n-tiles per warp
   constexpr int DT = DV / 8;  // output n-tiles per warp
+  constexpr int kQWidth = sm90::GmmaLayout<DK>::kWidth;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   // The 128-byte swizzle is a function of address bits 4-9: tiles start 1024-byte aligned.
   T* const sQ = reinterpret_cast<T*>(smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023));
@@ -115,16 +118,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_fwd_sm90_kernel(con
       sm90::fence_proxy_async();
       __syncthreads();  // K i visible; every warpgroup is done with stage 1 - stage
 
-      // S = Q K^T: DK / 16 steps of k = 16; 64-column blocks of the swizzled tiles.
+      // S = Q K^T: DK / 16 steps of k = 16 over the K-major Q and K tiles.
       float s[1][NT][4];
       sm90::wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < DK / 16; ++kk) {
-        const int blk = kk / 4, col = (kk % 4) * 16;
-        const T* a = sQ + blk * (kBlockM * 64) + wg * 64 * 64 + col;
-        const T* bk = sK + stage * Traits::kKElems + blk * (BN * 64) + col;
-        sm90::wgmma_ss<T, NT>(s[0], sm90::gmma_desc(a, 0, 1024), sm90::gmma_desc(bk, 0, 1024),
-                               kk > 0);
+        const T* a = sQ + sm90::gmma_kcol<kBlockM, DK>(kk * 16) + wg * 64 * kQWidth;
+        const T* bk = sK + stage * Traits::kKElems + sm90::gmma_kcol<BN, DK>(kk * 16);
+        sm90::wgmma_ss<T, NT>(s[0], sm90::gmma_desc_k<DK>(a), sm90::gmma_desc_k<DK>(bk), kk > 0);
       }
       sm90::wgmma_commit();
       // The next K tile loads while the tensor cores work (a block-sparse tile lookup reads
@@ -156,13 +157,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_fwd_sm90_kernel(con
       if (i + 1 < tiles.count) load_v(1 - stage, next_n);
       cp_async_commit();
 
-      // O += P V: BN / 16 steps of 16 keys; V is read transposed (MN-major), its 64-column
-      // blocks BN * 128 bytes apart.
+      // O += P V: BN / 16 steps of 16 keys; V is read transposed (MN-major).
       sm90::wgmma_fence();
 #pragma unroll
       for (int kt = 0; kt < BN / 16; ++kt) {
-        const T* bv = sV + stage * Traits::kVElems + kt * 16 * 64;
-        sm90::wgmma_rs<T, DT>(o[0], pa[0][kt], sm90::gmma_desc(bv, BN * 128, 1024));
+        const T* bv = sV + stage * Traits::kVElems + kt * 16 * sm90::GmmaLayout<DV>::kWidth;
+        sm90::wgmma_rs<T, DT>(o[0], pa[0][kt], sm90::gmma_desc_mn<BN, DV>(bv));
       }
       sm90::wgmma_commit();
       sm90::wgmma_wait<0>(o[0]);

@@ -87,7 +87,7 @@ void launch_fwd_sm90(const AttnParams& p) {
 
 template <typename T, int DK, int DV, typename Variant>
 void launch_fwd(const AttnParams& p) {
-  if constexpr (!Variant::kElastic && DK % 64 == 0) {
+  if constexpr (!Variant::kElastic && (DK % 64 == 0 || DK == 32)) {
     if (use_sm90()) {
       launch_fwd_sm90<T, DK, DV, Variant>(p);
       return;
@@ -126,19 +126,19 @@ void run_flash_fwd(const AttnParams& p) {
 }
 
 // The Hopper dK/dV + atomic dQ launch (flash_bwd_sm90.h); p.dq_accum must be zeroed.
-template <typename T, int D>
+template <typename T, int DK, int DV>
 void launch_bwd_sm90(const AttnParams& p) {
-  using Traits = Sm90BwdTraits<T, D>;
-  auto kernel = flash_bwd_sm90_kernel<Traits, T, D>;
+  using Traits = Sm90BwdTraits<T, DK, DV>;
+  auto kernel = flash_bwd_sm90_kernel<Traits, T, DK, DV>;
   set_smem(kernel, Traits::kSmemBytes);
   const int grid = grid_size(tile_slots<true>(p, Traits::kBlockN) * p.heads_kv);
   kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, at::cuda::getCurrentCUDAStream()>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// Delta, then dK/dV/dQ. Unless p.deterministic: on Hopper at D = Dv in {64, 128} the wgmma kernel
-// with atomic dQ; elsewhere atomic dQ where the config measured it faster (fewer products, a
-// float32 accumulator of 2x dq's size). Otherwise the two-pass kernels.
+// Delta, then dK/dV/dQ. Unless p.deterministic: on Hopper (every compiled (D, Dv) pair) the wgmma
+// kernel with atomic dQ; elsewhere atomic dQ where the config measured it faster (fewer
+// products, a float32 accumulator of 2x dq's size). Otherwise the two-pass kernels.
 template <typename T, int DK, int DV>
 void run_flash_bwd(const AttnParams& p_in) {
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
@@ -146,7 +146,8 @@ void run_flash_bwd(const AttnParams& p_in) {
   const int row_grid = grid_size((row_items<false>(p_in) + kRowsPerBlock - 1) / kRowsPerBlock);
   flash_bwd_delta_kernel<T, DV><<<row_grid, kRowsPerBlock * 32, 0, stream>>>(p_in);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  constexpr bool kSm90Dims = DK == DV && (DK == 64 || DK == 128);
+  constexpr bool kSm90Dims = (DK == 32 || DK == 64 || DK == 128) && (DV == 64 || DV == 128) &&
+                             DK <= DV;
   const bool sm90 = kSm90Dims && !p_in.deterministic && use_sm90();
   if (sm90 || (FlashConfig<DV>::kAtomicDQ && !p_in.deterministic)) {
     AttnParams p = p_in;
@@ -156,7 +157,7 @@ void run_flash_bwd(const AttnParams& p_in) {
                                            at::kCUDA, c10::cuda::current_device()));
     p.dq_accum = accum.data_ptr<float>();
     if constexpr (kSm90Dims) {
-      launch_bwd_sm90<T, DK>(p);
+      launch_bwd_sm90<T, DK, DV>(p);
     } else if constexpr (FlashConfig<DV>::kAtomicDQ) {
       launch_bwd_main<T, DK, DV, SoftmaxVariant, true>(p);
     }

@@ -1,9 +1,9 @@
 // Hopper (sm_90a) warpgroup MMA building blocks for the tensor-core attention kernels:
-// 128-byte-swizzled shared-memory tiles, their matrix descriptors, and wgmma.mma_async at
-// N = 64 and 128 in the two operand forms attention needs: both operands in shared memory
-// (S = Q K^T; the backward's dQ = dS K with both read transposed) and A in registers (O += P V,
-// dV += P^T dO, dK += dS^T Q, with B read transposed). A warpgroup is 4 consecutive
-// warps; warp w of a warpgroup holds accumulator rows 16w .. 16w + 15 in exactly the layout of
+// swizzled shared-memory tiles (128-byte swizzle; 64-byte for 32-wide low-rank query/key tiles),
+// their matrix descriptors, and wgmma.mma_async at N = 32, 64 and 128 in the two operand forms
+// attention needs: both operands in shared memory (S = Q K^T; the backward's dQ = dS K with
+// both read transposed) and A in registers (O += P V, dV += P^T dO, dK += dS^T Q, with B read
+// transposed). A warpgroup is 4 consecutive warps; warp w of a warpgroup holds accumulator rows 16w .. 16w + 15 in exactly the layout of
 // mma.sync m16n8 fragments (mma.h), so the softmax and mask code of the SM80 kernels applies.
 // Everything here compiles only for sm_90a (ADAATTN_SM90A_DEVICE); other targets get no body.
 #pragma once
@@ -24,12 +24,32 @@ namespace adaattn {
 namespace tc {
 namespace sm90 {
 
-// Element offset of (row, col) in a [ROWS][W] tile stored as W / 64 column blocks of
-// [ROWS][64], each row of a block one 128-byte line whose 16-byte chunks are XORed with
-// row % 8 (the hardware's 128-byte swizzle; blocks must be 1024-byte aligned).
-template <int ROWS>
+// Swizzled layout of a [ROWS][D] operand tile (2-byte elements) as wgmma reads it: for D % 64
+// == 0, D / 64 column blocks of [ROWS][64], each row one 128-byte line whose 16-byte chunks are
+// XORed with row % 8 (128-byte swizzle); for D = 32 (low-rank scores), one block of 64-byte rows
+// whose chunks are XORed with (row / 2) % 4 (64-byte swizzle). Tiles start 1024-byte aligned.
+template <int D>
+struct GmmaLayout {
+  static_assert(D % 64 == 0 || D == 32, "wgmma tiles: D % 64 == 0 or D = 32");
+  static constexpr int kWidth = D % 64 == 0 ? 64 : 32;  // elements per swizzled row
+  static constexpr uint32_t kMode = kWidth == 64 ? 1 : 2;  // descriptor swizzle: 128 / 64 bytes
+  static constexpr uint32_t kGroupBytes = 8 * kWidth * 2;  // one 8-row group of a block
+};
+
+// Element offset of (row, col) in a GmmaLayout<D> tile of ROWS rows: column blocks of the
+// SM80 kernels' swizzle (mma.h's swz at widths 64 and 32 is the hardware's 128- and 64-byte one).
+template <int ROWS, int D>
 __device__ __forceinline__ int gmma_off(int row, int col) {
-  return (col >> 6) * (ROWS * 64) + row * 64 + ((((col >> 3) & 7) ^ (row & 7)) << 3) + (col & 7);
+  constexpr int W = GmmaLayout<D>::kWidth;
+  return (col / W) * (ROWS * W) + swz<W>(row, col % W);
+}
+
+// Element offset of reduction column `col` (a multiple of 16) of a K-major tile: where the
+// descriptor of the k = 16 step starting there points.
+template <int ROWS, int D>
+__device__ __forceinline__ int gmma_kcol(int col) {
+  constexpr int W = GmmaLayout<D>::kWidth;
+  return (col / W) * (ROWS * W) + col % W;
 }
 
 // Copies a [ROWS][D] tile whose row r lives at src + r * row_stride into a gmma_off tile.
@@ -46,22 +66,37 @@ __device__ __forceinline__ void load_tile_gmma(T* dst, const T* src, int64_t row
     const int r = c / kChunksPerRow;
     const int col = (c % kChunksPerRow) * 8;
     const bool valid = r < valid_rows;
-    cp_async16(dst + gmma_off<ROWS>(r, col), src + (valid ? r * row_stride : 0) + col, valid);
+    cp_async16(dst + gmma_off<ROWS, D>(r, col), src + (valid ? r * row_stride : 0) + col, valid);
   }
 }
 
-// Matrix descriptor of a 128-byte-swizzled operand at p (PTX ISA "matrix descriptor"):
-// start address, leading and stride byte offsets in 16-byte units, swizzle mode 1 (128 B).
-// K-major operands (rows of 64 reduction elements): the leading offset is unused and the
-// stride offset is 1024 B between 8-row groups. MN-major operands (V: rows of 64 output
-// columns, one row per reduction step): leading offset = distance between 64-column blocks,
-// stride offset = 1024 B between groups of 8 reduction rows.
+// Matrix descriptor of a swizzled operand at p (PTX ISA "matrix descriptor"): start address,
+// leading and stride byte offsets in 16-byte units, swizzle mode (1: 128 B, 2: 64 B).
 __device__ __forceinline__ uint64_t gmma_desc(const void* p, uint32_t leading_bytes,
-                                              uint32_t stride_bytes) {
+                                              uint32_t stride_bytes, uint32_t mode) {
   const uint32_t addr = smem_addr(p);
   return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) |
          static_cast<uint64_t>((leading_bytes >> 4) & 0x3FFF) << 16 |
-         static_cast<uint64_t>((stride_bytes >> 4) & 0x3FFF) << 32 | uint64_t{1} << 62;
+         static_cast<uint64_t>((stride_bytes >> 4) & 0x3FFF) << 32 |
+         static_cast<uint64_t>(mode) << 62;
+}
+
+// K-major operand of a GmmaLayout<D> tile (rows of reduction elements, as Q and K for S = Q K^T)
+// at p: the leading offset is unused, the stride offset spans one 8-row group.
+template <int D>
+__device__ __forceinline__ uint64_t gmma_desc_k(const void* p) {
+  using L = GmmaLayout<D>;
+  return gmma_desc(p, 0, L::kGroupBytes, L::kMode);
+}
+
+// MN-major operand (read transposed: one row per reduction step, D output columns) of a
+// GmmaLayout<D> tile of ROWS rows at p: the leading offset is the distance between column
+// blocks, the stride offset spans 8 reduction rows. Reduction row r starts r * kWidth
+// elements further on.
+template <int ROWS, int D>
+__device__ __forceinline__ uint64_t gmma_desc_mn(const void* p) {
+  using L = GmmaLayout<D>;
+  return gmma_desc(p, ROWS * L::kWidth * 2, L::kGroupBytes, L::kMode);
 }
 
 // Descriptor of the operand `elems` elements of T further on. The start address field holds
@@ -119,8 +154,11 @@ __device__ __forceinline__ void wgmma_wait(float (&d)[NT][4]) {
 #endif
 }
 
-// Operand lists of the m64nNk16 accumulators: N / 2 fp32 registers per thread, written out
-// because inline asm takes no arrays.
+// Operand lists of the m64nNk16 accumulators (N / 2 fp32 registers per thread), written out
+// because inline asm takes no arrays; the asm below differs per shape only in these and in the
+// operand numbers after them.
+#define ADAATTN_WGMMA_D16 \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
 #define ADAATTN_WGMMA_D32 \
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
   "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
@@ -129,11 +167,13 @@ __device__ __forceinline__ void wgmma_wait(float (&d)[NT][4]) {
   "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
   "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
   "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
-#define ADAATTN_WGMMA_ACC8 \
+#define ADAATTN_WGMMA_ACC4 \
   "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), \
   "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), \
   "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), \
-  "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), \
+  "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
+#define ADAATTN_WGMMA_ACC8 \
+  ADAATTN_WGMMA_ACC4, \
   "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), \
   "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), \
   "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), \
@@ -149,40 +189,51 @@ __device__ __forceinline__ void wgmma_wait(float (&d)[NT][4]) {
   "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), \
   "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
 
+// wgmma with both operands in shared memory; A, B, S, TA, TB: the operand numbers of the two
+// descriptors, scale_d and the two transpose immediates.
+#define ADAATTN_WGMMA_SS(SHAPE, TYPE, DLIST, ACC, A, B, S, TA, TB)                              \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" S ", 0;\n"                                 \
+               "wgmma.mma_async.sync.aligned." SHAPE ".f32." TYPE "." TYPE " " DLIST ", %" A    \
+               ", %" B ", p, 1, 1, %" TA ", %" TB ";\n}\n"                                     \
+               : ACC                                                                           \
+               : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransA), "n"(kTransB))
+// wgmma with A in registers (4 x 32 bits); A0: the number of the first of them, B: the
+// descriptor, P: the accumulate predicate (always 1).
+#define ADAATTN_WGMMA_RS(SHAPE, TYPE, DLIST, ACC, A0, A1, A2, A3, B, P)                         \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" P ", 0;\n"                                 \
+               "wgmma.mma_async.sync.aligned." SHAPE ".f32." TYPE "." TYPE " " DLIST ", {%" A0 \
+               ", %" A1 ", %" A2 ", %" A3 "}, %" B ", p, 1, 1, 1;\n}\n"                        \
+               : ACC                                                                           \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1))
+
 // d[N/8][4] (+)= A B over k = 16, both operands in shared memory: A = 64 rows (M) x 16
-// reduction elements, B = N x 16. kTransA / kTransB = 0: the operand is K-major (rows of
-// reduction elements, as Q and K for S = Q K^T); 1: MN-major (rows of M / N elements, one row
-// per reduction step). scale_d = 0 overwrites d.
+// reduction elements, B = N x 16, N in {32, 64, 128}. kTransA / kTransB = 0: the operand is
+// K-major (rows of reduction elements, as Q and K for S = Q K^T); 1: MN-major (rows of M / N
+// elements, one row per reduction step). scale_d = 0 overwrites d.
 template <typename T, int NT, int kTransA = 0, int kTransB = 0>
 __device__ __forceinline__ void wgmma_ss(float (&d)[NT][4], uint64_t desc_a, uint64_t desc_b,
                                          int scale_d) {
-  static_assert(NT == 8 || NT == 16, "wgmma_ss covers N = 64 and N = 128");
+  static_assert(NT == 4 || NT == 8 || NT == 16, "wgmma_ss covers N = 32, 64 and 128");
 #ifdef ADAATTN_SM90A_DEVICE
   constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
   if constexpr (NT == 16 && kBf16) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " ADAATTN_WGMMA_D64
-                 ", %64, %65, p, 1, 1, %67, %68;\n}\n"
-                 : ADAATTN_WGMMA_ACC16
-                 : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransA), "n"(kTransB));
+    ADAATTN_WGMMA_SS("m64n128k16", "bf16", ADAATTN_WGMMA_D64, ADAATTN_WGMMA_ACC16,
+                     "64", "65", "66", "67", "68");
   } else if constexpr (NT == 16) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 " ADAATTN_WGMMA_D64
-                 ", %64, %65, p, 1, 1, %67, %68;\n}\n"
-                 : ADAATTN_WGMMA_ACC16
-                 : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransA), "n"(kTransB));
+    ADAATTN_WGMMA_SS("m64n128k16", "f16", ADAATTN_WGMMA_D64, ADAATTN_WGMMA_ACC16,
+                     "64", "65", "66", "67", "68");
+  } else if constexpr (NT == 8 && kBf16) {
+    ADAATTN_WGMMA_SS("m64n64k16", "bf16", ADAATTN_WGMMA_D32, ADAATTN_WGMMA_ACC8,
+                     "32", "33", "34", "35", "36");
+  } else if constexpr (NT == 8) {
+    ADAATTN_WGMMA_SS("m64n64k16", "f16", ADAATTN_WGMMA_D32, ADAATTN_WGMMA_ACC8,
+                     "32", "33", "34", "35", "36");
   } else if constexpr (kBf16) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " ADAATTN_WGMMA_D32
-                 ", %32, %33, p, 1, 1, %35, %36;\n}\n"
-                 : ADAATTN_WGMMA_ACC8
-                 : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransA), "n"(kTransB));
+    ADAATTN_WGMMA_SS("m64n32k16", "bf16", ADAATTN_WGMMA_D16, ADAATTN_WGMMA_ACC4,
+                     "16", "17", "18", "19", "20");
   } else {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " ADAATTN_WGMMA_D32
-                 ", %32, %33, p, 1, 1, %35, %36;\n}\n"
-                 : ADAATTN_WGMMA_ACC8
-                 : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransA), "n"(kTransB));
+    ADAATTN_WGMMA_SS("m64n32k16", "f16", ADAATTN_WGMMA_D16, ADAATTN_WGMMA_ACC4,
+                     "16", "17", "18", "19", "20");
   }
 #endif
 }
@@ -192,33 +243,27 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[NT][4], uint64_t desc_a, uin
 template <typename T, int NT>
 __device__ __forceinline__ void wgmma_rs(float (&d)[NT][4], const uint32_t (&a)[4],
                                          uint64_t desc_b) {
-  static_assert(NT == 8 || NT == 16, "wgmma_rs covers N = 64 and N = 128");
+  static_assert(NT == 4 || NT == 8 || NT == 16, "wgmma_rs covers N = 32, 64 and 128");
 #ifdef ADAATTN_SM90A_DEVICE
   constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
   if constexpr (NT == 16 && kBf16) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " ADAATTN_WGMMA_D64
-                 ", {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
-                 : ADAATTN_WGMMA_ACC16
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+    ADAATTN_WGMMA_RS("m64n128k16", "bf16", ADAATTN_WGMMA_D64, ADAATTN_WGMMA_ACC16,
+                     "64", "65", "66", "67", "68", "69");
   } else if constexpr (NT == 16) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 " ADAATTN_WGMMA_D64
-                 ", {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
-                 : ADAATTN_WGMMA_ACC16
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+    ADAATTN_WGMMA_RS("m64n128k16", "f16", ADAATTN_WGMMA_D64, ADAATTN_WGMMA_ACC16,
+                     "64", "65", "66", "67", "68", "69");
+  } else if constexpr (NT == 8 && kBf16) {
+    ADAATTN_WGMMA_RS("m64n64k16", "bf16", ADAATTN_WGMMA_D32, ADAATTN_WGMMA_ACC8,
+                     "32", "33", "34", "35", "36", "37");
+  } else if constexpr (NT == 8) {
+    ADAATTN_WGMMA_RS("m64n64k16", "f16", ADAATTN_WGMMA_D32, ADAATTN_WGMMA_ACC8,
+                     "32", "33", "34", "35", "36", "37");
   } else if constexpr (kBf16) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " ADAATTN_WGMMA_D32
-                 ", {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
-                 : ADAATTN_WGMMA_ACC8
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+    ADAATTN_WGMMA_RS("m64n32k16", "bf16", ADAATTN_WGMMA_D16, ADAATTN_WGMMA_ACC4,
+                     "16", "17", "18", "19", "20", "21");
   } else {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " ADAATTN_WGMMA_D32
-                 ", {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
-                 : ADAATTN_WGMMA_ACC8
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+    ADAATTN_WGMMA_RS("m64n32k16", "f16", ADAATTN_WGMMA_D16, ADAATTN_WGMMA_ACC4,
+                     "16", "17", "18", "19", "20", "21");
   }
 #endif
 }
