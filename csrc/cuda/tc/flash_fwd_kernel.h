@@ -58,21 +58,26 @@ __device__ __forceinline__ void mask_scores(float (&s)[MI][NT][4], const RowRang
       }
 }
 
-// Online max/sum update of one score tile (log2 units) for the rows this thread holds; returns
-// the factor by which earlier partial results of each row must be rescaled.
-template <int MI, int NT>
+// Online max/sum update of one score tile for the rows this thread holds; returns the factor
+// by which earlier partial results of each row must be rescaled. The scores in log2 units are
+// s (kRaw = false) or scale * s with scale > 0 (kRaw = true: the max is taken on the raw scores
+// and each exponent is one FMA, which saves the scaling pass).
+template <bool kRaw = false, int MI, int NT>
 __device__ __forceinline__ void online_softmax(float (&s)[MI][NT][4], float (&row_max)[MI][2],
-                                               float (&row_sum)[MI][2], float (&corr)[MI][2]) {
+                                               float (&row_sum)[MI][2], float (&corr)[MI][2],
+                                               float scale = 1.f) {
+  if constexpr (!kRaw) scale = 1.f;
 #pragma unroll
   for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
-      float mx = row_max[mi][hh];
+      float mx = kRaw ? -INFINITY : row_max[mi][hh];
 #pragma unroll
       for (int ni = 0; ni < NT; ++ni)
         mx = fmaxf(mx, fmaxf(s[mi][ni][2 * hh], s[mi][ni][2 * hh + 1]));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+      if constexpr (kRaw) mx = fmaxf(row_max[mi][hh], mx * scale);
       const float base = mx == -INFINITY ? 0.f : mx;
       corr[mi][hh] = exp2f(row_max[mi][hh] - base);
       row_max[mi][hh] = mx;
@@ -81,7 +86,8 @@ __device__ __forceinline__ void online_softmax(float (&s)[MI][NT][4], float (&ro
       for (int ni = 0; ni < NT; ++ni)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          const float pe = exp2f(s[mi][ni][2 * hh + e] - base);
+          const float pe = kRaw ? exp2f(fmaf(s[mi][ni][2 * hh + e], scale, -base))
+                                : exp2f(s[mi][ni][2 * hh + e] - base);
           s[mi][ni][2 * hh + e] = pe;
           sum += pe;
         }

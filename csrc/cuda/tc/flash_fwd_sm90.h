@@ -135,15 +135,19 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_fwd_sm90_kernel(con
       cp_async_commit();
       sm90::wgmma_wait<0>(s[0]);
 
+      // The scale goes into the exponent's FMA; a scale <= 0 (allowed, if odd) is applied first
+      // since the row max is taken on raw scores.
+      if (!(p.scale_log2 > 0.f)) {
 #pragma unroll
-      for (int ni = 0; ni < NT; ++ni)
+        for (int ni = 0; ni < NT; ++ni)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) s[0][ni][e] *= p.scale_log2;
+          for (int e = 0; e < 4; ++e) s[0][ni][e] *= p.scale_log2;
+      }
       if (!tile_is_full(p, lens, m0 + warp_row0, m0 + warp_row0 + 16, n0, n0 + BN)) {
         mask_scores(s, rr, n0, lane);
       }
       float corr[1][2];
-      online_softmax(s, row_max, row_sum, corr);
+      online_softmax<true>(s, row_max, row_sum, corr, p.scale_log2 > 0.f ? p.scale_log2 : 1.f);
 #pragma unroll
       for (int di = 0; di < DT; ++di)
 #pragma unroll
