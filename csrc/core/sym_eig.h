@@ -37,6 +37,12 @@
 // 9. Output: eigenvalues descending (ties: lower index in the tridiagonal's block order first, NaN
 //    last), eigenvectors as columns in the same order, each with its entry of largest magnitude
 //    positive (ties: lowest row).
+//
+// sym_eig_top (rank_plan's op) computes the same eigenvalues, then the rank r of sym_eig_rank
+// right after step 4, and steps 5-8 only for what the first r output columns need: inverse
+// iteration and Gram-Schmidt for those eigenvalues and their clusters' lower members (step 6
+// orthogonalises a member against the lower ones), back-transformation and Newton-Schulz for the
+// r columns alone, in output order (sym_eig is the case r = D). Columns r.. of the output are 0.
 #pragma once
 
 #include <cmath>
@@ -157,6 +163,51 @@ ADAATTN_HD bool sym_eig_precedes(float a, int i, float b, int j) {
   const float ka = a != a ? -INFINITY : a;
   const float kb = b != b ? -INFINITY : b;
   return ka > kb || (ka == kb && i < j);
+}
+
+// rank_plan's rank (spec §3.4) of the eigenvalues lam[order[0]] >= lam[order[1]] >= ... (any
+// power-of-2 scale): the smallest r whose eigenvalues, clamped at 0, hold `energy` of their sum
+// (none, e.g. NaN: n), then at least min_rank, rounded up to a multiple of `multiple`, at most n;
+// energy >= 1 gives n. min_rank and multiple are in [1, n]. The sums are in double in the order of
+// a 32-lane scan (the CUDA kernel's warp): with c = kSymEigRankChunk (n <= 128) or twice that,
+// lane l sums entries cl..cl+c-1 one after another, an inclusive Kogge-Stone scan over the lanes'
+// sums (strides 1, 2, 4, 8, 16) gives T_l, and the prefix through entry cl + i is
+// T_{l-1} + (entries cl..cl+i) (T_{-1} = 0).
+constexpr int kSymEigRankChunk = 4;
+static_assert(kSymEigMaxDim <= 2 * 32 * kSymEigRankChunk, "sym_eig_rank's scan");
+
+ADAATTN_HD double sym_eig_clamped(float x) { return x < 0.f ? 0.0 : static_cast<double>(x); }
+
+ADAATTN_HD int sym_eig_round_rank(int first, int n, int min_rank, int multiple) {
+  const int r = first > min_rank ? first : min_rank;
+  const int up = (r + multiple - 1) / multiple * multiple;
+  return up < n ? up : n;
+}
+
+ADAATTN_HD int sym_eig_rank(const float* lam, const int* order, int n, double energy,
+                            int min_rank, int multiple) {
+  if (!(energy < 1.0)) return n;
+  const int c = n <= 32 * kSymEigRankChunk ? kSymEigRankChunk : 2 * kSymEigRankChunk;
+  double t[32], local[2 * 32 * kSymEigRankChunk];
+  for (int l = 0; l < 32; ++l) {
+    double s = 0.0;
+    for (int i = 0; i < c; ++i) {
+      const int o = c * l + i;
+      s += o < n ? sym_eig_clamped(lam[order[o]]) : 0.0;
+      local[o] = s;
+    }
+    t[l] = s;
+  }
+  for (int stride = 1; stride < 32; stride *= 2) {
+    for (int l = 31; l >= stride; --l) t[l] += t[l - stride];
+  }
+  const double target = energy * t[31];
+  for (int o = 0; o < n; ++o) {
+    if ((o >= c ? t[o / c - 1] : 0.0) + local[o] >= target) {
+      return sym_eig_round_rank(o + 1, n, min_rank, multiple);
+    }
+  }
+  return n;
 }
 
 // Whether row i's entry a beats row j's entry b as a column's entry of largest magnitude.

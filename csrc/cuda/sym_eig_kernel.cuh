@@ -77,6 +77,7 @@ enum SymEigStage {
   kStageTridiag,       // 2. Householder tridiagonalisation
   kStageSplit,         // 3. split (one thread)
   kStageMultisection,  // 4. eigenvalues
+  kStageRank,          // 4b. order, rank, the columns to compute
   kStageInverse,       // 5. inverse iteration
   kStageCluster,       // 6. cluster Gram-Schmidt
   kStageBack,          // 7. back-transformation
@@ -92,8 +93,9 @@ constexpr int kS = kMaxSmemDim + 1;  // row stride: columns are conflict-free to
 constexpr int kBuf = kMaxSmemDim * kS;
 // Shared memory, in 4-byte words.
 constexpr int kOffA = 0, kOffZ = kBuf, kOffR = 2 * kBuf;
-constexpr int kOffVec = 3 * kBuf;  // d, e, e2, tau, p, lam, h, sgn; start, bsz, c0, inv (ints)
-constexpr int kOffRed = kOffVec + 12 * kMaxSmemDim;  // kWarps doubles
+// d, e, e2, tau, p, lam, h, sgn; start, bsz, c0, inv, pos, need, the rank (ints)
+constexpr int kOffVec = 3 * kBuf;
+constexpr int kOffRed = kOffVec + 15 * kMaxSmemDim;  // kWarps doubles
 constexpr int kSmemBytes = (kOffRed + 2 * kWarps) * 4;
 static_assert(kSmemBytes <= 227 * 1024, "shared memory per CTA");
 
@@ -139,9 +141,58 @@ __device__ __forceinline__ void tridiag_reflector(float* A, int k, int n, int la
   }
 }
 
+// Back-transformation of the first r output columns: output column g < r is Z's column inv[g]
+// (tridiagonal order), written to Z's column g. P consecutive lanes per column, lane `part`
+// keeping rows part + P q in registers; warps whose columns are all >= r idle.
+template <int P>
+__device__ __forceinline__ void back_transform(float* Z, const float* A, const float* tau,
+                                               const int* inv, int n, int r) {
+  constexpr int kRows = kMaxSmemDim / P;
+  const int g = threadIdx.x / P, part = threadIdx.x % P;
+  const bool active = (threadIdx.x >> 5) * 32 / P < r;  // warp-uniform
+  const int src = g < r ? inv[g] : g;
+  float z[kRows];
+#pragma unroll
+  for (int q = 0; q < kRows; ++q) z[q] = active ? Z[(part + P * q) * kS + src] : 0.f;
+  __syncthreads();  // every source column is read before column g is overwritten
+  if (!active) return;
+#pragma unroll 1
+  for (int k = n - 3; k >= 0; --k) {
+    const float t = tau[k];
+    if (t == 0.f) continue;
+    const float* x = A + k * kS;
+    // v is 0 in rows <= k: q with P q + P - 1 <= k (all P parts' rows) is skipped (uniform
+    // over the column's lanes), about half of the q's over the n - 2 steps.
+    float vq[kRows], s = 0.f;
+#pragma unroll
+    for (int q = 0; q < kRows; ++q) {
+      if (P * q + P - 1 > k) {
+        const int y = part + P * q;
+        vq[q] = y == k + 1 ? 1.f : y > k + 1 ? x[y] : 0.f;
+        s += vq[q] * z[q];
+      }
+    }
+#pragma unroll
+    for (int o = P / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    s *= t;
+#pragma unroll
+    for (int q = 0; q < kRows; ++q) {
+      if (P * q + P - 1 > k) z[q] -= s * vq[q];
+    }
+  }
+  if (g < r) {
+#pragma unroll
+    for (int q = 0; q < kRows; ++q) Z[(part + P * q) * kS + g] = z[q];
+  }
+}
+
+// ranks == nullptr: sym_eig (all n columns; energy is ignored). Otherwise sym_eig_top: the rank r
+// of sym_eig_rank goes to ranks[mat], and only the first r columns of the output are computed,
+// the others are 0.
 __global__ void __launch_bounds__(kT, 1)
     sym_eig_kernel(const float* __restrict__ a_all, float* __restrict__ w_all,
-                   float* __restrict__ v_all, int n ADAATTN_SYM_EIG_STAGE_PARAM) {
+                   float* __restrict__ v_all, int n, double energy, int min_rank, int multiple,
+                   int* __restrict__ ranks ADAATTN_SYM_EIG_STAGE_PARAM) {
   extern __shared__ __align__(16) float sm[];
   float* A = sm + kOffA;
   float* Z = sm + kOffZ;
@@ -158,6 +209,9 @@ __global__ void __launch_bounds__(kT, 1)
   int* bsz = start + kMaxSmemDim;
   int* c0 = bsz + kMaxSmemDim;
   int* inv = c0 + kMaxSmemDim;
+  int* pos = inv + kMaxSmemDim;
+  int* need = pos + kMaxSmemDim;
+  int* rank_out = need + kMaxSmemDim;
   double* red = reinterpret_cast<double*>(sm + kOffRed);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int64_t mat = blockIdx.x;
@@ -293,14 +347,69 @@ __global__ void __launch_bounds__(kT, 1)
   __syncthreads();
   ADAATTN_SYM_EIG_STAGE(kStageMultisection);
 
-  // 5. Inverse iteration, one thread per eigenvalue (Z was zeroed in step 1); R column j keeps
-  // the factors of T - lam_j I for step 6. Vectors outside clusters are normalised here.
+  // 4b. Output order (descending, sym_eig_precedes): inv[position] = index, pos[index] = position;
+  // each eigenvalue's cluster start c0; the rank r (warp 0: sym_eig_rank's scan); need[j]: j's
+  // vector is needed, i.e. j or a later member of its cluster (step 6) is among the first r.
   const float tiny = kSymEigPivot * anorm, ctol = kSymEigCluster * anorm;
   if (tid < n) {
-    const int j = tid, b = start[j], m = bsz[b];
-    int c = j;
+    const float l = lam[tid];
+    int rk = 0;
+    for (int y = 0; y < n; ++y) rk += sym_eig_precedes(lam[y], y, l, tid);
+    inv[rk] = tid;
+    pos[tid] = rk;
+    const int b = start[tid];
+    int c = tid;
     while (c > b && lam[c] - lam[c - 1] <= ctol) --c;
-    c0[j] = c;
+    c0[tid] = c;
+  }
+  __syncthreads();
+  if (warp == 0) {
+    int r = n;
+    if (ranks != nullptr && energy < 1.0) {
+      double local[kSymEigRankChunk], s = 0.0;
+#pragma unroll
+      for (int i = 0; i < kSymEigRankChunk; ++i) {
+        const int o = kSymEigRankChunk * lane + i;
+        s += o < n ? sym_eig_clamped(lam[inv[o]]) : 0.0;
+        local[i] = s;
+      }
+#pragma unroll
+      for (int stride = 1; stride < 32; stride *= 2) {
+        const double up = __shfl_up_sync(0xffffffffu, s, stride);
+        if (lane >= stride) s += up;
+      }
+      const double target = energy * __shfl_sync(0xffffffffu, s, 31);
+      const double before = __shfl_up_sync(0xffffffffu, s, 1);
+      int first = kSymEigRankChunk;  // the lane's first entry that reaches the target
+#pragma unroll
+      for (int i = kSymEigRankChunk - 1; i >= 0; --i) {
+        const int o = kSymEigRankChunk * lane + i;
+        if (o < n && (lane > 0 ? before + local[i] : local[i]) >= target) first = i;
+      }
+      const unsigned hit = __ballot_sync(0xffffffffu, first < kSymEigRankChunk);
+      const int src = hit ? __ffs(hit) - 1 : 0;
+      const int o = kSymEigRankChunk * src + __shfl_sync(0xffffffffu, first, src);
+      if (hit) r = sym_eig_round_rank(o + 1, n, min_rank, multiple);
+    }
+    if (lane == 0) {
+      *rank_out = r;
+      if (ranks != nullptr) ranks[mat] = r;
+    }
+  }
+  __syncthreads();
+  const int r = *rank_out;
+  if (tid < n) {
+    bool nd = pos[tid] < r;
+    for (int y = tid + 1; !nd && y < n && c0[y] <= tid; ++y) nd = pos[y] < r;
+    need[tid] = nd;
+  }
+  __syncthreads();
+  ADAATTN_SYM_EIG_STAGE(kStageRank);
+
+  // 5. Inverse iteration, one thread per needed eigenvalue (Z was zeroed in step 1); R column j
+  // keeps the factors of T - lam_j I for step 6. Vectors outside clusters are normalised here.
+  if (tid < n && need[tid]) {
+    const int j = tid, b = start[j], m = bsz[b], c = c0[j];
     if (m == 1) {
       Z[b * kS + j] = 1.f;
     } else {
@@ -326,7 +435,7 @@ __global__ void __launch_bounds__(kT, 1)
 #pragma unroll 1
   for (int j = 1; j < n; ++j) {
     const int c = c0[j];
-    if (c == j) continue;  // uniform
+    if (c == j || !need[j]) continue;  // uniform
     const int b = start[j], m = bsz[b];
     const bool degenerate = lam[j] - lam[j - 1] <= kSymEigDegenerate * anorm;
 #pragma unroll 1
@@ -387,61 +496,37 @@ __global__ void __launch_bounds__(kT, 1)
   }
   ADAATTN_SYM_EIG_STAGE(kStageCluster);
 
-  // 7. Back-transformation: thread (column col, part) keeps rows part + 8 q of Z in registers;
-  // the 8 threads of a column are consecutive lanes.
-  {
-    const int col = tid >> 3, part = tid & 7;
-    float z[16];
-#pragma unroll
-    for (int q = 0; q < 16; ++q) z[q] = Z[(part + 8 * q) * kS + col];
-#pragma unroll 1
-    for (int k = n - 3; k >= 0; --k) {
-      const float t = tau[k];
-      if (t == 0.f) continue;
-      const float* x = A + k * kS;
-      // v is 0 in rows <= k: q with 8 q + 7 <= k (all 8 parts' rows) is skipped (warp-uniform),
-      // about half of the q's over the 126 steps.
-      float vq[16], s = 0.f;
-#pragma unroll
-      for (int q = 0; q < 16; ++q) {
-        if (8 * q + 7 > k) {
-          const int y = part + 8 * q;
-          vq[q] = y == k + 1 ? 1.f : y > k + 1 ? x[y] : 0.f;
-          s += vq[q] * z[q];
-        }
-      }
-      s += __shfl_xor_sync(0xffffffffu, s, 4);
-      s += __shfl_xor_sync(0xffffffffu, s, 2);
-      s += __shfl_xor_sync(0xffffffffu, s, 1);
-      s *= t;
-#pragma unroll
-      for (int q = 0; q < 16; ++q) {
-        if (8 * q + 7 > k) z[q] -= s * vq[q];
-      }
-    }
-#pragma unroll
-    for (int q = 0; q < 16; ++q) Z[(part + 8 * q) * kS + col] = z[q];
+  // 7. Back-transformation of the first r output columns, into Z's columns 0..r-1.
+  if (r <= 32) {
+    back_transform<32>(Z, A, tau, inv, n, r);
+  } else if (r <= 64) {
+    back_transform<16>(Z, A, tau, inv, n, r);
+  } else {
+    back_transform<8>(Z, A, tau, inv, n, r);
   }
   __syncthreads();
   ADAATTN_SYM_EIG_STAGE(kStageBack);
 
-  // 8. Newton-Schulz: R = U^T U - I, then U <- U - U R / 2. Thread tile: rows/columns
-  // a0 + 32 i, b0 + 32 j (a0 is warp-uniform: broadcast loads; b0 = lane: conflict-free).
+  // 8. Newton-Schulz on U = Z's columns 0..r-1: R = U^T U - I, then U <- U - U R / 2. Thread
+  // tile: rows/columns a0 + 32 i, b0 + 32 j (a0 is warp-uniform: broadcast loads; b0 = lane:
+  // conflict-free); column tiles past r are skipped (uniform).
   {
-    const int a0 = warp, b0 = lane;
+    const int a0 = warp, b0 = lane, tiles = (r + 31) / 32;
     float acc[4][4] = {};
 #pragma unroll 2
-    for (int r = 0; r < kMaxSmemDim; ++r) {
+    for (int y = 0; y < n; ++y) {
       float xa[4], yb[4];
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        xa[i] = Z[r * kS + a0 + 32 * i];
-        yb[i] = Z[r * kS + b0 + 32 * i];
+        xa[i] = Z[y * kS + a0 + 32 * i];
+        yb[i] = Z[y * kS + b0 + 32 * i];
       }
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
 #pragma unroll
-        for (int jx = 0; jx < 4; ++jx) acc[i][jx] += xa[i] * yb[jx];
+        for (int jx = 0; jx < 4; ++jx) {
+          if (i < tiles && jx < tiles) acc[i][jx] += xa[i] * yb[jx];
+        }
       }
     }
 #pragma unroll
@@ -449,7 +534,9 @@ __global__ void __launch_bounds__(kT, 1)
 #pragma unroll
       for (int jx = 0; jx < 4; ++jx) {
         const int x = a0 + 32 * i, y = b0 + 32 * jx;
-        R[x * kS + y] = x < n && y < n ? acc[i][jx] - (x == y ? 1.f : 0.f) : 0.f;
+        if (i < tiles && jx < tiles) {
+          R[x * kS + y] = x < r && y < r ? acc[i][jx] - (x == y ? 1.f : 0.f) : 0.f;
+        }
       }
     }
     __syncthreads();
@@ -459,7 +546,7 @@ __global__ void __launch_bounds__(kT, 1)
       for (int jx = 0; jx < 4; ++jx) acc[i][jx] = 0.f;
     }
 #pragma unroll 2
-    for (int k = 0; k < kMaxSmemDim; ++k) {
+    for (int k = 0; k < r; ++k) {
       float ua[4], rb[4];
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
@@ -469,7 +556,9 @@ __global__ void __launch_bounds__(kT, 1)
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
 #pragma unroll
-        for (int jx = 0; jx < 4; ++jx) acc[i][jx] += ua[i] * rb[jx];
+        for (int jx = 0; jx < 4; ++jx) {
+          if (jx < tiles) acc[i][jx] += ua[i] * rb[jx];
+        }
       }
     }
     float out[4][4];
@@ -484,24 +573,22 @@ __global__ void __launch_bounds__(kT, 1)
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
 #pragma unroll
-      for (int jx = 0; jx < 4; ++jx) Z[(a0 + 32 * i) * kS + b0 + 32 * jx] = out[i][jx];
+      for (int jx = 0; jx < 4; ++jx) {
+        if (jx < tiles) Z[(a0 + 32 * i) * kS + b0 + 32 * jx] = out[i][jx];
+      }
     }
   }
   __syncthreads();
   ADAATTN_SYM_EIG_STAGE(kStageNewtonSchulz);
 
-  // 9. Order (descending, sym_eig_precedes) and sign (largest entry positive) of each column.
-  if (tid < n) {
-    const float l = lam[tid];
-    int rank = 0;
-    for (int y = 0; y < n; ++y) rank += sym_eig_precedes(lam[y], y, l, tid);
-    inv[rank] = tid;
+  // 9. Sign of each output column (largest entry positive), stores (columns r.. are 0).
+  if (tid < r) {
     int big = 0;
     float bv = Z[tid];
-    for (int r = 1; r < n; ++r) {
-      const float v = Z[r * kS + tid];
-      if (sym_eig_larger_entry(v, r, bv, big)) {
-        big = r;
+    for (int y = 1; y < n; ++y) {
+      const float v = Z[y * kS + tid];
+      if (sym_eig_larger_entry(v, y, bv, big)) {
+        big = y;
         bv = v;
       }
     }
@@ -512,8 +599,8 @@ __global__ void __launch_bounds__(kT, 1)
   float* v = v_all + mat * n * n;
   if (tid < n) w[tid] = ldexpf(lam[inv[tid]], ex);
   for (int o = tid; o < n * n; o += kT) {
-    const int r = o / n, x = inv[o % n];
-    v[o] = sgn[x] * Z[r * kS + x];
+    const int y = o / n, x = o % n;
+    v[o] = x < r ? sgn[x] * Z[y * kS + x] : 0.f;
   }
 #ifdef ADAATTN_SYM_EIG_STAGES
   __syncthreads();
@@ -521,16 +608,21 @@ __global__ void __launch_bounds__(kT, 1)
   ADAATTN_SYM_EIG_STAGE(kStageStore);
 }
 
-// Launches the kernel on a [batch, n, n] (n <= kMaxSmemDim) on `stream`; `stages` is written only
-// when compiled with ADAATTN_SYM_EIG_STAGES.
+// Launches the kernel on a [batch, n, n] (n <= kMaxSmemDim) on `stream`: sym_eig when ranks is
+// nullptr, else sym_eig_top (min_rank and multiple clamped to [1, n] here, which gives the same
+// ranks); `stages` is written only when compiled with ADAATTN_SYM_EIG_STAGES.
 inline cudaError_t sym_eig_launch(const float* a, float* w, float* v, int batch, int n,
-                                  cudaStream_t stream, long long* stages = nullptr) {
+                                  cudaStream_t stream, double energy = 1.0, int64_t min_rank = 1,
+                                  int64_t multiple = 1, int* ranks = nullptr,
+                                  long long* stages = nullptr) {
   (void)stages;
   const cudaError_t err = cudaFuncSetAttribute(
       sym_eig_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
   if (err != cudaSuccess) return err;
+  const int mr = static_cast<int>(min_rank < 1 ? 1 : min_rank > n ? n : min_rank);
+  const int mu = static_cast<int>(multiple < 1 ? 1 : multiple > n ? n : multiple);
   sym_eig_kernel<<<static_cast<unsigned>(batch), kT, kSmemBytes, stream>>>(
-      a, w, v, n ADAATTN_SYM_EIG_STAGE_ARG(stages));
+      a, w, v, n, energy, mr, mu, ranks ADAATTN_SYM_EIG_STAGE_ARG(stages));
   return cudaGetLastError();
 }
 
