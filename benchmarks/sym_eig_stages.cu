@@ -10,11 +10,15 @@
 // * random: X standard normal (Marchenko-Pastur spectrum in [~6300, ~10400]);
 // * planted: X = C B^T + 0.05 E, C 8192 x 32 and E standard normal, B 128 x 32 orthonormal
 //   (32 eigenvalues ~8192 plus a 96-member noise cluster near 0.0025 * 8192).
-// Prints the kernel's median time over 20 launches (CUDA events, after warmup), then for one
-// launch each stage's median over CTAs of clock64() cycles and its share of the kernel's median,
-// the cluster structure the eigenvalues imply, and the accuracy: max |A U - U diag(w)| / ||A||_F
-// and max |U^T U - I| in float32 epsilons (tests/test_sym_eig.py's bounds: 1e-5 and 64). Exits 1
-// when a bound is missed. The stage probes add 10 global stores per CTA.
+// For each kind, two modes of the kernel: sym_eig (all columns) and sym_eig_top (rank_plan's:
+// energy 0.99, min_rank = multiple = 16). Prints each one's median time over 20 launches (CUDA
+// events, after warmup), then for one launch each stage's median over CTAs of clock64() cycles
+// and its share of the kernel's median, the cluster structure the eigenvalues imply, the ranks,
+// and the checks: max |A U - U diag(w)| / ||A||_F and max |U^T U - I| in float32 epsilons over
+// the first `rank` columns (tests/test_sym_eig.py's bounds: 1e-5 and 64), descending
+// eigenvalues, columns past the rank exactly 0, ranks equal to sym_eig_rank on the returned
+// eigenvalues, sym_eig_top's eigenvalues bitwise equal to sym_eig's, and a second launch bitwise
+// equal to the first. Exits 1 when a check fails. The stage probes add 11 global stores per CTA.
 #include <cuda_runtime.h>
 
 #include <algorithm>

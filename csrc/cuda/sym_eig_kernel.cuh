@@ -455,6 +455,7 @@ __global__ void __launch_bounds__(kT, 1)
           if (i < j) {
 #pragma unroll
             for (int q = 0; q < 16; ++q) {
+              if (32 * (q >> 2) >= m) break;  // uniform
               const int y = b + 4 * part + (q & 3) + 32 * (q >> 2);
               if (y < b + m) s += Z[y * kS + i] * Z[y * kS + j];
             }
@@ -473,6 +474,7 @@ __global__ void __launch_bounds__(kT, 1)
           if (y < b + m) {
 #pragma unroll
             for (int q = 0; q < 16; ++q) {
+              if (c + 32 * (q >> 2) >= j) break;  // uniform: the cluster's earlier members
               const int i = c + 4 * part + (q & 3) + 32 * (q >> 2);
               if (i < j) s += h[i] * Z[y * kS + i];
             }
