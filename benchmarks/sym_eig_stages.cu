@@ -101,7 +101,8 @@ __global__ void gram(const float* x, float* g) {
 }
 
 static const char* kStageNames[adaattn::kSymEigStageCount] = {
-    "", "scale/load", "tridiagonalisation", "split", "multisection", "order/rank", "inverse iteration",
+    "", "scale/load", "tridiagonalisation", "split", "multisection", "order/rank",
+    "inverse iteration",
     "cluster Gram-Schmidt", "back-transformation", "Newton-Schulz", "order/sign/store"};
 
 static double median(std::vector<double> v) {
@@ -223,7 +224,8 @@ static bool solve(const char* kind, const char* op, int n, const float* d_g,
         }
         res = std::max(res, std::fabs(au - double(u[i * kD + j]) * wb[j]) / norm);
         if (full != nullptr) {
-          vdiff = std::max(vdiff, double(std::fabs(u[i * kD + j] - full->v[(b * kD + i) * kD + j])));
+          const float ref = full->v[(size_t(b) * kD + i) * kD + j];
+          vdiff = std::max(vdiff, double(std::fabs(u[i * kD + j] - ref)));
         }
         if (i < r) orth = std::max(orth, std::fabs(uu - (i == j ? 1. : 0.)));
       }

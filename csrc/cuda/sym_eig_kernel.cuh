@@ -1,48 +1,56 @@
-// The CUDA kernel of sym_eig for D <= 128, torch-free (CUDA and core/sym_eig.h only): included by
-// the op's launcher (sym_eig.cu) and by the standalone benchmark benchmarks/sym_eig_stages.cu.
+// The CUDA kernel of sym_eig and sym_eig_top for D <= 128, torch-free (CUDA and core/sym_eig.h
+// only): included by the ops' launcher (sym_eig.cu) and by the standalone benchmark
+// benchmarks/sym_eig_stages.cu.
 //
 // Per-stage timing: compiled with -DADAATTN_SYM_EIG_STAGES, the kernel takes one more argument,
 // long long* stages ([N, kSymEigStageCount] or nullptr), and thread 0 of CTA b writes clock64()
 // to stages[b * kSymEigStageCount + s] right after the barrier that ends stage s (s =
 // kStageBegin: the kernel's start). Without the macro the probes compile to nothing.
 //
-// CUDA kernel of sym_eig for D <= 128: the algorithm of core/sym_eig.h (tridiagonalisation,
-// multisection, inverse iteration, cluster Gram-Schmidt, back-transformation, Newton-Schulz), one
-// CTA of 1024 threads per matrix, everything in shared memory (3 buffers of 128 x 129 floats:
-// A and the reflectors, Z, scratch; ~200 KB).
+// CUDA kernel of sym_eig and sym_eig_top for D <= 128: the algorithm of core/sym_eig.h
+// (tridiagonalisation, multisection, rank, inverse iteration, cluster Gram-Schmidt,
+// back-transformation, Newton-Schulz), one CTA of 1024 threads per matrix, A in registers during
+// the tridiagonalisation, everything else in shared memory (3 buffers of 128 x 129 floats: A and
+// the reflectors, Z, scratch; ~200 KB).
 //
 // Why not Jacobi: parallel Jacobi needs 127 rounds x 6-13 sweeps, each round a barrier, and was
 // latency-bound at 1.2-1.65 ms for 64 matrices of 128. Here the sequential depth is ~126
-// Householder steps (2 barriers each), 10 multisection steps, the cluster members one after
-// another, and 126 reflector applications (no barrier: each thread keeps 16 entries of Z in
+// Householder steps (2 barriers each), 8 multisection steps, the cluster members one after
+// another, and 126 reflector applications (no barrier: each thread keeps its rows of Z in
 // registers).
 //
 // Measured per stage on the H100 (benchmarks/sym_eig_stages.cu, 64 matrices of 128, cycles per
-// CTA, before -> after the changes listed below):
-//                          random              planted (rank 32 + noise)
-//   tridiagonalisation     728k -> 491k        728k -> 491k
-//   multisection           185k -> 183k        185k -> 183k
-//   inverse iteration       63k ->  63k         63k ->  63k
-//   cluster Gram-Schmidt   802k -> 729k        905k -> 955k
-//   back-transformation    195k -> 234k        195k -> 234k
-//   Newton-Schulz           71k ->  74k         71k ->  74k
-//   kernel                1.114 -> 0.933 ms   1.181 -> 1.130 ms
+// CTA, median over CTAs; before: 853bad7, after: this version):
+//                          random, sym_eig     planted, sym_eig    planted, sym_eig_top (r = 32)
+//   tridiagonalisation     491k -> 296k        491k -> 296k        296k
+//   split                   12k ->   1k         12k ->   1k          1k
+//   multisection           183k -> 129k        183k -> 129k        128k
+//   order/rank                   ->   4k              ->   4k          5k
+//   inverse iteration       63k ->  60k         63k ->  60k          0k
+//   cluster Gram-Schmidt   729k -> 641k        955k -> 833k        125k
+//   back-transformation    234k -> 192k        234k -> 192k         80k
+//   Newton-Schulz           74k ->  83k         74k ->  83k         44k
+//   kernel                0.934 -> 0.744 ms   1.131 -> 0.924 ms   0.384 ms
 // The clusters are large: a Gram matrix of 8192 Gaussian rows has gaps ~32 < kSymEigCluster
 // ||A||_F ~ 93 (~125 clustered gaps per matrix); the planted one has a 96-member noise cluster
 // with ~19 degenerate members. The cluster stage runs its members one after another, which
-// keeps it the largest cost; the estimates (issue and shared-memory counts) were 2-6x low.
-// Changes:
+// keeps it the largest cost of sym_eig; sym_eig_top skips the noise cluster (its vectors are not
+// among the first r). The estimates (issue and shared-memory counts) were 2-6x low; ncu on the
+// tridiagonalisation alone showed it issue-bound (0.70 instructions per scheduler per cycle).
+// Notes:
 // * cluster Gram-Schmidt: both halves of a pass (h = Z_c^T z_j, z_j -= Z_c h) on all 1024
 //   threads, 8 lanes per column / row with 16 terms each and a 3-shuffle reduction, 4-interleaved
-//   so that a warp's loads hit 32 banks (was one warp per column and a 127-term serial sum).
-// * tridiagonalisation: 2 barriers per step instead of 3 (warp 0 forms reflector k + 1 right after
-//   updating row k + 1 of step k, overlapped with the other warps' rows), the rank-2 update
-//   without a runtime division per element (2-D warp/lane mapping, v and w loaded once per
-//   thread), the matvec free of its 4-way bank conflicts.
-// * back-transformation: rows where the reflector is 0 skipped.
+//   so that a warp's loads hit 32 banks; 32-column blocks past the cluster are skipped.
+// * tridiagonalisation: A in registers (16 entries per thread), full-length v and p in shared
+//   memory so that finished rows and columns need no branches, a fixed reduce-scatter for the
+//   matvec; 2 barriers per step (the owner warp of row k + 1 forms the next reflector right after
+//   its own update). Skipping finished 32-blocks per slot did not pay (more instructions).
+// * split and the cluster/need bookkeeping: ballot scans instead of one-thread loops.
+// * back-transformation and Newton-Schulz on the first r output columns only (in output order);
+//   rows where the reflector is 0 skipped.
 //
 // D > 128 (A, Z and the scratch would not fit in shared memory): the launcher (sym_eig.cu) uses
-// float64 at::linalg_eigh, then the same order and sign convention.
+// float64 at::linalg_eigh, then the same order and sign convention (and sym_eig_rank).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -93,9 +101,9 @@ constexpr int kS = kMaxSmemDim + 1;  // row stride: columns are conflict-free to
 constexpr int kBuf = kMaxSmemDim * kS;
 // Shared memory, in 4-byte words.
 constexpr int kOffA = 0, kOffZ = kBuf, kOffR = 2 * kBuf;
-// d, e, e2, tau, p, lam, h, sgn; start, bsz, c0, inv, pos, need, the rank (ints)
+// d, e, e2, tau, p, lam, h, sgn; start, bsz, c0, inv, pos, need, the rank (ints); 2 v's
 constexpr int kOffVec = 3 * kBuf;
-constexpr int kOffRed = kOffVec + 15 * kMaxSmemDim;  // kWarps doubles
+constexpr int kOffRed = kOffVec + 17 * kMaxSmemDim;  // kWarps doubles
 constexpr int kSmemBytes = (kOffRed + 2 * kWarps) * 4;
 static_assert(kSmemBytes <= 227 * 1024, "shared memory per CTA");
 
@@ -116,26 +124,89 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-// One warp: the Householder reflector of step k from x = row k of A (its trailing part holds
-// column k): v is stored over x[k+2..n) (v_{k+1} = 1 implicit), d[k] = x[k], e[k] = beta,
-// tau[k] (0 when x[k+2..n) is exactly 0).
-__device__ __forceinline__ void tridiag_reflector(float* A, int k, int n, int lane, float* d,
-                                                  float* e, float* tau) {
-  float* x = A + k * kS;
+// Segmented scans over n <= 128 flags, one per thread tid < n (warps 0-3), by ballots:
+// flag_scan returns the warp's flag bits and leaves each warp's first and last flagged index
+// (-1: none) in first[0..3], last[0..3] (shared memory; all threads call it; it synchronises).
+__device__ __forceinline__ unsigned flag_scan(bool f, int* first, int* last) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const unsigned bits = __ballot_sync(0xffffffffu, f);
+  if (warp < 4 && lane == 0) {
+    first[warp] = bits ? 32 * warp + __ffs(bits) - 1 : -1;
+    last[warp] = bits ? 32 * warp + 31 - __clz(bits) : -1;
+  }
+  __syncthreads();
+  return bits;
+}
+
+// The last flagged index <= tid (-1: none).
+__device__ __forceinline__ int flag_last_upto(unsigned bits, const int* last) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const unsigned m = bits & (0xffffffffu >> (31 - lane));
+  if (m) return 32 * warp + 31 - __clz(m);
+  for (int w = warp - 1; w >= 0; --w) {
+    if (last[w] >= 0) return last[w];
+  }
+  return -1;
+}
+
+// The first flagged index >= tid + skip (skip 0 or 1; `none`: none).
+__device__ __forceinline__ int flag_first_from(unsigned bits, const int* first, int skip,
+                                               int none) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, from = lane + skip;
+  const unsigned m = from > 31 ? 0u : bits & (0xffffffffu << from);
+  if (m) return 32 * warp + __ffs(m) - 1;
+  for (int w = warp + 1; w < 4; ++w) {
+    if (first[w] >= 0) return first[w];
+  }
+  return none;
+}
+
+// Entry c of a thread's 4 register slots at a warp-uniform runtime index (selects, no local
+// memory).
+__device__ __forceinline__ float pick(const float (&x)[4], int c) {
+  return c == 0 ? x[0] : c == 1 ? x[1] : c == 2 ? x[2] : x[3];
+}
+
+// The owner warp of row k (k % 32; the row is in register slot k / 32, lane l holding columns
+// l + 32 c): the Householder reflector of step k from x = row k of A (its trailing part is
+// column k). v goes to row k of A in shared memory, entries k+2..n-1 (v_{k+1} = 1 implicit),
+// and in full (0 outside k+1..n-1) to vk; d[k] = x[k], e[k] = beta, tau[k] (0 when x[k+2..n) is
+// exactly 0; then nothing reads v).
+__device__ __forceinline__ void tridiag_reflector(const float (&a)[4][4], float* A, float* vk,
+                                                  int k, int n, int lane, float* d, float* e,
+                                                  float* tau) {
+  const int slot = k >> 5;
+  float x[4];
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    const float col[4] = {a[0][c], a[1][c], a[2][c], a[3][c]};
+    x[c] = pick(col, slot);
+  }
   float sig = 0.f;
-  for (int i = k + 2 + lane; i < n; i += 32) sig += x[i] * x[i];
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    const int j = lane + 32 * c;
+    if (j >= k + 2 && j < n) sig += x[c] * x[c];
+  }
   sig = warp_sum(sig);
-  const float alpha = x[k + 1];
+  const float alpha = __shfl_sync(0xffffffffu, pick(x, (k + 1) >> 5), (k + 1) & 31);
+  const float diag = __shfl_sync(0xffffffffu, pick(x, k >> 5), k & 31);
   float t = 0.f, beta = alpha;
   if (sig != 0.f) {
     const float mu = sqrtf(alpha * alpha + sig);
     beta = alpha <= 0.f ? mu : -mu;
     t = (beta - alpha) / beta;
     const float sc = 1.f / (alpha - beta);
-    for (int i = k + 2 + lane; i < n; i += 32) x[i] *= sc;
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int j = lane + 32 * c;
+      const float v = j == k + 1 ? 1.f : j >= k + 2 && j < n ? x[c] * sc : 0.f;
+      if (j >= k + 2) A[k * kS + j] = v;
+      vk[j] = v;
+    }
   }
   if (lane == 0) {
-    d[k] = x[k];
+    d[k] = diag;
     e[k] = beta;
     tau[k] = t;
   }
@@ -212,6 +283,8 @@ __global__ void __launch_bounds__(kT, 1)
   int* pos = inv + kMaxSmemDim;
   int* need = pos + kMaxSmemDim;
   int* rank_out = need + kMaxSmemDim;
+  float* vbuf = reinterpret_cast<float*>(rank_out + kMaxSmemDim);  // 2 x 128: v of steps k, k + 1
+  int* scan = reinterpret_cast<int*>(p);  // flag_scan's summaries, once p is no longer used
   double* red = reinterpret_cast<double*>(sm + kOffRed);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int64_t mat = blockIdx.x;
@@ -242,83 +315,110 @@ __global__ void __launch_bounds__(kT, 1)
   const float anorm = static_cast<float>(sqrt(block_sum(norm2, red)));
   ADAATTN_SYM_EIG_STAGE(kStageScale);
 
-  // 2. Tridiagonalisation; v of step k is kept in row k, entries k+2..n-1. Two barriers per step:
-  // the reflector of step k + 1 is formed by warp 0 inside step k's rank-2 update (look-ahead:
-  // warp 0 owns row k + 1 of the update and does it first), overlapping the other warps' rows.
-  if (warp == 0 && n > 2) tridiag_reflector(A, 0, n, lane, d, e, tau);
-  __syncthreads();
-#pragma unroll 1
-  for (int k = 0; k + 2 < n; ++k) {
-    const float* x = A + k * kS;
-    const float t = tau[k];
-    const bool next = k + 3 < n;  // step k + 1 has a reflector
-    if (t == 0.f) {               // uniform: A' is unchanged
-      if (warp == 0 && next) tridiag_reflector(A, k + 1, n, lane, d, e, tau);
-      __syncthreads();
-      continue;
-    }
-    // p = tau A' v: 8 consecutive lanes per row, lane `part` summing the columns
-    // k + 1 + 4 part + r + 32 s (r, s < 4): a warp's 4 rows x 8 parts hit 32 different banks.
-    {
-      const int i = k + 1 + (tid >> 3), part = tid & 7;
-      float s = 0.f;
-      if (i < n) {
-#pragma unroll
-        for (int q = 0; q < 16; ++q) {
-          const int j = k + 1 + 4 * part + (q & 3) + 32 * (q >> 2);
-          if (j < n) s += A[i * kS + j] * (j == k + 1 ? 1.f : x[j]);
-        }
-      }
-      s += __shfl_xor_sync(0xffffffffu, s, 4);
-      s += __shfl_xor_sync(0xffffffffu, s, 2);
-      s += __shfl_xor_sync(0xffffffffu, s, 1);
-      if (i < n && part == 0) p[i] = t * s;
-    }
-    __syncthreads();
-    // Every warp forms p . v itself (same order, same value): no barrier.
-    float pv = 0.f;
-    for (int i = k + 1 + lane; i < n; i += 32) pv += p[i] * (i == k + 1 ? 1.f : x[i]);
-    const float kk = 0.5f * t * warp_sum(pv);
-    // Rank-2 update: warp w updates rows k + 1 + w + 32 r, lane l columns k + 1 + l + 32 c (no
-    // index division; v_j and w_j loaded once per thread; rows conflict-free).
-    float vj[4], wj[4];
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const int j = k + 1 + lane + 32 * c;
-      vj[c] = j == k + 1 ? 1.f : j < n ? x[j] : 0.f;
-      wj[c] = j < n ? p[j] - kk * vj[c] : 0.f;
-    }
+  // 2. Tridiagonalisation with A in registers: warp w holds rows w + 32 r, lane l columns
+  // l + 32 c (r, c < 4), so the matvec and the rank-2 update touch no shared memory for A. v
+  // (vbuf, 0 outside k+1..n-1) and p (0 outside k+1..n-1) are full-length, so the finished rows
+  // and columns need no branches: their updates are exact zeros (the stage is issue-bound: ncu
+  // showed 0.70 instructions per scheduler per cycle; skipping them per slot cost more
+  // instructions than it saved). Two barriers per step: p, then the next reflector (formed by
+  // the owner warp of row k + 1 right after its own update).
+  {
+    float a[4][4];
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
-      const int i = k + 1 + warp + 32 * r;
-      if (i >= n) break;  // warp-uniform
-      const float vi = i == k + 1 ? 1.f : x[i], wi = p[i] - kk * vi;
+#pragma unroll
+      for (int c = 0; c < 4; ++c) a[r][c] = A[(warp + 32 * r) * kS + lane + 32 * c];
+    }
+    if (warp == 0 && n > 2) tridiag_reflector(a, A, vbuf, 0, n, lane, d, e, tau);
+    __syncthreads();
+#pragma unroll 1
+    for (int k = 0; k + 2 < n; ++k) {
+      const float t = tau[k];
+      if (t != 0.f) {  // uniform; tau = 0: A' is unchanged
+        const float* vk = vbuf + (k & 1) * kMaxSmemDim;
+        float vc[4], vr[4], s[4];
+#pragma unroll
+        for (int c = 0; c < 4; ++c) vc[c] = vk[lane + 32 * c];
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          vr[r] = vk[warp + 32 * r];
+          s[r] = 0.f;
+#pragma unroll
+          for (int c = 0; c < 4; ++c) s[r] += a[r][c] * vc[c];
+        }
+        // p_i = tau (A' v)_i: a fixed reduce-scatter over the 32 lanes (xor 16 and 8 split the
+        // 4 rows, then xor 4, 2, 1), so lane l ends with row slot 2 (l >> 4 & 1) + (l >> 3 & 1).
+        const bool hi = lane & 16, mid = lane & 8;
+        const float t0 = (hi ? s[2] : s[0]) + __shfl_xor_sync(0xffffffffu, hi ? s[0] : s[2], 16);
+        const float t1 = (hi ? s[3] : s[1]) + __shfl_xor_sync(0xffffffffu, hi ? s[1] : s[3], 16);
+        float u = (mid ? t1 : t0) + __shfl_xor_sync(0xffffffffu, mid ? t0 : t1, 8);
+        u += __shfl_xor_sync(0xffffffffu, u, 4);
+        u += __shfl_xor_sync(0xffffffffu, u, 2);
+        u += __shfl_xor_sync(0xffffffffu, u, 1);
+        const int pi = warp + 32 * ((hi ? 2 : 0) + (mid ? 1 : 0));
+        if ((lane & 7) == 0) p[pi] = pi > k && pi < n ? t * u : 0.f;
+        __syncthreads();
+        // Every warp forms p . v itself (same order, same value); w = p - (tau / 2)(p . v) v.
+        float pc[4], pv = 0.f;
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          pc[c] = p[lane + 32 * c];
+          pv += pc[c] * vc[c];
+        }
+        const float kk = 0.5f * t * warp_sum(pv);
+#pragma unroll
+        for (int c = 0; c < 4; ++c) pc[c] -= kk * vc[c];
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const float wr = p[warp + 32 * r] - kk * vr[r];
+#pragma unroll
+          for (int c = 0; c < 4; ++c) a[r][c] -= vr[r] * pc[c] + wr * vc[c];
+        }
+      }
+      if (warp == ((k + 1) & 31) && k + 3 < n) {
+        tridiag_reflector(a, A, vbuf + ((k + 1) & 1) * kMaxSmemDim, k + 1, n, lane, d, e, tau);
+      }
+      __syncthreads();
+    }
+    // The last 2 x 2 block back to shared memory, for step 3.
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
-        const int j = k + 1 + lane + 32 * c;
-        if (j < n) A[i * kS + j] -= vi * wj[c] + wi * vj[c];
-      }
-      if (r == 0 && warp == 0 && next) {  // row k + 1 is final: the next reflector
-        __syncwarp();
-        tridiag_reflector(A, k + 1, n, lane, d, e, tau);
+        const int i = warp + 32 * r, j = lane + 32 * c;
+        if (i >= n - 2 && j >= n - 2) A[i * kS + j] = a[r][c];
       }
     }
     __syncthreads();
   }
   ADAATTN_SYM_EIG_STAGE(kStageTridiag);
 
-  // 3. Split (one thread: n sequential steps): e, e2, block starts and sizes.
+  // 3. Split: e_i = 0 where small, e2, block starts (start[i] = the last i' <= i with
+  // e_{i'-1} = 0, or 0) and sizes (to the next start), by flag scans.
   if (tid == 0) {
     if (n >= 2) {
       d[n - 2] = A[(n - 2) * kS + n - 2];
       e[n - 2] = A[(n - 1) * kS + n - 2];
     }
     d[n - 1] = A[(n - 1) * kS + n - 1];
-    for (int i = 0; i < n; ++i) {
-      if (i > 0 && fabsf(e[i - 1]) <= kSymEigSplit * anorm) e[i - 1] = 0.f;
-      if (i > 0) e2[i - 1] = e[i - 1] * e[i - 1];
-      start[i] = i > 0 && e[i - 1] != 0.f ? start[i - 1] : i;
-      bsz[start[i]] = i - start[i] + 1;
+  }
+  __syncthreads();
+  {
+    bool first = false;
+    if (tid < n) {
+      first = tid == 0;
+      if (tid > 0) {
+        float ei = e[tid - 1];
+        if (fabsf(ei) <= kSymEigSplit * anorm) ei = 0.f;
+        e[tid - 1] = ei;
+        e2[tid - 1] = ei * ei;
+        first = ei == 0.f;
+      }
+    }
+    const unsigned bits = flag_scan(first, scan, scan + 4);
+    if (tid < n) {
+      start[tid] = flag_last_upto(bits, scan + 4);
+      if (first) bsz[tid] = flag_first_from(bits, scan, 1, n) - tid;
     }
   }
   __syncthreads();
@@ -347,22 +447,30 @@ __global__ void __launch_bounds__(kT, 1)
   __syncthreads();
   ADAATTN_SYM_EIG_STAGE(kStageMultisection);
 
-  // 4b. Output order (descending, sym_eig_precedes): inv[position] = index, pos[index] = position;
-  // each eigenvalue's cluster start c0; the rank r (warp 0: sym_eig_rank's scan); need[j]: j's
-  // vector is needed, i.e. j or a later member of its cluster (step 6) is among the first r.
+  // 4b. Output order (descending, sym_eig_precedes; 8 threads per eigenvalue): inv[position] =
+  // index, pos[index] = position; each eigenvalue's cluster start c0 (flag scan of the cluster
+  // starts); the rank r (warp 0: sym_eig_rank's scan); need[j]: j's vector is needed, i.e. the
+  // first eigenvalue >= j among the first r lies in j's cluster (step 6 orthogonalises a member
+  // against the lower ones).
   const float tiny = kSymEigPivot * anorm, ctol = kSymEigCluster * anorm;
-  if (tid < n) {
-    const float l = lam[tid];
+  {
+    const int j = tid >> 3, part = tid & 7;
     int rk = 0;
-    for (int y = 0; y < n; ++y) rk += sym_eig_precedes(lam[y], y, l, tid);
-    inv[rk] = tid;
-    pos[tid] = rk;
-    const int b = start[tid];
-    int c = tid;
-    while (c > b && lam[c] - lam[c - 1] <= ctol) --c;
-    c0[tid] = c;
+    if (j < n) {
+      const float l = lam[j];
+      for (int y = part; y < n; y += 8) rk += sym_eig_precedes(lam[y], y, l, j);
+    }
+    rk += __shfl_xor_sync(0xffffffffu, rk, 4);
+    rk += __shfl_xor_sync(0xffffffffu, rk, 2);
+    rk += __shfl_xor_sync(0xffffffffu, rk, 1);
+    if (j < n && part == 0) {
+      inv[rk] = j;
+      pos[j] = rk;
+    }
   }
-  __syncthreads();
+  const bool cfirst = tid < n && !(tid > start[tid] && lam[tid] - lam[tid - 1] <= ctol);
+  const unsigned cbits = flag_scan(cfirst, scan + 8, scan + 12);
+  if (tid < n) c0[tid] = flag_last_upto(cbits, scan + 12);
   if (warp == 0) {
     int r = n;
     if (ranks != nullptr && energy < 1.0) {
@@ -398,10 +506,9 @@ __global__ void __launch_bounds__(kT, 1)
   }
   __syncthreads();
   const int r = *rank_out;
+  const unsigned nbits = flag_scan(tid < n && pos[tid] < r, scan + 16, scan + 20);
   if (tid < n) {
-    bool nd = pos[tid] < r;
-    for (int y = tid + 1; !nd && y < n && c0[y] <= tid; ++y) nd = pos[y] < r;
-    need[tid] = nd;
+    need[tid] = flag_first_from(nbits, scan + 16, 0, n) < flag_first_from(cbits, scan + 8, 1, n);
   }
   __syncthreads();
   ADAATTN_SYM_EIG_STAGE(kStageRank);
