@@ -102,8 +102,8 @@ __global__ void gram(const float* x, float* g) {
 
 static const char* kStageNames[adaattn::kSymEigStageCount] = {
     "", "scale/load", "tridiagonalisation", "split", "multisection", "order/rank",
-    "inverse iteration",
-    "cluster Gram-Schmidt", "back-transformation", "Newton-Schulz", "order/sign/store"};
+    "inverse iteration", "cluster Gram-Schmidt", "back-transformation", "Newton-Schulz",
+    "sign/store"};
 
 static double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());

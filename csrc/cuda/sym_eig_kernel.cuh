@@ -83,14 +83,14 @@ enum SymEigStage {
   kStageBegin = 0,
   kStageScale,         // 1. scale, load A, ||A||_F
   kStageTridiag,       // 2. Householder tridiagonalisation
-  kStageSplit,         // 3. split (one thread)
+  kStageSplit,         // 3. split
   kStageMultisection,  // 4. eigenvalues
   kStageRank,          // 4b. order, rank, the columns to compute
   kStageInverse,       // 5. inverse iteration
   kStageCluster,       // 6. cluster Gram-Schmidt
   kStageBack,          // 7. back-transformation
   kStageNewtonSchulz,  // 8. Newton-Schulz
-  kStageStore,         // 9. order, signs, stores
+  kStageStore,         // 9. signs, stores
   kSymEigStageCount
 };
 
