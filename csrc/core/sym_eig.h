@@ -83,14 +83,11 @@ ADAATTN_HD int sym_eig_exponent(float max_abs) {
 }
 
 // Number of eigenvalues of the unreduced block d[b..b+m), e2[b..b+m-1) (squared subdiagonal)
-// below x.
+// below x. The CUDA kernel's sturm_packed is the same arithmetic on (d_i, e2_{i-1}) pairs.
 ADAATTN_HD int sym_eig_sturm(const float* d, const float* e2, int b, int m, float x) {
   float q = d[b] - x;
   if (fabsf(q) < kSymEigPivMin) q = -kSymEigPivMin;
   int count = q < 0.f;
-#ifdef __CUDA_ARCH__
-#pragma unroll 4
-#endif
   for (int i = b + 1; i < b + m; ++i) {
     q = (d[i] - x) - e2[i - 1] / q;
     if (fabsf(q) < kSymEigPivMin) q = -kSymEigPivMin;

@@ -22,15 +22,20 @@
 // Measured per stage on the H100 (benchmarks/sym_eig_stages.cu, 64 matrices of 128, cycles per
 // CTA, median over CTAs; before: 853bad7, after: this version):
 //                          random, sym_eig     planted, sym_eig    planted, sym_eig_top (r = 32)
-//   tridiagonalisation     491k -> 296k        491k -> 296k        296k
-//   split                   12k ->   1k         12k ->   1k          1k
-//   multisection           183k -> 129k        183k -> 129k        128k
-//   order/rank                   ->   4k              ->   4k          5k
-//   inverse iteration       63k ->  60k         63k ->  60k          0k
-//   cluster Gram-Schmidt   729k -> 641k        955k -> 833k        125k
-//   back-transformation    234k -> 192k        234k -> 192k         80k
-//   Newton-Schulz           74k ->  83k         74k ->  83k         44k
-//   kernel                0.934 -> 0.744 ms   1.131 -> 0.924 ms   0.384 ms
+//   scale/load              18k ->  11k         18k ->  11k          11k
+//   tridiagonalisation     491k -> 297k        491k -> 297k         297k
+//   split                   12k ->   1k         12k ->   1k           1k
+//   multisection           183k -> 111k        183k -> 111k         111k
+//   order/rank                  ->   4k             ->   4k            5k
+//   inverse iteration       63k ->  60k         63k ->  60k           0k
+//   cluster Gram-Schmidt   729k -> 650k        955k -> 845k         127k
+//   back-transformation    234k -> 191k        234k -> 191k          80k
+//   Newton-Schulz           74k ->  83k         74k ->  83k          44k
+//   sign/store              15k ->   6k         15k ->   6k           5k
+//   kernel                0.934 -> 0.741 ms   1.131 -> 0.909 ms    0.366 ms
+// (The kernel times are from a run whose Newton-Schulz also skipped the loads of column tiles
+// past r: 93k / 46k cycles, so it was dropped; the Newton-Schulz row is this version's.)
+// Back-transformation of r = 32 columns with 16 or 8 lanes per column instead of 32: 96k, 146k.
 // The clusters are large: a Gram matrix of 8192 Gaussian rows has gaps ~32 < kSymEigCluster
 // ||A||_F ~ 93 (~125 clustered gaps per matrix); the planted one has a 96-member noise cluster
 // with ~19 degenerate members. The cluster stage runs its members one after another, which
@@ -46,8 +51,12 @@
 //   matvec; 2 barriers per step (the owner warp of row k + 1 forms the next reflector right after
 //   its own update). Skipping finished 32-blocks per slot did not pay (more instructions).
 // * split and the cluster/need bookkeeping: ballot scans instead of one-thread loops.
+// * multisection: the Sturm recurrence on packed (d_i, e2_{i-1}) pairs, unrolled by 4.
+// * scale/load: A read once into registers; signs by 8 threads per column; stores without
+//   integer division.
 // * back-transformation and Newton-Schulz on the first r output columns only (in output order);
-//   rows where the reflector is 0 skipped.
+//   rows where the reflector is 0 skipped. The runtime bounds that let sym_eig_top skip column
+//   tiles cost the full Newton-Schulz 9k cycles (74k -> 83k).
 //
 // D > 128 (A, Z and the scratch would not fit in shared memory): the launcher (sym_eig.cu) uses
 // float64 at::linalg_eigh, then the same order and sign convention (and sym_eig_rank).
@@ -99,11 +108,12 @@ constexpr int kT = 1024;  // threads: 8 per eigenvalue (multisection), 8 per col
 constexpr int kWarps = kT / 32;
 constexpr int kS = kMaxSmemDim + 1;  // row stride: columns are conflict-free too
 constexpr int kBuf = kMaxSmemDim * kS;
+static_assert(kT == 8 * kMaxSmemDim, "step 1 maps 8 rows x 128 columns onto the threads");
 // Shared memory, in 4-byte words.
 constexpr int kOffA = 0, kOffZ = kBuf, kOffR = 2 * kBuf;
-// d, e, e2, tau, p, lam, h, sgn; start, bsz, c0, inv, pos, need, the rank (ints); 2 v's
+// d, e, tau, p, lam, h, sgn; start, bsz, c0, inv, pos, need, the rank (ints); 2 v's
 constexpr int kOffVec = 3 * kBuf;
-constexpr int kOffRed = kOffVec + 17 * kMaxSmemDim;  // kWarps doubles
+constexpr int kOffRed = kOffVec + 16 * kMaxSmemDim;  // kWarps doubles
 constexpr int kSmemBytes = (kOffRed + 2 * kWarps) * 4;
 static_assert(kSmemBytes <= 227 * 1024, "shared memory per CTA");
 
@@ -122,6 +132,22 @@ __device__ __forceinline__ double block_sum(double v, double* red) {
 __device__ __forceinline__ float warp_sum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
+}
+
+// sym_eig_sturm on the pairs de[i] = (d_i, e2_{i-1}) (one 8-byte load per term): the same
+// arithmetic, so the same counts.
+__device__ __forceinline__ int sturm_packed(const float2* de, int b, int m, float x) {
+  float q = de[b].x - x;
+  if (fabsf(q) < kSymEigPivMin) q = -kSymEigPivMin;
+  int count = q < 0.f;
+#pragma unroll 4
+  for (int i = b + 1; i < b + m; ++i) {
+    const float2 t = de[i];
+    q = (t.x - x) - t.y / q;
+    if (fabsf(q) < kSymEigPivMin) q = -kSymEigPivMin;
+    count += q < 0.f;
+  }
+  return count;
 }
 
 // Segmented scans over n <= 128 flags, one per thread tid < n (warps 0-3), by ballots:
@@ -270,8 +296,7 @@ __global__ void __launch_bounds__(kT, 1)
   float* R = sm + kOffR;
   float* d = sm + kOffVec;
   float* e = d + kMaxSmemDim;
-  float* e2 = e + kMaxSmemDim;
-  float* tau = e2 + kMaxSmemDim;
+  float* tau = e + kMaxSmemDim;
   float* p = tau + kMaxSmemDim;
   float* lam = p + kMaxSmemDim;
   float* h = lam + kMaxSmemDim;
@@ -285,6 +310,7 @@ __global__ void __launch_bounds__(kT, 1)
   int* rank_out = need + kMaxSmemDim;
   float* vbuf = reinterpret_cast<float*>(rank_out + kMaxSmemDim);  // 2 x 128: v of steps k, k + 1
   int* scan = reinterpret_cast<int*>(p);  // flag_scan's summaries, once p is no longer used
+  float2* de = reinterpret_cast<float2*>(vbuf);  // (d_i, e2_{i-1}) for step 4, after step 2
   double* red = reinterpret_cast<double*>(sm + kOffRed);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int64_t mat = blockIdx.x;
@@ -292,10 +318,16 @@ __global__ void __launch_bounds__(kT, 1)
   ADAATTN_SYM_EIG_STAGE(kStageBegin);
 
   // 1. Scale: max |a_ij| (max is order-independent), then A (zero-padded to 128) and ||A||_F.
+  // Thread tid reads the lower-triangle entries (y, x) = (tid / 128 + 8 i, tid % 128), i < 16,
+  // once, into registers.
+  const int x0 = tid & (kMaxSmemDim - 1), y0 = tid / kMaxSmemDim;
+  float av[kMaxSmemDim * kMaxSmemDim / kT];
   float mx = 0.f;
-  for (int idx = tid; idx < n * n; idx += kT) {
-    const int y = idx / n, x = idx % n;
-    if (x <= y) mx = fmaxf(mx, fabsf(a[idx]));
+#pragma unroll
+  for (int i = 0; i < kMaxSmemDim * kMaxSmemDim / kT; ++i) {
+    const int y = y0 + 8 * i;
+    av[i] = x0 <= y && y < n ? a[y * n + x0] : 0.f;
+    mx = fmaxf(mx, fabsf(av[i]));
   }
   for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
   if (lane == 0) h[warp] = mx;
@@ -304,13 +336,14 @@ __global__ void __launch_bounds__(kT, 1)
   for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, h[w]);
   const int ex = sym_eig_exponent(mx);
   double norm2 = 0;
-  for (int idx = tid; idx < kMaxSmemDim * kMaxSmemDim; idx += kT) {
-    const int y = idx / kMaxSmemDim, x = idx % kMaxSmemDim;
-    Z[y * kS + x] = 0.f;
-    if (x > y) continue;
-    const float v = y < n ? ldexpf(a[y * n + x], -ex) : 0.f;
-    A[y * kS + x] = A[x * kS + y] = v;
-    norm2 += (x == y ? 1.0 : 2.0) * v * v;
+#pragma unroll
+  for (int i = 0; i < kMaxSmemDim * kMaxSmemDim / kT; ++i) {
+    const int y = y0 + 8 * i;
+    Z[y * kS + x0] = 0.f;
+    if (x0 > y) continue;
+    const float v = ldexpf(av[i], -ex);
+    A[y * kS + x0] = A[x0 * kS + y] = v;
+    norm2 += (x0 == y ? 1.0 : 2.0) * v * v;
   }
   const float anorm = static_cast<float>(sqrt(block_sum(norm2, red)));
   ADAATTN_SYM_EIG_STAGE(kStageScale);
@@ -393,7 +426,7 @@ __global__ void __launch_bounds__(kT, 1)
   }
   ADAATTN_SYM_EIG_STAGE(kStageTridiag);
 
-  // 3. Split: e_i = 0 where small, e2, block starts (start[i] = the last i' <= i with
+  // 3. Split: e_i = 0 where small, de for step 4, block starts (start[i] = the last i' <= i with
   // e_{i'-1} = 0, or 0) and sizes (to the next start), by flag scans.
   if (tid == 0) {
     if (n >= 2) {
@@ -407,13 +440,15 @@ __global__ void __launch_bounds__(kT, 1)
     bool first = false;
     if (tid < n) {
       first = tid == 0;
+      float e2i = 0.f;
       if (tid > 0) {
         float ei = e[tid - 1];
         if (fabsf(ei) <= kSymEigSplit * anorm) ei = 0.f;
         e[tid - 1] = ei;
-        e2[tid - 1] = ei * ei;
+        e2i = ei * ei;
         first = ei == 0.f;
       }
+      de[tid] = make_float2(d[tid], e2i);
     }
     const unsigned bits = flag_scan(first, scan, scan + 4);
     if (tid < n) {
@@ -433,7 +468,7 @@ __global__ void __launch_bounds__(kT, 1)
 #pragma unroll 1
     for (int step = 0; step < kSymEigSections; ++step) {
       const float xt = sym_eig_point(lo, hi, t);
-      const bool below = m > 1 && sym_eig_sturm(d, e2, b, m, xt) <= jj;
+      const bool below = m > 1 && sturm_packed(de, b, m, xt) <= jj;
       const unsigned g = (__ballot_sync(0xffffffffu, below) >> gshift) & 0xffu;
       // CPU twin: lo = the last point with count <= jj, hi = the first with count > jj.
       const float nlo = __shfl_sync(0xffffffffu, xt, gshift + (g ? 31 - __clz(g) : 0));
@@ -690,26 +725,41 @@ __global__ void __launch_bounds__(kT, 1)
   __syncthreads();
   ADAATTN_SYM_EIG_STAGE(kStageNewtonSchulz);
 
-  // 9. Sign of each output column (largest entry positive), stores (columns r.. are 0).
-  if (tid < r) {
-    int big = 0;
-    float bv = Z[tid];
-    for (int y = 1; y < n; ++y) {
-      const float v = Z[y * kS + tid];
-      if (sym_eig_larger_entry(v, y, bv, big)) {
-        big = y;
-        bv = v;
+  // 9. Sign of each output column (its entry of largest magnitude positive: 8 threads per column
+  // g < r, then a shuffle tree; sym_eig_larger_entry is a total order, so any tree finds the
+  // entry a scan would), stores (columns r.. are 0).
+  {
+    const int g = tid >> 3, part = tid & 7;
+    float bv = NAN;  // key -1: every entry beats it
+    int big = kMaxSmemDim;
+    if (g < r) {
+      for (int y = part; y < n; y += 8) {
+        const float v = Z[y * kS + g];
+        if (sym_eig_larger_entry(v, y, bv, big)) {
+          big = y;
+          bv = v;
+        }
       }
     }
-    sgn[tid] = bv < 0.f ? -1.f : 1.f;
+#pragma unroll
+    for (int o = 4; o > 0; o >>= 1) {
+      const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+      const int oi = __shfl_xor_sync(0xffffffffu, big, o);
+      if (sym_eig_larger_entry(ov, oi, bv, big)) {
+        big = oi;
+        bv = ov;
+      }
+    }
+    if (g < r && part == 0) sgn[g] = bv < 0.f ? -1.f : 1.f;
   }
   __syncthreads();
   float* w = w_all + mat * n;
   float* v = v_all + mat * n * n;
   if (tid < n) w[tid] = ldexpf(lam[inv[tid]], ex);
-  for (int o = tid; o < n * n; o += kT) {
-    const int y = o / n, x = o % n;
-    v[o] = x < r ? sgn[x] * Z[y * kS + x] : 0.f;
+  if (x0 < n) {
+    for (int y = y0; y < n; y += kT / kMaxSmemDim) {
+      v[y * n + x0] = x0 < r ? sgn[x0] * Z[y * kS + x0] : 0.f;
+    }
   }
 #ifdef ADAATTN_SYM_EIG_STAGES
   __syncthreads();
