@@ -107,3 +107,9 @@ def _block_sparse_bwd_fake(grad_out, q, k, v, out, lse, kv_num_blocks, kv_indice
 @torch.library.register_fake("adaattn::sym_eig")
 def _sym_eig_fake(a):
     return a.new_empty(a.shape[:2]), torch.empty_like(a, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("adaattn::sym_eig_top")
+def _sym_eig_top_fake(a, energy, min_rank, multiple):
+    return (a.new_empty(a.shape[:2]), torch.empty_like(a, memory_format=torch.contiguous_format),
+            a.new_empty(a.shape[:1], dtype=torch.int32))

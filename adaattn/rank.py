@@ -67,9 +67,10 @@ def rank_plan(q: torch.Tensor, k: torch.Tensor, *, energy: float = 0.99, min_ran
 
     For each ``(b, g)``: ``G = K^T K + sum over the query heads h of group g of Q_h^T Q_h``
     (``D x D``, accumulated in float32 without a float32 copy of q and k on CUDA), eigendecomposed
-    by ``torch.ops.adaattn.sym_eig`` (batched tridiagonal eigensolver, float32, eigenvectors orthonormal to a few
-    float32 ulps); the rank is the smallest ``r >= min_rank``, rounded up to a multiple of
-    ``multiple`` and capped at ``D``, whose largest eigenvalues hold ``energy`` of the trace.
+    by ``torch.ops.adaattn.sym_eig_top`` (batched tridiagonal eigensolver, float32, eigenvectors
+    orthonormal to a few float32 ulps, computed for the first ``rank`` columns only); the rank is
+    the smallest ``r >= min_rank``, rounded up to a multiple of ``multiple`` and capped at ``D``,
+    whose largest eigenvalues hold ``energy`` of the trace.
     float64 inputs (and ``D > 256``) take an exact path instead: ``G`` in float64 and
     ``torch.linalg.eigh`` in float64. No gradient flows; the result is deterministic for given
     inputs. Reading the largest rank to size ``basis`` is one host synchronisation per plan (a
@@ -114,23 +115,27 @@ def _plan_from_gram(gram: torch.Tensor, exact: bool, energy: float, min_rank: in
     if exact:
         values, vectors = torch.linalg.eigh(gram)  # ascending
         values, vectors = values.flip(-1).float(), vectors.flip(-1).float()
+        values = values.clamp(min=0)
+        if energy >= 1.0:
+            ranks = torch.full((b, hkv), dim, dtype=torch.int32, device=gram.device)
+        else:
+            # The cumulative energy is non-decreasing: the rank is the index of its first entry
+            # that reaches the target, plus one.
+            reached = values.cumsum(-1) >= energy * values.sum(-1, keepdim=True)
+            first = (dim + 1 - reached.sum(-1)).clamp(max=dim)
+            ranks = first.clamp(min=min_rank)
+            ranks = ((ranks + multiple - 1) // multiple * multiple).clamp(max=dim).to(torch.int32)
+        columns = torch.arange(dim, device=gram.device)
+        vectors = vectors * (columns < ranks.unsqueeze(-1)).unsqueeze(-2)
     else:
-        values, vectors = torch.ops.adaattn.sym_eig(gram.reshape(b * hkv, dim, dim))  # descending
-        values, vectors = values.reshape(b, hkv, dim), vectors.reshape(b, hkv, dim, dim)
-    values = values.clamp(min=0)
-    if energy >= 1.0:
-        ranks = torch.full((b, hkv), dim, dtype=torch.int32, device=gram.device)
-    else:
-        # The cumulative energy is non-decreasing: the rank is the index of its first entry that
-        # reaches the target, plus one.
-        reached = values.cumsum(-1) >= energy * values.sum(-1, keepdim=True)
-        first = (dim + 1 - reached.sum(-1)).clamp(max=dim)
-        ranks = first.clamp(min=min_rank)
-        ranks = ((ranks + multiple - 1) // multiple * multiple).clamp(max=dim).to(torch.int32)
+        # One kernel: all eigenvalues, the same rank rule (core/sym_eig.h's sym_eig_rank, summed
+        # in float64), and only the first `rank` eigenvectors (the other columns are 0).
+        values, vectors, ranks = torch.ops.adaattn.sym_eig_top(gram.reshape(b * hkv, dim, dim),
+                                                                energy, min_rank, multiple)
+        values = values.reshape(b, hkv, dim).clamp(min=0)
+        vectors, ranks = vectors.reshape(b, hkv, dim, dim), ranks.reshape(b, hkv)
     width = int(ranks.max().item()) if ranks.numel() else 0
-    columns = torch.arange(width, device=gram.device)
-    basis = vectors[..., :width] * (columns < ranks.unsqueeze(-1)).unsqueeze(-2)
-    return RankPlan(basis.contiguous(), ranks, values)
+    return RankPlan(vectors[..., :width].contiguous(), ranks, values)
 
 
 def _keeps_every_direction(gram: torch.Tensor, energy: float, min_rank: int,

@@ -5,10 +5,12 @@ Configs: q, k bf16 [4, 16, 4096, 128] (Hkv = 16, 64 Gram matrices of 128 x 128) 
 Hkv = 4 (k [4, 4, 4096, 128], 16 matrices), with random normal inputs and with a planted rank-32
 subspace plus noise (a spectrum like real attention heads'). Rows: the Gram matrices as rank_plan
 forms them (float32 accumulation inside the bf16 GEMM), the same through a float32 copy of q and
-k (rank_plan's former way), torch.ops.adaattn.sym_eig on them, torch.linalg.eigh in float64 (the
-former eigensolver), and the whole rank_plan (with its one host synchronisation). Times are
-medians of CUDA-event timings after warmup; sym_eig's accuracy on the same matrices is printed
-too (max |U^T U - I| in float32 epsilons, max |A U - U diag(w)| / ||A||_F).
+k (rank_plan's former way), torch.ops.adaattn.sym_eig on them (the full decomposition),
+torch.ops.adaattn.sym_eig_top (rank_plan's op: all eigenvalues, the rank, the first `rank`
+eigenvectors), torch.linalg.eigh in float64 (the former eigensolver), and the whole rank_plan
+(with its one host synchronisation). Times are medians of CUDA-event timings after warmup;
+sym_eig's accuracy on the same matrices is printed too (max |U^T U - I| in float32 epsilons,
+max |A U - U diag(w)| / ||A||_F).
 
     python benchmarks/bench_rank.py [--markdown] [--out benchmarks/RESULTS.md]
 """
@@ -74,6 +76,7 @@ def measure(hkv: int, kind: str, args) -> List[list]:
         row("gram (float32 copy)", lambda: (lambda x, y: x.mT @ x + y.mT @ y)(qm.float(),
                                                                               km.float()))
         row("sym_eig", lambda: torch.ops.adaattn.sym_eig(gram))
+        row("sym_eig_top (energy 0.99)", lambda: torch.ops.adaattn.sym_eig_top(gram, 0.99, 16, 16))
         row("eigh float64", lambda: torch.linalg.eigh(gram.double()), reps=args.eigh_reps)
         row("rank_plan (energy 0.99)", lambda: adaattn.rank_plan(q, k, energy=0.99))
     print(f"Hkv={hkv:2d} {kind:8s} sym_eig accuracy: {accuracy(gram)}", flush=True)

@@ -10,17 +10,22 @@
 // * random: X standard normal (Marchenko-Pastur spectrum in [~6300, ~10400]);
 // * planted: X = C B^T + 0.05 E, C 8192 x 32 and E standard normal, B 128 x 32 orthonormal
 //   (32 eigenvalues ~8192 plus a 96-member noise cluster near 0.0025 * 8192).
-// Prints the kernel's median time over 20 launches (CUDA events, after warmup), then for one
-// launch each stage's median over CTAs of clock64() cycles and its share of the kernel's median,
-// the cluster structure the eigenvalues imply, and the accuracy: max |A U - U diag(w)| / ||A||_F
-// and max |U^T U - I| in float32 epsilons (tests/test_sym_eig.py's bounds: 1e-5 and 64). Exits 1
-// when a bound is missed. The stage probes add 10 global stores per CTA.
+// For each kind, two modes of the kernel: sym_eig (all columns) and sym_eig_top (rank_plan's:
+// energy 0.99, min_rank = multiple = 16). Prints each one's median time over 20 launches (CUDA
+// events, after warmup), then for one launch each stage's median over CTAs of clock64() cycles
+// and its share of the kernel's median, the cluster structure the eigenvalues imply, the ranks,
+// and the checks: max |A U - U diag(w)| / ||A||_F and max |U^T U - I| in float32 epsilons over
+// the first `rank` columns (tests/test_sym_eig.py's bounds: 1e-5 and 64), descending
+// eigenvalues, columns past the rank exactly 0, ranks equal to sym_eig_rank on the returned
+// eigenvalues, sym_eig_top's eigenvalues bitwise equal to sym_eig's, and a second launch bitwise
+// equal to the first. Exits 1 when a check fails. The stage probes add 11 global stores per CTA.
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <random>
 #include <vector>
 
@@ -96,12 +101,148 @@ __global__ void gram(const float* x, float* g) {
 }
 
 static const char* kStageNames[adaattn::kSymEigStageCount] = {
-    "", "scale/load", "tridiagonalisation", "split", "multisection", "inverse iteration",
-    "cluster Gram-Schmidt", "back-transformation", "Newton-Schulz", "order/sign/store"};
+    "", "scale/load", "tridiagonalisation", "split", "multisection", "order/rank",
+    "inverse iteration", "cluster Gram-Schmidt", "back-transformation", "Newton-Schulz",
+    "sign/store"};
 
 static double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v.empty() ? 0. : v[v.size() / 2];
+}
+
+struct Result {
+  std::vector<float> w, v;
+  std::vector<int> ranks;
+};
+
+// Launches sym_eig (energy 1, no ranks) or sym_eig_top (energy < 1, min_rank = multiple = 16) on
+// the n Gram matrices d_g (host copy g): timing, stages, accuracy of the first rank columns
+// against g, the ranks against the rule on the returned eigenvalues, columns past the rank 0,
+// eigenvalues equal to sym_eig's (`full`), and a second launch bitwise equal to the first.
+static bool solve(const char* kind, const char* op, int n, const float* d_g,
+                  const std::vector<float>& g, double energy, const Result* full, Result& out) {
+  const bool is_top = energy < 1.0;
+  float *d_w, *d_v;
+  int* d_r;
+  long long* d_st;
+  CK(cudaMalloc(&d_w, size_t(n) * kD * 4));
+  CK(cudaMalloc(&d_v, size_t(n) * kD * kD * 4));
+  CK(cudaMalloc(&d_r, size_t(n) * 4));
+  CK(cudaMalloc(&d_st, size_t(n) * adaattn::kSymEigStageCount * 8));
+  auto launch = [&] {
+    CK(adaattn::sym_eig_launch(d_g, d_w, d_v, n, kD, 0, energy, 16, 16, is_top ? d_r : nullptr,
+                               d_st));
+  };
+  for (int i = 0; i < 3; ++i) launch();
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  std::vector<double> ms;
+  for (int i = 0; i < 20; ++i) {
+    CK(cudaEventRecord(e0));
+    launch();
+    CK(cudaEventRecord(e1));
+    CK(cudaEventSynchronize(e1));
+    float t;
+    CK(cudaEventElapsedTime(&t, e0, e1));
+    ms.push_back(t);
+  }
+  const double ms_med = median(ms);
+  std::vector<float>& w = out.w;
+  std::vector<float>& v = out.v;
+  std::vector<int>& rk = out.ranks;
+  w.resize(size_t(n) * kD);
+  v.resize(size_t(n) * kD * kD);
+  rk.assign(n, kD);
+  std::vector<long long> st(size_t(n) * adaattn::kSymEigStageCount);
+  CK(cudaMemcpy(w.data(), d_w, w.size() * 4, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(v.data(), d_v, v.size() * 4, cudaMemcpyDeviceToHost));
+  if (is_top) CK(cudaMemcpy(rk.data(), d_r, rk.size() * 4, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(st.data(), d_st, st.size() * 8, cudaMemcpyDeviceToHost));
+  // Determinism: one more launch, compared bitwise.
+  CK(cudaMemset(d_v, 0xff, size_t(n) * kD * kD * 4));
+  launch();
+  std::vector<float> w2(w.size()), v2(v.size());
+  std::vector<int> rk2(rk);
+  CK(cudaMemcpy(w2.data(), d_w, w.size() * 4, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(v2.data(), d_v, v.size() * 4, cudaMemcpyDeviceToHost));
+  if (is_top) CK(cudaMemcpy(rk2.data(), d_r, rk.size() * 4, cudaMemcpyDeviceToHost));
+  const bool same = std::memcmp(w.data(), w2.data(), w.size() * 4) == 0 &&
+                    std::memcmp(v.data(), v2.data(), v.size() * 4) == 0 && rk == rk2;
+  CK(cudaFree(d_w));
+  CK(cudaFree(d_v));
+  CK(cudaFree(d_r));
+  CK(cudaFree(d_st));
+
+  const int ns = adaattn::kSymEigStageCount;
+  std::vector<double> total;
+  for (int b = 0; b < n; ++b) total.push_back(double(st[b * ns + ns - 1] - st[b * ns]));
+  const double tot = median(total);
+  std::printf("\n%s, %s: %d matrices of %d: kernel %.3f ms (median of 20); %.0f cycles per CTA "
+              "(median; %.2f GHz if the kernel time were all CTA time)\n",
+              kind, op, n, kD, ms_med, tot, tot / (ms_med * 1e6));
+  for (int s = 1; s < ns; ++s) {
+    std::vector<double> c;
+    for (int b = 0; b < n; ++b) c.push_back(double(st[b * ns + s] - st[b * ns + s - 1]));
+    const double m = median(c);
+    std::printf("  %-22s %9.0f cycles  %5.1f%%\n", kStageNames[s], m, 100. * m / tot);
+  }
+
+  // Accuracy (float64) of the first rank columns and the cluster structure of the spectrum.
+  double res = 0, orth = 0, tail = 0, wdiff = 0, vdiff = 0, sumr = 0;
+  int clustered = 0, degenerate = 0, rank_bad = 0, rmin = kD, rmax = 0;
+  bool order = true;
+  std::vector<int> ident(kD);
+  for (int i = 0; i < kD; ++i) ident[i] = i;
+  for (int b = 0; b < n; ++b) {
+    const float* a = &g[size_t(b) * kD * kD];
+    const float* u = &v[size_t(b) * kD * kD];
+    const float* wb = &w[size_t(b) * kD];
+    const int r = rk[b];
+    rmin = std::min(rmin, r);
+    rmax = std::max(rmax, r);
+    sumr += r;
+    const int want = is_top ? adaattn::sym_eig_rank(wb, ident.data(), kD, energy, 16, 16) : kD;
+    rank_bad += r != want;
+    double norm = 0;
+    for (int o = 0; o < kD * kD; ++o) norm += double(a[o]) * a[o];
+    norm = std::sqrt(norm);
+    for (int j = 0; j < kD; ++j) {
+      if (full != nullptr) wdiff = std::max(wdiff, double(std::fabs(wb[j] - full->w[b * kD + j])));
+      if (j > 0 && wb[j] > wb[j - 1]) order = false;
+      if (j > 0 && wb[j - 1] - wb[j] <= 1e-3 * norm) ++clustered;
+      if (j > 0 && wb[j - 1] - wb[j] <= 16 * 5.96e-8 * norm) ++degenerate;
+      for (int i = 0; i < kD; ++i) {
+        if (j >= r) {
+          tail = std::max(tail, double(std::fabs(u[i * kD + j])));
+          continue;
+        }
+        double au = 0, uu = 0;
+        for (int k = 0; k < kD; ++k) {
+          au += double(a[i * kD + k]) * u[k * kD + j];
+          if (i < r) uu += double(u[k * kD + i]) * u[k * kD + j];
+        }
+        res = std::max(res, std::fabs(au - double(u[i * kD + j]) * wb[j]) / norm);
+        if (full != nullptr) {
+          const float ref = full->v[(size_t(b) * kD + i) * kD + j];
+          vdiff = std::max(vdiff, double(std::fabs(u[i * kD + j] - ref)));
+        }
+        if (i < r) orth = std::max(orth, std::fabs(uu - (i == j ? 1. : 0.)));
+      }
+    }
+  }
+  const double eps = 1.1920929e-7;
+  const bool ok = order && res <= 1e-5 && orth <= 64 * eps && same && rank_bad == 0 &&
+                  tail == 0 && wdiff == 0;
+  std::printf("  clustered gaps (<= 1e-3 ||A||_F) %.1f per matrix, degenerate %.1f per matrix\n",
+              double(clustered) / n, double(degenerate) / n);
+  std::printf("  ranks %d..%d (mean %.1f), %d differ from sym_eig_rank on the eigenvalues; columns "
+              "past the rank max |.| %g; vs sym_eig: eigenvalues max |diff| %g, columns %.1e\n",
+              rmin, rmax, sumr / n, rank_bad, tail, wdiff, vdiff);
+  std::printf("  residual %.2e ||A||_F, orthonormal to %.1f eps, descending %s, second launch "
+              "bitwise equal %s: %s\n", res, orth / eps, order ? "yes" : "NO", same ? "yes" : "NO",
+              ok ? "ok" : "FAILED");
+  return ok;
 }
 
 static bool run(const char* kind, int n, float* d_x, float* d_g) {
@@ -138,82 +279,12 @@ static bool run(const char* kind, int n, float* d_x, float* d_g) {
   }
   gram<<<n, 256>>>(d_x, d_g);
   CK(cudaGetLastError());
-  float *d_w, *d_v;
-  long long* d_st;
-  CK(cudaMalloc(&d_w, size_t(n) * kD * 4));
-  CK(cudaMalloc(&d_v, size_t(n) * kD * kD * 4));
-  CK(cudaMalloc(&d_st, size_t(n) * adaattn::kSymEigStageCount * 8));
-  for (int i = 0; i < 3; ++i) CK(adaattn::sym_eig_launch(d_g, d_w, d_v, n, kD, 0, d_st));
-  cudaEvent_t e0, e1;
-  CK(cudaEventCreate(&e0));
-  CK(cudaEventCreate(&e1));
-  std::vector<double> ms;
-  for (int i = 0; i < 20; ++i) {
-    CK(cudaEventRecord(e0));
-    CK(adaattn::sym_eig_launch(d_g, d_w, d_v, n, kD, 0, d_st));
-    CK(cudaEventRecord(e1));
-    CK(cudaEventSynchronize(e1));
-    float t;
-    CK(cudaEventElapsedTime(&t, e0, e1));
-    ms.push_back(t);
-  }
-  const double ms_med = median(ms);
-  std::vector<float> g(size_t(n) * kD * kD), w(size_t(n) * kD), v(size_t(n) * kD * kD);
-  std::vector<long long> st(size_t(n) * adaattn::kSymEigStageCount);
+  std::vector<float> g(size_t(n) * kD * kD);
   CK(cudaMemcpy(g.data(), d_g, g.size() * 4, cudaMemcpyDeviceToHost));
-  CK(cudaMemcpy(w.data(), d_w, w.size() * 4, cudaMemcpyDeviceToHost));
-  CK(cudaMemcpy(v.data(), d_v, v.size() * 4, cudaMemcpyDeviceToHost));
-  CK(cudaMemcpy(st.data(), d_st, st.size() * 8, cudaMemcpyDeviceToHost));
-  CK(cudaFree(d_w));
-  CK(cudaFree(d_v));
-  CK(cudaFree(d_st));
-
-  const int ns = adaattn::kSymEigStageCount;
-  std::vector<double> total;
-  for (int b = 0; b < n; ++b) total.push_back(double(st[b * ns + ns - 1] - st[b * ns]));
-  const double tot = median(total);
-  std::printf("\n%s: %d matrices of %d: kernel %.3f ms (median of 20); %.0f cycles per CTA "
-              "(median; %.2f GHz if the kernel time were all CTA time)\n",
-              kind, n, kD, ms_med, tot, tot / (ms_med * 1e6));
-  for (int s = 1; s < ns; ++s) {
-    std::vector<double> c;
-    for (int b = 0; b < n; ++b) c.push_back(double(st[b * ns + s] - st[b * ns + s - 1]));
-    const double m = median(c);
-    std::printf("  %-22s %9.0f cycles  %5.1f%%\n", kStageNames[s], m, 100. * m / tot);
-  }
-
-  // Accuracy (float64) and the cluster structure of the computed spectrum.
-  double res = 0, orth = 0;
-  int clustered = 0, degenerate = 0;
-  bool order = true;
-  for (int b = 0; b < n; ++b) {
-    const float* a = &g[size_t(b) * kD * kD];
-    const float* u = &v[size_t(b) * kD * kD];
-    const float* wb = &w[size_t(b) * kD];
-    double norm = 0;
-    for (int o = 0; o < kD * kD; ++o) norm += double(a[o]) * a[o];
-    norm = std::sqrt(norm);
-    for (int j = 0; j < kD; ++j) {
-      if (j > 0 && wb[j] > wb[j - 1]) order = false;
-      if (j > 0 && wb[j - 1] - wb[j] <= 1e-3 * norm) ++clustered;
-      if (j > 0 && wb[j - 1] - wb[j] <= 16 * 5.96e-8 * norm) ++degenerate;
-      for (int i = 0; i < kD; ++i) {
-        double au = 0, uu = 0;
-        for (int k = 0; k < kD; ++k) {
-          au += double(a[i * kD + k]) * u[k * kD + j];
-          uu += double(u[k * kD + i]) * u[k * kD + j];
-        }
-        res = std::max(res, std::fabs(au - double(u[i * kD + j]) * wb[j]) / norm);
-        orth = std::max(orth, std::fabs(uu - (i == j ? 1. : 0.)));
-      }
-    }
-  }
-  const double eps = 1.1920929e-7;
-  const bool ok = order && res <= 1e-5 && orth <= 64 * eps;
-  std::printf("  clustered gaps (<= 1e-3 ||A||_F) %.1f per matrix, degenerate %.1f per matrix\n",
-              double(clustered) / n, double(degenerate) / n);
-  std::printf("  residual %.2e ||A||_F, orthonormal to %.1f eps, descending %s: %s\n", res,
-              orth / eps, order ? "yes" : "NO", ok ? "ok" : "FAILED");
+  Result full, top;
+  bool ok = solve(kind, "sym_eig", n, d_g, g, 1.0, nullptr, full);
+  ok = solve(kind, "sym_eig_top (energy 0.99, min_rank 16, multiple 16)", n, d_g, g, 0.99, &full,
+             top) && ok;
   return ok;
 }
 

@@ -620,6 +620,9 @@ TORCH_LIBRARY(adaattn, m) {
       "low_rank_attn(Tensor q, Tensor k, Tensor v, Tensor basis, bool causal=False, "
       "float? softmax_scale=None) -> (Tensor out, Tensor lse)");
   m.def("sym_eig(Tensor a) -> (Tensor eigenvalues, Tensor eigenvectors)");
+  m.def(
+      "sym_eig_top(Tensor a, float energy, int min_rank, int multiple) -> (Tensor eigenvalues, "
+      "Tensor eigenvectors, Tensor ranks)");
 }
 
 TORCH_LIBRARY_IMPL(adaattn, CPU, m) {

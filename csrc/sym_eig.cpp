@@ -34,14 +34,24 @@ void check_sym_eig_input(const at::Tensor& a) {
   TORCH_CHECK(a.is_contiguous(), "adaattn: sym_eig: a must be contiguous; call .contiguous() on it");
 }
 
+void check_sym_eig_top_args(double energy, int64_t min_rank, int64_t multiple) {
+  TORCH_CHECK(energy > 0.0 && energy <= 1.0, "adaattn: sym_eig_top: energy must be in (0, 1], got ",
+              energy);
+  TORCH_CHECK(min_rank >= 1 && multiple >= 1, "adaattn: sym_eig_top: min_rank and multiple must "
+              "be positive, got ", min_rank, ", ", multiple);
+}
+
 std::tuple<at::Tensor, at::Tensor> sym_eig_outputs(const at::Tensor& a) {
   return {at::empty({a.size(0), a.size(1)}, a.options()), at::empty(a.sizes(), a.options())};
 }
 
 namespace {
 
-// One matrix: a [D, D] (its lower triangle is read) -> w [D], v [D, D] (columns).
-void sym_eig_matrix(const float* a, int n, float* w, float* v) {
+// One matrix: a [D, D] (its lower triangle is read) -> w [D], v [D, D] (columns); returns the
+// rank r. energy >= 1: sym_eig (r = D); else sym_eig_top: r = sym_eig_rank (min_rank, multiple
+// in [1, D]) and columns r.. of v are 0.
+int sym_eig_matrix(const float* a, int n, float* w, float* v, double energy, int min_rank,
+                   int multiple) {
   // 1. Scale (A full, symmetric).
   float max_abs = 0.f;
   for (int y = 0; y < n; ++y) {
@@ -138,10 +148,31 @@ void sym_eig_matrix(const float* a, int n, float* w, float* v) {
     }
   }
 
-  // 5-6. Eigenvectors of T: zt[j][i] = Z[i][j]; rt[j] the factors of T - lam_j I.
-  std::vector<float> zt(static_cast<size_t>(n) * n, 0.f), rt(static_cast<size_t>(n) * n), h(n);
+  // Output order, rank, cluster starts, and the eigenvalues whose vectors the first r columns
+  // need (their own or a later member of their cluster).
+  std::vector<int> order(n), pos(n), c0(n);
+  std::iota(order.begin(), order.end(), 0);
+  std::sort(order.begin(), order.end(),
+            [&](int i, int j) { return sym_eig_precedes(lam[i], i, lam[j], j); });
+  for (int i = 0; i < n; ++i) pos[order[i]] = i;
+  const int rank = sym_eig_rank(lam.data(), order.data(), n, energy, min_rank, multiple);
   const float tiny = kSymEigPivot * anorm, ctol = kSymEigCluster * anorm;
   for (int j = 0; j < n; ++j) {
+    int c = j;
+    while (c > start[j] && lam[c] - lam[c - 1] <= ctol) --c;
+    c0[j] = c;
+  }
+  std::vector<char> need(n);
+  for (int j = 0; j < n; ++j) {
+    bool nd = pos[j] < rank;
+    for (int y = j + 1; !nd && y < n && c0[y] <= j; ++y) nd = pos[y] < rank;
+    need[j] = nd;
+  }
+
+  // 5-6. Eigenvectors of T: zt[j][i] = Z[i][j]; rt[j] the factors of T - lam_j I.
+  std::vector<float> zt(static_cast<size_t>(n) * n, 0.f), rt(static_cast<size_t>(n) * n), h(n);
+  for (int j = 0; j < n; ++j) {
+    if (!need[j]) continue;
     const int b = start[j], m = block_size(b);
     float* z = &zt[j * n];
     float* r = &rt[j * n];
@@ -155,19 +186,18 @@ void sym_eig_matrix(const float* a, int n, float* w, float* v) {
     for (int it = 0; it < (degenerate ? 1 : kSymEigInverseIts); ++it) {
       sym_eig_solve(e.data(), b, m, r, 1, z, 1);
     }
-    int c0 = j;
-    while (c0 > b && lam[c0] - lam[c0 - 1] <= ctol) --c0;
-    for (int round = 0; round < (c0 == j ? 0 : degenerate ? 2 : 1); ++round) {
+    const int c = c0[j];
+    for (int round = 0; round < (c == j ? 0 : degenerate ? 2 : 1); ++round) {
       if (round == 1) sym_eig_solve(e.data(), b, m, r, 1, z, 1);
       for (int pass = 0; pass < 2; ++pass) {
-        for (int i = c0; i < j; ++i) {
+        for (int i = c; i < j; ++i) {
           float s = 0.f;
           for (int y = b; y < b + m; ++y) s += zt[i * n + y] * z[y];
           h[i] = s;
         }
         for (int y = b; y < b + m; ++y) {
           float s = 0.f;
-          for (int i = c0; i < j; ++i) s += h[i] * zt[i * n + y];
+          for (int i = c; i < j; ++i) s += h[i] * zt[i * n + y];
           z[y] -= s;
         }
       }
@@ -178,12 +208,14 @@ void sym_eig_matrix(const float* a, int n, float* w, float* v) {
     for (int y = b; y < b + m; ++y) z[y] *= inv;
   }
 
-  // 7. Back-transformation.
-  for (int k = n - 3; k >= 0; --k) {
-    if (tau[k] == 0.f) continue;
-    const float* x = &A[k * n];
-    for (int j = 0; j < n; ++j) {
-      float* z = &zt[j * n];
+  // 7. Back-transformation of the first `rank` output columns: ut[g] = U's column g.
+  std::vector<float> ut(static_cast<size_t>(rank) * n);
+  for (int g = 0; g < rank; ++g) {
+    float* z = &ut[g * n];
+    std::copy_n(&zt[order[g] * n], n, z);
+    for (int k = n - 3; k >= 0; --k) {
+      if (tau[k] == 0.f) continue;
+      const float* x = &A[k * n];
       float s = z[k + 1];
       for (int i = k + 2; i < n; ++i) s += x[i] * z[i];
       s *= tau[k];
@@ -192,58 +224,82 @@ void sym_eig_matrix(const float* a, int n, float* w, float* v) {
     }
   }
 
-  // 8. Newton-Schulz: U^T <- U^T - (U^T U - I) U^T / 2.
-  std::vector<float> mm(static_cast<size_t>(n) * n), ut(static_cast<size_t>(n) * n);
-  for (int x = 0; x < n; ++x) {
-    for (int y = 0; y < n; ++y) {
+  // 8. Newton-Schulz on those columns: U^T <- U^T - (U^T U - I) U^T / 2.
+  std::vector<float> mm(static_cast<size_t>(rank) * rank), us(static_cast<size_t>(rank) * n);
+  for (int x = 0; x < rank; ++x) {
+    for (int y = 0; y < rank; ++y) {
       float s = 0.f;
-      for (int i = 0; i < n; ++i) s += zt[x * n + i] * zt[y * n + i];
-      mm[x * n + y] = s - (x == y ? 1.f : 0.f);
+      for (int i = 0; i < n; ++i) s += ut[x * n + i] * ut[y * n + i];
+      mm[x * rank + y] = s - (x == y ? 1.f : 0.f);
     }
   }
-  for (int x = 0; x < n; ++x) {
+  for (int x = 0; x < rank; ++x) {
     for (int i = 0; i < n; ++i) {
       float s = 0.f;
-      for (int k = 0; k < n; ++k) s += mm[k * n + x] * zt[k * n + i];
-      ut[x * n + i] = zt[x * n + i] - 0.5f * s;
+      for (int k = 0; k < rank; ++k) s += mm[k * rank + x] * ut[k * n + i];
+      us[x * n + i] = ut[x * n + i] - 0.5f * s;
     }
   }
 
-  // 9. Order, signs, stores.
-  std::vector<int> order(n);
-  std::iota(order.begin(), order.end(), 0);
-  std::sort(order.begin(), order.end(),
-            [&](int i, int j) { return sym_eig_precedes(lam[i], i, lam[j], j); });
+  // 9. Signs, stores.
   for (int col = 0; col < n; ++col) {
-    const int j = order[col];
-    const float* u = &ut[j * n];
+    w[col] = std::ldexp(lam[order[col]], ex);
+    if (col >= rank) {
+      for (int y = 0; y < n; ++y) v[y * n + col] = 0.f;
+      continue;
+    }
+    const float* u = &us[col * n];
     int big = 0;
     for (int y = 1; y < n; ++y) {
       if (sym_eig_larger_entry(u[y], y, u[big], big)) big = y;
     }
     const float sign = u[big] < 0.f ? -1.f : 1.f;
-    w[col] = std::ldexp(lam[j], ex);
     for (int y = 0; y < n; ++y) v[y * n + col] = sign * u[y];
   }
+  return rank;
 }
 
-std::tuple<at::Tensor, at::Tensor> sym_eig_cpu(const at::Tensor& a) {
-  check_sym_eig_input(a);
-  auto [w, v] = sym_eig_outputs(a);
+// The batch on at::parallel_for; ranks (int32 [N]) is written when given.
+void sym_eig_batch(const at::Tensor& a, at::Tensor& w, at::Tensor& v, int* ranks, double energy,
+                   int64_t min_rank, int64_t multiple) {
   const int64_t batch = a.size(0), dim = a.size(1);
+  const int mr = static_cast<int>(std::min(min_rank, dim));
+  const int mu = static_cast<int>(std::min(multiple, dim));
   const float* pa = a.data_ptr<float>();
   float* pw = w.data_ptr<float>();
   float* pv = v.data_ptr<float>();
   at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      sym_eig_matrix(pa + i * dim * dim, static_cast<int>(dim), pw + i * dim, pv + i * dim * dim);
+      const int r = sym_eig_matrix(pa + i * dim * dim, static_cast<int>(dim), pw + i * dim,
+                                   pv + i * dim * dim, energy, mr, mu);
+      if (ranks != nullptr) ranks[i] = r;
     }
   });
+}
+
+std::tuple<at::Tensor, at::Tensor> sym_eig_cpu(const at::Tensor& a) {
+  check_sym_eig_input(a);
+  auto [w, v] = sym_eig_outputs(a);
+  sym_eig_batch(a, w, v, nullptr, 1.0, 1, 1);
   return {w, v};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> sym_eig_top_cpu(const at::Tensor& a, double energy,
+                                                               int64_t min_rank,
+                                                               int64_t multiple) {
+  check_sym_eig_input(a);
+  check_sym_eig_top_args(energy, min_rank, multiple);
+  auto [w, v] = sym_eig_outputs(a);
+  at::Tensor ranks = at::empty({a.size(0)}, a.options().dtype(at::kInt));
+  sym_eig_batch(a, w, v, ranks.data_ptr<int>(), energy, min_rank, multiple);
+  return {w, v, ranks};
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(adaattn, CPU, m) { m.impl("sym_eig", &sym_eig_cpu); }
+TORCH_LIBRARY_IMPL(adaattn, CPU, m) {
+  m.impl("sym_eig", &sym_eig_cpu);
+  m.impl("sym_eig_top", &sym_eig_top_cpu);
+}
 
 }  // namespace adaattn

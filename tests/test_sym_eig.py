@@ -8,6 +8,10 @@ symmetric matrices, Gram matrices with a planted rank-8 spectrum plus noise, rep
 tridiagonal inputs with zero and tiny couplings, D from 1 to 128 (the CUDA kernel) and one D > 128
 (CUDA: the float64 eigh path), an empty batch. Also determinism (bitwise, and independent of the batch position),
 CUDA agreeing with CPU, errors naming `a`, and torch.library.opcheck.
+
+sym_eig_top (rank_plan's op): sym_eig's eigenvalues, the rank of rank_plan's rule, the first
+`rank` eigenvectors to the same bounds and the other columns 0, on planted, clustered, indefinite
+and special inputs, with the same determinism, CUDA/CPU, error and opcheck tests.
 """
 import pytest
 import torch
@@ -43,23 +47,26 @@ def with_spectrum(values, device):
     return ((q * values.double().unsqueeze(-2)) @ q.mT).float().to(device)
 
 
-def check(a, w, v):
-    """The decomposition's accuracy and conventions, in float64."""
+def check(a, w, v, columns=None):
+    """The decomposition's accuracy and conventions, in float64 (of the first `columns`
+    eigenvectors, all by default)."""
     n, dim = a.shape[0], a.shape[-1]
     assert w.shape == (n, dim) and v.shape == (n, dim, dim)
     assert w.dtype == torch.float32 and v.dtype == torch.float32
     assert w.device == a.device and v.device == a.device
     assert torch.isfinite(w).all() and torch.isfinite(v).all()
     a64, w64, v64 = a.double().cpu(), w.double().cpu(), v.double().cpu()
-    norm = torch.linalg.matrix_norm(a64).clamp(min=torch.finfo(torch.float64).tiny)
-    eye = torch.eye(dim, dtype=torch.float64).expand(n, dim, dim)
-    torch.testing.assert_close(v64.mT @ v64, eye, atol=64 * EPS32, rtol=0)
-    residual = (a64 @ v64 - v64 * w64.unsqueeze(-2)).abs().amax((-1, -2))
-    assert (residual <= 1e-5 * norm).all(), (residual / norm).max()
     ref = torch.linalg.eigvalsh(a64.tril() + a64.tril(-1).mT).flip(-1)
+    norm = torch.linalg.matrix_norm(a64).clamp(min=torch.finfo(torch.float64).tiny)
     error = (w64 - ref).abs().amax(-1)
     assert (error <= 1e-5 * norm).all(), (error / norm).max()
     assert (w[:, :-1] >= w[:, 1:]).all()
+    c = dim if columns is None else columns
+    v, v64, w64 = v[..., :c], v64[..., :c], w64[:, :c]
+    eye = torch.eye(c, dtype=torch.float64).expand(n, c, c)
+    torch.testing.assert_close(v64.mT @ v64, eye, atol=64 * EPS32, rtol=0)
+    residual = (a64 @ v64 - v64 * w64.unsqueeze(-2)).abs().amax((-1, -2))
+    assert (residual <= 1e-5 * norm).all(), (residual / norm).max()
     largest = v.gather(-2, v.abs().argmax(-2, keepdim=True))  # first row on ties
     assert (largest > 0).all()
 
@@ -219,3 +226,108 @@ def test_bad_input():
 def test_opcheck(device, dim):
     a = random_symmetric(2, dim, device)
     torch.library.opcheck(torch.ops.adaattn.sym_eig.default, (a,))
+
+
+# sym_eig_top: rank_plan's op (the eigenvalues, the rank, the first `rank` eigenvectors).
+
+def sym_eig_top(a, energy, min_rank=16, multiple=16):
+    return torch.ops.adaattn.sym_eig_top(a, energy, min_rank, multiple)
+
+
+def expected_ranks(w, energy, min_rank, multiple):
+    """rank_plan's rule (spec §3.4) in float64 on descending eigenvalues w [N, D]."""
+    dim = w.shape[-1]
+    if energy >= 1.0:
+        return torch.full(w.shape[:1], dim, dtype=torch.int32)
+    values = w.double().cpu().clamp(min=0)
+    reached = values.cumsum(-1) >= energy * values.sum(-1, keepdim=True)
+    first = (dim + 1 - reached.sum(-1)).clamp(max=dim).clamp(min=min_rank)
+    return ((first + multiple - 1) // multiple * multiple).clamp(max=dim).to(torch.int32)
+
+
+def check_top(a, w, v, ranks, energy, min_rank, multiple):
+    """sym_eig's eigenvalues, the rule's ranks, accurate first `rank` columns, zeros after."""
+    n, dim = a.shape[0], a.shape[-1]
+    assert ranks.shape == (n,) and ranks.dtype == torch.int32 and ranks.device == a.device
+    w_full, v_full = sym_eig(a)
+    assert torch.equal(w, w_full)
+    assert torch.equal(ranks.cpu(), expected_ranks(w, energy, min_rank, multiple))
+    for i in range(n):
+        r = int(ranks[i])
+        assert (v[i, :, r:] == 0).all()
+        check(a[i:i + 1, :, :], w[i:i + 1], v[i:i + 1], columns=r)
+    return w_full, v_full
+
+
+@pytest.mark.parametrize("dim", [17, 64, 128, 160])
+@pytest.mark.parametrize("energy", [0.5, 0.9, 0.99, 1.0])
+def test_top_planted(device, dim, energy):
+    a = planted_gram(3, dim, device)
+    w, v, ranks = sym_eig_top(a, energy, 4, 4)
+    _, v_full = check_top(a, w, v, ranks, energy, 4, 4)
+    # The planted directions are well separated: the same vectors as sym_eig's.
+    r = min(int(ranks.min()), 8)
+    torch.testing.assert_close(v[..., :r], v_full[..., :r], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("dim", [32, 128])
+def test_top_large_noise_cluster(device, dim):
+    """Rank 32 planted over a noise cluster, min_rank and multiple as in rank_plan; rank 1 rounding
+    into the cluster (multiple 48) and min_rank past D."""
+    a = planted_gram(2, dim, device, rank=32, noise=0.01)
+    for energy, min_rank, multiple in [(0.99, 16, 16), (0.99, 1, 48), (0.5, 1000, 1), (0.9, 1, 1)]:
+        check_top(a, *sym_eig_top(a, energy, min_rank, multiple), energy, min_rank, multiple)
+
+
+def test_top_random_and_special(device):
+    """Indefinite inputs (negative eigenvalues count as 0), zeros and the identity."""
+    a = torch.cat([random_symmetric(2, 64, device), torch.zeros(1, 64, 64, device=device),
+                   torch.eye(64, device=device)[None]])
+    check_top(a, *sym_eig_top(a, 0.9, 1, 1), 0.9, 1, 1)
+
+
+@pytest.mark.parametrize("dim", [17, 128, 160])
+def test_top_deterministic(device, dim):
+    a = planted_gram(4, dim, device)
+    out = sym_eig_top(a, 0.99, 16, 16)
+    again = sym_eig_top(a, 0.99, 16, 16)
+    flipped = sym_eig_top(a.flip(0).contiguous(), 0.99, 16, 16)
+    for x, y, z in zip(out, again, flipped):
+        assert torch.equal(x, y) and torch.equal(z.flip(0), x)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dim", [17, 64, 128, 160])
+def test_top_cuda_matches_cpu(dim):
+    a = planted_gram(3, dim, "cpu")
+    w, v, ranks = sym_eig_top(a, 0.99, 4, 4)
+    wc, vc, rc = sym_eig_top(a.cuda(), 0.99, 4, 4)
+    check_top(a.cuda(), wc, vc, rc, 0.99, 4, 4)
+    norm = torch.linalg.matrix_norm(a.double()).max()
+    torch.testing.assert_close(wc.cpu().double(), w.double(), atol=1e-5 * norm, rtol=0)
+    assert torch.equal(rc.cpu(), ranks)
+    torch.testing.assert_close(vc.cpu()[..., :8], v[..., :8], atol=1e-5, rtol=0)
+
+
+def test_top_bad_input():
+    a = torch.eye(4)[None]
+    with pytest.raises(RuntimeError, match=r"sym_eig_top: energy must be in \(0, 1\]"):
+        sym_eig_top(a, 0.0)
+    with pytest.raises(RuntimeError, match=r"sym_eig_top: energy must be in \(0, 1\]"):
+        sym_eig_top(a, 1.5)
+    with pytest.raises(RuntimeError, match="sym_eig_top: min_rank and multiple must be positive"):
+        sym_eig_top(a, 0.9, 0, 16)
+    with pytest.raises(RuntimeError, match="sym_eig: a must be float32"):
+        sym_eig_top(a.double(), 0.9)
+
+
+def test_top_empty_batch(device):
+    for dim in (1, 128, 160):
+        w, v, ranks = sym_eig_top(torch.empty(0, dim, dim, device=device), 0.9)
+        assert w.shape == (0, dim) and v.shape == (0, dim, dim) and ranks.shape == (0,)
+
+
+@pytest.mark.parametrize("dim", [17, 128])
+def test_top_opcheck(device, dim):
+    a = planted_gram(2, dim, device)
+    torch.library.opcheck(torch.ops.adaattn.sym_eig_top.default, (a, 0.9, 16, 16))

@@ -14,7 +14,9 @@
 //    orthogonal. 1 x 1 blocks give (d_b, unit vector) exactly: ties and identities stay exact.
 // 4. Eigenvalues of a block by multisection on Sturm counts: kSymEigPoints points split the
 //    bracket of the j-th smallest eigenvalue into kSymEigPoints + 1 parts, kSymEigSections times
-//    (9^10 > 2^31: the bracket ends at float resolution) from the block's Gerschgorin interval.
+//    from the block's Gerschgorin interval (width <= ~4 ||A||_F): 9^8 > 2^25, so the bracket ends
+//    within ~2 float32 epsilons of ||A||_F (the tridiagonalisation's own error), well inside
+//    kSymEigDegenerate; 10 steps cost 20% more and sharpened only eigenvalues far below ||A||.
 //    Fixed step count: deterministic, and one eigenvalue per 8 threads on the GPU.
 // 5. Eigenvectors by inverse iteration on T_block - lambda I: LU without pivoting (the Sturm
 //    recurrence; pivots below kSymEigPivot * ||A||_F raised to it, a backward error of that size),
@@ -37,6 +39,12 @@
 // 9. Output: eigenvalues descending (ties: lower index in the tridiagonal's block order first, NaN
 //    last), eigenvectors as columns in the same order, each with its entry of largest magnitude
 //    positive (ties: lowest row).
+//
+// sym_eig_top (rank_plan's op) computes the same eigenvalues, then the rank r of sym_eig_rank
+// right after step 4, and steps 5-8 only for what the first r output columns need: inverse
+// iteration and Gram-Schmidt for those eigenvalues and their clusters' lower members (step 6
+// orthogonalises a member against the lower ones), back-transformation and Newton-Schulz for the
+// r columns alone, in output order (sym_eig is the case r = D). Columns r.. of the output are 0.
 #pragma once
 
 #include <cmath>
@@ -54,7 +62,7 @@ namespace adaattn {
 
 constexpr int kSymEigMaxDim = 256;
 constexpr int kSymEigPoints = 8;
-constexpr int kSymEigSections = 10;
+constexpr int kSymEigSections = 8;
 constexpr int kSymEigInverseIts = 3;
 constexpr float kSymEigEps = 5.96e-8f;  // float32 unit roundoff
 constexpr float kSymEigSplit = 16.f * kSymEigEps;
@@ -75,12 +83,13 @@ ADAATTN_HD int sym_eig_exponent(float max_abs) {
 }
 
 // Number of eigenvalues of the unreduced block d[b..b+m), e2[b..b+m-1) (squared subdiagonal)
-// below x.
+// below x. The CUDA kernel's sturm_packed is the same arithmetic on (d_i, e2_{i-1}) pairs.
 ADAATTN_HD int sym_eig_sturm(const float* d, const float* e2, int b, int m, float x) {
-  int count = 0;
-  float q = 1.f;
-  for (int i = b; i < b + m; ++i) {
-    q = (d[i] - x) - (i > b ? e2[i - 1] / q : 0.f);
+  float q = d[b] - x;
+  if (fabsf(q) < kSymEigPivMin) q = -kSymEigPivMin;
+  int count = q < 0.f;
+  for (int i = b + 1; i < b + m; ++i) {
+    q = (d[i] - x) - e2[i - 1] / q;
     if (fabsf(q) < kSymEigPivMin) q = -kSymEigPivMin;
     count += q < 0.f;
   }
@@ -157,6 +166,51 @@ ADAATTN_HD bool sym_eig_precedes(float a, int i, float b, int j) {
   const float ka = a != a ? -INFINITY : a;
   const float kb = b != b ? -INFINITY : b;
   return ka > kb || (ka == kb && i < j);
+}
+
+// rank_plan's rank (spec §3.4) of the eigenvalues lam[order[0]] >= lam[order[1]] >= ... (any
+// power-of-2 scale): the smallest r whose eigenvalues, clamped at 0, hold `energy` of their sum
+// (none, e.g. NaN: n), then at least min_rank, rounded up to a multiple of `multiple`, at most n;
+// energy >= 1 gives n. min_rank and multiple are in [1, n]. The sums are in double in the order of
+// a 32-lane scan (the CUDA kernel's warp): with c = kSymEigRankChunk (n <= 128) or twice that,
+// lane l sums entries cl..cl+c-1 one after another, an inclusive Kogge-Stone scan over the lanes'
+// sums (strides 1, 2, 4, 8, 16) gives T_l, and the prefix through entry cl + i is
+// T_{l-1} + (entries cl..cl+i) (T_{-1} = 0).
+constexpr int kSymEigRankChunk = 4;
+static_assert(kSymEigMaxDim <= 2 * 32 * kSymEigRankChunk, "sym_eig_rank's scan");
+
+ADAATTN_HD double sym_eig_clamped(float x) { return x < 0.f ? 0.0 : static_cast<double>(x); }
+
+ADAATTN_HD int sym_eig_round_rank(int first, int n, int min_rank, int multiple) {
+  const int r = first > min_rank ? first : min_rank;
+  const int up = (r + multiple - 1) / multiple * multiple;
+  return up < n ? up : n;
+}
+
+ADAATTN_HD int sym_eig_rank(const float* lam, const int* order, int n, double energy,
+                            int min_rank, int multiple) {
+  if (!(energy < 1.0)) return n;
+  const int c = n <= 32 * kSymEigRankChunk ? kSymEigRankChunk : 2 * kSymEigRankChunk;
+  double t[32], local[2 * 32 * kSymEigRankChunk];
+  for (int l = 0; l < 32; ++l) {
+    double s = 0.0;
+    for (int i = 0; i < c; ++i) {
+      const int o = c * l + i;
+      s += o < n ? sym_eig_clamped(lam[order[o]]) : 0.0;
+      local[o] = s;
+    }
+    t[l] = s;
+  }
+  for (int stride = 1; stride < 32; stride *= 2) {
+    for (int l = 31; l >= stride; --l) t[l] += t[l - stride];
+  }
+  const double target = energy * t[31];
+  for (int o = 0; o < n; ++o) {
+    if ((o >= c ? t[o / c - 1] : 0.0) + local[o] >= target) {
+      return sym_eig_round_rank(o + 1, n, min_rank, multiple);
+    }
+  }
+  return n;
 }
 
 // Whether row i's entry a beats row j's entry b as a column's entry of largest magnitude.
