@@ -66,6 +66,24 @@ ADAATTN_HD int64_t row_stat_offset(const AttnParams& p, const SeqLens& lens, int
                       : (static_cast<int64_t>(b) * p.heads_q + h) * p.len_q;
 }
 
+// Row `row` of a sequence (counted from its first row, lens.q_start or lens.k_start) of head h
+// of batch entry b in each attention tensor: q, out, dout, dq by query row, k, v, dk, dv by key.
+#define ADAATTN_ROW_POINTER(NAME, FIELD, STRIDE, START, QUAL)                                 \
+  template <typename T>                                                                       \
+  ADAATTN_HD QUAL T* NAME(const AttnParams& p, const SeqLens& lens, int b, int h, int64_t row) { \
+    return static_cast<QUAL T*>(p.FIELD) + b * p.STRIDE##_batch_stride +                      \
+           h * p.STRIDE##_head_stride + (lens.START + row) * p.STRIDE##_row_stride;          \
+  }
+ADAATTN_ROW_POINTER(q_rows, q, q, q_start, const)
+ADAATTN_ROW_POINTER(k_rows, k, k, k_start, const)
+ADAATTN_ROW_POINTER(v_rows, v, v, k_start, const)
+ADAATTN_ROW_POINTER(dout_rows, dout, do, q_start, const)
+ADAATTN_ROW_POINTER(out_rows, out, o, q_start, )
+ADAATTN_ROW_POINTER(dq_rows, dq, dq, q_start, )
+ADAATTN_ROW_POINTER(dk_rows, dk, dk, k_start, )
+ADAATTN_ROW_POINTER(dv_rows, dv, dv, k_start, )
+#undef ADAATTN_ROW_POINTER
+
 // Last sequence b in [0, n) with key(b) <= x (0 if none); key must be non-decreasing for a
 // meaningful answer, and any answer is in range.
 template <typename Key>

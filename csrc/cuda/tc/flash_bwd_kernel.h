@@ -178,10 +178,8 @@ __device__ __forceinline__ void bwd_dkdv_block(const AttnParams& p, int block) {
   const SeqLens lens = seq_lens(p, b);
   const RowSpan rows = rows_meeting_keys(p, lens, n0, n0 + kBlockN);
 
-  const T* kptr = static_cast<const T*>(p.k) + b * p.k_batch_stride + h_kv * p.k_head_stride +
-                  (lens.k_start + n0) * p.k_row_stride;
-  const T* vptr = static_cast<const T*>(p.v) + b * p.v_batch_stride + h_kv * p.v_head_stride +
-                  (lens.k_start + n0) * p.v_row_stride;
+  const T* kptr = k_rows<T>(p, lens, b, h_kv, n0);
+  const T* vptr = v_rows<T>(p, lens, b, h_kv, n0);
   const int valid_k = lens.rows_k - n0;
 
   float dk[MI][DTK][4];
@@ -199,10 +197,8 @@ __device__ __forceinline__ void bwd_dkdv_block(const AttnParams& p, int block) {
     auto issue_step = [&](int s, int buf) {
       int h, m0;
       query.at(p, s, h, m0);
-      const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride +
-                   (lens.q_start + m0) * p.q_row_stride;
-      const T* d = static_cast<const T*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride +
-                   (lens.q_start + m0) * p.do_row_stride;
+      const T* q = q_rows<T>(p, lens, b, h, m0);
+      const T* d = dout_rows<T>(p, lens, b, h, m0);
       load_tile_async<BM, DK, kThreads>(sQ(buf), q, p.q_row_stride, lens.rows_q - m0, tid);
       load_tile_async<BM, DV, kThreads>(sdO(buf), d, p.do_row_stride, lens.rows_q - m0, tid);
       const int64_t lse_off = row_stat_offset(p, lens, b, h);
@@ -380,10 +376,8 @@ __device__ __forceinline__ void bwd_dkdv_block(const AttnParams& p, int block) {
       kscale[mi][hh] = static_cast<float>(p.scale);
       one[mi][hh] = 1.f;
     }
-  T* dkptr = static_cast<T*>(p.dk) + b * p.dk_batch_stride + h_kv * p.dk_head_stride +
-             (lens.k_start + n0) * p.dk_row_stride;
-  T* dvptr = static_cast<T*>(p.dv) + b * p.dv_batch_stride + h_kv * p.dv_head_stride +
-             (lens.k_start + n0) * p.dv_row_stride;
+  T* dkptr = dk_rows<T>(p, lens, b, h_kv, n0);
+  T* dvptr = dv_rows<T>(p, lens, b, h_kv, n0);
   store_rows<MI, DTK, DK>(dk, kscale, sK, warp_row0, dkptr, p.dk_row_stride, valid_k, lane);
   store_rows<MI, DTV, DV>(dv, one, sV, warp_row0, dvptr, p.dv_row_stride, valid_k, lane);
 }
@@ -431,14 +425,10 @@ __device__ __forceinline__ void bwd_dq_block(const AttnParams& p, int block) {
 
   const SeqLens lens = seq_lens(p, b);
   const KeyRange tile_keys = tile_key_range(p, lens, m0, m0 + kBlockM);
-  const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride +
-               (lens.q_start + m0) * p.q_row_stride;
-  const T* dout = static_cast<const T*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride +
-                  (lens.q_start + m0) * p.do_row_stride;
-  const T* k = static_cast<const T*>(p.k) + b * p.k_batch_stride + h_kv * p.k_head_stride +
-               lens.k_start * p.k_row_stride;
-  const T* v = static_cast<const T*>(p.v) + b * p.v_batch_stride + h_kv * p.v_head_stride +
-               lens.k_start * p.v_row_stride;
+  const T* q = q_rows<T>(p, lens, b, h, m0);
+  const T* dout = dout_rows<T>(p, lens, b, h, m0);
+  const T* k = k_rows<T>(p, lens, b, h_kv, 0);
+  const T* v = v_rows<T>(p, lens, b, h_kv, 0);
   const int64_t lse_off = row_stat_offset(p, lens, b, h);
 
   RowRanges<MI> rr;
@@ -591,8 +581,7 @@ __device__ __forceinline__ void bwd_dq_block(const AttnParams& p, int block) {
     for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) qscale[mi][hh] = static_cast<float>(p.scale);
-    T* dqptr = static_cast<T*>(p.dq) + b * p.dq_batch_stride + h * p.dq_head_stride +
-               (lens.q_start + m0) * p.dq_row_stride;
+    T* dqptr = dq_rows<T>(p, lens, b, h, m0);
     store_rows<MI, DTK, DK>(dq, qscale, sQ, warp_row0, dqptr, p.dq_row_stride, valid_q, lane);
   }
 }

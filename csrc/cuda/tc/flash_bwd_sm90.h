@@ -83,10 +83,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90_kernel(con
 
   const SeqLens lens = seq_lens(p, b);
   const RowSpan rows = rows_meeting_keys(p, lens, n0, n0 + kBlockN);
-  const T* kptr = static_cast<const T*>(p.k) + b * p.k_batch_stride + h_kv * p.k_head_stride +
-                  (lens.k_start + n0) * p.k_row_stride;
-  const T* vptr = static_cast<const T*>(p.v) + b * p.v_batch_stride + h_kv * p.v_head_stride +
-                  (lens.k_start + n0) * p.v_row_stride;
+  const T* kptr = k_rows<T>(p, lens, b, h_kv, n0);
+  const T* vptr = v_rows<T>(p, lens, b, h_kv, n0);
   const int valid_k = lens.rows_k - n0;
 
   float dk[1][DKT][4];
@@ -99,10 +97,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90_kernel(con
     if (steps == 0) return;
     // Starts the loads of the step at (h, m0) into buffer buf.
     auto issue_step = [&](int buf, int h, int m0) {
-      const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride +
-                   (lens.q_start + m0) * p.q_row_stride;
-      const T* d = static_cast<const T*>(p.dout) + b * p.do_batch_stride +
-                   h * p.do_head_stride + (lens.q_start + m0) * p.do_row_stride;
+      const T* q = q_rows<T>(p, lens, b, h, m0);
+      const T* d = dout_rows<T>(p, lens, b, h, m0);
       // Per-chunk addresses from an opaque tid are recomputed each step, not kept live.
       const int ltid = sm90::opaque(tid);
       sm90::load_tile_gmma<BM, DK, kThreads>(sQ(buf), q, p.q_row_stride, lens.rows_q - m0, ltid);
@@ -290,10 +286,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90_kernel(con
   __syncthreads();
   const float kscale[1][2] = {{static_cast<float>(p.scale), static_cast<float>(p.scale)}};
   const float one[1][2] = {{1.f, 1.f}};
-  T* dkptr = static_cast<T*>(p.dk) + b * p.dk_batch_stride + h_kv * p.dk_head_stride +
-             (lens.k_start + n0) * p.dk_row_stride;
-  T* dvptr = static_cast<T*>(p.dv) + b * p.dv_batch_stride + h_kv * p.dv_head_stride +
-             (lens.k_start + n0) * p.dv_row_stride;
+  T* dkptr = dk_rows<T>(p, lens, b, h_kv, n0);
+  T* dvptr = dv_rows<T>(p, lens, b, h_kv, n0);
   store_rows<1, DKT, DK>(dk, kscale, sK, warp_row0, dkptr, p.dk_row_stride, valid_k, lane);
   store_rows<1, DVT, DV>(dv, one, sV, warp_row0, dvptr, p.dv_row_stride, valid_k, lane);
 #endif

@@ -187,14 +187,10 @@ __global__ void __launch_bounds__(Traits::kThreads)
   const SeqLens lens = seq_lens(p, b);
   const KeyRange tile_keys = tile_key_range(p, lens, m0, m0 + kBlockM);
 
-  const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride +
-               (lens.q_start + m0) * p.q_row_stride;
-  const T* k = static_cast<const T*>(p.k) + b * p.k_batch_stride + h_kv * p.k_head_stride +
-               lens.k_start * p.k_row_stride;
-  const T* v = static_cast<const T*>(p.v) + b * p.v_batch_stride + h_kv * p.v_head_stride +
-               lens.k_start * p.v_row_stride;
-  T* out = static_cast<T*>(p.out) + b * p.o_batch_stride + h * p.o_head_stride +
-           (lens.q_start + m0) * p.o_row_stride;
+  const T* q = q_rows<T>(p, lens, b, h, m0);
+  const T* k = k_rows<T>(p, lens, b, h_kv, 0);
+  const T* v = v_rows<T>(p, lens, b, h_kv, 0);
+  T* out = out_rows<T>(p, lens, b, h, m0);
   float* lse = p.lse + row_stat_offset(p, lens, b, h);
 
   const int warp_row0 = warp * 16 * MI;

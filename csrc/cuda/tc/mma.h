@@ -100,11 +100,12 @@ struct MmaOp<__half> {
   }
 };
 
-// Copies a [ROWS][D] tile whose row r lives at src + r * row_stride into swizzled shared memory.
-// Rows >= valid_rows are zero-filled (their source address falls back to row 0).
-template <int ROWS, int D, int THREADS, typename T>
-__device__ __forceinline__ void load_tile_async(T* dst, const T* src, int64_t row_stride,
-                                                int valid_rows, int tid) {
+// Copies a [ROWS][D] tile whose row r lives at src + r * row_stride into shared memory, element
+// (r, col) at dst + offset(r, col). Rows >= valid_rows are zero-filled (their source address falls
+// back to row 0).
+template <int ROWS, int D, int THREADS, typename T, typename Offset>
+__device__ __forceinline__ void load_tile_to(T* dst, const T* src, int64_t row_stride,
+                                             int valid_rows, int tid, Offset offset) {
   constexpr int kChunksPerRow = D / 8;
   constexpr int kChunks = ROWS * kChunksPerRow;
   static_assert(kChunks % THREADS == 0, "tile chunks must divide evenly among threads");
@@ -114,8 +115,16 @@ __device__ __forceinline__ void load_tile_async(T* dst, const T* src, int64_t ro
     const int r = c / kChunksPerRow;
     const int col = (c % kChunksPerRow) * 8;
     const bool valid = r < valid_rows;
-    cp_async16(dst + swz<D>(r, col), src + (valid ? r * row_stride : 0) + col, valid);
+    cp_async16(dst + offset(r, col), src + (valid ? r * row_stride : 0) + col, valid);
   }
+}
+
+// load_tile_to into the swz<D> layout of the mma.sync kernels.
+template <int ROWS, int D, int THREADS, typename T>
+__device__ __forceinline__ void load_tile_async(T* dst, const T* src, int64_t row_stride,
+                                                int valid_rows, int tid) {
+  load_tile_to<ROWS, D, THREADS>(dst, src, row_stride, valid_rows, tid,
+                                 [](int r, int col) { return swz<D>(r, col); });
 }
 
 // acc[MI][NT] (16 x 8 fragments) += A * B^T where A = rows [a_row0, a_row0 + 16*MI) and

@@ -53,22 +53,12 @@ __device__ __forceinline__ int gmma_kcol(int col) {
   return (col / W) * (ROWS * W) + col % W;
 }
 
-// Copies a [ROWS][D] tile whose row r lives at src + r * row_stride into a gmma_off tile.
-// Rows >= valid_rows are zero-filled (their source address falls back to row 0).
+// load_tile_to (mma.h) into a gmma_off tile.
 template <int ROWS, int D, int THREADS, typename T>
 __device__ __forceinline__ void load_tile_gmma(T* dst, const T* src, int64_t row_stride,
                                                int valid_rows, int tid) {
-  constexpr int kChunksPerRow = D / 8;
-  constexpr int kChunks = ROWS * kChunksPerRow;
-  static_assert(kChunks % THREADS == 0, "tile chunks must divide evenly among threads");
-#pragma unroll
-  for (int i = 0; i < kChunks / THREADS; ++i) {
-    const int c = tid + i * THREADS;
-    const int r = c / kChunksPerRow;
-    const int col = (c % kChunksPerRow) * 8;
-    const bool valid = r < valid_rows;
-    cp_async16(dst + gmma_off<ROWS, D>(r, col), src + (valid ? r * row_stride : 0) + col, valid);
-  }
+  load_tile_to<ROWS, D, THREADS>(dst, src, row_stride, valid_rows, tid,
+                                 [](int r, int col) { return gmma_off<ROWS, D>(r, col); });
 }
 
 // Matrix descriptor of a swizzled operand at p (PTX ISA "matrix descriptor"): start address,
