@@ -109,6 +109,11 @@ def _sym_eig_fake(a):
     return a.new_empty(a.shape[:2]), torch.empty_like(a, memory_format=torch.contiguous_format)
 
 
+@torch.library.register_fake("adaattn::shifted_cholesky_info")
+def _shifted_cholesky_info_fake(a, rel_shift):
+    return a.new_empty(a.shape[:1], dtype=torch.int32)
+
+
 @torch.library.register_fake("adaattn::sym_eig_top")
 def _sym_eig_top_fake(a, energy, min_rank, multiple):
     return (a.new_empty(a.shape[:2]), torch.empty_like(a, memory_format=torch.contiguous_format),

@@ -147,17 +147,22 @@ def _keeps_every_direction(gram: torch.Tensor, energy: float, min_rank: int,
     ``D - c`` hold more than ``1 - energy`` of it. That holds when every eigenvalue exceeds
     ``t = (1 - energy) * trace / (D - c)``, which a successful Cholesky factorisation of
     ``G - t I`` proves (batched, one host sync). ``t`` carries a margin of ``8 D eps * trace``
-    for the factorisation's rounding (backward error ~ D eps ||G||, ||G|| <= trace)."""
+    for the factorisation's rounding (backward error ~ D eps ||G||, ||G|| <= trace). float32
+    Gram matrices take ``torch.ops.adaattn.shifted_cholesky_info`` (trace, shift and
+    factorisation in one kernel); float64 ones torch's ``cholesky_ex``."""
     dim = gram.shape[-1]
     cut = multiple * ((dim - 1) // multiple)
     if energy >= 1.0 or min_rank > cut:
         return True
-    trace = gram.diagonal(dim1=-2, dim2=-1).sum(-1)
-    eps = torch.finfo(gram.dtype).eps
-    shift = ((1.0 - energy) / (dim - cut) + 8 * dim * eps) * trace
-    eye = torch.eye(dim, dtype=gram.dtype, device=gram.device)
-    info = torch.linalg.cholesky_ex(gram - shift[..., None, None] * eye).info
-    return bool((info == 0).all().item())
+    rel_shift = (1.0 - energy) / (dim - cut) + 8 * dim * torch.finfo(gram.dtype).eps
+    if gram.dtype == torch.float32:
+        info = torch.ops.adaattn.shifted_cholesky_info(gram.reshape(-1, dim, dim).contiguous(),
+                                                       rel_shift)
+    else:
+        shift = rel_shift * gram.diagonal(dim1=-2, dim2=-1).sum(-1)
+        eye = torch.eye(dim, dtype=gram.dtype, device=gram.device)
+        info = torch.linalg.cholesky_ex(gram - shift[..., None, None] * eye).info
+    return not bool(info.any().item())
 
 
 @torch.no_grad()

@@ -623,6 +623,7 @@ TORCH_LIBRARY(adaattn, m) {
   m.def(
       "sym_eig_top(Tensor a, float energy, int min_rank, int multiple) -> (Tensor eigenvalues, "
       "Tensor eigenvectors, Tensor ranks)");
+  m.def("shifted_cholesky_info(Tensor a, float rel_shift) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(adaattn, CPU, m) {

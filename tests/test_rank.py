@@ -5,6 +5,8 @@ adaattn.rank_error_bound (the attention itself: tests/test_low_rank.py).
   eigenvalues, is deterministic, and energy = 1.0 keeps all D directions (float64 inputs take
   the float64 eigh path, float32 and bfloat16 ones the sym_eig op).
 * The error bound holds on random and on planted low-rank inputs, causal and not.
+* shifted_cholesky_info (adaptive_rank_attn's full-rank certificate) agrees with the spectrum
+  of its inputs, reports LAPACK's failing index, rejects bad input, passes opcheck.
 """
 import pytest
 import torch
@@ -112,3 +114,51 @@ def test_bad_input():
         adaattn.rank_plan(q[0], q[0])
     with pytest.raises(ValueError, match="basis must be"):
         adaattn.rank_error_bound(q, q, q, torch.zeros(1, 4, 15, 4))
+
+
+def with_spectrum(values, device):
+    """float32 Q diag(values) Q^T for a random orthogonal Q, one matrix per row of `values`."""
+    q = torch.linalg.qr(torch.randn(values.shape[0], values.shape[1], values.shape[1],
+                                    dtype=torch.float64))[0]
+    return ((q * values.double().unsqueeze(-2)) @ q.mT).float().to(device)
+
+
+@pytest.mark.parametrize("dim", [1, 17, 128, 160])
+def test_shifted_cholesky_info(device, dim):
+    """info = 0 exactly when A - rel_shift * trace(A) I is positive definite (spectra 10% clear
+    of the shift either way), LAPACK's failing index on a diagonal input, NaN fails."""
+    n = 6
+    values = torch.rand(n, dim, dtype=torch.float64) + 1.0
+    a = with_spectrum(values, device)
+    trace = values.sum(-1)
+    low = values.min(-1).values / trace  # rel_shift at which the smallest eigenvalue reaches 0
+    ok = torch.ops.adaattn.shifted_cholesky_info(a, float(low.min() * 0.9))
+    assert ok.dtype == torch.int32 and ok.shape == (n,) and ok.device == a.device
+    assert (ok == 0).all(), ok
+    bad = torch.ops.adaattn.shifted_cholesky_info(a, float(low.max() * 1.1))
+    assert (bad > 0).all() and (bad <= dim).all(), bad
+    diag = torch.diag_embed(torch.linspace(1.0, 2.0, dim)).unsqueeze(0).to(device)
+    diag[0, dim // 2, dim // 2] = -1.0
+    assert torch.ops.adaattn.shifted_cholesky_info(diag, 0.0).tolist() == [dim // 2 + 1]
+    if device == "cpu" or dim <= 128:  # CUDA at D > 128 reports cuSOLVER's info
+        diag[0, 0, 0] = float("nan")
+        assert torch.ops.adaattn.shifted_cholesky_info(diag, 0.0).tolist() == [1]
+    empty = torch.ops.adaattn.shifted_cholesky_info(a[:0], 0.1)
+    assert empty.shape == (0,)
+
+
+def test_shifted_cholesky_info_bad_input(device):
+    a = torch.eye(4, device=device).expand(2, 4, 4)
+    with pytest.raises(RuntimeError, match="a must be float32"):
+        torch.ops.adaattn.shifted_cholesky_info(a.double(), 0.1)
+    with pytest.raises(RuntimeError, match=r"a must be \[N, D, D\]"):
+        torch.ops.adaattn.shifted_cholesky_info(a[:, :3], 0.1)
+    with pytest.raises(RuntimeError, match="a must be contiguous"):
+        torch.ops.adaattn.shifted_cholesky_info(a, 0.1)
+    with pytest.raises(RuntimeError, match="rel_shift must be finite"):
+        torch.ops.adaattn.shifted_cholesky_info(a.contiguous(), float("inf"))
+
+
+def test_opcheck_shifted_cholesky_info(device):
+    a = with_spectrum(torch.rand(3, 33, dtype=torch.float64) + 1.0, device)
+    torch.library.opcheck(torch.ops.adaattn.shifted_cholesky_info.default, (a, 0.01))
