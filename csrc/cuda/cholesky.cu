@@ -15,7 +15,7 @@ namespace {
 
 constexpr int kMaxDim = 128;
 constexpr int kStride = kMaxDim + 1;  // conflict-free columns
-constexpr int kThreads = 256;
+constexpr int kThreads = 1024;
 constexpr int kSmemBytes = kMaxDim * kStride * static_cast<int>(sizeof(float));
 
 __global__ void __launch_bounds__(kThreads)
@@ -38,8 +38,9 @@ __global__ void __launch_bounds__(kThreads)
   __syncthreads();
   if (tid < n) l[tid * kStride + tid] -= shift;
   // Step j: the pivot, column j scaled, then the trailing lower triangle updated by thread
-  // (row group, lane): rows j + 1 + rg + 16 r, columns j + 1 + lane + 16 c (k <= i).
-  const int rg = tid >> 4, lane = tid & 15;
+  // (warp, lane): rows j + 1 + warp + 32 r, columns j + 1 + lane + 32 c (k <= i; row and
+  // column reads hit 32 different banks).
+  const int warp = tid >> 5, lane = tid & 31;
   int info = 0;
   for (int j = 0; j < n; ++j) {
     __syncthreads();
@@ -51,9 +52,9 @@ __global__ void __launch_bounds__(kThreads)
     const float inv = 1.f / sqrtf(d);
     for (int i = j + 1 + tid; i < n; i += kThreads) l[i * kStride + j] *= inv;
     __syncthreads();
-    for (int i = j + 1 + rg; i < n; i += 16) {
+    for (int i = j + 1 + warp; i < n; i += 32) {
       const float li = l[i * kStride + j];
-      for (int k = j + 1 + lane; k <= i; k += 16) l[i * kStride + k] -= li * l[k * kStride + j];
+      for (int k = j + 1 + lane; k <= i; k += 32) l[i * kStride + k] -= li * l[k * kStride + j];
     }
   }
   if (tid == 0) info_all[blockIdx.x] = info;
