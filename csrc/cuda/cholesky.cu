@@ -1,7 +1,8 @@
 // The CUDA kernel of shifted_cholesky_info (cholesky.cpp has the algorithm): one CTA per matrix
-// with the lower triangle in shared memory for D <= 128 (64 matrices of 128 take ~30 us on the
-// H100, against ~0.14 ms for torch's shift and cuSOLVER batched factorisation); D > 128 uses
-// at::linalg_cholesky_ex on the shifted matrices (and reports cuSOLVER's info).
+// with the lower triangle in shared memory for D <= 128; D > 128 uses at::linalg_cholesky_ex on
+// the shifted matrices (and reports cuSOLVER's info). H100, 64 matrices of 128, do_bench: 0.086 ms
+// (0.117 ms with 256 threads), against 0.146 ms for cuSOLVER's batched factorisation alone; the
+// whole certificate in adaptive_rank_attn fell from 0.283 to 0.116 ms.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
