@@ -136,6 +136,47 @@ __device__ __forceinline__ void bwd_atomic_dq(const AttnParams& p, const T* sdS,
   }
 }
 
+// Elastic softmax, dbias of one (key tile, query step) pair: the dS^T fragments of the tile's
+// kBlockN keys x BM queries are staged in fp32 ([keys][BM], in rounds of kStageKeys keys), then
+// thread i sums diagonals i, i + kThreads, ... (distance d = pos(query) - key) in a fixed order
+// into this CTA's partial for head h. Every thread of the CTA calls it.
+template <int kBlockN, int BM, int kStageKeys, int kThreads, int MI, int NT>
+__device__ __forceinline__ void add_dbias_diagonals(const AttnParams& p, const SeqLens& lens,
+                                                    float* sStage, const float (&ds)[MI][NT][4],
+                                                    int h, int m0, int n0, int slot,
+                                                    int warp_row0, int lane, int tid) {
+  const int bias_span = p.bias_window < p.len_k ? p.bias_window : p.len_k;  // distances < Lk
+  float* partial = p.dbias_partial +
+                   (h * tile_slots<true>(p, kBlockN) + slot) * static_cast<int64_t>(bias_span);
+  const int base = lazy_position(lens, m0) - n0;
+  const int g = lane >> 2, t = lane & 3;
+  for (int r0 = 0; r0 < kBlockN; r0 += kStageKeys) {
+    if (warp_row0 >= r0 && warp_row0 < r0 + kStageKeys) {
+#pragma unroll
+      for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+        for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int key = warp_row0 - r0 + mi * 16 + g + 8 * (e >> 1);
+            sStage[key * BM + ni * 8 + 2 * t + (e & 1)] = ds[mi][ni][e];
+          }
+    }
+    __syncthreads();
+    // o = query - key; keys [r0, r0 + kStageKeys) meet queries [0, BM).
+    for (int o = tid - (r0 + kStageKeys - 1); o < BM - r0; o += kThreads) {
+      const int d = base + o;
+      if (d < 0 || d >= bias_span) continue;
+      const int k_lo = -o > r0 ? -o : r0;
+      const int k_hi = BM - o < r0 + kStageKeys ? BM - o : r0 + kStageKeys;
+      float sum = 0.f;
+      for (int kr = k_lo; kr < k_hi; ++kr) sum += sStage[(kr - r0) * BM + kr + o];
+      partial[d] += sum;
+    }
+    __syncthreads();
+  }
+}
+
 // dK/dV for key tile `block` (key tile index is the slowest-varying part of `block`).
 template <typename Traits, typename T, int DK, int DV, int MI, int BM, typename Variant,
           bool kAtomicDQ>
@@ -192,7 +233,6 @@ __device__ __forceinline__ void bwd_dkdv_block(const AttnParams& p, int block) {
   auto mainloop = [&](const auto& query) {
     const int steps = query.count;
     const bool param_grads = kElastic && p.dbias != nullptr;
-    const int bias_span = p.bias_window < p.len_k ? p.bias_window : p.len_k;  // distances < Lk
 
     auto issue_step = [&](int s, int buf) {
       int h, m0;
@@ -300,38 +340,8 @@ __device__ __forceinline__ void bwd_dkdv_block(const AttnParams& p, int block) {
           }
 
       if (param_grads && tile_meets_bias(p, lens, m0, n0 + kBlockN - 1)) {
-        // dbias: stage dS^T, then thread i sums diagonals i, i + kThreads, ... (distance
-        // d = pos(query) - key) in a fixed order into this CTA's partial for head h.
-        constexpr int kStageKeys = Traits::kStageKeys;
-        float* partial =
-            p.dbias_partial +
-            (h * tile_slots<true>(p, kBlockN) + tile.slot) * static_cast<int64_t>(bias_span);
-        const int base = lazy_position(lens, m0) - n0;
-        for (int r0 = 0; r0 < kBlockN; r0 += kStageKeys) {
-          if (warp_row0 >= r0 && warp_row0 < r0 + kStageKeys) {
-  #pragma unroll
-            for (int mi = 0; mi < MI; ++mi)
-  #pragma unroll
-              for (int ni = 0; ni < NT; ++ni)
-  #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                  const int key = warp_row0 - r0 + mi * 16 + g + 8 * (e >> 1);
-                  sStage[key * BM + ni * 8 + 2 * t + (e & 1)] = dpt[mi][ni][e];
-                }
-          }
-          __syncthreads();
-          // o = query - key; keys [r0, r0 + kStageKeys) meet queries [0, BM).
-          for (int o = tid - (r0 + kStageKeys - 1); o < BM - r0; o += kThreads) {
-            const int d = base + o;
-            if (d < 0 || d >= bias_span) continue;
-            const int k_lo = -o > r0 ? -o : r0;
-            const int k_hi = BM - o < r0 + kStageKeys ? BM - o : r0 + kStageKeys;
-            float sum = 0.f;
-            for (int kr = k_lo; kr < k_hi; ++kr) sum += sStage[(kr - r0) * BM + kr + o];
-            partial[d] += sum;
-          }
-          __syncthreads();
-        }
+        add_dbias_diagonals<kBlockN, BM, Traits::kStageKeys, kThreads>(
+            p, lens, sStage, dpt, h, m0, n0, tile.slot, warp_row0, lane, tid);
       }
 
       uint32_t dsa[MI][NT / 2][4];

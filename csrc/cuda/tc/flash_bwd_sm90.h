@@ -12,6 +12,10 @@
 //                                      all columns over its own 64 keys)
 // Five products per tile pair, as FlashAttention-2/3. dK/dV stay in registers; the dQ
 // accumulator is scaled and converted by flash_bwd_dq_convert_kernel.
+// The elastic softmax (lazy attention, D = Dv) adds the distance bias to S^T, takes dV from the
+// weights A^T (skipped when the warpgroup's are all zero), uses dS^T = P^T (M dA^T - Delta) with
+// the row pass's Delta, and stages the dS^T of tiles within the bias window in fp32 so that
+// each thread sums one diagonal into the CTA's dbias partial, in a fixed order.
 #pragma once
 
 #include <cmath>
@@ -22,7 +26,7 @@
 namespace adaattn {
 namespace tc {
 
-template <typename T, int DK, int DV>
+template <typename T, int DK, int DV, bool kElastic = false>
 struct Sm90BwdTraits {
   static constexpr int kThreads = 256;
   static constexpr int kBlockN = 128;  // keys per CTA
@@ -32,11 +36,13 @@ struct Sm90BwdTraits {
   static constexpr int kQElems = kBlockM * DK;
   static constexpr int kDoElems = kBlockM * DV;
   static constexpr int kDsElems = kBlockN * kBlockM;
-  // K, V, two stages of Q and dO, dS^T, then lse and delta of both stages (fp32); 1024 bytes
-  // of slack to align the swizzled tiles.
+  // K, V, two stages of Q and dO, dS^T, then lse and delta (elastic: and shift) of both stages
+  // and (elastic) the fp32 dS^T staging tile; 1024 bytes of slack to align the swizzled tiles.
+  static constexpr int kRowVectors = kElastic ? 3 : 2;
+  static constexpr int kStageFloats = kElastic ? kBlockN * kBlockM : 0;
   static constexpr int kSmemBytes =
       (kKElems + kVElems + 2 * (kQElems + kDoElems) + kDsElems) * static_cast<int>(sizeof(T)) +
-      4 * kBlockM * static_cast<int>(sizeof(float)) + 1024;
+      (2 * kRowVectors * kBlockM + kStageFloats) * static_cast<int>(sizeof(float)) + 1024;
   // dQ: at DK = 128 warpgroup w adds columns [64w, 64w + 64) over all 128 keys; at DK <= 64 it
   // adds all DK columns over its own 64 keys (both add to the same rows).
   static constexpr bool kDqSplitCols = DK == 128;
@@ -46,9 +52,11 @@ struct Sm90BwdTraits {
                 "the Hopper backward takes Dv in {64, 128} and D in {32, 64, 128}, D <= Dv");
 };
 
-template <typename Traits, typename T, int DK, int DV>
+template <typename Traits, typename T, int DK, int DV, typename Variant>
 __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90_kernel(const AttnParams p) {
 #ifdef ADAATTN_SM90A_DEVICE
+  constexpr bool kElastic = Variant::kElastic;
+  static_assert(!kElastic || DK == DV, "lazy attention has one head dim");
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int BM = Traits::kBlockM;
   constexpr int kThreads = Traits::kThreads;
@@ -65,6 +73,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90_kernel(con
   T* const sdS = sdO0 + 2 * Traits::kDoElems;  // [kBlockN keys][BM queries]
   float* const sLse0 = reinterpret_cast<float*>(sdS + Traits::kDsElems);
   float* const sDelta0 = sLse0 + 2 * BM;
+  float* const sShift0 = sDelta0 + 2 * BM;                     // elastic only
+  float* const sStage = sLse0 + 2 * Traits::kRowVectors * BM;  // elastic only
   auto sQ = [&](int buf) { return sQ0 + buf * Traits::kQElems; };
   auto sdO = [&](int buf) { return sdO0 + buf * Traits::kDoElems; };
 
@@ -111,6 +121,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90_kernel(con
         const bool valid = m0 + tid < lens.rows_q;
         cp_async4(sLse0 + buf * BM + tid, p.lse + (valid ? off : 0), valid);
         cp_async4(sDelta0 + buf * BM + tid, p.delta + (valid ? off : 0), valid);
+        if (kElastic) {
+          sShift0[buf * BM + tid] =
+              valid ? lazy_shift<float>(p, h, lazy_position(lens, m0 + tid)) : 0.f;
+        }
       }
     };
     sm90::load_tile_gmma<kBlockN, DK, kThreads>(sK, kptr, p.k_row_stride, valid_k, tid);
@@ -128,6 +142,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90_kernel(con
       __syncthreads();
       const float* lse = sLse0 + buf * BM;
       const float* delta = sDelta0 + buf * BM;
+      const float* shift = sShift0 + buf * BM;
       // Base descriptors of this step's K-major operands (this warpgroup's 64 key rows).
       const uint64_t k_desc = sm90::opaque(sm90::gmma_desc_k<DK>(sK + wg * 64 * kKWidth));
       const uint64_t v_desc = sm90::opaque(sm90::gmma_desc_k<DV>(sV + wg * 64 * kVWidth));
@@ -164,9 +179,19 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90_kernel(con
       }
       sm90::wgmma_wait<1>(st[0]);
 
-      // P^T[key, query] = exp2(s * scale_log2 - lse[query] * log2 e), 0 outside the mask.
+      // P^T[key, query] = exp2(s * scale_log2 (+ bias) - lse[query] * log2 e), 0 outside the
+      // mask; elastic: weights A^T = max(0, P^T + shift[query]) on attended entries.
       const bool full =
           tile_is_full(p, lens, m0, m0 + BM, n0 + warp_row0, n0 + warp_row0 + 16);
+      if constexpr (kElastic) {
+#pragma unroll
+        for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) st[0][ni][e] *= p.scale_log2;
+        if (tile_meets_bias(p, lens, m0, n0 + warp_row0 + 15)) {
+          add_bias<true>(st, p, lens, h, n0 + warp_row0, m0, lane);
+        }
+      }
       RowSpan seen[2];  // query rows (relative to m0) that see this thread's two keys
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
@@ -175,37 +200,58 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90_kernel(con
         seen[hh].last -= m0;
       }
 #pragma unroll
+      float at[1][NT][4];  // elastic weights A^T
+      bool any_weight = false;
+#pragma unroll
       for (int ni = 0; ni < NT; ++ni)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int qcol = ni * 8 + 2 * t + (e & 1);
-          float pe = exp2f(st[0][ni][e] * p.scale_log2 - lse[qcol] * float(M_LOG2E));
           const RowSpan& r = seen[e >> 1];
-          if (!full && (qcol < r.first || qcol >= r.last)) pe = 0.f;
+          const bool attended = full || (qcol >= r.first && qcol < r.last);
+          float pe;
+          if constexpr (kElastic) {
+            pe = attended ? exp2f(st[0][ni][e] - lse[qcol] * float(M_LOG2E)) : 0.f;
+            at[0][ni][e] = attended ? fmaxf(0.f, pe + shift[qcol]) : 0.f;
+            any_weight |= at[0][ni][e] > 0.f;
+          } else {
+            pe = exp2f(st[0][ni][e] * p.scale_log2 - lse[qcol] * float(M_LOG2E));
+            if (!attended) pe = 0.f;
+          }
           st[0][ni][e] = pe;
         }
-      uint32_t pa[1][NT / 2][4];
-      to_a_frags<1, NT, T>(st, pa);
-
-      // dV += P^T dO: dO [BM][DV] is read transposed.
-      sm90::fence_operand(dv[0]);
-      sm90::wgmma_fence();
-      const uint64_t do_t_desc = sm90::opaque(sm90::gmma_desc_mn<BM, DV>(sdO(buf)));
+      // dV += P^T dO (elastic: A^T dO, skipped when the warpgroup's weights are all zero): dO
+      // [BM][DV] is read transposed.
+      if (!kElastic || sm90::warpgroup_any(any_weight, wg)) {
+        uint32_t pa[1][NT / 2][4];
+        to_a_frags<1, NT, T>(kElastic ? at : st, pa);
+        sm90::fence_operand(dv[0]);
+        sm90::wgmma_fence();
+        const uint64_t do_t_desc = sm90::opaque(sm90::gmma_desc_mn<BM, DV>(sdO(buf)));
 #pragma unroll
-      for (int kt = 0; kt < BM / 16; ++kt) {
-        sm90::wgmma_rs<T, DVT>(dv[0], pa[0][kt], sm90::desc_at<T>(do_t_desc, kt * 16 * kVWidth));
+        for (int kt = 0; kt < BM / 16; ++kt) {
+          sm90::wgmma_rs<T, DVT>(dv[0], pa[0][kt],
+                                 sm90::desc_at<T>(do_t_desc, kt * 16 * kVWidth));
+        }
+        sm90::wgmma_commit();
+        sm90::wgmma_wait<1>(dpt[0]);  // dP^T is ready (dV may still run)
+      } else {
+        sm90::wgmma_wait<0>(dpt[0]);
       }
-      sm90::wgmma_commit();
-      sm90::wgmma_wait<1>(dpt[0]);  // dP^T is ready (dV may still run)
 
-      // dS^T = P^T (dP^T - Delta); staged [key][query] for the dQ product.
+      // dS^T = P^T (M dP^T - Delta) (softmax: M = 1); staged [key][query] for the dQ product.
 #pragma unroll
       for (int ni = 0; ni < NT; ++ni)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int qcol = ni * 8 + 2 * t + (e & 1);
-          dpt[0][ni][e] = st[0][ni][e] * (dpt[0][ni][e] - delta[qcol]);
+          const float da = !kElastic || at[0][ni][e] > 0.f ? dpt[0][ni][e] : 0.f;
+          dpt[0][ni][e] = st[0][ni][e] * (da - delta[qcol]);
         }
+      if (kElastic && p.dbias != nullptr && tile_meets_bias(p, lens, m0, n0 + kBlockN - 1)) {
+        add_dbias_diagonals<kBlockN, BM, kBlockN, kThreads>(p, lens, sStage, dpt, h, m0, n0,
+                                                             tile.slot, warp_row0, lane, tid);
+      }
       uint32_t dsa[1][NT / 2][4];
       to_a_frags<1, NT, T>(dpt, dsa);
       {
@@ -276,8 +322,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90_kernel(con
       m0 = next_m0;
     }
   };
-  if (p.block_kv_num == nullptr) {
-    mainloop(dense_query_steps<BM>(p, h_kv, rows));
+  if (kElastic || p.block_kv_num == nullptr) {
+    mainloop(dense_query_steps<BM>(p, h_kv, rows));  // lazy attention has no block-sparse form
   } else {
     mainloop(query_steps<BM>(p, b, h_kv, n0, rows));
   }

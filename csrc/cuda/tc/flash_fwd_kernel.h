@@ -101,14 +101,30 @@ struct WeightStats {
   int attended = 0;
   int skipped = 0;
   int visited = 0;
+
+  // Counts one warp tile: `visited` when it has attended entries, `skipped` when its weight
+  // product was skipped (the skip granularity is the kernel's: a warp, or a whole CTA).
+  __device__ __forceinline__ void tile(bool was_visited, bool was_skipped, int lane) {
+    if (lane == 0 && was_visited) {
+      ++visited;
+      skipped += was_skipped;
+    }
+  }
+};
+
+// Whether a warp's weight tile has any non-zero weight, and any attended entry (kCount only).
+struct TileWeights {
+  bool any;
+  bool visited;
 };
 
 // Elastic softmax transform in place: a = max(0, exp2(s - lse2) + shift) on attended scores,
-// 0 on masked ones (s = -inf). Returns whether any weight of the warp's tile is non-zero.
+// 0 on masked ones (s = -inf). kCount: adds the zero and attended weights to `st`.
 template <int MI, int NT, bool kCount>
-__device__ __forceinline__ bool elastic_weights(float (&s)[MI][NT][4], const float (&lse2)[MI][2],
-                                                const float (&shift)[MI][2], WeightStats& st,
-                                                int lane) {
+__device__ __forceinline__ TileWeights elastic_weights(float (&s)[MI][NT][4],
+                                                       const float (&lse2)[MI][2],
+                                                       const float (&shift)[MI][2],
+                                                       WeightStats& st) {
   bool any = false;
   int zeros = 0, attended = 0;
 #pragma unroll
@@ -129,17 +145,13 @@ __device__ __forceinline__ bool elastic_weights(float (&s)[MI][NT][4], const flo
         s[mi][ni][e] = a;
         any |= a > 0.f;
       }
-  any = __any_sync(0xffffffff, any);
+  TileWeights w{__any_sync(0xffffffff, any), false};
   if (kCount) {
     st.zeros += zeros;
     st.attended += attended;
-    const bool visited = __any_sync(0xffffffff, attended > 0);
-    if (lane == 0 && visited) {
-      ++st.visited;
-      st.skipped += !any;
-    }
+    w.visited = __any_sync(0xffffffff, attended > 0);
   }
-  return any;
+  return w;
 }
 
 __device__ __forceinline__ void flush_stats(int64_t* stats, const WeightStats& st) {
@@ -301,8 +313,13 @@ __global__ void __launch_bounds__(Traits::kThreads)
         scores(s, sK, n0);
         bool any = true;
         if constexpr (kElastic) {
-          any = p.stats != nullptr ? elastic_weights<MI, NT, true>(s, lse2, shift, stats, lane)
-                                   : elastic_weights<MI, NT, false>(s, lse2, shift, stats, lane);
+          if (p.stats != nullptr) {
+            const TileWeights w = elastic_weights<MI, NT, true>(s, lse2, shift, stats);
+            stats.tile(w.visited, !w.any, lane);
+            any = w.any;
+          } else {
+            any = elastic_weights<MI, NT, false>(s, lse2, shift, stats).any;
+          }
         } else {
           float corr[MI][2];
           online_softmax(s, row_max, row_sum, corr);

@@ -3,8 +3,10 @@
 // 64 query rows and keeps O and the softmax state in registers. K and V tiles of 128 keys are
 // double-buffered in shared memory with cp.async: the next K tile loads during this tile's
 // softmax and P V, the next V tile during P V and the next Q K^T. Masks (dense ranges and
-// block-sparse lists, tiles.h) and the softmax code are the SM80 kernel's, since a warp's rows
-// of a wgmma accumulator are laid out as its mma.sync fragments.
+// block-sparse lists, tiles.h), the softmax and the variants' code are the SM80 kernel's, since
+// a warp's rows of a wgmma accumulator are laid out as its mma.sync fragments. The elastic
+// softmax (lazy attention) runs an lse pass over K first; its weight pass skips the A V product
+// of a CTA tile (128 x 128) whose weights are all zero, voted at the barrier before it.
 #pragma once
 
 #include <cmath>
@@ -34,10 +36,14 @@ struct Sm90FwdTraits {
                 "output staging fits over Q, K and V");
 };
 
-template <typename Traits, typename T, int DK, int DV, typename Variant>
+// kStats: the elastic weight pass counts into p.stats (a separate instantiation: the counting
+// code in the loop made the D = 128 kernel spill).
+template <typename Traits, typename T, int DK, int DV, typename Variant, bool kStats>
 __global__ void __launch_bounds__(Traits::kThreads, 1) flash_fwd_sm90_kernel(const AttnParams p) {
 #ifdef ADAATTN_SM90A_DEVICE
-  static_assert(!Variant::kElastic, "the Hopper forward runs the softmax variant");
+  constexpr bool kElastic = Variant::kElastic;
+  static_assert(!kElastic || DK == DV, "lazy attention has one head dim");
+  static_assert(kElastic || !kStats, "statistics are the elastic weights'");
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int BN = Traits::kBlockN;
   constexpr int kThreads = Traits::kThreads;
@@ -73,18 +79,48 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_fwd_sm90_kernel(con
   const int warp_row0 = warp * 16;  // = 64 * wg + 16 * (warp % 4)
   const int g = lane >> 2;
   RowRanges<1> rr;
+  float shift[1][2];  // elastic: tau_h / (i + 1) of each row
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
-    const KeyRange r = key_range(p, lens, m0 + warp_row0 + g + 8 * hh);
+    const int row = m0 + warp_row0 + g + 8 * hh;
+    const KeyRange r = key_range(p, lens, row);
     rr.lo[0][hh] = r.lo;
     rr.hi[0][hh] = r.hi;
+    if (kElastic) shift[0][hh] = lazy_shift<float>(p, h, lazy_position(lens, row));
   }
 
   float o[1][DT][4];
   zero(o);
   float row_max[1][2] = {{-INFINITY, -INFINITY}};
   float row_sum[1][2] = {{0.f, 0.f}};
+  float lse2[1][2] = {{INFINITY, INFINITY}};  // elastic: log2 lse of pass 1 (+inf: no keys)
+  WeightStats stats;
   const int valid_q = lens.rows_q - m0;
+
+  // S = Q K^T of key tile `stage`: DK / 16 steps of k = 16 over the K-major Q and K tiles.
+  auto issue_scores = [&](float (&s)[1][NT][4], int stage) {
+    sm90::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < DK / 16; ++kk) {
+      const T* a = sQ + sm90::gmma_kcol<kBlockM, DK>(kk * 16) + wg * 64 * kQWidth;
+      const T* bk = sK + stage * Traits::kKElems + sm90::gmma_kcol<BN, DK>(kk * 16);
+      sm90::wgmma_ss<T, NT>(s[0], sm90::gmma_desc_k<DK>(a), sm90::gmma_desc_k<DK>(bk), kk > 0);
+    }
+    sm90::wgmma_commit();
+  };
+  // Elastic scores in log2 units: scaled, distance bias added, masked.
+  auto elastic_scores = [&](float (&s)[1][NT][4], int n0) {
+#pragma unroll
+    for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[0][ni][e] *= p.scale_log2;
+    if (tile_meets_bias(p, lens, m0 + warp_row0, n0 + BN - 1)) {
+      add_bias<false>(s, p, lens, h, m0 + warp_row0, n0, lane);
+    }
+    if (!tile_is_full(p, lens, m0 + warp_row0, m0 + warp_row0 + 16, n0, n0 + BN)) {
+      mask_scores(s, rr, n0, lane);
+    }
+  };
 
   auto mainloop = [&](const auto& tiles) {
     if (tiles.count == 0) return;
@@ -98,9 +134,38 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_fwd_sm90_kernel(con
           sV + stage * Traits::kVElems, v + static_cast<int64_t>(tile) * BN * p.v_row_stride,
           p.v_row_stride, lens.rows_k - tile * BN, tid);
     };
-    // Commit groups, in order: {Q, K0}, {V0}, then {K i+1} and {V i+1} in iteration i (empty
-    // after the last tile), so "all but the newest group" is always the one needed next.
     sm90::load_tile_gmma<kBlockM, DK, kThreads>(sQ, q, p.q_row_stride, valid_q, tid);
+    if constexpr (kElastic) {
+      // Pass 1 (lse): K alone, double-buffered over the K stages; groups {Q, K0}, {K i+1}.
+      load_k(0, tiles.at(0));
+      cp_async_commit();
+      for (int i = 0; i < tiles.count; ++i) {
+        const int stage = i % 2;
+        cp_async_wait<0>();
+        sm90::fence_proxy_async();
+        __syncthreads();  // K i visible; every warpgroup is done with stage 1 - stage
+        if (i + 1 < tiles.count) load_k(1 - stage, tiles.at(i + 1));
+        cp_async_commit();
+        float s[1][NT][4];
+        issue_scores(s, stage);
+        sm90::wgmma_wait<0>(s[0]);
+        elastic_scores(s, tiles.at(i) * BN);
+        float corr[1][2];
+        online_softmax(s, row_max, row_sum, corr);
+      }
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        float l = row_sum[0][hh];
+        l += __shfl_xor_sync(0xffffffff, l, 1);
+        l += __shfl_xor_sync(0xffffffff, l, 2);
+        row_sum[0][hh] = l;
+        if (l > 0.f) lse2[0][hh] = row_max[0][hh] + log2f(l);
+      }
+      __syncthreads();  // every warpgroup is done with the K stages before pass 2 refills them
+    }
+    // Commit groups, in order: {Q, K0} (elastic: {K0}), {V0}, then {K i+1} and {V i+1} in
+    // iteration i (empty after the last tile), so "all but the newest group" is always the one
+    // needed next.
     load_k(0, tiles.at(0));
     cp_async_commit();
     load_v(0, tiles.at(0));
@@ -114,16 +179,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_fwd_sm90_kernel(con
       sm90::fence_proxy_async();
       __syncthreads();  // K i visible; every warpgroup is done with stage 1 - stage
 
-      // S = Q K^T: DK / 16 steps of k = 16 over the K-major Q and K tiles.
       float s[1][NT][4];
-      sm90::wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < DK / 16; ++kk) {
-        const T* a = sQ + sm90::gmma_kcol<kBlockM, DK>(kk * 16) + wg * 64 * kQWidth;
-        const T* bk = sK + stage * Traits::kKElems + sm90::gmma_kcol<BN, DK>(kk * 16);
-        sm90::wgmma_ss<T, NT>(s[0], sm90::gmma_desc_k<DK>(a), sm90::gmma_desc_k<DK>(bk), kk > 0);
-      }
-      sm90::wgmma_commit();
+      issue_scores(s, stage);
       // The next K tile loads while the tensor cores work (a block-sparse tile lookup reads
       // the mask from global memory).
       const int next_n = i + 1 < tiles.count ? tiles.at(i + 1) : tile_n;
@@ -131,62 +188,84 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_fwd_sm90_kernel(con
       cp_async_commit();
       sm90::wgmma_wait<0>(s[0]);
 
-      // The scale goes into the exponent's FMA; a scale <= 0 (allowed, if odd) is applied first
-      // since the row max is taken on raw scores.
-      if (!(p.scale_log2 > 0.f)) {
+      TileWeights w{true, false};  // elastic: the warp's tile has a non-zero weight / entries
+      if constexpr (kElastic) {
+        elastic_scores(s, n0);
+        w = elastic_weights<1, NT, kStats>(s, lse2, shift, stats);
+      } else {
+        // The scale goes into the exponent's FMA; a scale <= 0 (allowed, if odd) is applied
+        // first since the row max is taken on raw scores.
+        if (!(p.scale_log2 > 0.f)) {
 #pragma unroll
-        for (int ni = 0; ni < NT; ++ni)
+          for (int ni = 0; ni < NT; ++ni)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) s[0][ni][e] *= p.scale_log2;
+            for (int e = 0; e < 4; ++e) s[0][ni][e] *= p.scale_log2;
+        }
+        if (!tile_is_full(p, lens, m0 + warp_row0, m0 + warp_row0 + 16, n0, n0 + BN)) {
+          mask_scores(s, rr, n0, lane);
+        }
+        float corr[1][2];
+        online_softmax<true>(s, row_max, row_sum, corr, p.scale_log2 > 0.f ? p.scale_log2 : 1.f);
+#pragma unroll
+        for (int di = 0; di < DT; ++di)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) o[0][di][e] *= corr[0][e >> 1];
       }
-      if (!tile_is_full(p, lens, m0 + warp_row0, m0 + warp_row0 + 16, n0, n0 + BN)) {
-        mask_scores(s, rr, n0, lane);
-      }
-      float corr[1][2];
-      online_softmax<true>(s, row_max, row_sum, corr, p.scale_log2 > 0.f ? p.scale_log2 : 1.f);
-#pragma unroll
-      for (int di = 0; di < DT; ++di)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) o[0][di][e] *= corr[0][e >> 1];
       uint32_t pa[1][NT / 2][4];
       to_a_frags<1, NT, T>(s, pa);
 
       cp_async_wait<1>();
       sm90::fence_proxy_async();
-      __syncthreads();  // V i visible
+      // V i visible. Elastic: the barrier also votes whether any weight of the CTA's tile is
+      // non-zero; an all-zero tile skips the product (it would add exact zeros).
+      bool any = true;
+      if constexpr (kElastic) {
+        any = __syncthreads_or(w.any) != 0;
+        if (kStats) stats.tile(w.visited, !any, lane);
+      } else {
+        __syncthreads();
+      }
       if (i + 1 < tiles.count) load_v(1 - stage, next_n);
       cp_async_commit();
 
-      // O += P V: BN / 16 steps of 16 keys; V is read transposed (MN-major).
-      sm90::wgmma_fence();
+      if (any) {
+        // O += P V: BN / 16 steps of 16 keys; V is read transposed (MN-major).
+        sm90::wgmma_fence();
 #pragma unroll
-      for (int kt = 0; kt < BN / 16; ++kt) {
-        const T* bv = sV + stage * Traits::kVElems + kt * 16 * sm90::GmmaLayout<DV>::kWidth;
-        sm90::wgmma_rs<T, DT>(o[0], pa[0][kt], sm90::gmma_desc_mn<BN, DV>(bv));
+        for (int kt = 0; kt < BN / 16; ++kt) {
+          const T* bv = sV + stage * Traits::kVElems + kt * 16 * sm90::GmmaLayout<DV>::kWidth;
+          sm90::wgmma_rs<T, DT>(o[0], pa[0][kt], sm90::gmma_desc_mn<BN, DV>(bv));
+        }
+        sm90::wgmma_commit();
+        sm90::wgmma_wait<0>(o[0]);
       }
-      sm90::wgmma_commit();
-      sm90::wgmma_wait<0>(o[0]);
       tile_n = next_n;
     }
   };
-  if (p.block_kv_num == nullptr) {
-    mainloop(dense_key_tiles<BN>(tile_keys));
+  if (kElastic || p.block_kv_num == nullptr) {
+    mainloop(dense_key_tiles<BN>(tile_keys));  // lazy attention has no block-sparse form
   } else {
     mainloop(key_tiles<BN>(p, tile_keys, b, h, m0));
   }
 
+  // Finalise: softmax divides by the row sum; elastic weights are not renormalised (their row
+  // sums were reduced after pass 1). lse is the natural-log log-sum-exp of the scores; rows
+  // that saw nothing: out 0, lse -inf.
   float inv[1][2];
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
     float l = row_sum[0][hh];
-    l += __shfl_xor_sync(0xffffffff, l, 1);
-    l += __shfl_xor_sync(0xffffffff, l, 2);
-    inv[0][hh] = l > 0.f ? 1.f / l : 0.f;
+    if (!kElastic) {
+      l += __shfl_xor_sync(0xffffffff, l, 1);
+      l += __shfl_xor_sync(0xffffffff, l, 2);
+    }
+    inv[0][hh] = kElastic ? 1.f : (l > 0.f ? 1.f / l : 0.f);
     const int row = m0 + warp_row0 + g + 8 * hh;
     if ((lane & 3) == 0 && row < lens.rows_q) {
       lse[row] = l > 0.f ? (row_max[0][hh] + log2f(l)) * float(M_LN2) : -INFINITY;
     }
   }
+  if (kStats) flush_stats(p.stats, stats);
   // Output rows are staged over sQ/sK, which nobody reads after this barrier.
   __syncthreads();
   store_rows<1, DT, DV>(o, inv, sQ, warp_row0, out, p.o_row_stride, valid_q, lane);

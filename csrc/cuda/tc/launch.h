@@ -78,7 +78,10 @@ inline bool use_sm90() {
 template <typename T, int DK, int DV, typename Variant>
 void launch_fwd_sm90(const AttnParams& p) {
   using Traits = Sm90FwdTraits<T, DK, DV>;
-  auto kernel = flash_fwd_sm90_kernel<Traits, T, DK, DV, Variant>;
+  auto kernel = flash_fwd_sm90_kernel<Traits, T, DK, DV, Variant, false>;
+  if constexpr (Variant::kElastic) {
+    if (p.stats != nullptr) kernel = flash_fwd_sm90_kernel<Traits, T, DK, DV, Variant, true>;
+  }
   set_smem(kernel, Traits::kSmemBytes);
   const int grid = grid_size(tile_slots<false>(p, Traits::kBlockM) * p.heads_q);
   kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, at::cuda::getCurrentCUDAStream()>>>(p);
@@ -87,7 +90,7 @@ void launch_fwd_sm90(const AttnParams& p) {
 
 template <typename T, int DK, int DV, typename Variant>
 void launch_fwd(const AttnParams& p) {
-  if constexpr (!Variant::kElastic && (DK % 64 == 0 || DK == 32)) {
+  if constexpr (DK % 64 == 0 || DK == 32) {
     if (use_sm90()) {
       launch_fwd_sm90<T, DK, DV, Variant>(p);
       return;
@@ -126,10 +129,10 @@ void run_flash_fwd(const AttnParams& p) {
 }
 
 // The Hopper dK/dV + atomic dQ launch (flash_bwd_sm90.h); p.dq_accum must be zeroed.
-template <typename T, int DK, int DV>
+template <typename T, int DK, int DV, typename Variant>
 void launch_bwd_sm90(const AttnParams& p) {
-  using Traits = Sm90BwdTraits<T, DK, DV>;
-  auto kernel = flash_bwd_sm90_kernel<Traits, T, DK, DV>;
+  using Traits = Sm90BwdTraits<T, DK, DV, Variant::kElastic>;
+  auto kernel = flash_bwd_sm90_kernel<Traits, T, DK, DV, Variant>;
   set_smem(kernel, Traits::kSmemBytes);
   const int grid = grid_size(tile_slots<true>(p, Traits::kBlockN) * p.heads_kv);
   kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, at::cuda::getCurrentCUDAStream()>>>(p);
@@ -157,7 +160,7 @@ void run_flash_bwd(const AttnParams& p_in) {
                                            at::kCUDA, c10::cuda::current_device()));
     p.dq_accum = accum.data_ptr<float>();
     if constexpr (kSm90Dims) {
-      launch_bwd_sm90<T, DK, DV>(p);
+      launch_bwd_sm90<T, DK, DV, SoftmaxVariant>(p);
     } else if constexpr (FlashConfig<DV>::kAtomicDQ) {
       launch_bwd_main<T, DK, DV, SoftmaxVariant, true>(p);
     }
@@ -173,22 +176,27 @@ void run_lazy_fwd(const AttnParams& p) {
   launch_fwd<T, D, D, LazyVariant>(p);
 }
 
-// Lazy backward: row pass (G, Delta), the fused dK/dV + dQ launch, then the deterministic
-// dtau/dbias reductions when the parameters need gradients.
+// Lazy backward: row pass (G, Delta), the dK/dV + dQ launch, then the deterministic dtau/dbias
+// reductions when the parameters need gradients. On Hopper the dK/dV launch is the wgmma kernel
+// with atomic dQ (dq's summation order varies between runs; dk, dv, dtau and dbias do not);
+// elsewhere the fused two-pass kernels.
 template <typename T, int D>
 void run_lazy_bwd(const AttnParams& p_in) {
   using C = FlashConfig<D>;
   using KV = BwdKVTraits<T, D, D, C::kKVWarps, C::kKVMI, C::kKVBlockM, LazyVariant, false>;
   using Q = BwdQTraits<T, D, D, C::kQWarps, C::kQMI, C::kQBlockN>;
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const bool sm90 = use_sm90();
   AttnParams p = p_in;
-  const int64_t key_slots = tile_slots<true>(p, KV::kBlockN);
+  const int64_t key_slots =
+      tile_slots<true>(p, sm90 ? Sm90BwdTraits<T, D, D, true>::kBlockN : KV::kBlockN);
   const int64_t bias_span = p.bias_window < p.len_k ? p.bias_window : p.len_k;
-  at::Tensor partial;  // freed on return; the caching allocator keeps it for this stream
+  // Freed on return; the caching allocator keeps them for this stream.
+  const auto f32 = at::TensorOptions().dtype(at::kFloat).device(at::kCUDA,
+                                                                c10::cuda::current_device());
+  at::Tensor partial, accum;
   if (p.dbias != nullptr) {
-    partial = at::zeros({p.heads_q * key_slots * bias_span},
-                        at::TensorOptions().dtype(at::kFloat).device(
-                            at::kCUDA, c10::cuda::current_device()));
+    partial = at::zeros({p.heads_q * key_slots * bias_span}, f32);
     p.dbias_partial = partial.data_ptr<float>();
   }
   {
@@ -198,7 +206,17 @@ void run_lazy_bwd(const AttnParams& p_in) {
     kernel<<<grid_size(q_blocks), Q::kThreads, Q::kSmemBytes, stream>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
-  launch_bwd_main<T, D, D, LazyVariant, false>(p);
+  if (sm90) {
+    accum = at::zeros({row_items<false>(p) * D}, f32);
+    p.dq_accum = accum.data_ptr<float>();
+    launch_bwd_sm90<T, D, D, LazyVariant>(p);
+    constexpr int kRowsPerBlock = 8;
+    const int row_grid = grid_size((row_items<false>(p) + kRowsPerBlock - 1) / kRowsPerBlock);
+    flash_bwd_dq_convert_kernel<T, D><<<row_grid, kRowsPerBlock * 32, 0, stream>>>(p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  } else {
+    launch_bwd_main<T, D, D, LazyVariant, false>(p);
+  }
   if (p.dtau == nullptr) return;
   constexpr int kReduceThreads = 256;
   lazy_dtau_kernel<kReduceThreads><<<p.heads_q, kReduceThreads, 0, stream>>>(p);

@@ -145,6 +145,19 @@ __device__ __forceinline__ void wgmma_wait(float (&d)[NT][4]) {
 #endif
 }
 
+// Whether pred holds for any thread of warpgroup wg (all 128 threads must call it): a reduction
+// on named barrier 1 + wg, which __syncthreads (barrier 0) never uses.
+__device__ __forceinline__ bool warpgroup_any(bool pred, int wg) {
+  int any;
+  asm volatile(
+      "{\n .reg .pred p, q;\n setp.ne.u32 p, %1, 0;\n bar.red.or.pred q, %2, 128, p;\n"
+      " selp.u32 %0, 1, 0, q;\n}\n"
+      : "=r"(any)
+      : "r"(static_cast<int>(pred)), "r"(wg + 1)
+      : "memory");
+  return any != 0;
+}
+
 // Operand lists of the m64nNk16 accumulators (N / 2 fp32 registers per thread), written out
 // because inline asm takes no arrays; the asm below differs per shape only in these and in the
 // operand numbers after them.
