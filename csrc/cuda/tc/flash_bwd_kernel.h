@@ -137,14 +137,16 @@ __device__ __forceinline__ void bwd_atomic_dq(const AttnParams& p, const T* sdS,
 }
 
 // Elastic softmax, dbias of one (key tile, query step) pair: the dS^T fragments of the tile's
-// kBlockN keys x BM queries are staged in fp32 ([keys][BM], in rounds of kStageKeys keys), then
-// thread i sums diagonals i, i + kThreads, ... (distance d = pos(query) - key) in a fixed order
-// into this CTA's partial for head h. Every thread of the CTA calls it.
-template <int kBlockN, int BM, int kStageKeys, int kThreads, int MI, int NT>
+// kBlockN keys x BM queries are staged in fp32 ([keys][kStride], in rounds of kStageKeys keys;
+// kStride = BM + 8 makes the paired stores conflict-free), then thread i sums diagonals i,
+// i + kThreads, ... (distance d = pos(query) - key) in a fixed order into this CTA's partial
+// for head h. Every thread of the CTA calls it.
+template <int kBlockN, int BM, int kStageKeys, int kStride, int kThreads, int MI, int NT>
 __device__ __forceinline__ void add_dbias_diagonals(const AttnParams& p, const SeqLens& lens,
                                                     float* sStage, const float (&ds)[MI][NT][4],
                                                     int h, int m0, int n0, int slot,
                                                     int warp_row0, int lane, int tid) {
+  static_assert(kStride % 2 == 0 && kStride >= BM, "paired stores of whole query rows");
   const int bias_span = p.bias_window < p.len_k ? p.bias_window : p.len_k;  // distances < Lk
   float* partial = p.dbias_partial +
                    (h * tile_slots<true>(p, kBlockN) + slot) * static_cast<int64_t>(bias_span);
@@ -157,21 +159,29 @@ __device__ __forceinline__ void add_dbias_diagonals(const AttnParams& p, const S
 #pragma unroll
         for (int ni = 0; ni < NT; ++ni)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int key = warp_row0 - r0 + mi * 16 + g + 8 * (e >> 1);
-            sStage[key * BM + ni * 8 + 2 * t + (e & 1)] = ds[mi][ni][e];
+          for (int hh = 0; hh < 2; ++hh) {
+            const int key = warp_row0 - r0 + mi * 16 + g + 8 * hh;
+            *reinterpret_cast<float2*>(sStage + key * kStride + ni * 8 + 2 * t) =
+                make_float2(ds[mi][ni][2 * hh], ds[mi][ni][2 * hh + 1]);
           }
     }
     __syncthreads();
-    // o = query - key; keys [r0, r0 + kStageKeys) meet queries [0, BM).
+    // o = query - key; keys [r0, r0 + kStageKeys) meet queries [0, BM). Four partial sums
+    // (a fixed order) keep the loads in flight.
     for (int o = tid - (r0 + kStageKeys - 1); o < BM - r0; o += kThreads) {
       const int d = base + o;
       if (d < 0 || d >= bias_span) continue;
       const int k_lo = -o > r0 ? -o : r0;
       const int k_hi = BM - o < r0 + kStageKeys ? BM - o : r0 + kStageKeys;
-      float sum = 0.f;
-      for (int kr = k_lo; kr < k_hi; ++kr) sum += sStage[(kr - r0) * BM + kr + o];
-      partial[d] += sum;
+      const float* diag = sStage + o - r0 * kStride;  // element (kr, kr + o) at kr * (kStride + 1)
+      float sum[4] = {0.f, 0.f, 0.f, 0.f};
+      int kr = k_lo;
+      for (; kr + 4 <= k_hi; kr += 4) {
+#pragma unroll
+        for (int u = 0; u < 4; ++u) sum[u] += diag[(kr + u) * (kStride + 1)];
+      }
+      for (; kr < k_hi; ++kr) sum[0] += diag[kr * (kStride + 1)];
+      partial[d] += (sum[0] + sum[1]) + (sum[2] + sum[3]);
     }
     __syncthreads();
   }
@@ -340,7 +350,7 @@ __device__ __forceinline__ void bwd_dkdv_block(const AttnParams& p, int block) {
           }
 
       if (param_grads && tile_meets_bias(p, lens, m0, n0 + kBlockN - 1)) {
-        add_dbias_diagonals<kBlockN, BM, Traits::kStageKeys, kThreads>(
+        add_dbias_diagonals<kBlockN, BM, Traits::kStageKeys, BM, kThreads>(
             p, lens, sStage, dpt, h, m0, n0, tile.slot, warp_row0, lane, tid);
       }
 

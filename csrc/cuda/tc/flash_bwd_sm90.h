@@ -19,6 +19,7 @@
 #pragma once
 
 #include <cmath>
+#include <type_traits>
 
 #include "flash_bwd_kernel.h"
 #include "wgmma.h"
@@ -39,7 +40,8 @@ struct Sm90BwdTraits {
   // K, V, two stages of Q and dO, dS^T, then lse and delta (elastic: and shift) of both stages
   // and (elastic) the fp32 dS^T staging tile; 1024 bytes of slack to align the swizzled tiles.
   static constexpr int kRowVectors = kElastic ? 3 : 2;
-  static constexpr int kStageFloats = kElastic ? kBlockN * kBlockM : 0;
+  static constexpr int kStageStride = kBlockM + 8;  // conflict-free paired stores
+  static constexpr int kStageFloats = kElastic ? kBlockN * kStageStride : 0;
   static constexpr int kSmemBytes =
       (kKElems + kVElems + 2 * (kQElems + kDoElems) + kDsElems) * static_cast<int>(sizeof(T)) +
       (2 * kRowVectors * kBlockM + kStageFloats) * static_cast<int>(sizeof(float)) + 1024;
@@ -179,19 +181,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90_kernel(con
       }
       sm90::wgmma_wait<1>(st[0]);
 
-      // P^T[key, query] = exp2(s * scale_log2 (+ bias) - lse[query] * log2 e), 0 outside the
-      // mask; elastic: weights A^T = max(0, P^T + shift[query]) on attended entries.
+      // P^T[key, query] = exp2(s * scale_log2 - lse[query] * log2 e), 0 outside the mask.
+      // Elastic: the distance bias joins the exponent, and the weights A^T = max(0, P^T +
+      // shift[query]) go straight into dV's A operand, with their live mask M (A > 0) as bits.
       const bool full =
           tile_is_full(p, lens, m0, m0 + BM, n0 + warp_row0, n0 + warp_row0 + 16);
-      if constexpr (kElastic) {
-#pragma unroll
-        for (int ni = 0; ni < NT; ++ni)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) st[0][ni][e] *= p.scale_log2;
-        if (tile_meets_bias(p, lens, m0, n0 + warp_row0 + 15)) {
-          add_bias<true>(st, p, lens, h, n0 + warp_row0, m0, lane);
-        }
-      }
       RowSpan seen[2];  // query rows (relative to m0) that see this thread's two keys
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
@@ -199,32 +193,62 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90_kernel(con
         seen[hh].first -= m0;
         seen[hh].last -= m0;
       }
+      uint32_t pa[1][NT / 2][4];
+      uint32_t live = 0;  // elastic: bit 4 ni + e is M of st[0][ni][e]
+      if constexpr (kElastic) {
+        float scale = p.scale_log2;
+        if (tile_meets_bias(p, lens, m0, n0 + warp_row0 + 15)) {
 #pragma unroll
-      float at[1][NT][4];  // elastic weights A^T
-      bool any_weight = false;
+          for (int ni = 0; ni < NT; ++ni)
 #pragma unroll
-      for (int ni = 0; ni < NT; ++ni)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int qcol = ni * 8 + 2 * t + (e & 1);
-          const RowSpan& r = seen[e >> 1];
-          const bool attended = full || (qcol >= r.first && qcol < r.last);
-          float pe;
-          if constexpr (kElastic) {
-            pe = attended ? exp2f(st[0][ni][e] - lse[qcol] * float(M_LOG2E)) : 0.f;
-            at[0][ni][e] = attended ? fmaxf(0.f, pe + shift[qcol]) : 0.f;
-            any_weight |= at[0][ni][e] > 0.f;
-          } else {
-            pe = exp2f(st[0][ni][e] * p.scale_log2 - lse[qcol] * float(M_LOG2E));
-            if (!attended) pe = 0.f;
-          }
-          st[0][ni][e] = pe;
+            for (int e = 0; e < 4; ++e) st[0][ni][e] *= scale;
+          add_bias<true>(st, p, lens, h, n0 + warp_row0, m0, lane);
+          scale = 1.f;
         }
+        auto weights = [&](auto masked) {
+#pragma unroll
+          for (int ni = 0; ni < NT; ++ni) {
+            const float2 l = *reinterpret_cast<const float2*>(lse + ni * 8 + 2 * t);
+            const float2 c = *reinterpret_cast<const float2*>(shift + ni * 8 + 2 * t);
+            float a[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const float lse2 = ((e & 1) ? l.y : l.x) * float(M_LOG2E);
+              float pe = exp2f(fmaf(st[0][ni][e], scale, -lse2));
+              a[e] = fmaxf(0.f, pe + ((e & 1) ? c.y : c.x));
+              if constexpr (decltype(masked)::value) {
+                const int qcol = ni * 8 + 2 * t + (e & 1);
+                const RowSpan& r = seen[e >> 1];
+                if (qcol < r.first || qcol >= r.last) pe = a[e] = 0.f;
+              }
+              st[0][ni][e] = pe;
+              live |= static_cast<uint32_t>(a[e] > 0.f) << (4 * ni + e);
+            }
+            pa[0][ni / 2][2 * (ni & 1)] = MmaOp<T>::pack(a[0], a[1]);
+            pa[0][ni / 2][2 * (ni & 1) + 1] = MmaOp<T>::pack(a[2], a[3]);
+          }
+        };
+        if (full) {
+          weights(std::false_type{});
+        } else {
+          weights(std::true_type{});
+        }
+      } else {
+#pragma unroll
+        for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int qcol = ni * 8 + 2 * t + (e & 1);
+            float pe = exp2f(st[0][ni][e] * p.scale_log2 - lse[qcol] * float(M_LOG2E));
+            const RowSpan& r = seen[e >> 1];
+            if (!full && (qcol < r.first || qcol >= r.last)) pe = 0.f;
+            st[0][ni][e] = pe;
+          }
+        to_a_frags<1, NT, T>(st, pa);
+      }
       // dV += P^T dO (elastic: A^T dO, skipped when the warpgroup's weights are all zero): dO
       // [BM][DV] is read transposed.
-      if (!kElastic || sm90::warpgroup_any(any_weight, wg)) {
-        uint32_t pa[1][NT / 2][4];
-        to_a_frags<1, NT, T>(kElastic ? at : st, pa);
+      if (!kElastic || sm90::warpgroup_any(live != 0, wg)) {
         sm90::fence_operand(dv[0]);
         sm90::wgmma_fence();
         const uint64_t do_t_desc = sm90::opaque(sm90::gmma_desc_mn<BM, DV>(sdO(buf)));
@@ -241,16 +265,17 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90_kernel(con
 
       // dS^T = P^T (M dP^T - Delta) (softmax: M = 1); staged [key][query] for the dQ product.
 #pragma unroll
-      for (int ni = 0; ni < NT; ++ni)
+      for (int ni = 0; ni < NT; ++ni) {
+        const float2 dl = *reinterpret_cast<const float2*>(delta + ni * 8 + 2 * t);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const int qcol = ni * 8 + 2 * t + (e & 1);
-          const float da = !kElastic || at[0][ni][e] > 0.f ? dpt[0][ni][e] : 0.f;
-          dpt[0][ni][e] = st[0][ni][e] * (da - delta[qcol]);
+          const float da = !kElastic || ((live >> (4 * ni + e)) & 1u) ? dpt[0][ni][e] : 0.f;
+          dpt[0][ni][e] = st[0][ni][e] * (da - ((e & 1) ? dl.y : dl.x));
         }
+      }
       if (kElastic && p.dbias != nullptr && tile_meets_bias(p, lens, m0, n0 + kBlockN - 1)) {
-        add_dbias_diagonals<kBlockN, BM, kBlockN, kThreads>(p, lens, sStage, dpt, h, m0, n0,
-                                                             tile.slot, warp_row0, lane, tid);
+        add_dbias_diagonals<kBlockN, BM, kBlockN, Traits::kStageStride, kThreads>(
+            p, lens, sStage, dpt, h, m0, n0, tile.slot, warp_row0, lane, tid);
       }
       uint32_t dsa[1][NT / 2][4];
       to_a_frags<1, NT, T>(dpt, dsa);

@@ -58,6 +58,30 @@ __device__ __forceinline__ void mask_scores(float (&s)[MI][NT][4], const RowRang
       }
 }
 
+// Elastic (lazy attention) scores of a warp's 16 * MI rows from r0 against key tile n0: the
+// distance bias added (in log2 units) and the mask applied. Returns the scale that takes them
+// to log2 units: the softmax scale when the tile meets no bias (it then goes into the
+// exponent's FMA), else 1 (the scores were scaled here; also for a scale <= 0).
+template <int MI, int NT>
+__device__ __forceinline__ float elastic_scores(float (&s)[MI][NT][4], const AttnParams& p,
+                                                const SeqLens& lens, const RowRanges<MI>& rr,
+                                                int h, int r0, int n0, int lane) {
+  float scale = p.scale_log2;
+  const bool biased = tile_meets_bias(p, lens, r0, n0 + NT * 8 - 1);
+  if (biased || !(scale > 0.f)) {
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+      for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[mi][ni][e] *= scale;
+    if (biased) add_bias<false>(s, p, lens, h, r0, n0, lane);
+    scale = 1.f;
+  }
+  if (!tile_is_full(p, lens, r0, r0 + 16 * MI, n0, n0 + NT * 8)) mask_scores(s, rr, n0, lane);
+  return scale;
+}
+
 // Online max/sum update of one score tile for the rows this thread holds; returns the factor
 // by which earlier partial results of each row must be rescaled. The scores in log2 units are
 // s (kRaw = false) or scale * s with scale > 0 (kRaw = true: the max is taken on the raw scores
@@ -118,13 +142,14 @@ struct TileWeights {
   bool visited;
 };
 
-// Elastic softmax transform in place: a = max(0, exp2(s - lse2) + shift) on attended scores,
-// 0 on masked ones (s = -inf). kCount: adds the zero and attended weights to `st`.
+// Elastic softmax transform in place: a = max(0, exp2(scale * s - lse2) + shift) on attended
+// scores, 0 on masked ones (s = -inf); scale > 0. kCount: adds the zero and attended weights
+// to `st`.
 template <int MI, int NT, bool kCount>
 __device__ __forceinline__ TileWeights elastic_weights(float (&s)[MI][NT][4],
                                                        const float (&lse2)[MI][2],
                                                        const float (&shift)[MI][2],
-                                                       WeightStats& st) {
+                                                       WeightStats& st, float scale = 1.f) {
   bool any = false;
   int zeros = 0, attended = 0;
 #pragma unroll
@@ -136,7 +161,7 @@ __device__ __forceinline__ TileWeights elastic_weights(float (&s)[MI][NT][4],
         const float sv = s[mi][ni][e];
         float a = 0.f;
         if (sv != -INFINITY) {
-          a = fmaxf(0.f, exp2f(sv - lse2[mi][e >> 1]) + shift[mi][e >> 1]);
+          a = fmaxf(0.f, exp2f(fmaf(sv, scale, -lse2[mi][e >> 1])) + shift[mi][e >> 1]);
           if (kCount) {
             ++attended;
             zeros += a == 0.f;

@@ -108,20 +108,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_fwd_sm90_kernel(con
     }
     sm90::wgmma_commit();
   };
-  // Elastic scores in log2 units: scaled, distance bias added, masked.
-  auto elastic_scores = [&](float (&s)[1][NT][4], int n0) {
-#pragma unroll
-    for (int ni = 0; ni < NT; ++ni)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[0][ni][e] *= p.scale_log2;
-    if (tile_meets_bias(p, lens, m0 + warp_row0, n0 + BN - 1)) {
-      add_bias<false>(s, p, lens, h, m0 + warp_row0, n0, lane);
-    }
-    if (!tile_is_full(p, lens, m0 + warp_row0, m0 + warp_row0 + 16, n0, n0 + BN)) {
-      mask_scores(s, rr, n0, lane);
-    }
-  };
-
   auto mainloop = [&](const auto& tiles) {
     if (tiles.count == 0) return;
     auto load_k = [&](int stage, int tile) {
@@ -149,9 +135,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_fwd_sm90_kernel(con
         float s[1][NT][4];
         issue_scores(s, stage);
         sm90::wgmma_wait<0>(s[0]);
-        elastic_scores(s, tiles.at(i) * BN);
+        const float scale =
+            elastic_scores(s, p, lens, rr, h, m0 + warp_row0, tiles.at(i) * BN, lane);
         float corr[1][2];
-        online_softmax(s, row_max, row_sum, corr);
+        online_softmax<true>(s, row_max, row_sum, corr, scale);
       }
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
@@ -190,8 +177,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_fwd_sm90_kernel(con
 
       TileWeights w{true, false};  // elastic: the warp's tile has a non-zero weight / entries
       if constexpr (kElastic) {
-        elastic_scores(s, n0);
-        w = elastic_weights<1, NT, kStats>(s, lse2, shift, stats);
+        const float scale = elastic_scores(s, p, lens, rr, h, m0 + warp_row0, n0, lane);
+        w = elastic_weights<1, NT, kStats>(s, lse2, shift, stats, scale);
       } else {
         // The scale goes into the exponent's FMA; a scale <= 0 (allowed, if odd) is applied
         // first since the row max is taken on raw scores.

@@ -14,6 +14,7 @@
 #include "flash_fwd_kernel.h"
 #include "flash_bwd_sm90.h"
 #include "flash_fwd_sm90.h"
+#include "lazy_rows_sm90.h"
 
 namespace adaattn {
 namespace tc {
@@ -177,9 +178,9 @@ void run_lazy_fwd(const AttnParams& p) {
 }
 
 // Lazy backward: row pass (G, Delta), the dK/dV + dQ launch, then the deterministic dtau/dbias
-// reductions when the parameters need gradients. On Hopper the dK/dV launch is the wgmma kernel
-// with atomic dQ (dq's summation order varies between runs; dk, dv, dtau and dbias do not);
-// elsewhere the fused two-pass kernels.
+// reductions when the parameters need gradients. On Hopper both passes are the wgmma kernels,
+// dQ by atomics (dq's summation order varies between runs; dk, dv, dtau and dbias do not);
+// elsewhere the SM80 row pass and the fused two-pass kernels.
 template <typename T, int D>
 void run_lazy_bwd(const AttnParams& p_in) {
   using C = FlashConfig<D>;
@@ -199,13 +200,19 @@ void run_lazy_bwd(const AttnParams& p_in) {
     partial = at::zeros({p.heads_q * key_slots * bias_span}, f32);
     p.dbias_partial = partial.data_ptr<float>();
   }
-  {
+  if (sm90) {
+    using Rows = Sm90LazyRowsTraits<T, D>;
+    auto kernel = lazy_rows_sm90_kernel<Rows, T, D>;
+    set_smem(kernel, Rows::kSmemBytes);
+    const int64_t q_blocks = tile_slots<false>(p, Rows::kBlockM) * p.heads_q;
+    kernel<<<grid_size(q_blocks), Rows::kThreads, Rows::kSmemBytes, stream>>>(p);
+  } else {
     auto kernel = lazy_bwd_rows_kernel<Q, T, D>;
     set_smem(kernel, Q::kSmemBytes);
     const int64_t q_blocks = tile_slots<false>(p, Q::kBlockM) * p.heads_q;
     kernel<<<grid_size(q_blocks), Q::kThreads, Q::kSmemBytes, stream>>>(p);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (sm90) {
     accum = at::zeros({row_items<false>(p) * D}, f32);
     p.dq_accum = accum.data_ptr<float>();
