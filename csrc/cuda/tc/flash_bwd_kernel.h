@@ -153,6 +153,12 @@ __device__ __forceinline__ void add_dbias_diagonals(const AttnParams& p, const S
   const int base = lazy_position(lens, m0) - n0;
   const int g = lane >> 2, t = lane & 3;
   for (int r0 = 0; r0 < kBlockN; r0 += kStageKeys) {
+    // The partial of this thread's first diagonal is read before the staging, so that the
+    // global load's latency hides behind it.
+    const int o_first = tid - (r0 + kStageKeys - 1);
+    const int d_first = base + o_first;
+    const bool owns_first = o_first < BM - r0 && d_first >= 0 && d_first < bias_span;
+    const float first_partial = owns_first ? partial[d_first] : 0.f;
     if (warp_row0 >= r0 && warp_row0 < r0 + kStageKeys) {
 #pragma unroll
       for (int mi = 0; mi < MI; ++mi)
@@ -168,7 +174,7 @@ __device__ __forceinline__ void add_dbias_diagonals(const AttnParams& p, const S
     __syncthreads();
     // o = query - key; keys [r0, r0 + kStageKeys) meet queries [0, BM). Four partial sums
     // (a fixed order) keep the loads in flight.
-    for (int o = tid - (r0 + kStageKeys - 1); o < BM - r0; o += kThreads) {
+    for (int o = o_first; o < BM - r0; o += kThreads) {
       const int d = base + o;
       if (d < 0 || d >= bias_span) continue;
       const int k_lo = -o > r0 ? -o : r0;
@@ -181,7 +187,8 @@ __device__ __forceinline__ void add_dbias_diagonals(const AttnParams& p, const S
         for (int u = 0; u < 4; ++u) sum[u] += diag[(kr + u) * (kStride + 1)];
       }
       for (; kr < k_hi; ++kr) sum[0] += diag[kr * (kStride + 1)];
-      partial[d] += (sum[0] + sum[1]) + (sum[2] + sum[3]);
+      const float before = o == o_first ? first_partial : partial[d];
+      partial[d] = before + ((sum[0] + sum[1]) + (sum[2] + sum[3]));
     }
     __syncthreads();
   }

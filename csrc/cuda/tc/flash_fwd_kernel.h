@@ -170,13 +170,40 @@ __device__ __forceinline__ TileWeights elastic_weights(float (&s)[MI][NT][4],
         s[mi][ni][e] = a;
         any |= a > 0.f;
       }
-  TileWeights w{__any_sync(0xffffffff, any), false};
+  TileWeights w{__any_sync(0xffffffff, any) != 0, false};
   if (kCount) {
     st.zeros += zeros;
     st.attended += attended;
     w.visited = __any_sync(0xffffffff, attended > 0);
   }
   return w;
+}
+
+// The elastic weights of a warp's 16 rows x 8 NT keys straight into the A operand of A V (the
+// Hopper forward without statistics). kMasked: masked scores (-inf) get weight 0 explicitly,
+// which a positive shift (tau > 0) needs; with tau <= 0, max(0, 0 + shift) is 0 already. Returns
+// whether any weight of the warp's tile is non-zero in T.
+template <int NT, typename T, bool kMasked>
+__device__ __forceinline__ bool elastic_weights_packed(const float (&s)[1][NT][4],
+                                                       const float (&lse2)[1][2],
+                                                       const float (&shift)[1][2], float scale,
+                                                       uint32_t (&pa)[1][NT / 2][4]) {
+  uint32_t bits = 0;
+#pragma unroll
+  for (int ni = 0; ni < NT; ++ni) {
+    float a[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      a[e] = fmaxf(0.f, exp2f(fmaf(s[0][ni][e], scale, -lse2[0][e >> 1])) + shift[0][e >> 1]);
+      if (kMasked && s[0][ni][e] == -INFINITY) a[e] = 0.f;
+    }
+    const uint32_t lo = MmaOp<T>::pack(a[0], a[1]);
+    const uint32_t hi = MmaOp<T>::pack(a[2], a[3]);
+    pa[0][ni / 2][2 * (ni & 1)] = lo;
+    pa[0][ni / 2][2 * (ni & 1) + 1] = hi;
+    bits |= lo | hi;
+  }
+  return __any_sync(0xffffffff, bits != 0) != 0;
 }
 
 __device__ __forceinline__ void flush_stats(int64_t* stats, const WeightStats& st) {

@@ -42,6 +42,7 @@ template <typename Traits, typename T, int DK, int DV, typename Variant, bool kS
 __global__ void __launch_bounds__(Traits::kThreads, 1) flash_fwd_sm90_kernel(const AttnParams p) {
 #ifdef ADAATTN_SM90A_DEVICE
   constexpr bool kElastic = Variant::kElastic;
+  // The elastic lse pass uses the K and V stages as four K buffers.
   static_assert(!kElastic || DK == DV, "lazy attention has one head dim");
   static_assert(kElastic || !kStats, "statistics are the elastic weights'");
   constexpr int kBlockM = Traits::kBlockM;
@@ -122,23 +123,39 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_fwd_sm90_kernel(con
     };
     sm90::load_tile_gmma<kBlockM, DK, kThreads>(sQ, q, p.q_row_stride, valid_q, tid);
     if constexpr (kElastic) {
-      // Pass 1 (lse): K alone, double-buffered over the K stages; groups {Q, K0}, {K i+1}.
+      // Pass 1 (lse): K alone, in four buffers (the K and V stages, as DK = DV). S of tile i + 1
+      // is issued before the softmax of tile i, so that the tensor cores work during it.
+      // Groups {Q, K0}, {K1}, then {K i+2} in iteration i.
       load_k(0, tiles.at(0));
       cp_async_commit();
-      for (int i = 0; i < tiles.count; ++i) {
-        const int stage = i % 2;
-        cp_async_wait<0>();
-        sm90::fence_proxy_async();
-        __syncthreads();  // K i visible; every warpgroup is done with stage 1 - stage
-        if (i + 1 < tiles.count) load_k(1 - stage, tiles.at(i + 1));
-        cp_async_commit();
-        float s[1][NT][4];
-        issue_scores(s, stage);
-        sm90::wgmma_wait<0>(s[0]);
+      if (tiles.count > 1) load_k(1, tiles.at(1));
+      cp_async_commit();
+      cp_async_wait<1>();
+      sm90::fence_proxy_async();
+      __syncthreads();  // K0 visible
+      float s_even[1][NT][4], s_odd[1][NT][4];
+      issue_scores(s_even, 0);
+      auto lse_step = [&](float (&s)[1][NT][4], float (&s_next)[1][NT][4], int i) {
+        if (i + 1 < tiles.count) {
+          cp_async_wait<0>();
+          sm90::fence_proxy_async();
+          // K i+1 visible; every warpgroup has waited for S i-1, so tile i-2's buffer is free.
+          __syncthreads();
+          if (i + 2 < tiles.count) load_k((i + 2) & 3, tiles.at(i + 2));
+          cp_async_commit();
+          issue_scores(s_next, (i + 1) & 3);
+          sm90::wgmma_wait<1>(s[0]);
+        } else {
+          sm90::wgmma_wait<0>(s[0]);
+        }
         const float scale =
             elastic_scores(s, p, lens, rr, h, m0 + warp_row0, tiles.at(i) * BN, lane);
         float corr[1][2];
         online_softmax<true>(s, row_max, row_sum, corr, scale);
+      };
+      for (int i = 0; i < tiles.count; i += 2) {
+        lse_step(s_even, s_odd, i);
+        if (i + 1 < tiles.count) lse_step(s_odd, s_even, i + 1);
       }
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
@@ -175,10 +192,19 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_fwd_sm90_kernel(con
       cp_async_commit();
       sm90::wgmma_wait<0>(s[0]);
 
-      TileWeights w{true, false};  // elastic: the warp's tile has a non-zero weight / entries
+      [[maybe_unused]] TileWeights w{true, false};  // elastic: the warp tile has a weight / entries
+      uint32_t pa[1][NT / 2][4];
       if constexpr (kElastic) {
         const float scale = elastic_scores(s, p, lens, rr, h, m0 + warp_row0, n0, lane);
-        w = elastic_weights<1, NT, kStats>(s, lse2, shift, stats, scale);
+        if constexpr (kStats) {
+          w = elastic_weights<1, NT, true>(s, lse2, shift, stats, scale);
+          to_a_frags<1, NT, T>(s, pa);
+        } else if (shift[0][0] > 0.f &&  // tau_h > 0, the sign of every row's shift
+                   !tile_is_full(p, lens, m0 + warp_row0, m0 + warp_row0 + 16, n0, n0 + BN)) {
+          w.any = elastic_weights_packed<NT, T, true>(s, lse2, shift, scale, pa);
+        } else {
+          w.any = elastic_weights_packed<NT, T, false>(s, lse2, shift, scale, pa);
+        }
       } else {
         // The scale goes into the exponent's FMA; a scale <= 0 (allowed, if odd) is applied
         // first since the row max is taken on raw scores.
@@ -197,9 +223,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_fwd_sm90_kernel(con
         for (int di = 0; di < DT; ++di)
 #pragma unroll
           for (int e = 0; e < 4; ++e) o[0][di][e] *= corr[0][e >> 1];
+        to_a_frags<1, NT, T>(s, pa);
       }
-      uint32_t pa[1][NT / 2][4];
-      to_a_frags<1, NT, T>(s, pa);
 
       cp_async_wait<1>();
       sm90::fence_proxy_async();
