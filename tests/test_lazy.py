@@ -338,6 +338,16 @@ def test_low_precision_cuda(case, dtype):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("case,dtype", _low_precision_cuda_params()[1::4])
+def test_low_precision_cuda_sm80_kernels(case, dtype, monkeypatch):
+    """On a Hopper GPU lazy attention runs the wgmma kernels; ADAATTN_DISABLE_SM90=1 selects the
+    mma.sync kernels that every other GPU runs, which must meet the same rule (a quarter of the
+    grid; elsewhere this repeats the grid's own path)."""
+    monkeypatch.setenv("ADAATTN_DISABLE_SM90", "1")
+    _check_low_precision(case, dtype, "cuda")
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("dtype", LOW_PRECISION, ids=str)
 @pytest.mark.parametrize("d", [32, 96])
 def test_low_precision_cuda_other_head_dims(d, dtype):
@@ -418,13 +428,18 @@ def test_zero_tiles_are_skipped_exactly(device, dtype):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("kernels", ["default", "sm80"])
 @pytest.mark.parametrize("dtype", LOW_PRECISION, ids=str)
 @pytest.mark.parametrize("d", [64, 128])
-def test_zero_tiles_are_skipped_tensor_cores(d, dtype):
-    """The tensor-core kernels skip all-zero warp tiles too (forward A V, backward dA and A^T dO):
-    a skipped product only adds exact zeros, so the results still meet the low-precision rule
-    against references that skip nothing, and the zero-weight count matches the float64
-    weights up to entries that sit within rounding of the clip."""
+def test_zero_tiles_are_skipped_tensor_cores(d, dtype, kernels, monkeypatch):
+    """The tensor-core kernels skip all-zero tiles too (forward A V, backward A^T dO, and dA on
+    the mma.sync kernels; Hopper skips 128 x 128 forward and 64 x 64 backward tiles, the others
+    warp tiles): a skipped product only adds exact zeros, so the results still meet the
+    low-precision rule against references that skip nothing, and the zero-weight count matches
+    the float64 weights up to entries that sit within rounding of the clip. "sm80" selects the
+    mma.sync kernels on a Hopper GPU (ADAATTN_DISABLE_SM90=1)."""
+    if kernels == "sm80":
+        monkeypatch.setenv("ADAATTN_DISABLE_SM90", "1")
     case, inputs = _sparse_inputs(dtype, "cuda", d=d, length=500)
     q, k, v, tau, bias, seqlens, dout = inputs
     ours = run_ours(case, *inputs)

@@ -236,9 +236,13 @@ def test_lazy_varlen_fp32(device):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("kernels", ["default", "sm80"])
 @pytest.mark.parametrize("dtype", LOW_PRECISION, ids=str)
 @pytest.mark.parametrize("d", [64, 128])
-def test_lazy_varlen_low_precision_cuda(d, dtype):
+def test_lazy_varlen_low_precision_cuda(d, dtype, kernels, monkeypatch):
+    """"sm80" selects the mma.sync kernels on a Hopper GPU (ADAATTN_DISABLE_SM90=1)."""
+    if kernels == "sm80":
+        monkeypatch.setenv("ADAATTN_DISABLE_SM90", "1")
     p = Problem(**LAZY_REFERENCE, d=d, dtype=dtype, device="cuda")
     names = ("out", "lse", "dq", "dk", "dv", "dtau", "dbias")
     ours = _lazy_packed(p)
