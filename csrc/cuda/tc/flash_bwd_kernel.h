@@ -18,6 +18,7 @@
 // Delta_i = sum_j M_ij p_ij dA_ij; steps 2 and 3 then use dS = P (M dA - Delta) and weights A
 // instead of P for dV, skip dA and P^T dO wherever a warp tile's weights are all zero, and the
 // dK/dV CTAs add their dS diagonals into per-CTA dbias partials (reduced in a fixed order later).
+// On Hopper, lazy_rows_sm90.h and flash_bwd_sm90.h run the same steps on warpgroup MMAs.
 //
 // Q, K, dQ and dK have head dim DK; V, O, dO and dV have DV (see flash_fwd_kernel.h).
 #pragma once
