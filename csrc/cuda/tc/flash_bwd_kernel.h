@@ -443,16 +443,12 @@ __device__ __forceinline__ void bwd_dq_block(const AttnParams& p, int block) {
   const int warp = tid / 32;
   const int lane = tid % 32;
   const int g = lane >> 2;
-  const WorkItem tile = tile_item<false, true>(p, block, kBlockM);
+  const RowTile tile = row_tile<kBlockM>(p, block);
   if (!tile.valid) return;
-  const int b = tile.b;
-  const int h = tile.h;
-  const int h_kv = h / (p.heads_q / p.heads_kv);
-  const int m0 = tile.index * kBlockM;
+  const int b = tile.b, h = tile.h, h_kv = tile.h_kv, m0 = tile.m0;
   const int warp_row0 = warp * 16 * MI;
-
-  const SeqLens lens = seq_lens(p, b);
-  const KeyRange tile_keys = tile_key_range(p, lens, m0, m0 + kBlockM);
+  const SeqLens lens = tile.lens;
+  const KeyRange tile_keys = tile.keys;
   const T* q = q_rows<T>(p, lens, b, h, m0);
   const T* dout = dout_rows<T>(p, lens, b, h, m0);
   const T* k = k_rows<T>(p, lens, b, h_kv, 0);

@@ -144,7 +144,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90_kernel(con
       __syncthreads();
       const float* lse = sLse0 + buf * BM;
       const float* delta = sDelta0 + buf * BM;
-      const float* shift = sShift0 + buf * BM;
+      [[maybe_unused]] const float* shift = sShift0 + buf * BM;  // elastic only
       // Base descriptors of this step's K-major operands (this warpgroup's 64 key rows).
       const uint64_t k_desc = sm90::opaque(sm90::gmma_desc_k<DK>(sK + wg * 64 * kKWidth));
       const uint64_t v_desc = sm90::opaque(sm90::gmma_desc_k<DV>(sV + wg * 64 * kVWidth));

@@ -240,16 +240,11 @@ __global__ void __launch_bounds__(Traits::kThreads)
   const int tid = threadIdx.x;
   const int warp = tid / 32;
   const int lane = tid % 32;
-  // CTA order (AttnParams::head_major, seq.h): query tiles are walked backwards.
-  const WorkItem tile = tile_item<false, true>(p, blockIdx.x, kBlockM);
+  const RowTile tile = row_tile<kBlockM>(p, blockIdx.x);
   if (!tile.valid) return;
-  const int b = tile.b;
-  const int h = tile.h;
-  const int h_kv = h / (p.heads_q / p.heads_kv);
-  const int m0 = tile.index * kBlockM;
-
-  const SeqLens lens = seq_lens(p, b);
-  const KeyRange tile_keys = tile_key_range(p, lens, m0, m0 + kBlockM);
+  const int b = tile.b, h = tile.h, h_kv = tile.h_kv, m0 = tile.m0;
+  const SeqLens lens = tile.lens;
+  const KeyRange tile_keys = tile.keys;
 
   const T* q = q_rows<T>(p, lens, b, h, m0);
   const T* k = k_rows<T>(p, lens, b, h_kv, 0);

@@ -46,15 +46,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) lazy_rows_sm90_kernel(con
   const int warp = tid / 32;
   const int lane = tid % 32;
   const int wg = warp / 4;
-  const WorkItem tile = tile_item<false, true>(p, blockIdx.x, kBlockM);
+  const RowTile tile = row_tile<kBlockM>(p, blockIdx.x);
   if (!tile.valid) return;
-  const int b = tile.b;
-  const int h = tile.h;
-  const int h_kv = h / (p.heads_q / p.heads_kv);
-  const int m0 = tile.index * kBlockM;
-
-  const SeqLens lens = seq_lens(p, b);
-  const DenseKeyTiles tiles = dense_key_tiles<BN>(tile_key_range(p, lens, m0, m0 + kBlockM));
+  const int b = tile.b, h = tile.h, h_kv = tile.h_kv, m0 = tile.m0;
+  const SeqLens lens = tile.lens;
+  const DenseKeyTiles tiles = dense_key_tiles<BN>(tile.keys);
   const T* k = k_rows<T>(p, lens, b, h_kv, 0);
   const T* v = v_rows<T>(p, lens, b, h_kv, 0);
   const int64_t lse_off = row_stat_offset(p, lens, b, h);

@@ -11,6 +11,31 @@
 namespace adaattn {
 namespace tc {
 
+// The query tile of a row-tile CTA (forward, lazy row pass, deterministic dQ): its batch entry,
+// query head and kv head, first row, sequence lengths and the union of its rows' key ranges.
+// CTA order (AttnParams::head_major, seq.h): query tiles are walked backwards.
+struct RowTile {
+  int b, h, h_kv, m0;
+  SeqLens lens;
+  KeyRange keys;
+  bool valid;
+};
+
+template <int kBlockM>
+__device__ __forceinline__ RowTile row_tile(const AttnParams& p, int64_t block) {
+  const WorkItem tile = tile_item<false, true>(p, block, kBlockM);
+  RowTile t;
+  t.valid = tile.valid;
+  if (!tile.valid) return t;
+  t.b = tile.b;
+  t.h = tile.h;
+  t.h_kv = tile.h / (p.heads_q / p.heads_kv);
+  t.m0 = tile.index * kBlockM;
+  t.lens = seq_lens(p, t.b);
+  t.keys = tile_key_range(p, t.lens, t.m0, t.m0 + kBlockM);
+  return t;
+}
+
 // Key tiles of BN keys for one row tile: tile at(i) for i in [0, count).
 struct KeyTiles {
   int begin;      // dense: first tile
