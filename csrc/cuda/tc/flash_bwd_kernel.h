@@ -54,13 +54,21 @@ __global__ void flash_bwd_delta_kernel(const AttnParams p) {
   const WarpRow r = warp_row(p);
   const int lane = threadIdx.x % 32;
   if (!r.valid) return;
+  // Each lane reads DV / 32 neighbouring elements in one load (rows are 16-byte aligned).
+  constexpr int kPer = DV / 32;
+  static_assert(DV % 32 == 0, "the delta kernel takes DV a multiple of 32");
+  struct alignas(kPer * sizeof(T)) Pack {
+    T x[kPer];
+  };
   const T* o = static_cast<const T*>(p.out) + r.b * p.o_batch_stride + r.h * p.o_head_stride +
                static_cast<int64_t>(r.i) * p.o_row_stride;
   const T* d = static_cast<const T*>(p.dout) + r.b * p.do_batch_stride + r.h * p.do_head_stride +
                static_cast<int64_t>(r.i) * p.do_row_stride;
+  const Pack ov = reinterpret_cast<const Pack*>(o)[lane];
+  const Pack dv = reinterpret_cast<const Pack*>(d)[lane];
   float acc = 0.f;
 #pragma unroll
-  for (int c = lane; c < DV; c += 32) acc += to_float(o[c]) * to_float(d[c]);
+  for (int c = 0; c < kPer; ++c) acc += to_float(ov.x[c]) * to_float(dv.x[c]);
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffff, acc, off);
   if (lane == 0) p.delta[r.row] = acc;
@@ -638,10 +646,21 @@ __global__ void flash_bwd_dq_convert_kernel(const AttnParams p) {
           static_cast<int64_t>(r.i) * p.dq_row_stride;
   const float* acc = p.dq_accum + r.row * DK;
   const float scale = static_cast<float>(p.scale);
+  // Four columns per lane and load where DK allows (16-byte rows), else two.
+  if constexpr (DK % 128 == 0) {
 #pragma unroll
-  for (int c = 2 * lane; c < DK; c += 64) {
-    const float2 v = *reinterpret_cast<const float2*>(acc + c);
-    *reinterpret_cast<uint32_t*>(dq + c) = MmaOp<T>::pack(v.x * scale, v.y * scale);
+    for (int c = 4 * lane; c < DK; c += 128) {
+      const float4 v = *reinterpret_cast<const float4*>(acc + c);
+      *reinterpret_cast<uint2*>(dq + c) =
+          make_uint2(MmaOp<T>::pack(v.x * scale, v.y * scale),
+                     MmaOp<T>::pack(v.z * scale, v.w * scale));
+    }
+  } else {
+#pragma unroll
+    for (int c = 2 * lane; c < DK; c += 64) {
+      const float2 v = *reinterpret_cast<const float2*>(acc + c);
+      *reinterpret_cast<uint32_t*>(dq + c) = MmaOp<T>::pack(v.x * scale, v.y * scale);
+    }
   }
 }
 

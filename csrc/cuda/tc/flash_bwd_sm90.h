@@ -1,4 +1,4 @@
-// Hopper backward of the flash family (softmax variant, dQ by atomics; Dv in {64, 128}, D = Dv
+// Hopper backward of the flash family (softmax variant, dQ by atomic bulk reductions; Dv in {64, 128}, D = Dv
 // or, for low-rank scores, D in {32, 64} below it):
 // the dK/dV pass of flash_bwd_kernel.h on warpgroup MMAs. A CTA owns 128 keys of one (batch,
 // kv head), 64 per warpgroup, and walks the query tiles (64 rows, every query head of its GQA
@@ -8,8 +8,9 @@
 //   dV += P^T dO, dK += dS^T Q        (P^T, dS^T as register A operands; dO, Q read transposed)
 //   dQ += dS K                        (dS^T staged in shared memory by both warpgroups; at D = 128
 //                                      warpgroup w adds its 64 columns of the product over all
-//                                      128 keys to the fp32 accumulator with atomics, at D <= 64
-//                                      all columns over its own 64 keys)
+//                                      128 keys to the fp32 accumulator, at D <= 64 all columns
+//                                      over its own 64 keys: staged in fp32 and added by bulk
+//                                      reductions, one per query row)
 // Five products per tile pair, as FlashAttention-2/3. dK/dV stay in registers; the dQ
 // accumulator is scaled and converted by flash_bwd_dq_convert_kernel.
 // The elastic softmax (lazy attention, D = Dv) adds the distance bias to S^T, takes dV from the
@@ -37,19 +38,26 @@ struct Sm90BwdTraits {
   static constexpr int kQElems = kBlockM * DK;
   static constexpr int kDoElems = kBlockM * DV;
   static constexpr int kDsElems = kBlockN * kBlockM;
-  // K, V, two stages of Q and dO, dS^T, then lse and delta (elastic: and shift) of both stages
-  // and (elastic) the fp32 dS^T staging tile; 1024 bytes of slack to align the swizzled tiles.
-  static constexpr int kRowVectors = kElastic ? 3 : 2;
-  static constexpr int kStageStride = kBlockM + 8;  // conflict-free paired stores
-  static constexpr int kStageFloats = kElastic ? kBlockN * kStageStride : 0;
-  static constexpr int kSmemBytes =
-      (kKElems + kVElems + 2 * (kQElems + kDoElems) + kDsElems) * static_cast<int>(sizeof(T)) +
-      (2 * kRowVectors * kBlockM + kStageFloats) * static_cast<int>(sizeof(float)) + 1024;
   // dQ: at DK = 128 warpgroup w adds columns [64w, 64w + 64) over all 128 keys; at DK <= 64 it
   // adds all DK columns over its own 64 keys (both add to the same rows).
   static constexpr bool kDqSplitCols = DK == 128;
   static constexpr int kDqKeys = kDqSplitCols ? kBlockN : 64;
   static constexpr int kDqCols = kDqSplitCols ? 64 : DK;
+  // Each warpgroup stages its fp32 dQ tile [BM][kDqCols] for the bulk reductions; 8 floats of
+  // row padding make the paired stores conflict-free and keep rows 16-byte aligned.
+  static constexpr int kDqStride = kDqCols + 8;
+  static constexpr int kDqStageFloats = 2 * kBlockM * kDqStride;
+  // K, V, two stages of Q and dO, dS^T, then lse and delta (elastic: and shift) of both stages,
+  // (elastic) the fp32 dS^T staging tile and the dQ staging tiles; 1024 bytes of slack to align
+  // the swizzled tiles.
+  static constexpr int kRowVectors = kElastic ? 3 : 2;
+  static constexpr int kStageStride = kBlockM + 8;  // conflict-free paired stores
+  static constexpr int kStageFloats = kElastic ? kBlockN * kStageStride : 0;
+  static constexpr int kSmemBytes =
+      (kKElems + kVElems + 2 * (kQElems + kDoElems) + kDsElems) * static_cast<int>(sizeof(T)) +
+      (2 * kRowVectors * kBlockM + kStageFloats + kDqStageFloats) *
+          static_cast<int>(sizeof(float)) +
+      1024;
   static_assert((DK == 32 || DK == 64 || DK == 128) && (DV == 64 || DV == 128) && DK <= DV,
                 "the Hopper backward takes Dv in {64, 128} and D in {32, 64, 128}, D <= Dv");
 };
@@ -77,6 +85,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90_kernel(con
   float* const sDelta0 = sLse0 + 2 * BM;
   float* const sShift0 = sDelta0 + 2 * BM;                     // elastic only
   float* const sStage = sLse0 + 2 * Traits::kRowVectors * BM;  // elastic only
+  float* const sDq = sStage + Traits::kStageFloats;             // [2 warpgroups][BM][kDqStride]
   auto sQ = [&](int buf) { return sQ0 + buf * Traits::kQElems; };
   auto sdO = [&](int buf) { return sdO0 + buf * Traits::kDoElems; };
 
@@ -135,6 +144,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90_kernel(con
     query.at(p, 0, h, m0);
     issue_step(0, h, m0);
     cp_async_commit();
+    // The next step's head and row are looked up a step ahead: a block-sparse lookup reads the
+    // mask from global memory, and its latency then passes during a whole step.
+    int next_h = h, next_m0 = m0;
+    if (steps > 1) query.at(p, 1, next_h, next_m0);
 
     for (int s = 0; s < steps; ++s) {
       const int buf = s & 1;
@@ -171,14 +184,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90_kernel(con
                               sm90::desc_at<T>(do_desc, query_col), kk > 0);
       }
       sm90::wgmma_commit();
-      // The next step's loads go out while the tensor cores work (a block-sparse step lookup
-      // reads the mask from global memory).
-      int next_h = h, next_m0 = m0;
+      // The next step's loads go out while the tensor cores work.
       if (s + 1 < steps) {
-        query.at(p, s + 1, next_h, next_m0);
         issue_step(buf ^ 1, next_h, next_m0);
         cp_async_commit();
       }
+      int after_h = next_h, after_m0 = next_m0;
+      if (s + 2 < steps) query.at(p, s + 2, after_h, after_m0);
       sm90::wgmma_wait<1>(st[0]);
 
       // P^T[key, query] = exp2(s * scale_log2 - lse[query] * log2 e), 0 outside the mask.
@@ -304,11 +316,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90_kernel(con
       }
       sm90::wgmma_commit();
 
+      // The first warp of each warpgroup issued its last step's dQ reductions: once they have
+      // read the staging tile, the barrier below frees it for this step.
+      const bool dq_issuer = warp % 4 == 0;
+      if (dq_issuer) sm90::bulk_wait_read();
+      sm90::fence_proxy_async();
+      __syncthreads();  // both warpgroups' dS^T rows are staged
       // dQ += dS K (Traits::kDqSplitCols): A = dS^T staged [key][query] (MN-major), B = K
       // [key][DK] (MN-major): at DK = 128 all keys and column block wg, at DK <= 64 the
       // warpgroup's own 64 keys.
-      sm90::fence_proxy_async();
-      __syncthreads();  // both warpgroups' dS^T rows are staged
       constexpr int kDqCols = Traits::kDqCols;
       float dq[kDqCols / 8][4];
       sm90::wgmma_fence();
@@ -330,22 +346,40 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90_kernel(con
       sm90::fence_operand(dk[0]);
       sm90::fence_operand(dv[0]);
 
-      const int valid_q = lens.rows_q - m0;
-      const int64_t row0 = row_stat_offset(p, lens, b, h) + m0;
+      // dQ goes to the fp32 accumulator through this warpgroup's staging tile, one bulk
+      // reduction per query row, so that no per-thread atomics hold up the next step.
+      float* const stage = sDq + wg * BM * Traits::kDqStride;
       const int q0 = (warp % 4) * 16;
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
-        const int i = q0 + g + 8 * hh;
-        if (i >= valid_q) continue;
-        float* dst = p.dq_accum + (row0 + i) * DK + dq_col0 + 2 * t;
+        float* const dst = stage + (q0 + g + 8 * hh) * Traits::kDqStride + 2 * t;
 #pragma unroll
         for (int ni = 0; ni < kDqCols / 8; ++ni) {
-          atomic_add2(dst + ni * 8, dq[ni][2 * hh], dq[ni][2 * hh + 1]);
+          *reinterpret_cast<float2*>(dst + ni * 8) =
+              make_float2(dq[ni][2 * hh], dq[ni][2 * hh + 1]);
         }
+      }
+      sm90::fence_proxy_async();
+      sm90::warpgroup_sync(3 + wg);
+      if (dq_issuer) {
+        const int valid_q = lens.rows_q - m0;
+        float* const accum = p.dq_accum + (row_stat_offset(p, lens, b, h) + m0) * DK + dq_col0;
+#pragma unroll
+        for (int r = lane; r < BM; r += 32) {
+          if (r < valid_q) {
+            sm90::bulk_reduce_add(accum + static_cast<int64_t>(r) * DK,
+                                  stage + r * Traits::kDqStride, kDqCols * sizeof(float));
+          }
+        }
+        sm90::bulk_commit();
       }
       h = next_h;
       m0 = next_m0;
+      next_h = after_h;
+      next_m0 = after_m0;
     }
+    // The staging tiles and the accumulator must outlive the reductions.
+    if (warp % 4 == 0) sm90::bulk_wait();
   };
   if (kElastic || p.block_kv_num == nullptr) {
     mainloop(dense_query_steps<BM>(p, h_kv, rows));  // lazy attention has no block-sparse form

@@ -158,6 +158,39 @@ __device__ __forceinline__ bool warpgroup_any(bool pred, int wg) {
   return any != 0;
 }
 
+// Waits on named barrier `id` for the 128 threads of one warpgroup.
+__device__ __forceinline__ void warpgroup_sync(int id) {
+  asm volatile("bar.sync %0, 128;\n" ::"r"(id) : "memory");
+}
+
+// dst[0, bytes) += src[0, bytes) in float32 by the bulk copy engine, asynchronously (no register
+// or load/store-unit traffic, unlike per-thread reductions); both 16-byte aligned, bytes a
+// multiple of 16. Tracked in this thread's bulk groups.
+__device__ __forceinline__ void bulk_reduce_add(float* dst, const float* src, int bytes) {
+#ifdef ADAATTN_SM90A_DEVICE
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::
+                   "l"(dst), "r"(smem_addr(src)), "r"(bytes)
+               : "memory");
+#endif
+}
+__device__ __forceinline__ void bulk_commit() {
+#ifdef ADAATTN_SM90A_DEVICE
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+#endif
+}
+// Waits until this thread's bulk groups have read their shared-memory sources (the buffer may be
+// rewritten); bulk_wait waits until they have completed.
+__device__ __forceinline__ void bulk_wait_read() {
+#ifdef ADAATTN_SM90A_DEVICE
+  asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void bulk_wait() {
+#ifdef ADAATTN_SM90A_DEVICE
+  asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+#endif
+}
+
 // Operand lists of the m64nNk16 accumulators (N / 2 fp32 registers per thread), written out
 // because inline asm takes no arrays; the asm below differs per shape only in these and in the
 // operand numbers after them.
