@@ -49,6 +49,13 @@ __device__ __forceinline__ WarpRow warp_row(const AttnParams& p) {
           static_cast<int>(row % p.len_q), row < row_items<false>(p)};
 }
 
+// Column at which the Hopper backward stores column `col` of dQ-accumulator row `row`: groups
+// of 8 floats XOR-ed with row % 4, so that its staging stores (four rows per 16 lanes) hit
+// distinct banks while a step's rows stay one contiguous block for its bulk reduction.
+__device__ __forceinline__ int dq_swizzle(int64_t row, int col) {
+  return col ^ ((static_cast<int>(row) & 3) << 3);
+}
+
 template <typename T, int DV>
 __global__ void flash_bwd_delta_kernel(const AttnParams p) {
   const WarpRow r = warp_row(p);
@@ -636,8 +643,9 @@ __global__ void __launch_bounds__(KVTraits::kThreads)
 }
 
 // Atomic dQ, last step: dq = scale * dq_accum in T, one warp per row in lse order (as the
-// delta kernel).
-template <typename T, int DK>
+// delta kernel). kSwizzled: the accumulator rows are stored permuted by dq_swizzle (the Hopper
+// backward).
+template <typename T, int DK, bool kSwizzled>
 __global__ void flash_bwd_dq_convert_kernel(const AttnParams p) {
   const WarpRow r = warp_row(p);
   const int lane = threadIdx.x % 32;
@@ -650,7 +658,8 @@ __global__ void flash_bwd_dq_convert_kernel(const AttnParams p) {
   if constexpr (DK % 128 == 0) {
 #pragma unroll
     for (int c = 4 * lane; c < DK; c += 128) {
-      const float4 v = *reinterpret_cast<const float4*>(acc + c);
+      const float4 v =
+          *reinterpret_cast<const float4*>(acc + (kSwizzled ? dq_swizzle(r.row, c) : c));
       *reinterpret_cast<uint2*>(dq + c) =
           make_uint2(MmaOp<T>::pack(v.x * scale, v.y * scale),
                      MmaOp<T>::pack(v.z * scale, v.w * scale));
@@ -658,7 +667,8 @@ __global__ void flash_bwd_dq_convert_kernel(const AttnParams p) {
   } else {
 #pragma unroll
     for (int c = 2 * lane; c < DK; c += 64) {
-      const float2 v = *reinterpret_cast<const float2*>(acc + c);
+      const float2 v =
+          *reinterpret_cast<const float2*>(acc + (kSwizzled ? dq_swizzle(r.row, c) : c));
       *reinterpret_cast<uint32_t*>(dq + c) = MmaOp<T>::pack(v.x * scale, v.y * scale);
     }
   }

@@ -1,5 +1,5 @@
-// Hopper backward of the flash family (softmax variant, dQ by atomic bulk reductions; Dv in {64, 128}, D = Dv
-// or, for low-rank scores, D in {32, 64} below it):
+// Hopper backward of the flash family (softmax variant, dQ by atomic bulk reductions; Dv in
+// {64, 128}, D = Dv or, for low-rank scores, D in {32, 64} below it):
 // the dK/dV pass of flash_bwd_kernel.h on warpgroup MMAs. A CTA owns 128 keys of one (batch,
 // kv head), 64 per warpgroup, and walks the query tiles (64 rows, every query head of its GQA
 // group) that meet them, with Q and dO double-buffered through cp.async. Per step and warpgroup:
@@ -28,11 +28,14 @@
 namespace adaattn {
 namespace tc {
 
+// Query rows per step of the Hopper backward (the tile its dQ reductions add).
+constexpr int kSm90BwdBlockM = 64;
+
 template <typename T, int DK, int DV, bool kElastic = false>
 struct Sm90BwdTraits {
   static constexpr int kThreads = 256;
   static constexpr int kBlockN = 128;  // keys per CTA
-  static constexpr int kBlockM = 64;   // queries per step
+  static constexpr int kBlockM = kSm90BwdBlockM;  // queries per step
   static constexpr int kKElems = kBlockN * DK;
   static constexpr int kVElems = kBlockN * DV;
   static constexpr int kQElems = kBlockM * DK;
@@ -43,10 +46,10 @@ struct Sm90BwdTraits {
   static constexpr bool kDqSplitCols = DK == 128;
   static constexpr int kDqKeys = kDqSplitCols ? kBlockN : 64;
   static constexpr int kDqCols = kDqSplitCols ? 64 : DK;
-  // Each warpgroup stages its fp32 dQ tile [BM][kDqCols] for the bulk reductions; 8 floats of
-  // row padding make the paired stores conflict-free and keep rows 16-byte aligned.
-  static constexpr int kDqStride = kDqCols + 8;
-  static constexpr int kDqStageFloats = 2 * kBlockM * kDqStride;
+  // The step's fp32 dQ rows, staged for the bulk reductions: at DK = 128 one [BM][DK] tile (the
+  // two warpgroups' column halves), at DK <= 64 one [BM][DK] tile per warpgroup. Rows are
+  // stored as the accumulator holds them (dq_swizzle), so that a tile is one contiguous copy.
+  static constexpr int kDqStageFloats = 2 * kBlockM * kDqCols;
   // K, V, two stages of Q and dO, dS^T, then lse and delta (elastic: and shift) of both stages,
   // (elastic) the fp32 dS^T staging tile and the dQ staging tiles; 1024 bytes of slack to align
   // the swizzled tiles.
@@ -85,7 +88,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90_kernel(con
   float* const sDelta0 = sLse0 + 2 * BM;
   float* const sShift0 = sDelta0 + 2 * BM;                     // elastic only
   float* const sStage = sLse0 + 2 * Traits::kRowVectors * BM;  // elastic only
-  float* const sDq = sStage + Traits::kStageFloats;             // [2 warpgroups][BM][kDqStride]
+  float* const sDq = sStage + Traits::kStageFloats;             // dQ staging, see the traits
   auto sQ = [&](int buf) { return sQ0 + buf * Traits::kQElems; };
   auto sdO = [&](int buf) { return sdO0 + buf * Traits::kDoElems; };
 
@@ -146,15 +149,30 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90_kernel(con
     cp_async_commit();
     // The next step's head and row are looked up a step ahead: a block-sparse lookup reads the
     // mask from global memory, and its latency then passes during a whole step.
+    int prev_h = h, prev_m0 = m0;  // the step whose dQ is staged
     int next_h = h, next_m0 = m0;
     if (steps > 1) query.at(p, 1, next_h, next_m0);
+    // dQ of a step is staged at its end and added after the next barrier, by thread 0 (DK =
+    // 128: the whole tile) or the first thread of each warpgroup (DK <= 64: its own tile).
+    constexpr bool kDqSplit = Traits::kDqSplitCols;
+    const bool dq_issuer = kDqSplit ? tid == 0 : tid % 128 == 0;
+    auto add_staged_dq = [&](int dq_h, int dq_m0) {
+      if (!dq_issuer) return;
+      constexpr int kTileFloats = BM * DK;
+      sm90::bulk_reduce_add(p.dq_accum + (row_stat_offset(p, lens, b, dq_h) + dq_m0) * DK,
+                            sDq + (kDqSplit ? 0 : wg * kTileFloats),
+                            kTileFloats * sizeof(float));
+      sm90::bulk_commit();
+    };
 
     for (int s = 0; s < steps; ++s) {
       const int buf = s & 1;
       cp_async_wait_all();
       sm90::fence_proxy_async();
-      // Step s's tiles are visible; every warpgroup is done with buffer buf ^ 1 and with sdS.
+      // Step s's tiles are visible; every warpgroup is done with buffer buf ^ 1 and with sdS,
+      // and has staged step s - 1's dQ.
       __syncthreads();
+      if (s > 0) add_staged_dq(prev_h, prev_m0);
       const float* lse = sLse0 + buf * BM;
       const float* delta = sDelta0 + buf * BM;
       [[maybe_unused]] const float* shift = sShift0 + buf * BM;  // elastic only
@@ -316,9 +334,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90_kernel(con
       }
       sm90::wgmma_commit();
 
-      // The first warp of each warpgroup issued its last step's dQ reductions: once they have
-      // read the staging tile, the barrier below frees it for this step.
-      const bool dq_issuer = warp % 4 == 0;
+      // Once the last step's dQ reduction has read the staging tile, the barrier below frees
+      // it for this step.
       if (dq_issuer) sm90::bulk_wait_read();
       sm90::fence_proxy_async();
       __syncthreads();  // both warpgroups' dS^T rows are staged
@@ -346,40 +363,37 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90_kernel(con
       sm90::fence_operand(dk[0]);
       sm90::fence_operand(dv[0]);
 
-      // dQ goes to the fp32 accumulator through this warpgroup's staging tile, one bulk
-      // reduction per query row, so that no per-thread atomics hold up the next step.
-      float* const stage = sDq + wg * BM * Traits::kDqStride;
-      const int q0 = (warp % 4) * 16;
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        float* const dst = stage + (q0 + g + 8 * hh) * Traits::kDqStride + 2 * t;
-#pragma unroll
-        for (int ni = 0; ni < kDqCols / 8; ++ni) {
-          *reinterpret_cast<float2*>(dst + ni * 8) =
-              make_float2(dq[ni][2 * hh], dq[ni][2 * hh + 1]);
-        }
-      }
-      sm90::fence_proxy_async();
-      sm90::warpgroup_sync(3 + wg);
-      if (dq_issuer) {
+      // dQ is staged for the bulk reduction after the next barrier (no per-thread atomics to
+      // hold up the next step); rows past the sequence add zeros to the rows after them.
+      {
         const int valid_q = lens.rows_q - m0;
-        float* const accum = p.dq_accum + (row_stat_offset(p, lens, b, h) + m0) * DK + dq_col0;
+        const int64_t row0 = row_stat_offset(p, lens, b, h) + m0;
+        float* const stage = sDq + (kDqSplit ? 0 : wg * BM * DK);
+        const int q0 = (warp % 4) * 16;
 #pragma unroll
-        for (int r = lane; r < BM; r += 32) {
-          if (r < valid_q) {
-            sm90::bulk_reduce_add(accum + static_cast<int64_t>(r) * DK,
-                                  stage + r * Traits::kDqStride, kDqCols * sizeof(float));
+        for (int hh = 0; hh < 2; ++hh) {
+          const int row = q0 + g + 8 * hh;
+          const bool valid = row < valid_q;
+#pragma unroll
+          for (int ni = 0; ni < kDqCols / 8; ++ni) {
+            const int col = dq_swizzle(row0 + row, dq_col0 + ni * 8 + 2 * t);
+            *reinterpret_cast<float2*>(stage + row * DK + col) =
+                valid ? make_float2(dq[ni][2 * hh], dq[ni][2 * hh + 1]) : make_float2(0.f, 0.f);
           }
         }
-        sm90::bulk_commit();
       }
+      prev_h = h;
+      prev_m0 = m0;
       h = next_h;
       m0 = next_m0;
       next_h = after_h;
       next_m0 = after_m0;
     }
-    // The staging tiles and the accumulator must outlive the reductions.
-    if (warp % 4 == 0) sm90::bulk_wait();
+    // The last step's dQ; the staging tiles and the accumulator must outlive the reductions.
+    sm90::fence_proxy_async();
+    __syncthreads();
+    add_staged_dq(prev_h, prev_m0);
+    if (dq_issuer) sm90::bulk_wait();
   };
   if (kElastic || p.block_kv_num == nullptr) {
     mainloop(dense_query_steps<BM>(p, h_kv, rows));  // lazy attention has no block-sparse form

@@ -171,10 +171,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_fwd_sm90_kernel(con
     load_v(0, tiles.at(0));
     cp_async_commit();
 
-    // Tiles are looked up one iteration ahead of their loads: a block-sparse lookup reads the
-    // mask from global memory, and its latency then passes during a whole iteration.
     int tile_n = tiles.at(0);
-    int next_n = tiles.count > 1 ? tiles.at(1) : tile_n;
     for (int i = 0; i < tiles.count; ++i) {
       const int stage = i % 2;
       const int n0 = tile_n * BN;
@@ -184,10 +181,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_fwd_sm90_kernel(con
 
       float s[1][NT][4];
       issue_scores(s, stage);
-      // The next K tile loads while the tensor cores work.
+      // The next K tile loads while the tensor cores work (a block-sparse tile lookup reads
+      // the mask from global memory).
+      const int next_n = i + 1 < tiles.count ? tiles.at(i + 1) : tile_n;
       if (i + 1 < tiles.count) load_k(1 - stage, next_n);
       cp_async_commit();
-      const int after_n = i + 2 < tiles.count ? tiles.at(i + 2) : next_n;
       sm90::wgmma_wait<0>(s[0]);
 
       [[maybe_unused]] TileWeights w{true, false};  // elastic: the warp tile has a weight / entries
@@ -250,7 +248,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_fwd_sm90_kernel(con
         sm90::wgmma_wait<0>(o[0]);
       }
       tile_n = next_n;
-      next_n = after_n;
     }
   };
   if (kElastic || p.block_kv_num == nullptr) {

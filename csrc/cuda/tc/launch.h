@@ -129,7 +129,14 @@ void run_flash_fwd(const AttnParams& p) {
   launch_fwd<T, DK, DV, SoftmaxVariant>(p);
 }
 
-// The Hopper dK/dV + atomic dQ launch (flash_bwd_sm90.h); p.dq_accum must be zeroed.
+// Rows of the float32 dQ accumulator: one per query row, plus a query tile of padding for the
+// Hopper backward, whose bulk reductions add whole tiles (zeros past the sequence).
+inline int64_t dq_accum_rows(const AttnParams& p) {
+  return row_items<false>(p) + kSm90BwdBlockM;
+}
+
+// The Hopper dK/dV + atomic dQ launch (flash_bwd_sm90.h); p.dq_accum must be zeroed, with
+// dq_accum_rows(p) rows.
 template <typename T, int DK, int DV, typename Variant>
 void launch_bwd_sm90(const AttnParams& p) {
   using Traits = Sm90BwdTraits<T, DK, DV, Variant::kElastic>;
@@ -156,16 +163,19 @@ void run_flash_bwd(const AttnParams& p_in) {
   if (sm90 || (FlashConfig<DV>::kAtomicDQ && !p_in.deterministic)) {
     AttnParams p = p_in;
     // Freed on return; the caching allocator keeps it for this stream.
-    const at::Tensor accum = at::zeros({row_items<false>(p) * DK},
+    const at::Tensor accum = at::zeros({dq_accum_rows(p) * DK},
                                        at::TensorOptions().dtype(at::kFloat).device(
                                            at::kCUDA, c10::cuda::current_device()));
     p.dq_accum = accum.data_ptr<float>();
-    if constexpr (kSm90Dims) {
-      launch_bwd_sm90<T, DK, DV, SoftmaxVariant>(p);
-    } else if constexpr (FlashConfig<DV>::kAtomicDQ) {
-      launch_bwd_main<T, DK, DV, SoftmaxVariant, true>(p);
+    if (sm90) {
+      if constexpr (kSm90Dims) launch_bwd_sm90<T, DK, DV, SoftmaxVariant>(p);
+      flash_bwd_dq_convert_kernel<T, DK, true><<<row_grid, kRowsPerBlock * 32, 0, stream>>>(p);
+    } else {
+      if constexpr (FlashConfig<DV>::kAtomicDQ) {
+        launch_bwd_main<T, DK, DV, SoftmaxVariant, true>(p);
+      }
+      flash_bwd_dq_convert_kernel<T, DK, false><<<row_grid, kRowsPerBlock * 32, 0, stream>>>(p);
     }
-    flash_bwd_dq_convert_kernel<T, DK><<<row_grid, kRowsPerBlock * 32, 0, stream>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return;
   }
@@ -214,12 +224,12 @@ void run_lazy_bwd(const AttnParams& p_in) {
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (sm90) {
-    accum = at::zeros({row_items<false>(p) * D}, f32);
+    accum = at::zeros({dq_accum_rows(p) * D}, f32);
     p.dq_accum = accum.data_ptr<float>();
     launch_bwd_sm90<T, D, D, LazyVariant>(p);
     constexpr int kRowsPerBlock = 8;
     const int row_grid = grid_size((row_items<false>(p) + kRowsPerBlock - 1) / kRowsPerBlock);
-    flash_bwd_dq_convert_kernel<T, D><<<row_grid, kRowsPerBlock * 32, 0, stream>>>(p);
+    flash_bwd_dq_convert_kernel<T, D, true><<<row_grid, kRowsPerBlock * 32, 0, stream>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   } else {
     launch_bwd_main<T, D, D, LazyVariant, false>(p);

@@ -158,11 +158,6 @@ __device__ __forceinline__ bool warpgroup_any(bool pred, int wg) {
   return any != 0;
 }
 
-// Waits on named barrier `id` for the 128 threads of one warpgroup.
-__device__ __forceinline__ void warpgroup_sync(int id) {
-  asm volatile("bar.sync %0, 128;\n" ::"r"(id) : "memory");
-}
-
 // dst[0, bytes) += src[0, bytes) in float32 by the bulk copy engine, asynchronously (no register
 // or load/store-unit traffic, unlike per-thread reductions); both 16-byte aligned, bytes a
 // multiple of 16. Tracked in this thread's bulk groups.
