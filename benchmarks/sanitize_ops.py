@@ -1,0 +1,42 @@
+"""Small fwd+bwd calls of the CUDA kernels for compute-sanitizer (memcheck, racecheck): flash
+(D 64 and 128, GQA, causal, window, seqlens, Lq != Lk), block-sparse, lazy and low-rank, bf16.
+
+    compute-sanitizer --tool memcheck python benchmarks/sanitize_ops.py
+"""
+import torch
+
+import adaattn
+
+
+def rand(*shape):
+    return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+
+
+def backward(out):
+    out.backward(torch.randn_like(out))
+
+
+def main():
+    torch.manual_seed(0)
+    for d in (64, 128):
+        for kwargs in ({}, {"causal": True}, {"window": (33, 0)}):
+            q, k, v = rand(2, 4, 197, d), rand(2, 2, 230, d), rand(2, 2, 230, d)
+            backward(adaattn.flash_attn(q, k, v, **kwargs))
+        q, k, v = rand(2, 4, 197, d), rand(2, 4, 197, d), rand(2, 4, 197, d)
+        seqlens = torch.tensor([150, 3], dtype=torch.int32, device="cuda")
+        backward(adaattn.flash_attn(q, k, v, causal=True, seqlens=seqlens))
+    q, k, v = rand(1, 2, 300, 128), rand(1, 2, 300, 128), rand(1, 2, 300, 128)
+    layout = torch.rand(1, 2, 3, 3, device="cuda") < 0.5
+    mask = adaattn.BlockSparseMask.from_dense(layout, block_size=128)
+    backward(adaattn.block_sparse_attn(q, k, v, mask, causal=True))
+    tau = torch.full((2,), -1.0, device="cuda", requires_grad=True)
+    bias = (0.1 * torch.randn(2, 64, device="cuda")).requires_grad_()
+    backward(adaattn.lazy_attn(q, k, v, tau, bias))
+    basis = torch.linalg.qr(torch.randn(1, 2, 128, 32, device="cuda"))[0].bfloat16()
+    backward(adaattn.low_rank_attn(q, k, v, basis.requires_grad_(), causal=True))
+    torch.cuda.synchronize()
+    print("sanitize_ops: done")
+
+
+if __name__ == "__main__":
+    main()
