@@ -3,9 +3,13 @@
 
     compute-sanitizer --tool memcheck python benchmarks/sanitize_ops.py
 """
+import os
+import sys
+
 import torch
 
-import adaattn
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import adaattn  # noqa: E402  (the in-place build)
 
 
 def rand(*shape):
