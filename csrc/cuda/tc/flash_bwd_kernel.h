@@ -71,6 +71,13 @@ __global__ void flash_bwd_delta_kernel(const AttnParams p) {
                static_cast<int64_t>(r.i) * p.o_row_stride;
   const T* d = static_cast<const T*>(p.dout) + r.b * p.do_batch_stride + r.h * p.do_head_stride +
                static_cast<int64_t>(r.i) * p.do_row_stride;
+  if (p.dq_accum != nullptr) {
+    // The atomic backward's float32 dQ row starts at zero (no separate fill pass).
+    float* const acc = p.dq_accum + r.row * p.head_dim;
+    for (int c = 4 * lane; c < p.head_dim; c += 128) {
+      *reinterpret_cast<float4*>(acc + c) = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+  }
   const Pack ov = reinterpret_cast<const Pack*>(o)[lane];
   const Pack dv = reinterpret_cast<const Pack*>(d)[lane];
   float acc = 0.f;

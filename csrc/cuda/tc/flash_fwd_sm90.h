@@ -163,11 +163,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_fwd_sm90_kernel(con
       }
       __syncthreads();  // every warpgroup is done with the K stages before pass 2 refills them
     }
-    // Commit groups, in order: {Q, K0} (elastic: {K0}), {V0}, then {K i+1} and {V i+1} in
-    // iteration i (empty after the last tile), so "all but the newest group" is always the one
-    // needed next.
+    // Commit groups, in order: {Q, K0, V0} (elastic: {K0, V0}), then {K i+1, V i+1} in
+    // iteration i (empty after the last tile): one barrier per tile makes both visible, and
+    // the softmax runs straight into P V.
     load_k(0, tiles.at(0));
-    cp_async_commit();
     load_v(0, tiles.at(0));
     cp_async_commit();
 
@@ -175,16 +174,19 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_fwd_sm90_kernel(con
     for (int i = 0; i < tiles.count; ++i) {
       const int stage = i % 2;
       const int n0 = tile_n * BN;
-      cp_async_wait<1>();
+      cp_async_wait<0>();
       sm90::fence_proxy_async();
-      __syncthreads();  // K i visible; every warpgroup is done with stage 1 - stage
+      __syncthreads();  // K i and V i visible; every warpgroup is done with stage 1 - stage
 
       float s[1][NT][4];
       issue_scores(s, stage);
-      // The next K tile loads while the tensor cores work (a block-sparse tile lookup reads
-      // the mask from global memory).
+      // The next K and V tiles load while the tensor cores work (a block-sparse tile lookup
+      // reads the mask from global memory).
       const int next_n = i + 1 < tiles.count ? tiles.at(i + 1) : tile_n;
-      if (i + 1 < tiles.count) load_k(1 - stage, next_n);
+      if (i + 1 < tiles.count) {
+        load_k(1 - stage, next_n);
+        load_v(1 - stage, next_n);
+      }
       cp_async_commit();
       sm90::wgmma_wait<0>(s[0]);
 
@@ -222,19 +224,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_fwd_sm90_kernel(con
         to_a_frags<1, NT, T>(s, pa);
       }
 
-      cp_async_wait<1>();
-      sm90::fence_proxy_async();
-      // V i visible. Elastic: the barrier also votes whether any weight of the CTA's tile is
-      // non-zero; an all-zero tile skips the product (it would add exact zeros).
+      // Elastic: a barrier votes whether any weight of the CTA's tile is non-zero; an all-zero
+      // tile skips the product (it would add exact zeros).
       bool any = true;
       if constexpr (kElastic) {
         any = __syncthreads_or(w.any) != 0;
         if (kStats) stats.tile(w.visited, !any, lane);
-      } else {
-        __syncthreads();
       }
-      if (i + 1 < tiles.count) load_v(1 - stage, next_n);
-      cp_async_commit();
 
       if (any) {
         // O += P V: BN / 16 steps of 16 keys; V is read transposed (MN-major).

@@ -149,37 +149,39 @@ void launch_bwd_sm90(const AttnParams& p) {
 
 // Delta, then dK/dV/dQ. Unless p.deterministic: on Hopper (every compiled (D, Dv) pair) the wgmma
 // kernel with atomic dQ; elsewhere atomic dQ where the config measured it faster (fewer
-// products, a float32 accumulator of 2x dq's size). Otherwise the two-pass kernels.
+// products, a float32 accumulator of 2x dq's size), zeroed by the delta kernel. Otherwise the
+// two-pass kernels.
 template <typename T, int DK, int DV>
 void run_flash_bwd(const AttnParams& p_in) {
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  constexpr int kRowsPerBlock = 8;
-  const int row_grid = grid_size((row_items<false>(p_in) + kRowsPerBlock - 1) / kRowsPerBlock);
-  flash_bwd_delta_kernel<T, DV><<<row_grid, kRowsPerBlock * 32, 0, stream>>>(p_in);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
   constexpr bool kSm90Dims = (DK == 32 || DK == 64 || DK == 128) && (DV == 64 || DV == 128) &&
                              DK <= DV;
   const bool sm90 = kSm90Dims && !p_in.deterministic && use_sm90();
-  if (sm90 || (FlashConfig<DV>::kAtomicDQ && !p_in.deterministic)) {
-    AttnParams p = p_in;
-    // Freed on return; the caching allocator keeps it for this stream.
-    const at::Tensor accum = at::zeros({dq_accum_rows(p) * DK},
-                                       at::TensorOptions().dtype(at::kFloat).device(
-                                           at::kCUDA, c10::cuda::current_device()));
+  const bool atomic = sm90 || (FlashConfig<DV>::kAtomicDQ && !p_in.deterministic);
+  AttnParams p = p_in;
+  p.dq_accum = nullptr;
+  at::Tensor accum;  // freed on return; the caching allocator keeps it for this stream
+  if (atomic) {
+    accum = at::empty({dq_accum_rows(p) * DK}, at::TensorOptions().dtype(at::kFloat).device(
+                                                   at::kCUDA, c10::cuda::current_device()));
     p.dq_accum = accum.data_ptr<float>();
-    if (sm90) {
-      if constexpr (kSm90Dims) launch_bwd_sm90<T, DK, DV, SoftmaxVariant>(p);
-      flash_bwd_dq_convert_kernel<T, DK, true><<<row_grid, kRowsPerBlock * 32, 0, stream>>>(p);
-    } else {
-      if constexpr (FlashConfig<DV>::kAtomicDQ) {
-        launch_bwd_main<T, DK, DV, SoftmaxVariant, true>(p);
-      }
-      flash_bwd_dq_convert_kernel<T, DK, false><<<row_grid, kRowsPerBlock * 32, 0, stream>>>(p);
-    }
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  constexpr int kRowsPerBlock = 8;
+  const int row_grid = grid_size((row_items<false>(p) + kRowsPerBlock - 1) / kRowsPerBlock);
+  flash_bwd_delta_kernel<T, DV><<<row_grid, kRowsPerBlock * 32, 0, stream>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (!atomic) {
+    launch_bwd_main<T, DK, DV, SoftmaxVariant, false>(p);
     return;
   }
-  launch_bwd_main<T, DK, DV, SoftmaxVariant, false>(p_in);
+  if (sm90) {
+    if constexpr (kSm90Dims) launch_bwd_sm90<T, DK, DV, SoftmaxVariant>(p);
+    flash_bwd_dq_convert_kernel<T, DK, true><<<row_grid, kRowsPerBlock * 32, 0, stream>>>(p);
+  } else {
+    if constexpr (FlashConfig<DV>::kAtomicDQ) launch_bwd_main<T, DK, DV, SoftmaxVariant, true>(p);
+    flash_bwd_dq_convert_kernel<T, DK, false><<<row_grid, kRowsPerBlock * 32, 0, stream>>>(p);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 template <typename T, int D>
