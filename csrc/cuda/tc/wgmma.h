@@ -108,23 +108,22 @@ __device__ __forceinline__ int opaque(int x) {
   return x;
 }
 
-// Orders this thread's generic-proxy shared-memory writes (cp.async, st.shared) before later
-// async-proxy reads (wgmma) once a barrier has passed.
-__device__ __forceinline__ void fence_proxy_async() {
+// One sm_90a instruction without operands, ordered with memory accesses (no body elsewhere).
 #ifdef ADAATTN_SM90A_DEVICE
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#define ADAATTN_SM90_ASM(text) asm volatile(text "\n" ::: "memory")
+#else
+#define ADAATTN_SM90_ASM(text)
 #endif
+
+// Orders this thread's generic-proxy shared-memory writes (cp.async, st.shared) before later
+// async-proxy reads (wgmma, bulk copies) once a barrier has passed.
+__device__ __forceinline__ void fence_proxy_async() {
+  ADAATTN_SM90_ASM("fence.proxy.async.shared::cta;");
 }
 // Makes register writes visible to the next wgmma (accumulators, register A operands).
-__device__ __forceinline__ void wgmma_fence() {
-#ifdef ADAATTN_SM90A_DEVICE
-  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#endif
-}
+__device__ __forceinline__ void wgmma_fence() { ADAATTN_SM90_ASM("wgmma.fence.sync.aligned;"); }
 __device__ __forceinline__ void wgmma_commit() {
-#ifdef ADAATTN_SM90A_DEVICE
-  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-#endif
+  ADAATTN_SM90_ASM("wgmma.commit_group.sync.aligned;");
 }
 // Pins accumulator registers at this point of the program: no access to them moves across
 // (around wgmma issue and wait, which the compiler does not see as their writers).
@@ -168,23 +167,13 @@ __device__ __forceinline__ void bulk_reduce_add(float* dst, const float* src, in
                : "memory");
 #endif
 }
-__device__ __forceinline__ void bulk_commit() {
-#ifdef ADAATTN_SM90A_DEVICE
-  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
-#endif
-}
+__device__ __forceinline__ void bulk_commit() { ADAATTN_SM90_ASM("cp.async.bulk.commit_group;"); }
 // Waits until this thread's bulk groups have read their shared-memory sources (the buffer may be
 // rewritten); bulk_wait waits until they have completed.
 __device__ __forceinline__ void bulk_wait_read() {
-#ifdef ADAATTN_SM90A_DEVICE
-  asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
-#endif
+  ADAATTN_SM90_ASM("cp.async.bulk.wait_group.read 0;");
 }
-__device__ __forceinline__ void bulk_wait() {
-#ifdef ADAATTN_SM90A_DEVICE
-  asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
-#endif
-}
+__device__ __forceinline__ void bulk_wait() { ADAATTN_SM90_ASM("cp.async.bulk.wait_group 0;"); }
 
 // Operand lists of the m64nNk16 accumulators (N / 2 fp32 registers per thread), written out
 // because inline asm takes no arrays; the asm below differs per shape only in these and in the
