@@ -9,8 +9,9 @@
 //   dQ += dS K                        (dS^T staged in shared memory by both warpgroups; at D = 128
 //                                      warpgroup w adds its 64 columns of the product over all
 //                                      128 keys to the fp32 accumulator, at D <= 64 all columns
-//                                      over its own 64 keys: staged in fp32 and added by bulk
-//                                      reductions, one per query row)
+//                                      over its own 64 keys: the step's rows are staged in fp32
+//                                      and added by one bulk reduction per tile after the next
+//                                      step's barrier)
 // Five products per tile pair, as FlashAttention-2/3. dK/dV stay in registers; the dQ
 // accumulator is scaled and converted by flash_bwd_dq_convert_kernel.
 // The elastic softmax (lazy attention, D = Dv) adds the distance bias to S^T, takes dV from the
