@@ -7,10 +7,11 @@ subspace plus noise (a spectrum like real attention heads'). Rows: the Gram matr
 forms them (float32 accumulation inside the bf16 GEMM), the same through a float32 copy of q and
 k (rank_plan's former way), torch.ops.adaattn.sym_eig on them (the full decomposition),
 torch.ops.adaattn.sym_eig_top (rank_plan's op: all eigenvalues, the rank, the first `rank`
-eigenvectors), torch.linalg.eigh in float64 (the former eigensolver), and the whole rank_plan
-(with its one host synchronisation). Times are medians of CUDA-event timings after warmup;
-sym_eig's accuracy on the same matrices is printed too (max |U^T U - I| in float32 epsilons,
-max |A U - U diag(w)| / ||A||_F).
+eigenvectors), torch.ops.adaattn.shifted_cholesky_info (adaptive_rank_attn's full-rank
+certificate, at its shift for energy 0.99), torch.linalg.eigh in float64 (the former
+eigensolver), and the whole rank_plan (with its one host synchronisation). Times are medians of
+CUDA-event timings after warmup; sym_eig's accuracy on the same matrices is printed too
+(max |U^T U - I| in float32 epsilons, max |A U - U diag(w)| / ||A||_F).
 
     python benchmarks/bench_rank.py [--markdown] [--out benchmarks/RESULTS.md]
 """
@@ -77,6 +78,9 @@ def measure(hkv: int, kind: str, args) -> List[list]:
                                                                               km.float()))
         row("sym_eig", lambda: torch.ops.adaattn.sym_eig(gram))
         row("sym_eig_top (energy 0.99)", lambda: torch.ops.adaattn.sym_eig_top(gram, 0.99, 16, 16))
+        shift = 0.01 / (DIM - 16 * ((DIM - 1) // 16)) + 8 * DIM * torch.finfo(torch.float32).eps
+        row("shifted_cholesky_info (certificate)",
+            lambda: torch.ops.adaattn.shifted_cholesky_info(gram, shift))
         row("eigh float64", lambda: torch.linalg.eigh(gram.double()), reps=args.eigh_reps)
         row("rank_plan (energy 0.99)", lambda: adaattn.rank_plan(q, k, energy=0.99))
     print(f"Hkv={hkv:2d} {kind:8s} sym_eig accuracy: {accuracy(gram)}", flush=True)
