@@ -163,36 +163,41 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_fwd_sm90_kernel(con
       }
       __syncthreads();  // every warpgroup is done with the K stages before pass 2 refills them
     }
-    // Commit groups, in order: {Q, K0, V0} (elastic: {K0, V0}), then {K i+1, V i+1} in
-    // iteration i (empty after the last tile): one barrier per tile makes both visible, and
-    // the softmax runs straight into P V.
-    load_k(0, tiles.at(0));
-    load_v(0, tiles.at(0));
-    cp_async_commit();
-
-    int tile_n = tiles.at(0);
-    for (int i = 0; i < tiles.count; ++i) {
-      const int stage = i % 2;
-      const int n0 = tile_n * BN;
-      cp_async_wait<0>();
-      sm90::fence_proxy_async();
-      __syncthreads();  // K i and V i visible; every warpgroup is done with stage 1 - stage
-
-      float s[1][NT][4];
-      issue_scores(s, stage);
-      // The next K and V tiles load while the tensor cores work (a block-sparse tile lookup
-      // reads the mask from global memory).
-      const int next_n = i + 1 < tiles.count ? tiles.at(i + 1) : tile_n;
-      if (i + 1 < tiles.count) {
-        load_k(1 - stage, next_n);
-        load_v(1 - stage, next_n);
+    // O += P V of the V tile in `stage`: BN / 16 steps of 16 keys; V is read transposed
+    // (MN-major).
+    auto issue_pv = [&](const uint32_t (&pa)[NT / 2][4], int stage) {
+      sm90::wgmma_fence();
+#pragma unroll
+      for (int kt = 0; kt < BN / 16; ++kt) {
+        const T* bv = sV + stage * Traits::kVElems + kt * 16 * sm90::GmmaLayout<DV>::kWidth;
+        sm90::wgmma_rs<T, DT>(o[0], pa[kt], sm90::gmma_desc_mn<BN, DV>(bv));
       }
+      sm90::wgmma_commit();
+    };
+    if constexpr (kElastic) {
+      // Pass 2 (weights). Commit groups, in order: {K0, V0}, then {K i+1, V i+1} in iteration
+      // i (empty after the last tile): one barrier per tile makes both visible.
+      load_k(0, tiles.at(0));
+      load_v(0, tiles.at(0));
       cp_async_commit();
-      sm90::wgmma_wait<0>(s[0]);
+      for (int i = 0; i < tiles.count; ++i) {
+        const int stage = i % 2;
+        const int n0 = tiles.at(i) * BN;
+        cp_async_wait<0>();
+        sm90::fence_proxy_async();
+        __syncthreads();  // K i and V i visible; every warpgroup is done with stage 1 - stage
 
-      [[maybe_unused]] TileWeights w{true, false};  // elastic: the warp tile has a weight / entries
-      uint32_t pa[1][NT / 2][4];
-      if constexpr (kElastic) {
+        float s[1][NT][4];
+        issue_scores(s, stage);
+        if (i + 1 < tiles.count) {
+          load_k(1 - stage, tiles.at(i + 1));
+          load_v(1 - stage, tiles.at(i + 1));
+        }
+        cp_async_commit();
+        sm90::wgmma_wait<0>(s[0]);
+
+        TileWeights w{true, false};  // the warp tile has a weight / entries
+        uint32_t pa[1][NT / 2][4];
         const float scale = elastic_scores(s, p, lens, rr, h, m0 + warp_row0, n0, lane);
         if constexpr (kStats) {
           w = elastic_weights<1, NT, true>(s, lse2, shift, stats, scale);
@@ -203,7 +208,23 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_fwd_sm90_kernel(con
         } else {
           w.any = elastic_weights_packed<NT, T, false>(s, lse2, shift, scale, pa);
         }
-      } else {
+        // A barrier votes whether any weight of the CTA's tile is non-zero; an all-zero tile
+        // skips the product (it would add exact zeros).
+        const bool any = __syncthreads_or(w.any) != 0;
+        if (kStats) stats.tile(w.visited, !any, lane);
+        if (any) {
+          issue_pv(pa[0], stage);
+          sm90::wgmma_wait<0>(o[0]);
+        }
+      }
+    } else {
+      // Softmax: FlashAttention-3's intra-warpgroup pipeline. Iteration i issues S i = Q K_i^T
+      // and then O += P_{i-1} V_{i-1}, and runs the softmax of S i while the P V product is on
+      // the tensor cores; O is rescaled once that product has landed. The first iteration
+      // (no P V yet) and the last product are peeled, so that no wgmma wait depends on a
+      // branch (ptxas would serialise the products). Commit groups, in order: {Q, K0}, then
+      // {K i+1, V i} in iteration i.
+      auto softmax_scores = [&](float (&s)[1][NT][4], int n0, float (&corr)[1][2]) {
         // The scale goes into the exponent's FMA; a scale <= 0 (allowed, if odd) is applied
         // first since the row max is taken on raw scores.
         if (!(p.scale_log2 > 0.f)) {
@@ -215,35 +236,61 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_fwd_sm90_kernel(con
         if (!tile_is_full(p, lens, m0 + warp_row0, m0 + warp_row0 + 16, n0, n0 + BN)) {
           mask_scores(s, rr, n0, lane);
         }
-        float corr[1][2];
         online_softmax<true>(s, row_max, row_sum, corr, p.scale_log2 > 0.f ? p.scale_log2 : 1.f);
+      };
+      // K i and V i-1 visible; every warpgroup is done with S i-1 and P V i-2, whose K and V
+      // stages the caller refills next.
+      auto tile_barrier = [&]() {
+        cp_async_wait<0>();
+        sm90::fence_proxy_async();
+        __syncthreads();
+      };
+      // Loads K i+1 (if any) and V i; returns tile i + 1's index (a block-sparse lookup reads
+      // the mask from global memory).
+      auto load_next = [&](int i, int tile_n) {
+        const int next_n = i + 1 < tiles.count ? tiles.at(i + 1) : tile_n;
+        if (i + 1 < tiles.count) load_k((i + 1) % 2, next_n);
+        load_v(i % 2, tile_n);
+        cp_async_commit();
+        return next_n;
+      };
+      load_k(0, tiles.at(0));
+      cp_async_commit();
+      uint32_t pa[1][NT / 2][4];
+      int tile_n = tiles.at(0);
+      {
+        tile_barrier();
+        const int next_n = load_next(0, tile_n);
+        float s[1][NT][4];
+        issue_scores(s, 0);
+        sm90::wgmma_wait<0>(s[0]);
+        float corr[1][2];  // O is still 0
+        softmax_scores(s, tile_n * BN, corr);
+        to_a_frags<1, NT, T>(s, pa);
+        tile_n = next_n;
+      }
+      for (int i = 1; i < tiles.count; ++i) {
+        tile_barrier();
+        const int next_n = load_next(i, tile_n);
+        float s[1][NT][4];
+        issue_scores(s, i % 2);
+        issue_pv(pa[0], (i - 1) % 2);
+        sm90::wgmma_wait<1>(s[0]);
+        float corr[1][2];
+        softmax_scores(s, tile_n * BN, corr);
+        sm90::wgmma_wait<0>(o[0]);
+        sm90::fence_operand(pa[0]);  // P_{i-1} stays intact until its product has read it
 #pragma unroll
         for (int di = 0; di < DT; ++di)
 #pragma unroll
           for (int e = 0; e < 4; ++e) o[0][di][e] *= corr[0][e >> 1];
         to_a_frags<1, NT, T>(s, pa);
+        tile_n = next_n;
       }
-
-      // Elastic: a barrier votes whether any weight of the CTA's tile is non-zero; an all-zero
-      // tile skips the product (it would add exact zeros).
-      bool any = true;
-      if constexpr (kElastic) {
-        any = __syncthreads_or(w.any) != 0;
-        if (kStats) stats.tile(w.visited, !any, lane);
-      }
-
-      if (any) {
-        // O += P V: BN / 16 steps of 16 keys; V is read transposed (MN-major).
-        sm90::wgmma_fence();
-#pragma unroll
-        for (int kt = 0; kt < BN / 16; ++kt) {
-          const T* bv = sV + stage * Traits::kVElems + kt * 16 * sm90::GmmaLayout<DV>::kWidth;
-          sm90::wgmma_rs<T, DT>(o[0], pa[0][kt], sm90::gmma_desc_mn<BN, DV>(bv));
-        }
-        sm90::wgmma_commit();
-        sm90::wgmma_wait<0>(o[0]);
-      }
-      tile_n = next_n;
+      tile_barrier();
+      issue_pv(pa[0], (tiles.count - 1) % 2);
+      sm90::wgmma_wait<0>(o[0]);
+      sm90::fence_operand(pa[0]);
     }
   };
   if (kElastic || p.block_kv_num == nullptr) {

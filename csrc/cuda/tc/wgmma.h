@@ -134,6 +134,15 @@ __device__ __forceinline__ void fence_operand(float (&d)[NT][4]) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[j][e])::"memory");
 }
+// The same for register A operands: keeps them live (unclobbered) until a wgmma that reads them
+// has been waited for.
+template <int KT>
+__device__ __forceinline__ void fence_operand(uint32_t (&a)[KT][4]) {
+#pragma unroll
+  for (int j = 0; j < KT; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(a[j][e])::"memory");
+}
 // Waits until at most N committed wgmma groups of this warpgroup are in flight; d is the
 // accumulator whose product the caller reads next.
 template <int N, int NT>
