@@ -1,5 +1,7 @@
 """Small fwd+bwd calls of the CUDA kernels for compute-sanitizer (memcheck, racecheck): flash
-(D 64 and 128, GQA, causal, window, seqlens, Lq != Lk), block-sparse, lazy and low-rank, bf16.
+(D 64 and 128, GQA, causal, window, seqlens, Lq != Lk), block-sparse (an empty row of blocks
+included), lazy and low-rank, bf16; and shifted_cholesky_info (D 33 and 128, pivots failing and
+not).
 
     compute-sanitizer --tool memcheck python benchmarks/sanitize_ops.py
 """
@@ -31,6 +33,7 @@ def main():
         backward(adaattn.flash_attn(q, k, v, causal=True, seqlens=seqlens))
     q, k, v = rand(1, 2, 300, 128), rand(1, 2, 300, 128), rand(1, 2, 300, 128)
     layout = torch.rand(1, 2, 3, 3, device="cuda") < 0.5
+    layout[0, 0, 1] = False
     mask = adaattn.BlockSparseMask.from_dense(layout, block_size=128)
     backward(adaattn.block_sparse_attn(q, k, v, mask, causal=True))
     tau = torch.full((2,), -1.0, device="cuda", requires_grad=True)
@@ -38,6 +41,11 @@ def main():
     backward(adaattn.lazy_attn(q, k, v, tau, bias))
     basis = torch.linalg.qr(torch.randn(1, 2, 128, 32, device="cuda"))[0].bfloat16()
     backward(adaattn.low_rank_attn(q, k, v, basis.requires_grad_(), causal=True))
+    for dim in (33, 128):
+        x = torch.randn(3, 2 * dim, dim, device="cuda")
+        gram = x.mT @ x
+        for rel_shift in (1e-3, 0.5):
+            torch.ops.adaattn.shifted_cholesky_info(gram, rel_shift)
     torch.cuda.synchronize()
     print("sanitize_ops: done")
 

@@ -79,13 +79,18 @@ inline bool use_sm90() {
 template <typename T, int DK, int DV, typename Variant>
 void launch_fwd_sm90(const AttnParams& p) {
   using Traits = Sm90FwdTraits<T, DK, DV>;
-  auto kernel = flash_fwd_sm90_kernel<Traits, T, DK, DV, Variant, false>;
+  void (*kernel)(AttnParams) = nullptr;
+  int threads = Traits::kThreads;
   if constexpr (Variant::kElastic) {
-    if (p.stats != nullptr) kernel = flash_fwd_sm90_kernel<Traits, T, DK, DV, Variant, true>;
+    kernel = p.stats != nullptr ? flash_fwd_sm90_kernel<Traits, T, DK, DV, Variant, true>
+                                : flash_fwd_sm90_kernel<Traits, T, DK, DV, Variant, false>;
+  } else {
+    kernel = flash_fwd_sm90_ws_kernel<Traits, T, DK, DV, Variant>;
+    threads = Traits::kWsThreads;
   }
   set_smem(kernel, Traits::kSmemBytes);
   const int grid = grid_size(tile_slots<false>(p, Traits::kBlockM) * p.heads_q);
-  kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, at::cuda::getCurrentCUDAStream()>>>(p);
+  kernel<<<grid, threads, Traits::kSmemBytes, at::cuda::getCurrentCUDAStream()>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

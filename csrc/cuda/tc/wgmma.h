@@ -61,6 +61,28 @@ __device__ __forceinline__ void load_tile_gmma(T* dst, const T* src, int64_t row
                                  [](int r, int col) { return gmma_off<ROWS, D>(r, col); });
 }
 
+// load_tile_gmma for a producer warpgroup on few registers: each thread keeps one 16-byte column
+// chunk and walks its rows (kRowStep apart, a multiple of the swizzle's 8-row period, so the
+// shared-memory offset moves by a constant) with two running pointers.
+template <int ROWS, int D, int THREADS, typename T>
+__device__ __forceinline__ void load_tile_gmma_lean(T* dst, const T* src, int64_t row_stride,
+                                                    int valid_rows, int tid) {
+  constexpr int kChunksPerRow = D / 8;
+  constexpr int kRowStep = THREADS / kChunksPerRow;
+  static_assert(THREADS % kChunksPerRow == 0 && kRowStep % 8 == 0 && ROWS % kRowStep == 0,
+                "a thread's rows must share their swizzle phase");
+  const int r0 = tid / kChunksPerRow;
+  const int col = (tid % kChunksPerRow) * 8;
+  T* d = dst + gmma_off<ROWS, D>(r0, col);
+  const T* s = src + r0 * row_stride + col;
+#pragma unroll 2
+  for (int r = r0; r < ROWS; r += kRowStep) {
+    cp_async16(d, r < valid_rows ? s : src, r < valid_rows);
+    d += kRowStep * GmmaLayout<D>::kWidth;
+    s += kRowStep * row_stride;
+  }
+}
+
 // Matrix descriptor of a swizzled operand at p (PTX ISA "matrix descriptor"): start address,
 // leading and stride byte offsets in 16-byte units, swizzle mode (1: 128 B, 2: 64 B).
 __device__ __forceinline__ uint64_t gmma_desc(const void* p, uint32_t leading_bytes,
@@ -150,6 +172,59 @@ __device__ __forceinline__ void wgmma_wait(float (&d)[NT][4]) {
 #ifdef ADAATTN_SM90A_DEVICE
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
   fence_operand(d);
+#endif
+}
+
+// mbarrier (PTX "mbarrier"): a shared-memory barrier object that completes a phase when `count`
+// arrivals have been made; waiters name the phase by its parity.
+__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
+#ifdef ADAATTN_SM90A_DEVICE
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count)
+               : "memory");
+#endif
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+#ifdef ADAATTN_SM90A_DEVICE
+  asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar))
+               : "memory");
+#endif
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, int parity) {
+#ifdef ADAATTN_SM90A_DEVICE
+  asm volatile(
+      "{\n .reg .pred done;\n"
+      "WAIT_%=:\n mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 done, [%0], %1;\n"
+      " @!done bra WAIT_%=;\n}\n" ::"r"(smem_addr(bar)),
+      "r"(parity)
+      : "memory");
+#endif
+}
+
+// Moves this warpgroup's register budget (setmaxnreg, sm_90a): a warp-specialised kernel's
+// producer gives registers up for its consumers.
+template <int N>
+__device__ __forceinline__ void regs_dealloc() {
+#ifdef ADAATTN_SM90A_DEVICE
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+#endif
+}
+template <int N>
+__device__ __forceinline__ void regs_alloc() {
+#ifdef ADAATTN_SM90A_DEVICE
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+#endif
+}
+
+// Named barrier `id` over `threads` threads (bar.sync), which __syncthreads (barrier 0) never
+// uses.
+__device__ __forceinline__ void named_sync(int id, int threads) {
+#ifdef ADAATTN_SM90A_DEVICE
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+#endif
+}
+__device__ __forceinline__ void named_arrive(int id, int threads) {
+#ifdef ADAATTN_SM90A_DEVICE
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 #endif
 }
 
