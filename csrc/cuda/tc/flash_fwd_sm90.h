@@ -1,15 +1,9 @@
-// Hopper forwards of the flash family: the mainloop of flash_fwd_kernel.h with its two products
-// on warpgroup MMAs (wgmma.h) instead of per-warp mma.sync. Two consumer warpgroups own 64 query
-// rows each and keep O and the softmax state in registers; K and V tiles of 128 keys are
-// double-buffered in shared memory. Masks (dense ranges and block-sparse lists, tiles.h), the
-// softmax and the variants' code are the SM80 kernel's, since a warp's rows of a wgmma
-// accumulator are laid out as its mma.sync fragments.
-// * flash_fwd_sm90_ws_kernel (softmax variants: flash, varlen, block-sparse, low-rank): warp
-//   specialised, a producer warpgroup loading with cp.async and mbarriers between it and the
-//   consumers, whose softmax of tile i runs while P_{i-1} V_{i-1} is on the tensor cores.
-// * flash_fwd_sm90_kernel (the elastic softmax of lazy attention): every thread loads, one CTA
-//   barrier per tile; an lse pass over K first, then a weight pass that skips the A V product
-//   of a CTA tile (128 x 128) whose weights are all zero, voted at the barrier before it.
+// Hopper forward of the flash family: the mainloop of flash_fwd_kernel.h with its two products
+// on warpgroup MMAs (wgmma.h) instead of per-warp mma.sync, warp-specialised (see the kernel).
+// Two consumer warpgroups own 64 query rows each and keep O and the softmax state in registers;
+// K and V tiles of 128 keys are double-buffered in shared memory. Masks (dense ranges and
+// block-sparse lists, tiles.h), the softmax and the variants' code are the SM80 kernel's, since
+// a warp's rows of a wgmma accumulator are laid out as its mma.sync fragments.
 #pragma once
 
 #include <cmath>
@@ -40,230 +34,37 @@ struct Sm90FwdTraits {
                 "output staging fits over Q, K and V");
 };
 
-// The elastic softmax. kStats: the weight pass counts into p.stats (a separate instantiation: the counting
-// code in the loop made the D = 128 kernel spill).
+// The Hopper forward. Consumer warpgroups run the mainloop of flash_fwd_kernel.h on wgmma; a
+// producer warpgroup loads Q, K and V with cp.async (every row layout of the flash family loads
+// as the SM80 kernels do) and they meet at mbarriers, never at a CTA barrier: load group j goes
+// to stage j % 2, `full[j % 2]` completes when it has landed, `empty[j % 2]` when both consumers
+// are done with it, which lets group j + 2 in. The producer gives its registers to the consumers
+// (setmaxnreg).
+// * Softmax variants: group g holds K_g and V_{g-1} (group 0: Q and K_0). Iteration i issues S_i
+//   and then O += P_{i-1} V_{i-1}, and runs the softmax of S_i while the P V product is on the
+//   tensor cores; O is rescaled once that product has landed.
+// * Elastic softmax (lazy attention; kStats: the weight pass counts into p.stats, a separate
+//   instantiation): groups 0..n-1 hold K_i for the lse pass, whose S_{i+1} is issued before
+//   the softmax of S_i; groups n..2n-1 hold K_i and V_i for the weight pass, which skips the
+//   A V product of a warpgroup's 64 x 128 tile whose weights are all zero (a warpgroup vote).
 template <typename Traits, typename T, int DK, int DV, typename Variant, bool kStats>
-__global__ void __launch_bounds__(Traits::kThreads, 1) flash_fwd_sm90_kernel(const AttnParams p) {
+__global__ void __launch_bounds__(Traits::kWsThreads, 1) flash_fwd_sm90_kernel(const AttnParams p) {
 #ifdef ADAATTN_SM90A_DEVICE
-  static_assert(Variant::kElastic, "the softmax variants run flash_fwd_sm90_ws_kernel");
-  // The lse pass uses the K and V stages as four K buffers.
-  static_assert(DK == DV, "lazy attention has one head dim");
-  constexpr int kBlockM = Traits::kBlockM;
-  constexpr int BN = Traits::kBlockN;
-  constexpr int kThreads = Traits::kThreads;
-  constexpr int NT = BN / 8;  // score n-tiles per warp
-  constexpr int DT = DV / 8;  // output n-tiles per warp
-  constexpr int kQWidth = sm90::GmmaLayout<DK>::kWidth;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  // The 128-byte swizzle is a function of address bits 4-9: tiles start 1024-byte aligned.
-  T* const sQ = reinterpret_cast<T*>(smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023));
-  T* const sK = sQ + Traits::kQElems;                  // [kStages][BN][DK]
-  T* const sV = sK + Traits::kStages * Traits::kKElems;  // [kStages][BN][DV]
-
-  const int tid = threadIdx.x;
-  const int warp = tid / 32;
-  const int lane = tid % 32;
-  const int wg = warp / 4;
-  const RowTile tile = row_tile<kBlockM>(p, blockIdx.x);
-  if (!tile.valid) return;
-  const int b = tile.b, h = tile.h, h_kv = tile.h_kv, m0 = tile.m0;
-  const SeqLens lens = tile.lens;
-  const KeyRange tile_keys = tile.keys;
-
-  const T* q = q_rows<T>(p, lens, b, h, m0);
-  const T* k = k_rows<T>(p, lens, b, h_kv, 0);
-  const T* v = v_rows<T>(p, lens, b, h_kv, 0);
-  T* out = out_rows<T>(p, lens, b, h, m0);
-  float* lse = p.lse + row_stat_offset(p, lens, b, h);
-
-  const int warp_row0 = warp * 16;  // = 64 * wg + 16 * (warp % 4)
-  const int g = lane >> 2;
-  RowRanges<1> rr;
-  float shift[1][2];  // elastic: tau_h / (i + 1) of each row
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    const int row = m0 + warp_row0 + g + 8 * hh;
-    const KeyRange r = key_range(p, lens, row);
-    rr.lo[0][hh] = r.lo;
-    rr.hi[0][hh] = r.hi;
-    shift[0][hh] = lazy_shift<float>(p, h, lazy_position(lens, row));
-  }
-
-  float o[1][DT][4];
-  zero(o);
-  float row_max[1][2] = {{-INFINITY, -INFINITY}};
-  float row_sum[1][2] = {{0.f, 0.f}};
-  float lse2[1][2] = {{INFINITY, INFINITY}};  // elastic: log2 lse of pass 1 (+inf: no keys)
-  WeightStats stats;
-  const int valid_q = lens.rows_q - m0;
-
-  // S = Q K^T of key tile `stage`: DK / 16 steps of k = 16 over the K-major Q and K tiles.
-  auto issue_scores = [&](float (&s)[1][NT][4], int stage) {
-    sm90::wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < DK / 16; ++kk) {
-      const T* a = sQ + sm90::gmma_kcol<kBlockM, DK>(kk * 16) + wg * 64 * kQWidth;
-      const T* bk = sK + stage * Traits::kKElems + sm90::gmma_kcol<BN, DK>(kk * 16);
-      sm90::wgmma_ss<T, NT>(s[0], sm90::gmma_desc_k<DK>(a), sm90::gmma_desc_k<DK>(bk), kk > 0);
-    }
-    sm90::wgmma_commit();
-  };
-  auto mainloop = [&](const auto& tiles) {
-    if (tiles.count == 0) return;
-    auto load_k = [&](int stage, int tile) {
-      sm90::load_tile_gmma<BN, DK, kThreads>(
-          sK + stage * Traits::kKElems, k + static_cast<int64_t>(tile) * BN * p.k_row_stride,
-          p.k_row_stride, lens.rows_k - tile * BN, tid);
-    };
-    auto load_v = [&](int stage, int tile) {
-      sm90::load_tile_gmma<BN, DV, kThreads>(
-          sV + stage * Traits::kVElems, v + static_cast<int64_t>(tile) * BN * p.v_row_stride,
-          p.v_row_stride, lens.rows_k - tile * BN, tid);
-    };
-    sm90::load_tile_gmma<kBlockM, DK, kThreads>(sQ, q, p.q_row_stride, valid_q, tid);
-    {
-      // Pass 1 (lse): K alone, in four buffers (the K and V stages, as DK = DV). S of tile i + 1
-      // is issued before the softmax of tile i, so that the tensor cores work during it.
-      // Groups {Q, K0}, {K1}, then {K i+2} in iteration i.
-      load_k(0, tiles.at(0));
-      cp_async_commit();
-      if (tiles.count > 1) load_k(1, tiles.at(1));
-      cp_async_commit();
-      cp_async_wait<1>();
-      sm90::fence_proxy_async();
-      __syncthreads();  // K0 visible
-      float s_even[1][NT][4], s_odd[1][NT][4];
-      issue_scores(s_even, 0);
-      auto lse_step = [&](float (&s)[1][NT][4], float (&s_next)[1][NT][4], int i) {
-        if (i + 1 < tiles.count) {
-          cp_async_wait<0>();
-          sm90::fence_proxy_async();
-          // K i+1 visible; every warpgroup has waited for S i-1, so tile i-2's buffer is free.
-          __syncthreads();
-          if (i + 2 < tiles.count) load_k((i + 2) & 3, tiles.at(i + 2));
-          cp_async_commit();
-          issue_scores(s_next, (i + 1) & 3);
-          sm90::wgmma_wait<1>(s[0]);
-        } else {
-          sm90::wgmma_wait<0>(s[0]);
-        }
-        const float scale =
-            elastic_scores(s, p, lens, rr, h, m0 + warp_row0, tiles.at(i) * BN, lane);
-        float corr[1][2];
-        online_softmax<true>(s, row_max, row_sum, corr, scale);
-      };
-      for (int i = 0; i < tiles.count; i += 2) {
-        lse_step(s_even, s_odd, i);
-        if (i + 1 < tiles.count) lse_step(s_odd, s_even, i + 1);
-      }
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        float l = row_sum[0][hh];
-        l += __shfl_xor_sync(0xffffffff, l, 1);
-        l += __shfl_xor_sync(0xffffffff, l, 2);
-        row_sum[0][hh] = l;
-        if (l > 0.f) lse2[0][hh] = row_max[0][hh] + log2f(l);
-      }
-      __syncthreads();  // every warpgroup is done with the K stages before pass 2 refills them
-    }
-    // O += P V of the V tile in `stage`: BN / 16 steps of 16 keys; V is read transposed
-    // (MN-major).
-    auto issue_pv = [&](const uint32_t (&pa)[NT / 2][4], int stage) {
-      sm90::wgmma_fence();
-#pragma unroll
-      for (int kt = 0; kt < BN / 16; ++kt) {
-        const T* bv = sV + stage * Traits::kVElems + kt * 16 * sm90::GmmaLayout<DV>::kWidth;
-        sm90::wgmma_rs<T, DT>(o[0], pa[kt], sm90::gmma_desc_mn<BN, DV>(bv));
-      }
-      sm90::wgmma_commit();
-    };
-    {
-      // Pass 2 (weights). Commit groups, in order: {K0, V0}, then {K i+1, V i+1} in iteration
-      // i (empty after the last tile): one barrier per tile makes both visible.
-      load_k(0, tiles.at(0));
-      load_v(0, tiles.at(0));
-      cp_async_commit();
-      for (int i = 0; i < tiles.count; ++i) {
-        const int stage = i % 2;
-        const int n0 = tiles.at(i) * BN;
-        cp_async_wait<0>();
-        sm90::fence_proxy_async();
-        __syncthreads();  // K i and V i visible; every warpgroup is done with stage 1 - stage
-
-        float s[1][NT][4];
-        issue_scores(s, stage);
-        if (i + 1 < tiles.count) {
-          load_k(1 - stage, tiles.at(i + 1));
-          load_v(1 - stage, tiles.at(i + 1));
-        }
-        cp_async_commit();
-        sm90::wgmma_wait<0>(s[0]);
-
-        TileWeights w{true, false};  // the warp tile has a weight / entries
-        uint32_t pa[1][NT / 2][4];
-        const float scale = elastic_scores(s, p, lens, rr, h, m0 + warp_row0, n0, lane);
-        if constexpr (kStats) {
-          w = elastic_weights<1, NT, true>(s, lse2, shift, stats, scale);
-          to_a_frags<1, NT, T>(s, pa);
-        } else if (shift[0][0] > 0.f &&  // tau_h > 0, the sign of every row's shift
-                   !tile_is_full(p, lens, m0 + warp_row0, m0 + warp_row0 + 16, n0, n0 + BN)) {
-          w.any = elastic_weights_packed<NT, T, true>(s, lse2, shift, scale, pa);
-        } else {
-          w.any = elastic_weights_packed<NT, T, false>(s, lse2, shift, scale, pa);
-        }
-        // A barrier votes whether any weight of the CTA's tile is non-zero; an all-zero tile
-        // skips the product (it would add exact zeros).
-        const bool any = __syncthreads_or(w.any) != 0;
-        if (kStats) stats.tile(w.visited, !any, lane);
-        if (any) {
-          issue_pv(pa[0], stage);
-          sm90::wgmma_wait<0>(o[0]);
-        }
-      }
-    }
-  };
-  mainloop(dense_key_tiles<BN>(tile_keys));  // lazy attention has no block-sparse form
-
-  // Finalise: elastic weights are not renormalised (their row sums were reduced after pass 1).
-  // lse is the natural-log log-sum-exp of the scores; rows that saw nothing: out 0, lse -inf.
-  float inv[1][2];
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    const float l = row_sum[0][hh];
-    inv[0][hh] = 1.f;
-    const int row = m0 + warp_row0 + g + 8 * hh;
-    if ((lane & 3) == 0 && row < lens.rows_q) {
-      lse[row] = l > 0.f ? (row_max[0][hh] + log2f(l)) * float(M_LN2) : -INFINITY;
-    }
-  }
-  if (kStats) flush_stats(p.stats, stats);
-  // Output rows are staged over sQ/sK, which nobody reads after this barrier.
-  __syncthreads();
-  store_rows<1, DT, DV>(o, inv, sQ, warp_row0, out, p.o_row_stride, valid_q, lane);
-#endif
-}
-
-// Warp-specialised Hopper forward of the softmax variants (FlashAttention-3's structure, with
-// cp.async instead of TMA so that every row layout of the flash family loads as before): a
-// producer warpgroup fills the K/V stages and two consumer warpgroups (64 query rows each)
-// compute, synchronised by mbarriers instead of a CTA barrier per tile, so neither consumer
-// waits for the other. Load group g holds K_g and V_{g-1} (group 0: Q and K_0); `full[g % 2]`
-// completes when it has landed, `empty[j % 2]` when both consumers have finished iteration j
-// (S_j and P_{j-1} V_{j-1}), which frees the stages group j + 2 overwrites. The producer gives
-// its registers to the consumers (setmaxnreg).
-template <typename Traits, typename T, int DK, int DV, typename Variant>
-__global__ void __launch_bounds__(Traits::kWsThreads, 1) flash_fwd_sm90_ws_kernel(const AttnParams p) {
-#ifdef ADAATTN_SM90A_DEVICE
-  static_assert(!Variant::kElastic, "the elastic softmax runs flash_fwd_sm90_kernel");
+  constexpr bool kElastic = Variant::kElastic;
+  static_assert(!kElastic || DK == DV, "lazy attention has one head dim");
+  static_assert(kElastic || !kStats, "statistics are the elastic weights'");
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int BN = Traits::kBlockN;
   constexpr int kConsumerThreads = Traits::kThreads;
   constexpr int NT = BN / 8;  // score n-tiles per warp
   constexpr int DT = DV / 8;  // output n-tiles per warp
   constexpr int kQWidth = sm90::GmmaLayout<DK>::kWidth;
-  constexpr int kOutputBarrier = 3;  // named barrier: every consumer is done with Q and K
+  // Named barrier after the mainloop: every consumer is done with Q and K (1 and 2 are
+  // warpgroup_any's).
+  constexpr int kOutputBarrier = 3;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ uint64_t full[2], empty[2];
+  // The 128-byte swizzle is a function of address bits 4-9: tiles start 1024-byte aligned.
   T* const sQ = reinterpret_cast<T*>(smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023));
   T* const sK = sQ + Traits::kQElems;                  // [kStages][BN][DK]
   T* const sV = sK + Traits::kStages * Traits::kKElems;  // [kStages][BN][DV]
@@ -278,11 +79,20 @@ __global__ void __launch_bounds__(Traits::kWsThreads, 1) flash_fwd_sm90_ws_kerne
   const int valid_q = lens.rows_q - m0;
   if (tid == 0) {
     for (int s = 0; s < 2; ++s) {
-      sm90::mbar_init(&full[s], 128);       // every producer thread, after its loads landed
+      sm90::mbar_init(&full[s], 128);                      // every producer thread
       sm90::mbar_init(&empty[s], kConsumerThreads / 32);  // lane 0 of every consumer warp
     }
   }
   __syncthreads();
+
+  // Lazy attention has no block-sparse form.
+  auto with_tiles = [&](auto&& body) {
+    if (kElastic || p.block_kv_num == nullptr) {
+      body(dense_key_tiles<BN>(tile.keys));
+    } else {
+      body(key_tiles<BN>(p, tile.keys, b, h, m0));
+    }
+  };
 
   if (warp >= kConsumerThreads / 32) {
     sm90::regs_dealloc<32>();
@@ -290,157 +100,235 @@ __global__ void __launch_bounds__(Traits::kWsThreads, 1) flash_fwd_sm90_ws_kerne
     const T* q = q_rows<T>(p, lens, b, h, m0);
     const T* k = k_rows<T>(p, lens, b, h_kv, 0);
     const T* v = v_rows<T>(p, lens, b, h_kv, 0);
-    // No key tiles: the consumers write zeros over sQ without waiting, so nothing may load.
-    auto produce = [&](const auto& tiles) {
+    auto load_k = [&](int stage, int n) {
+      sm90::load_tile_gmma_lean<BN, DK, 128>(sK + stage * Traits::kKElems,
+                                             k + static_cast<int64_t>(n) * BN * p.k_row_stride,
+                                             p.k_row_stride, lens.rows_k - n * BN, ptid);
+    };
+    auto load_v = [&](int stage, int n) {
+      sm90::load_tile_gmma_lean<BN, DV, 128>(sV + stage * Traits::kVElems,
+                                             v + static_cast<int64_t>(n) * BN * p.v_row_stride,
+                                             p.v_row_stride, lens.rows_k - n * BN, ptid);
+    };
+    with_tiles([&](const auto& tiles) {
+      // No key tiles: the consumers write zeros over sQ without waiting, so nothing may load.
       if (tiles.count == 0) return;
-      for (int g = 0; g <= tiles.count; ++g) {
-        if (g >= 2) sm90::mbar_wait(&empty[g % 2], ((g - 2) >> 1) & 1);
-        if (g == 0) {
+      const int groups = kElastic ? 2 * tiles.count : tiles.count + 1;
+      for (int j = 0; j < groups; ++j) {
+        if (j >= 2) sm90::mbar_wait(&empty[j % 2], ((j - 2) >> 1) & 1);
+        if (j == 0) {
           sm90::load_tile_gmma_lean<kBlockM, DK, 128>(sQ, q, p.q_row_stride, valid_q, ptid);
         }
-        if (g < tiles.count) {
-          const int n = tiles.at(g);
-          sm90::load_tile_gmma_lean<BN, DK, 128>(sK + (g % 2) * Traits::kKElems,
-                                            k + static_cast<int64_t>(n) * BN * p.k_row_stride,
-                                            p.k_row_stride, lens.rows_k - n * BN, ptid);
-        }
-        if (g > 0) {
-          const int n = tiles.at(g - 1);
-          sm90::load_tile_gmma_lean<BN, DV, 128>(sV + ((g - 1) % 2) * Traits::kVElems,
-                                            v + static_cast<int64_t>(n) * BN * p.v_row_stride,
-                                            p.v_row_stride, lens.rows_k - n * BN, ptid);
+        if (kElastic) {
+          const int i = j < tiles.count ? j : j - tiles.count;
+          load_k(j % 2, tiles.at(i));
+          if (j >= tiles.count) load_v(j % 2, tiles.at(i));
+        } else {
+          if (j < tiles.count) load_k(j % 2, tiles.at(j));
+          if (j > 0) load_v((j - 1) % 2, tiles.at(j - 1));
         }
         cp_async_commit();
         cp_async_wait<0>();
         sm90::fence_proxy_async();
-        sm90::mbar_arrive(&full[g % 2]);
+        sm90::mbar_arrive(&full[j % 2]);
+      }
+    });
+  } else {
+    sm90::regs_alloc<232>();
+    const int wg = warp / 4;
+    const int warp_row0 = warp * 16;  // = 64 * wg + 16 * (warp % 4)
+    const int g = lane >> 2;
+    RowRanges<1> rr;
+    float shift[1][2];  // elastic: tau_h / (i + 1) of each row
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int row = m0 + warp_row0 + g + 8 * hh;
+      const KeyRange r = key_range(p, lens, row);
+      rr.lo[0][hh] = r.lo;
+      rr.hi[0][hh] = r.hi;
+      if (kElastic) shift[0][hh] = lazy_shift<float>(p, h, lazy_position(lens, row));
+    }
+    float o[1][DT][4];
+    zero(o);
+    float row_max[1][2] = {{-INFINITY, -INFINITY}};
+    float row_sum[1][2] = {{0.f, 0.f}};
+    float lse2[1][2] = {{INFINITY, INFINITY}};  // elastic: log2 lse of pass 1 (+inf: no keys)
+    WeightStats stats;
+
+    // S = Q K^T of K stage `stage`: DK / 16 steps of k = 16 over the K-major Q and K tiles.
+    auto issue_scores = [&](float (&s)[1][NT][4], int stage) {
+      sm90::wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < DK / 16; ++kk) {
+        const T* a = sQ + sm90::gmma_kcol<kBlockM, DK>(kk * 16) + wg * 64 * kQWidth;
+        const T* bk = sK + stage * Traits::kKElems + sm90::gmma_kcol<BN, DK>(kk * 16);
+        sm90::wgmma_ss<T, NT>(s[0], sm90::gmma_desc_k<DK>(a), sm90::gmma_desc_k<DK>(bk),
+                              kk > 0);
+      }
+      sm90::wgmma_commit();
+    };
+    // O += P V of V stage `stage`: BN / 16 steps of 16 keys; V is read transposed (MN-major).
+    auto issue_pv = [&](const uint32_t (&pa)[NT / 2][4], int stage) {
+      sm90::wgmma_fence();
+#pragma unroll
+      for (int kt = 0; kt < BN / 16; ++kt) {
+        const T* bv = sV + stage * Traits::kVElems + kt * 16 * sm90::GmmaLayout<DV>::kWidth;
+        sm90::wgmma_rs<T, DT>(o[0], pa[kt], sm90::gmma_desc_mn<BN, DV>(bv));
+      }
+      sm90::wgmma_commit();
+    };
+    auto wait_full = [&](int j) { sm90::mbar_wait(&full[j % 2], (j >> 1) & 1); };
+    auto release = [&](int j) {
+      if (lane == 0) sm90::mbar_arrive(&empty[j % 2]);
+    };
+
+    // The softmax variants. The first iteration and the last product are peeled, so that no
+    // wgmma wait depends on a branch (ptxas would serialise the products).
+    auto softmax_mainloop = [&](const auto& tiles) {
+      // The scale goes into the exponent's FMA; a scale <= 0 (allowed, if odd) is applied
+      // first since the row max is taken on raw scores.
+      auto softmax_scores = [&](float (&s)[1][NT][4], int n0, float (&corr)[1][2]) {
+        if (!(p.scale_log2 > 0.f)) {
+#pragma unroll
+          for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[0][ni][e] *= p.scale_log2;
+        }
+        if (!tile_is_full(p, lens, m0 + warp_row0, m0 + warp_row0 + 16, n0, n0 + BN)) {
+          mask_scores(s, rr, n0, lane);
+        }
+        online_softmax<true>(s, row_max, row_sum, corr,
+                             p.scale_log2 > 0.f ? p.scale_log2 : 1.f);
+      };
+      uint32_t pa[1][NT / 2][4];
+      {
+        wait_full(0);
+        float s[1][NT][4];
+        issue_scores(s, 0);
+        sm90::wgmma_wait<0>(s[0]);
+        release(0);
+        float corr[1][2];  // O is still 0
+        softmax_scores(s, tiles.at(0) * BN, corr);
+        to_a_frags<1, NT, T>(s, pa);
+      }
+      for (int i = 1; i < tiles.count; ++i) {
+        wait_full(i);
+        float s[1][NT][4];
+        issue_scores(s, i % 2);
+        issue_pv(pa[0], (i - 1) % 2);
+        sm90::wgmma_wait<1>(s[0]);
+        float corr[1][2];
+        softmax_scores(s, tiles.at(i) * BN, corr);
+        sm90::wgmma_wait<0>(o[0]);
+        sm90::fence_operand(pa[0]);  // P_{i-1} stays intact until its product has read it
+        release(i);
+#pragma unroll
+        for (int di = 0; di < DT; ++di)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) o[0][di][e] *= corr[0][e >> 1];
+        to_a_frags<1, NT, T>(s, pa);
+      }
+      wait_full(tiles.count);
+      issue_pv(pa[0], (tiles.count - 1) % 2);
+      sm90::wgmma_wait<0>(o[0]);
+      sm90::fence_operand(pa[0]);
+    };
+
+    // The elastic softmax: pass 1 (lse), then pass 2 (weights).
+    auto elastic_mainloop = [&](const auto& tiles) {
+      const int n = tiles.count;
+      float s_even[1][NT][4], s_odd[1][NT][4];
+      wait_full(0);
+      issue_scores(s_even, 0);
+      auto lse_step = [&](float (&s)[1][NT][4], float (&s_next)[1][NT][4], int i) {
+        if (i + 1 < n) {
+          wait_full(i + 1);
+          issue_scores(s_next, (i + 1) % 2);
+          sm90::wgmma_wait<1>(s[0]);
+        } else {
+          sm90::wgmma_wait<0>(s[0]);
+        }
+        release(i);
+        const float scale =
+            elastic_scores(s, p, lens, rr, h, m0 + warp_row0, tiles.at(i) * BN, lane);
+        float corr[1][2];
+        online_softmax<true>(s, row_max, row_sum, corr, scale);
+      };
+      for (int i = 0; i < n; i += 2) {
+        lse_step(s_even, s_odd, i);
+        if (i + 1 < n) lse_step(s_odd, s_even, i + 1);
+      }
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        float l = row_sum[0][hh];
+        l += __shfl_xor_sync(0xffffffff, l, 1);
+        l += __shfl_xor_sync(0xffffffff, l, 2);
+        row_sum[0][hh] = l;
+        if (l > 0.f) lse2[0][hh] = row_max[0][hh] + log2f(l);
+      }
+      for (int i = 0; i < n; ++i) {
+        const int j = n + i;
+        const int n0 = tiles.at(i) * BN;
+        wait_full(j);
+        float s[1][NT][4];
+        issue_scores(s, j % 2);
+        sm90::wgmma_wait<0>(s[0]);
+        TileWeights w{true, false};  // the warp tile has a weight / entries
+        uint32_t pa[1][NT / 2][4];
+        const float scale = elastic_scores(s, p, lens, rr, h, m0 + warp_row0, n0, lane);
+        if constexpr (kStats) {
+          w = elastic_weights<1, NT, true>(s, lse2, shift, stats, scale);
+          to_a_frags<1, NT, T>(s, pa);
+        } else if (shift[0][0] > 0.f &&  // tau_h > 0, the sign of every row's shift
+                   !tile_is_full(p, lens, m0 + warp_row0, m0 + warp_row0 + 16, n0, n0 + BN)) {
+          w.any = elastic_weights_packed<NT, T, true>(s, lse2, shift, scale, pa);
+        } else {
+          w.any = elastic_weights_packed<NT, T, false>(s, lse2, shift, scale, pa);
+        }
+        // An all-zero tile of the warpgroup skips the product (it would add exact zeros).
+        const bool any = sm90::warpgroup_any(w.any, wg);
+        if (kStats) stats.tile(w.visited, !any, lane);
+        if (any) {
+          issue_pv(pa[0], j % 2);
+          sm90::wgmma_wait<0>(o[0]);
+        }
+        release(j);
       }
     };
-    if (p.block_kv_num == nullptr) {
-      produce(dense_key_tiles<BN>(tile.keys));
-    } else {
-      produce(key_tiles<BN>(p, tile.keys, b, h, m0));
-    }
-  } else {
-  sm90::regs_alloc<232>();
-  const int wg = warp / 4;
-  const int warp_row0 = warp * 16;  // = 64 * wg + 16 * (warp % 4)
-  const int g = lane >> 2;
-  RowRanges<1> rr;
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    const KeyRange r = key_range(p, lens, m0 + warp_row0 + g + 8 * hh);
-    rr.lo[0][hh] = r.lo;
-    rr.hi[0][hh] = r.hi;
-  }
-  float o[1][DT][4];
-  zero(o);
-  float row_max[1][2] = {{-INFINITY, -INFINITY}};
-  float row_sum[1][2] = {{0.f, 0.f}};
 
-  // S = Q K^T of K stage `stage`: DK / 16 steps of k = 16 over the K-major Q and K tiles.
-  auto issue_scores = [&](float (&s)[1][NT][4], int stage) {
-    sm90::wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < DK / 16; ++kk) {
-      const T* a = sQ + sm90::gmma_kcol<kBlockM, DK>(kk * 16) + wg * 64 * kQWidth;
-      const T* bk = sK + stage * Traits::kKElems + sm90::gmma_kcol<BN, DK>(kk * 16);
-      sm90::wgmma_ss<T, NT>(s[0], sm90::gmma_desc_k<DK>(a), sm90::gmma_desc_k<DK>(bk), kk > 0);
-    }
-    sm90::wgmma_commit();
-  };
-  // O += P V of V stage `stage`: BN / 16 steps of 16 keys; V is read transposed (MN-major).
-  auto issue_pv = [&](const uint32_t (&pa)[NT / 2][4], int stage) {
-    sm90::wgmma_fence();
-#pragma unroll
-    for (int kt = 0; kt < BN / 16; ++kt) {
-      const T* bv = sV + stage * Traits::kVElems + kt * 16 * sm90::GmmaLayout<DV>::kWidth;
-      sm90::wgmma_rs<T, DT>(o[0], pa[kt], sm90::gmma_desc_mn<BN, DV>(bv));
-    }
-    sm90::wgmma_commit();
-  };
-  // The scale goes into the exponent's FMA; a scale <= 0 (allowed, if odd) is applied first
-  // since the row max is taken on raw scores.
-  auto softmax_scores = [&](float (&s)[1][NT][4], int n0, float (&corr)[1][2]) {
-    if (!(p.scale_log2 > 0.f)) {
-#pragma unroll
-      for (int ni = 0; ni < NT; ++ni)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[0][ni][e] *= p.scale_log2;
-    }
-    if (!tile_is_full(p, lens, m0 + warp_row0, m0 + warp_row0 + 16, n0, n0 + BN)) {
-      mask_scores(s, rr, n0, lane);
-    }
-    online_softmax<true>(s, row_max, row_sum, corr, p.scale_log2 > 0.f ? p.scale_log2 : 1.f);
-  };
-  auto release = [&](int i) {
-    if (lane == 0) sm90::mbar_arrive(&empty[i % 2]);
-  };
-  // Iteration i issues S_i and then O += P_{i-1} V_{i-1}, and runs the softmax of S_i while
-  // the P V product is on the tensor cores; O is rescaled once that product has landed. The
-  // first iteration and the last product are peeled, so that no wgmma wait depends on a branch
-  // (ptxas would serialise the products).
-  auto consume = [&](const auto& tiles) {
-    if (tiles.count == 0) return;
-    uint32_t pa[1][NT / 2][4];
-    {
-      sm90::mbar_wait(&full[0], 0);
-      float s[1][NT][4];
-      issue_scores(s, 0);
-      sm90::wgmma_wait<0>(s[0]);
-      release(0);
-      float corr[1][2];  // O is still 0
-      softmax_scores(s, tiles.at(0) * BN, corr);
-      to_a_frags<1, NT, T>(s, pa);
-    }
-    for (int i = 1; i < tiles.count; ++i) {
-      sm90::mbar_wait(&full[i % 2], (i >> 1) & 1);
-      float s[1][NT][4];
-      issue_scores(s, i % 2);
-      issue_pv(pa[0], (i - 1) % 2);
-      sm90::wgmma_wait<1>(s[0]);
-      float corr[1][2];
-      softmax_scores(s, tiles.at(i) * BN, corr);
-      sm90::wgmma_wait<0>(o[0]);
-      sm90::fence_operand(pa[0]);  // P_{i-1} stays intact until its product has read it
-      release(i);
-#pragma unroll
-      for (int di = 0; di < DT; ++di)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) o[0][di][e] *= corr[0][e >> 1];
-      to_a_frags<1, NT, T>(s, pa);
-    }
-    sm90::mbar_wait(&full[tiles.count % 2], (tiles.count >> 1) & 1);
-    issue_pv(pa[0], (tiles.count - 1) % 2);
-    sm90::wgmma_wait<0>(o[0]);
-    sm90::fence_operand(pa[0]);
-  };
-  if (p.block_kv_num == nullptr) {
-    consume(dense_key_tiles<BN>(tile.keys));
-  } else {
-    consume(key_tiles<BN>(p, tile.keys, b, h, m0));
-  }
+    with_tiles([&](const auto& tiles) {
+      if (tiles.count == 0) return;
+      if constexpr (kElastic) {
+        elastic_mainloop(tiles);
+      } else {
+        softmax_mainloop(tiles);
+      }
+    });
 
-  // Finalise: divide by the row sum; lse is the natural-log log-sum-exp of the scores; rows
-  // that saw nothing: out 0, lse -inf.
-  T* out = out_rows<T>(p, lens, b, h, m0);
-  float* lse = p.lse + row_stat_offset(p, lens, b, h);
-  float inv[1][2];
+    // Finalise: softmax divides by the row sum; elastic weights are not renormalised (their row
+    // sums were reduced after pass 1). lse is the natural-log log-sum-exp of the scores; rows
+    // that saw nothing: out 0, lse -inf.
+    T* out = out_rows<T>(p, lens, b, h, m0);
+    float* lse = p.lse + row_stat_offset(p, lens, b, h);
+    float inv[1][2];
 #pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    float l = row_sum[0][hh];
-    l += __shfl_xor_sync(0xffffffff, l, 1);
-    l += __shfl_xor_sync(0xffffffff, l, 2);
-    inv[0][hh] = l > 0.f ? 1.f / l : 0.f;
-    const int row = m0 + warp_row0 + g + 8 * hh;
-    if ((lane & 3) == 0 && row < lens.rows_q) {
-      lse[row] = l > 0.f ? (row_max[0][hh] + log2f(l)) * float(M_LN2) : -INFINITY;
+    for (int hh = 0; hh < 2; ++hh) {
+      float l = row_sum[0][hh];
+      if (!kElastic) {
+        l += __shfl_xor_sync(0xffffffff, l, 1);
+        l += __shfl_xor_sync(0xffffffff, l, 2);
+      }
+      inv[0][hh] = kElastic ? 1.f : (l > 0.f ? 1.f / l : 0.f);
+      const int row = m0 + warp_row0 + g + 8 * hh;
+      if ((lane & 3) == 0 && row < lens.rows_q) {
+        lse[row] = l > 0.f ? (row_max[0][hh] + log2f(l)) * float(M_LN2) : -INFINITY;
+      }
     }
-  }
-  // Output rows are staged over sQ/sK, which no consumer reads after this barrier (every load
-  // has landed: the consumers waited for the last group).
-  sm90::named_sync(kOutputBarrier, kConsumerThreads);
-  store_rows<1, DT, DV>(o, inv, sQ, warp_row0, out, p.o_row_stride, valid_q, lane);
+    if (kStats) flush_stats(p.stats, stats);
+    // Output rows are staged over sQ/sK, which no consumer reads after this barrier (every load
+    // has landed: the consumers waited for the last group).
+    sm90::named_sync(kOutputBarrier, kConsumerThreads);
+    store_rows<1, DT, DV>(o, inv, sQ, warp_row0, out, p.o_row_stride, valid_q, lane);
   }
 #endif
 }

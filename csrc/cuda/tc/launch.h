@@ -79,18 +79,13 @@ inline bool use_sm90() {
 template <typename T, int DK, int DV, typename Variant>
 void launch_fwd_sm90(const AttnParams& p) {
   using Traits = Sm90FwdTraits<T, DK, DV>;
-  void (*kernel)(AttnParams) = nullptr;
-  int threads = Traits::kThreads;
+  auto kernel = flash_fwd_sm90_kernel<Traits, T, DK, DV, Variant, false>;
   if constexpr (Variant::kElastic) {
-    kernel = p.stats != nullptr ? flash_fwd_sm90_kernel<Traits, T, DK, DV, Variant, true>
-                                : flash_fwd_sm90_kernel<Traits, T, DK, DV, Variant, false>;
-  } else {
-    kernel = flash_fwd_sm90_ws_kernel<Traits, T, DK, DV, Variant>;
-    threads = Traits::kWsThreads;
+    if (p.stats != nullptr) kernel = flash_fwd_sm90_kernel<Traits, T, DK, DV, Variant, true>;
   }
   set_smem(kernel, Traits::kSmemBytes);
   const int grid = grid_size(tile_slots<false>(p, Traits::kBlockM) * p.heads_q);
-  kernel<<<grid, threads, Traits::kSmemBytes, at::cuda::getCurrentCUDAStream()>>>(p);
+  kernel<<<grid, Traits::kWsThreads, Traits::kSmemBytes, at::cuda::getCurrentCUDAStream()>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
