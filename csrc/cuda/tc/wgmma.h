@@ -147,23 +147,22 @@ __device__ __forceinline__ void wgmma_fence() { ADAATTN_SM90_ASM("wgmma.fence.sy
 __device__ __forceinline__ void wgmma_commit() {
   ADAATTN_SM90_ASM("wgmma.commit_group.sync.aligned;");
 }
-// Pins accumulator registers at this point of the program: no access to them moves across
-// (around wgmma issue and wait, which the compiler does not see as their writers).
-template <int NT>
-__device__ __forceinline__ void fence_operand(float (&d)[NT][4]) {
+// Pins registers at this point of the program: accumulators (float), which no access may cross
+// around wgmma issue and wait (the compiler does not see those as their writers), and register
+// A operands (uint32_t), which stay live (unclobbered) until the wgmma reading them is waited for.
+template <typename R, int N>
+__device__ __forceinline__ void fence_operand(R (&x)[N][4]) {
+  static_assert(std::is_same_v<R, float> || std::is_same_v<R, uint32_t>, "32-bit registers");
 #pragma unroll
-  for (int j = 0; j < NT; ++j)
+  for (int j = 0; j < N; ++j)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[j][e])::"memory");
-}
-// The same for register A operands: keeps them live (unclobbered) until a wgmma that reads them
-// has been waited for.
-template <int KT>
-__device__ __forceinline__ void fence_operand(uint32_t (&a)[KT][4]) {
-#pragma unroll
-  for (int j = 0; j < KT; ++j)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(a[j][e])::"memory");
+    for (int e = 0; e < 4; ++e) {
+      if constexpr (std::is_same_v<R, float>) {
+        asm volatile("" : "+f"(x[j][e])::"memory");
+      } else {
+        asm volatile("" : "+r"(x[j][e])::"memory");
+      }
+    }
 }
 // Waits until at most N committed wgmma groups of this warpgroup are in flight; d is the
 // accumulator whose product the caller reads next.
