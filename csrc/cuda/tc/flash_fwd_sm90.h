@@ -17,8 +17,8 @@ namespace tc {
 template <typename T, int DK, int DV>
 struct Sm90FwdTraits {
   static constexpr int kWarpgroups = 2;
-  static constexpr int kThreads = kWarpgroups * 128;
-  static constexpr int kWsThreads = kThreads + 128;  // and a producer warpgroup
+  static constexpr int kConsumerThreads = kWarpgroups * 128;
+  static constexpr int kThreads = kConsumerThreads + 128;  // and a producer warpgroup
   static constexpr int kBlockM = kWarpgroups * 64;
   static constexpr int kBlockN = 128;
   static constexpr int kStages = 2;
@@ -48,14 +48,16 @@ struct Sm90FwdTraits {
 //   the softmax of S_i; groups n..2n-1 hold K_i and V_i for the weight pass, which skips the
 //   A V product of a warpgroup's 64 x 128 tile whose weights are all zero (a warpgroup vote).
 template <typename Traits, typename T, int DK, int DV, typename Variant, bool kStats>
-__global__ void __launch_bounds__(Traits::kWsThreads, 1) flash_fwd_sm90_kernel(const AttnParams p) {
+__global__ void __launch_bounds__(Traits::kThreads, 1) flash_fwd_sm90_kernel(const AttnParams p) {
 #ifdef ADAATTN_SM90A_DEVICE
   constexpr bool kElastic = Variant::kElastic;
   static_assert(!kElastic || DK == DV, "lazy attention has one head dim");
   static_assert(kElastic || !kStats, "statistics are the elastic weights'");
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int BN = Traits::kBlockN;
-  constexpr int kConsumerThreads = Traits::kThreads;
+  constexpr int kConsumerThreads = Traits::kConsumerThreads;
+  // The ring's phase parity below is (j / 2) % 2.
+  static_assert(Traits::kStages == 2, "two-stage mbarrier ring");
   constexpr int NT = BN / 8;  // score n-tiles per warp
   constexpr int DT = DV / 8;  // output n-tiles per warp
   constexpr int kQWidth = sm90::GmmaLayout<DK>::kWidth;
@@ -63,7 +65,7 @@ __global__ void __launch_bounds__(Traits::kWsThreads, 1) flash_fwd_sm90_kernel(c
   // warpgroup_any's).
   constexpr int kOutputBarrier = 3;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  __shared__ uint64_t full[2], empty[2];
+  __shared__ uint64_t full[Traits::kStages], empty[Traits::kStages];
   // The 128-byte swizzle is a function of address bits 4-9: tiles start 1024-byte aligned.
   T* const sQ = reinterpret_cast<T*>(smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023));
   T* const sK = sQ + Traits::kQElems;                  // [kStages][BN][DK]
@@ -78,7 +80,7 @@ __global__ void __launch_bounds__(Traits::kWsThreads, 1) flash_fwd_sm90_kernel(c
   const SeqLens lens = tile.lens;
   const int valid_q = lens.rows_q - m0;
   if (tid == 0) {
-    for (int s = 0; s < 2; ++s) {
+    for (int s = 0; s < Traits::kStages; ++s) {
       sm90::mbar_init(&full[s], 128);                      // every producer thread
       sm90::mbar_init(&empty[s], kConsumerThreads / 32);  // lane 0 of every consumer warp
     }

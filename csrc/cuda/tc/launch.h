@@ -85,7 +85,7 @@ void launch_fwd_sm90(const AttnParams& p) {
   }
   set_smem(kernel, Traits::kSmemBytes);
   const int grid = grid_size(tile_slots<false>(p, Traits::kBlockM) * p.heads_q);
-  kernel<<<grid, Traits::kWsThreads, Traits::kSmemBytes, at::cuda::getCurrentCUDAStream()>>>(p);
+  kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, at::cuda::getCurrentCUDAStream()>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

@@ -221,11 +221,6 @@ __device__ __forceinline__ void named_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 #endif
 }
-__device__ __forceinline__ void named_arrive(int id, int threads) {
-#ifdef ADAATTN_SM90A_DEVICE
-  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-#endif
-}
 
 // Whether pred holds for any thread of warpgroup wg (all 128 threads must call it): a reduction
 // on named barrier 1 + wg, which __syncthreads (barrier 0) never uses.
