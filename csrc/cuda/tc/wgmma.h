@@ -63,7 +63,10 @@ __device__ __forceinline__ void load_tile_gmma(T* dst, const T* src, int64_t row
 
 // load_tile_gmma for a producer warpgroup on few registers: each thread keeps one 16-byte column
 // chunk and walks its rows (kRowStep apart, a multiple of the swizzle's 8-row period, so the
-// shared-memory offset moves by a constant) with two running pointers.
+// shared-memory offset moves by a constant) with two running pointers. A tile whose rows are all
+// in bounds (all but a sequence's last) takes an unrolled loop without predicates: the
+// predicated loop's ~11 instructions per copy were 36% of the Hopper forward's issued
+// instructions (ncu), and the forward is 11-15% faster without them.
 template <int ROWS, int D, int THREADS, typename T>
 __device__ __forceinline__ void load_tile_gmma_lean(T* dst, const T* src, int64_t row_stride,
                                                     int valid_rows, int tid) {
@@ -75,6 +78,16 @@ __device__ __forceinline__ void load_tile_gmma_lean(T* dst, const T* src, int64_
   const int col = (tid % kChunksPerRow) * 8;
   T* d = dst + gmma_off<ROWS, D>(r0, col);
   const T* s = src + r0 * row_stride + col;
+  if (valid_rows >= ROWS) {
+    // Every row is in bounds: no predicates, and the shared offsets are immediates.
+    const uint32_t d0 = smem_addr(d);
+#pragma unroll
+    for (int i = 0; i < ROWS / kRowStep; ++i) {
+      cp_async16_unmasked(d0 + i * kRowStep * GmmaLayout<D>::kWidth * sizeof(T), s);
+      s += kRowStep * row_stride;
+    }
+    return;
+  }
 #pragma unroll 2
   for (int r = r0; r < ROWS; r += kRowStep) {
     cp_async16(d, r < valid_rows ? s : src, r < valid_rows);
