@@ -126,10 +126,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90_kernel(con
       const T* d = dout_rows<T>(p, lens, b, h, m0);
       // Per-chunk addresses from an opaque tid are recomputed each step, not kept live.
       const int ltid = sm90::opaque(tid);
-      sm90::load_tile_gmma_lean<BM, DK, kThreads>(sQ(buf), q, p.q_row_stride, lens.rows_q - m0,
-                                                  ltid);
-      sm90::load_tile_gmma_lean<BM, DV, kThreads>(sdO(buf), d, p.do_row_stride, lens.rows_q - m0,
-                                                  ltid);
+      sm90::load_tile_gmma<BM, DK, kThreads>(sQ(buf), q, p.q_row_stride, lens.rows_q - m0, ltid);
+      sm90::load_tile_gmma<BM, DV, kThreads>(sdO(buf), d, p.do_row_stride, lens.rows_q - m0,
+                                             ltid);
       // Raw lse and delta of the step's rows, with the tiles (rows past the sequence: 0; they
       // and rows with lse = -inf see no key, so the mask zeroes their P whatever lse is).
       if (tid < BM) {

@@ -103,14 +103,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_fwd_sm90_kernel(con
     const T* k = k_rows<T>(p, lens, b, h_kv, 0);
     const T* v = v_rows<T>(p, lens, b, h_kv, 0);
     auto load_k = [&](int stage, int n) {
-      sm90::load_tile_gmma_lean<BN, DK, 128>(sK + stage * Traits::kKElems,
-                                             k + static_cast<int64_t>(n) * BN * p.k_row_stride,
-                                             p.k_row_stride, lens.rows_k - n * BN, ptid);
+      sm90::load_tile_gmma<BN, DK, 128>(sK + stage * Traits::kKElems,
+                                        k + static_cast<int64_t>(n) * BN * p.k_row_stride,
+                                        p.k_row_stride, lens.rows_k - n * BN, ptid);
     };
     auto load_v = [&](int stage, int n) {
-      sm90::load_tile_gmma_lean<BN, DV, 128>(sV + stage * Traits::kVElems,
-                                             v + static_cast<int64_t>(n) * BN * p.v_row_stride,
-                                             p.v_row_stride, lens.rows_k - n * BN, ptid);
+      sm90::load_tile_gmma<BN, DV, 128>(sV + stage * Traits::kVElems,
+                                        v + static_cast<int64_t>(n) * BN * p.v_row_stride,
+                                        p.v_row_stride, lens.rows_k - n * BN, ptid);
     };
     with_tiles([&](const auto& tiles) {
       // No key tiles: the consumers write zeros over sQ without waiting, so nothing may load.
@@ -119,7 +119,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_fwd_sm90_kernel(con
       for (int j = 0; j < groups; ++j) {
         if (j >= 2) sm90::mbar_wait(&empty[j % 2], ((j - 2) >> 1) & 1);
         if (j == 0) {
-          sm90::load_tile_gmma_lean<kBlockM, DK, 128>(sQ, q, p.q_row_stride, valid_q, ptid);
+          sm90::load_tile_gmma<kBlockM, DK, 128>(sQ, q, p.q_row_stride, valid_q, ptid);
         }
         if (kElastic) {
           const int i = j < tiles.count ? j : j - tiles.count;

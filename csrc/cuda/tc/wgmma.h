@@ -53,22 +53,15 @@ __device__ __forceinline__ int gmma_kcol(int col) {
   return (col / W) * (ROWS * W) + col % W;
 }
 
-// load_tile_to (mma.h) into a gmma_off tile.
-template <int ROWS, int D, int THREADS, typename T>
-__device__ __forceinline__ void load_tile_gmma(T* dst, const T* src, int64_t row_stride,
-                                               int valid_rows, int tid) {
-  load_tile_to<ROWS, D, THREADS>(dst, src, row_stride, valid_rows, tid,
-                                 [](int r, int col) { return gmma_off<ROWS, D>(r, col); });
-}
-
-// load_tile_gmma for a producer warpgroup on few registers: each thread keeps one 16-byte column
-// chunk and walks its rows (kRowStep apart, a multiple of the swizzle's 8-row period, so the
-// shared-memory offset moves by a constant) with two running pointers. A tile whose rows are all
-// in bounds (all but a sequence's last) takes an unrolled loop without predicates: the
+// Copies a [ROWS][D] tile whose row r lives at src + r * row_stride into a gmma_off tile with
+// cp.async; rows >= valid_rows are zero-filled. Few registers: each thread keeps one 16-byte
+// column chunk and walks its rows (kRowStep apart, a multiple of the swizzle's 8-row period, so
+// the shared-memory offset moves by a constant) with two running pointers. A tile whose rows
+// are all in bounds (all but a sequence's last) takes an unrolled loop without predicates: the
 // predicated loop's ~11 instructions per copy were 36% of the Hopper forward's issued
 // instructions (ncu), and the forward is 11-15% faster without them.
 template <int ROWS, int D, int THREADS, typename T>
-__device__ __forceinline__ void load_tile_gmma_lean(T* dst, const T* src, int64_t row_stride,
+__device__ __forceinline__ void load_tile_gmma(T* dst, const T* src, int64_t row_stride,
                                                     int valid_rows, int tid) {
   constexpr int kChunksPerRow = D / 8;
   constexpr int kRowStep = THREADS / kChunksPerRow;
