@@ -62,7 +62,7 @@ __device__ __forceinline__ int gmma_kcol(int col) {
 // instructions (ncu), and the forward is 11-15% faster without them.
 template <int ROWS, int D, int THREADS, typename T>
 __device__ __forceinline__ void load_tile_gmma(T* dst, const T* src, int64_t row_stride,
-                                                    int valid_rows, int tid) {
+                                               int valid_rows, int tid) {
   constexpr int kChunksPerRow = D / 8;
   constexpr int kRowStep = THREADS / kChunksPerRow;
   static_assert(THREADS % kChunksPerRow == 0 && kRowStep % 8 == 0 && ROWS % kRowStep == 0,
@@ -72,7 +72,7 @@ __device__ __forceinline__ void load_tile_gmma(T* dst, const T* src, int64_t row
   T* d = dst + gmma_off<ROWS, D>(r0, col);
   const T* s = src + r0 * row_stride + col;
   if (valid_rows >= ROWS) {
-    // Every row is in bounds: no predicates, and the shared offsets are immediates.
+    // Every row is in bounds: no predicates, and the shared offsets are compile-time constants.
     const uint32_t d0 = smem_addr(d);
 #pragma unroll
     for (int i = 0; i < ROWS / kRowStep; ++i) {
