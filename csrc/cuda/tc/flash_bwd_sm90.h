@@ -13,7 +13,9 @@
 //                                      and added by one bulk reduction per tile after the next
 //                                      step's barrier)
 // Five products per tile pair, as FlashAttention-2/3. dK/dV stay in registers; the dQ
-// accumulator is scaled and converted by flash_bwd_dq_convert_kernel.
+// accumulator is scaled and converted by flash_bwd_dq_convert_kernel. Without the dQ product
+// (Sm90BwdTraits::kDq = false) this is the dK/dV pass of the two-pass backward, whose dQ pass
+// is flash_bwd_dq_sm90.h: no dS^T staging and no CTA barrier inside a step.
 // The elastic softmax (lazy attention, D = Dv) adds the distance bias to S^T, takes dV from the
 // weights A^T (skipped when the warpgroup's are all zero), uses dS^T = P^T (M dA^T - Delta) with
 // the row pass's Delta, and stages the dS^T of tiles within the bias window in fp32 so that
@@ -32,8 +34,10 @@ namespace tc {
 // Query rows per step of the Hopper backward (the tile its dQ reductions add).
 constexpr int kSm90BwdBlockM = 64;
 
-template <typename T, int DK, int DV, bool kElastic = false>
+template <typename T, int DK, int DV, bool kElastic = false, bool kWithDq = true>
 struct Sm90BwdTraits {
+  // kWithDq = false: the dK/dV pass of the two-pass backward (flash_bwd_dq_sm90.h adds dQ).
+  static constexpr bool kDq = kWithDq;
   static constexpr int kThreads = 256;
   static constexpr int kBlockN = 128;  // keys per CTA
   static constexpr int kBlockM = kSm90BwdBlockM;  // queries per step
@@ -41,7 +45,7 @@ struct Sm90BwdTraits {
   static constexpr int kVElems = kBlockN * DV;
   static constexpr int kQElems = kBlockM * DK;
   static constexpr int kDoElems = kBlockM * DV;
-  static constexpr int kDsElems = kBlockN * kBlockM;
+  static constexpr int kDsElems = kDq ? kBlockN * kBlockM : 0;
   // dQ: at DK = 128 warpgroup w adds columns [64w, 64w + 64) over all 128 keys; at DK <= 64 it
   // adds all DK columns over its own 64 keys (both add to the same rows).
   static constexpr bool kDqSplitCols = DK == 128;
@@ -50,7 +54,7 @@ struct Sm90BwdTraits {
   // The step's fp32 dQ rows, staged for the bulk reductions: at DK = 128 one [BM][DK] tile (the
   // two warpgroups' column halves), at DK <= 64 one [BM][DK] tile per warpgroup. Rows are
   // stored as the accumulator holds them (dq_swizzle), so that a tile is one contiguous copy.
-  static constexpr int kDqStageFloats = 2 * kBlockM * kDqCols;
+  static constexpr int kDqStageFloats = kDq ? 2 * kBlockM * kDqCols : 0;
   // K, V, two stages of Q and dO, dS^T, then lse and delta (elastic: and shift) of both stages,
   // (elastic) the fp32 dS^T staging tile and the dQ staging tiles; 1024 bytes of slack to align
   // the swizzled tiles.
@@ -64,6 +68,7 @@ struct Sm90BwdTraits {
       1024;
   static_assert((DK == 32 || DK == 64 || DK == 128) && (DV == 64 || DV == 128) && DK <= DV,
                 "the Hopper backward takes Dv in {64, 128} and D in {32, 64, 128}, D <= Dv");
+  static_assert(kDq || !kElastic, "lazy attention accumulates dQ in the dK/dV pass");
 };
 
 template <typename Traits, typename T, int DK, int DV, typename Variant>
@@ -71,6 +76,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90_kernel(con
 #ifdef ADAATTN_SM90A_DEVICE
   constexpr bool kElastic = Variant::kElastic;
   static_assert(!kElastic || DK == DV, "lazy attention has one head dim");
+  constexpr bool kDq = Traits::kDq;
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int BM = Traits::kBlockM;
   constexpr int kThreads = Traits::kThreads;
@@ -158,7 +164,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90_kernel(con
     constexpr bool kDqSplit = Traits::kDqSplitCols;
     const bool dq_issuer = kDqSplit ? tid == 0 : tid % 128 == 0;
     auto add_staged_dq = [&](int dq_h, int dq_m0) {
-      if (!dq_issuer) return;
+      if (!kDq || !dq_issuer) return;
       constexpr int kTileFloats = BM * DK;
       sm90::bulk_reduce_add(p.dq_accum + (row_stat_offset(p, lens, b, dq_h) + dq_m0) * DK,
                             sDq + (kDqSplit ? 0 : wg * kTileFloats),
@@ -324,10 +330,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90_kernel(con
       }
       uint32_t dsa[1][NT / 2][4];
       to_a_frags<1, NT, T>(dpt, dsa);
-      {
-        // gmma_off of (key, query), key = warp_row0 + g + 8 (r & 1), query = 16 kt + 8 (r >> 1)
-        // + 2t: key % 8 = g, so the swizzled chunk is (2 kt + (r >> 1)) ^ g. From opaque
-        // values, so that the 16 addresses are not kept live across steps.
+      if constexpr (kDq) {
+        // dS^T staged for the dQ product. gmma_off of (key, query), key = warp_row0 + g + 8 (r
+        // & 1), query = 16 kt + 8 (r >> 1) + 2t: key % 8 = g, so the swizzled chunk is (2 kt +
+        // (r >> 1)) ^ g. From opaque values, so that the 16 addresses are not kept live across
+        // steps.
         const int gx = sm90::opaque(g);
         T* const row = sdS + sm90::opaque((warp_row0 + g) * 64 + 2 * t);
 #pragma unroll
@@ -349,51 +356,58 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90_kernel(con
       }
       sm90::wgmma_commit();
 
-      // Once the last step's dQ reduction has read the staging tile, the barrier below frees
-      // it for this step.
-      if (dq_issuer) sm90::bulk_wait_read();
-      sm90::fence_proxy_async();
-      __syncthreads();  // both warpgroups' dS^T rows are staged
-      // dQ += dS K (Traits::kDqSplitCols): A = dS^T staged [key][query] (MN-major), B = K
-      // [key][DK] (MN-major): at DK = 128 all keys and column block wg, at DK <= 64 the
-      // warpgroup's own 64 keys.
-      constexpr int kDqCols = Traits::kDqCols;
-      float dq[kDqCols / 8][4];
-      sm90::wgmma_fence();
-      constexpr int kDqKeys = Traits::kDqKeys;
-      const int dq_key0 = Traits::kDqSplitCols ? 0 : wg * 64;
-      const int dq_col0 = Traits::kDqSplitCols ? wg * 64 : 0;
-      const uint64_t ds_desc =
-          sm90::opaque(sm90::gmma_desc_mn<kBlockN, BM>(sdS + dq_key0 * 64));
-      const uint64_t k_t_desc = sm90::opaque(sm90::gmma_desc_mn<kBlockN, DK>(
-          sK + (dq_col0 / kKWidth) * (kBlockN * kKWidth) + dq_key0 * kKWidth));
+      if constexpr (!kDq) {
+        sm90::wgmma_wait<0>(dk[0]);
+        sm90::fence_operand(dv[0]);
+        sm90::fence_operand(dsa[0]);
+      } else {
+        // Once the last step's dQ reduction has read the staging tile, the barrier below frees
+        // it for this step.
+        if (dq_issuer) sm90::bulk_wait_read();
+        sm90::fence_proxy_async();
+        __syncthreads();  // both warpgroups' dS^T rows are staged
+        // dQ += dS K (Traits::kDqSplitCols): A = dS^T staged [key][query] (MN-major), B = K
+        // [key][DK] (MN-major): at DK = 128 all keys and column block wg, at DK <= 64 the
+        // warpgroup's own 64 keys.
+        constexpr int kDqCols = Traits::kDqCols;
+        float dq[kDqCols / 8][4];
+        sm90::wgmma_fence();
+        constexpr int kDqKeys = Traits::kDqKeys;
+        const int dq_key0 = Traits::kDqSplitCols ? 0 : wg * 64;
+        const int dq_col0 = Traits::kDqSplitCols ? wg * 64 : 0;
+        const uint64_t ds_desc =
+            sm90::opaque(sm90::gmma_desc_mn<kBlockN, BM>(sdS + dq_key0 * 64));
+        const uint64_t k_t_desc = sm90::opaque(sm90::gmma_desc_mn<kBlockN, DK>(
+            sK + (dq_col0 / kKWidth) * (kBlockN * kKWidth) + dq_key0 * kKWidth));
 #pragma unroll
-      for (int kt = 0; kt < kDqKeys / 16; ++kt) {
-        sm90::wgmma_ss<T, kDqCols / 8, 1, 1>(dq, sm90::desc_at<T>(ds_desc, kt * 16 * 64),
-                                             sm90::desc_at<T>(k_t_desc, kt * 16 * kKWidth),
-                                             kt > 0);
-      }
-      sm90::wgmma_commit();
-      sm90::wgmma_wait<0>(dq);
-      sm90::fence_operand(dk[0]);
-      sm90::fence_operand(dv[0]);
+        for (int kt = 0; kt < kDqKeys / 16; ++kt) {
+          sm90::wgmma_ss<T, kDqCols / 8, 1, 1>(dq, sm90::desc_at<T>(ds_desc, kt * 16 * 64),
+                                               sm90::desc_at<T>(k_t_desc, kt * 16 * kKWidth),
+                                               kt > 0);
+        }
+        sm90::wgmma_commit();
+        sm90::wgmma_wait<0>(dq);
+        sm90::fence_operand(dk[0]);
+        sm90::fence_operand(dv[0]);
 
-      // dQ is staged for the bulk reduction after the next barrier (no per-thread atomics to
-      // hold up the next step); rows past the sequence add zeros to the rows after them.
-      {
-        const int valid_q = lens.rows_q - m0;
-        const int64_t row0 = row_stat_offset(p, lens, b, h) + m0;
-        float* const stage = sDq + (kDqSplit ? 0 : wg * BM * DK);
-        const int q0 = (warp % 4) * 16;
+        // dQ is staged for the bulk reduction after the next barrier (no per-thread atomics to
+        // hold up the next step); rows past the sequence add zeros to the rows after them.
+        {
+          const int valid_q = lens.rows_q - m0;
+          const int64_t row0 = row_stat_offset(p, lens, b, h) + m0;
+          float* const stage = sDq + (kDqSplit ? 0 : wg * BM * DK);
+          const int q0 = (warp % 4) * 16;
 #pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          const int row = q0 + g + 8 * hh;
-          const bool valid = row < valid_q;
+          for (int hh = 0; hh < 2; ++hh) {
+            const int row = q0 + g + 8 * hh;
+            const bool valid = row < valid_q;
 #pragma unroll
-          for (int ni = 0; ni < kDqCols / 8; ++ni) {
-            const int col = dq_swizzle(row0 + row, dq_col0 + ni * 8 + 2 * t);
-            *reinterpret_cast<float2*>(stage + row * DK + col) =
-                valid ? make_float2(dq[ni][2 * hh], dq[ni][2 * hh + 1]) : make_float2(0.f, 0.f);
+            for (int ni = 0; ni < kDqCols / 8; ++ni) {
+              const int col = dq_swizzle(row0 + row, dq_col0 + ni * 8 + 2 * t);
+              *reinterpret_cast<float2*>(stage + row * DK + col) =
+                  valid ? make_float2(dq[ni][2 * hh], dq[ni][2 * hh + 1])
+                        : make_float2(0.f, 0.f);
+            }
           }
         }
       }
@@ -405,10 +419,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90_kernel(con
       next_m0 = after_m0;
     }
     // The last step's dQ; the staging tiles and the accumulator must outlive the reductions.
-    sm90::fence_proxy_async();
-    __syncthreads();
-    add_staged_dq(prev_h, prev_m0);
-    if (dq_issuer) sm90::bulk_wait();
+    if constexpr (kDq) {
+      sm90::fence_proxy_async();
+      __syncthreads();
+      add_staged_dq(prev_h, prev_m0);
+      if (dq_issuer) sm90::bulk_wait();
+    }
   };
   if (kElastic || p.block_kv_num == nullptr) {
     mainloop(dense_query_steps<BM>(p, h_kv, rows));  // lazy attention has no block-sparse form

@@ -12,6 +12,7 @@
 
 #include "flash_bwd_kernel.h"
 #include "flash_fwd_kernel.h"
+#include "flash_bwd_dq_sm90.h"
 #include "flash_bwd_sm90.h"
 #include "flash_fwd_sm90.h"
 #include "lazy_rows_sm90.h"
@@ -135,11 +136,11 @@ inline int64_t dq_accum_rows(const AttnParams& p) {
   return row_items<false>(p) + kSm90BwdBlockM;
 }
 
-// The Hopper dK/dV + atomic dQ launch (flash_bwd_sm90.h); p.dq_accum must be zeroed, with
-// dq_accum_rows(p) rows.
-template <typename T, int DK, int DV, typename Variant>
+// The Hopper dK/dV launch (flash_bwd_sm90.h). kDq: with atomic dQ, p.dq_accum zeroed, with
+// dq_accum_rows(p) rows; else the dK/dV pass of the two-pass backward.
+template <typename T, int DK, int DV, typename Variant, bool kDq = true>
 void launch_bwd_sm90(const AttnParams& p) {
-  using Traits = Sm90BwdTraits<T, DK, DV, Variant::kElastic>;
+  using Traits = Sm90BwdTraits<T, DK, DV, Variant::kElastic, kDq>;
   auto kernel = flash_bwd_sm90_kernel<Traits, T, DK, DV, Variant>;
   set_smem(kernel, Traits::kSmemBytes);
   const int grid = grid_size(tile_slots<true>(p, Traits::kBlockN) * p.heads_kv);
@@ -147,19 +148,50 @@ void launch_bwd_sm90(const AttnParams& p) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// Delta, then dK/dV/dQ. Unless p.deterministic: on Hopper (every compiled (D, Dv) pair) the wgmma
-// kernel with atomic dQ; elsewhere atomic dQ where the config measured it faster (fewer
-// products, a float32 accumulator of 2x dq's size), zeroed by the delta kernel. Otherwise the
-// two-pass kernels.
+// The Hopper dQ pass of the two-pass backward (flash_bwd_dq_sm90.h).
+template <typename T, int DK, int DV>
+void launch_bwd_dq_sm90(const AttnParams& p) {
+  using Traits = Sm90BwdDqTraits<T, DK, DV>;
+  auto kernel = flash_bwd_dq_sm90_kernel<Traits, T, DK, DV>;
+  set_smem(kernel, Traits::kSmemBytes);
+  const int grid = grid_size(tile_slots<false>(p, Traits::kBlockM) * p.heads_q);
+  kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, at::cuda::getCurrentCUDAStream()>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// Whether the Hopper backward takes two passes (dK/dV, then dQ without a float32 accumulator)
+// instead of atomic dQ: when asked to be deterministic, and for block-sparse masks, where the
+// accumulator's fixed traffic (zeroing it, reducing into it and converting it: 0.16 ms at B = 4,
+// H = 16, L = 4096, D = 128) outweighs the two products the dQ pass recomputes per listed block
+// (benchmarks/RESULTS.md, "two-pass backward").
+// ADAATTN_BWD_TWO_PASS=1 / =0 forces / disables it (A/B runs; read at every call).
+inline bool sm90_two_pass(const AttnParams& p) {
+  const char* mode = std::getenv("ADAATTN_BWD_TWO_PASS");
+  if (mode != nullptr) return mode[0] == '1';
+  return p.deterministic || p.block_kv_num != nullptr;
+}
+
+// dK/dV/dQ. On Hopper (every compiled (D, Dv) pair): the two-pass wgmma kernels (the dQ pass
+// computes delta, then the dK/dV pass) where sm90_two_pass says so, else the wgmma kernel with
+// atomic dQ. Elsewhere: atomic dQ where the config measured it faster (fewer products, a
+// float32 accumulator of 2x dq's size) unless p.deterministic, else the two-pass kernels; both
+// after the delta kernel (which zeroes the accumulator).
 template <typename T, int DK, int DV>
 void run_flash_bwd(const AttnParams& p_in) {
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   constexpr bool kSm90Dims = (DK == 32 || DK == 64 || DK == 128) && (DV == 64 || DV == 128) &&
                              DK <= DV;
-  const bool sm90 = kSm90Dims && !p_in.deterministic && use_sm90();
-  const bool atomic = sm90 || (FlashConfig<DV>::kAtomicDQ && !p_in.deterministic);
+  const bool sm90 = kSm90Dims && use_sm90();
   AttnParams p = p_in;
   p.dq_accum = nullptr;
+  if (sm90 && sm90_two_pass(p)) {
+    if constexpr (kSm90Dims) {
+      launch_bwd_dq_sm90<T, DK, DV>(p);
+      launch_bwd_sm90<T, DK, DV, SoftmaxVariant, false>(p);
+    }
+    return;
+  }
+  const bool atomic = sm90 || (FlashConfig<DV>::kAtomicDQ && !p.deterministic);
   at::Tensor accum;  // freed on return; the caching allocator keeps it for this stream
   if (atomic) {
     accum = at::empty({dq_accum_rows(p) * DK}, at::TensorOptions().dtype(at::kFloat).device(
