@@ -1,7 +1,7 @@
 """Small fwd+bwd calls of the CUDA kernels for compute-sanitizer (memcheck, racecheck): flash
-(D 64 and 128, GQA, causal, window, seqlens, Lq != Lk), block-sparse (an empty row of blocks
-included), lazy and low-rank, bf16; and shifted_cholesky_info (D 33 and 128, pivots failing and
-not).
+(D 64 and 128, GQA, causal, window, seqlens, Lq != Lk; atomic and two-pass backward),
+block-sparse (an empty row of blocks included), lazy and low-rank, bf16; and
+shifted_cholesky_info (D 33 and 128, pivots failing and not).
 
     compute-sanitizer --tool memcheck python benchmarks/sanitize_ops.py
 """
@@ -25,12 +25,15 @@ def backward(out):
 def main():
     torch.manual_seed(0)
     for d in (64, 128):
-        for kwargs in ({}, {"causal": True}, {"window": (33, 0)}):
+        for kwargs in ({}, {"causal": True}, {"window": (33, 0)},
+                       {"causal": True, "deterministic": True}):
             q, k, v = rand(2, 4, 197, d), rand(2, 2, 230, d), rand(2, 2, 230, d)
             backward(adaattn.flash_attn(q, k, v, **kwargs))
         q, k, v = rand(2, 4, 197, d), rand(2, 4, 197, d), rand(2, 4, 197, d)
         seqlens = torch.tensor([150, 3], dtype=torch.int32, device="cuda")
-        backward(adaattn.flash_attn(q, k, v, causal=True, seqlens=seqlens))
+        for deterministic in (False, True):
+            backward(adaattn.flash_attn(q, k, v, causal=True, seqlens=seqlens,
+                                        deterministic=deterministic))
     q, k, v = rand(1, 2, 300, 128), rand(1, 2, 300, 128), rand(1, 2, 300, 128)
     layout = torch.rand(1, 2, 3, 3, device="cuda") < 0.5
     layout[0, 0, 1] = False
