@@ -140,12 +140,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     const int64_t stat_off = row_stat_offset(p, lens, b, h);
     RowRanges<1> rr;
     float lse2[2];  // log2-domain lse; +inf for rows that saw nothing (P = 0)
-    // Delta = rowsum(dO * O) of this thread's two rows, computed here (the four threads of a
-    // row split its 16-byte chunks) and written for the dK/dV pass, which runs after this one:
-    // no separate delta kernel reading O and dO again.
-    float delta[2];
+    // Delta = rowsum(dO * O) of this thread's two rows (the four threads of a row split its
+    // 16-byte chunks), written for the dK/dV pass, which runs after this one: no separate delta
+    // kernel reading O and dO again. The rows are loaded here and summed once the first key
+    // tile has landed, so that the two loads overlap.
     const T* o = out_rows<T>(p, lens, b, h, m0);
     const T* dout = dout_rows<T>(p, lens, b, h, m0);
+    uint4 o_rows[2][DV / 32], do_rows[2][DV / 32];
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       const int row = m0 + warp_row0 + g + 8 * hh;
@@ -153,22 +154,32 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       rr.lo[0][hh] = r.lo;
       rr.hi[0][hh] = r.hi;
       lse2[hh] = lse_log2(p.lse + stat_off, row, lens.rows_q);
-      float acc = 0.f;
-      if (row < lens.rows_q) {
-        const int64_t local = warp_row0 + g + 8 * hh;
+      const int64_t local = warp_row0 + g + 8 * hh;
 #pragma unroll
-        for (int c = 0; c < DV / 32; ++c) {
-          const int col = (t + 4 * c) * 8;
-          const uint4 ov = *reinterpret_cast<const uint4*>(o + local * p.o_row_stride + col);
-          const uint4 dv = *reinterpret_cast<const uint4*>(dout + local * p.do_row_stride + col);
-          acc += dot8<T>(ov, dv);
-        }
+      for (int c = 0; c < DV / 32; ++c) {
+        const int col = (t + 4 * c) * 8;
+        const bool valid = row < lens.rows_q;
+        o_rows[hh][c] = valid ? *reinterpret_cast<const uint4*>(o + local * p.o_row_stride + col)
+                              : make_uint4(0, 0, 0, 0);
+        do_rows[hh][c] = valid
+                             ? *reinterpret_cast<const uint4*>(dout + local * p.do_row_stride + col)
+                             : make_uint4(0, 0, 0, 0);
       }
-      acc += __shfl_xor_sync(0xffffffff, acc, 1);
-      acc += __shfl_xor_sync(0xffffffff, acc, 2);
-      delta[hh] = acc;
-      if (t == 0 && row < lens.rows_q) p.delta[stat_off + row] = acc;
     }
+    float delta[2];
+    auto row_deltas = [&]() {
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        float acc = 0.f;
+#pragma unroll
+        for (int c = 0; c < DV / 32; ++c) acc += dot8<T>(o_rows[hh][c], do_rows[hh][c]);
+        acc += __shfl_xor_sync(0xffffffff, acc, 1);
+        acc += __shfl_xor_sync(0xffffffff, acc, 2);
+        delta[hh] = acc;
+        const int row = m0 + warp_row0 + g + 8 * hh;
+        if (t == 0 && row < lens.rows_q) p.delta[stat_off + row] = acc;
+      }
+    };
     float dq[1][DKT][4];
     zero(dq);
 
@@ -245,7 +256,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     };
 
     with_tiles([&](const auto& tiles) {
-      if (tiles.count == 0) return;
+      if (tiles.count > 0) wait_full(0);
+      row_deltas();
       for (int i = 0; i < tiles.count; ++i) {
         float s[1][NT][4];
         float dp[1][NT][4];
