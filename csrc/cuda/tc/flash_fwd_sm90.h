@@ -79,13 +79,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_fwd_sm90_kernel(con
   const int b = tile.b, h = tile.h, h_kv = tile.h_kv, m0 = tile.m0;
   const SeqLens lens = tile.lens;
   const int valid_q = lens.rows_q - m0;
-  if (tid == 0) {
-    for (int s = 0; s < Traits::kStages; ++s) {
-      sm90::mbar_init(&full[s], 128);                      // every producer thread
-      sm90::mbar_init(&empty[s], kConsumerThreads / 32);  // lane 0 of every consumer warp
-    }
-  }
-  __syncthreads();
+  sm90::init_load_ring(full, empty, kConsumerThreads);
 
   // Lazy attention has no block-sparse form.
   auto with_tiles = [&](auto&& body) {

@@ -205,6 +205,22 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, int parity) {
 #endif
 }
 
+// The mbarriers of a warp-specialised kernel's load ring: `full[s]` completes when the 128
+// producer threads have arrived (stage s landed), `empty[s]` when lane 0 of every consumer warp
+// has (stage s free). Thread 0 initialises them; the CTA barrier makes them visible.
+template <int kStages>
+__device__ __forceinline__ void init_load_ring(uint64_t (&full)[kStages],
+                                               uint64_t (&empty)[kStages],
+                                               int consumer_threads) {
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(&full[s], 128);
+      mbar_init(&empty[s], consumer_threads / 32);
+    }
+  }
+  __syncthreads();
+}
+
 // Moves this warpgroup's register budget (setmaxnreg, sm_90a): a warp-specialised kernel's
 // producer gives registers up for its consumers.
 template <int N>
