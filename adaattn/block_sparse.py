@@ -263,8 +263,9 @@ def block_sparse_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             ``block_mask.causal`` is set.
         softmax_scale: multiplies ``q @ k^T``; defaults to ``D ** -0.5``.
         return_lse: also return the float32 log-sum-exp ``[B, Hq, Lq]``.
-        deterministic: a bit-reproducible backward (as ``flash_attn``'s): on CUDA the default
-            may accumulate dq with atomics, whose order varies between runs.
+        deterministic: a bit-reproducible backward (as ``flash_attn``'s). On Hopper the
+            block-sparse backward is always the two-pass one (dq without atomics); elsewhere
+            the CUDA default may accumulate dq with atomics, whose order varies between runs.
 
     Returns:
         ``out [B, Hq, Lq, D]`` (dtype of q), and ``lse`` when ``return_lse``. A row that sees no

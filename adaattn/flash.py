@@ -41,10 +41,11 @@ def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: boo
         return_lse: also return the float32 log-sum-exp ``[B, Hq, Lq]`` (``-inf`` for a row
             that sees no key; such rows give ``out = 0``).
         deterministic: backward without order-dependent accumulation (bit-reproducible).
-            With ``False``, the CUDA fp16/bf16 backward at ``Dv = 64`` adds each key tile's
-            share of dq with float32 atomics (4-8% faster end to end; the summation order
-            varies between runs); ``True`` recomputes the scores in a separate dq pass instead.
-            Every other kernel (CPU, fp32/fp64, ``Dv = 128``) is always deterministic.
+            With ``False``, the CUDA fp16/bf16 backward on Hopper (every head dim) and
+            elsewhere at ``Dv = 64`` adds each key tile's share of dq with float32 atomics
+            (faster end to end; the summation order varies between runs); ``True`` recomputes
+            the scores in a separate dq pass instead. Every other kernel (CPU, fp32/fp64,
+            ``Dv = 128`` before Hopper) is always deterministic.
 
     Returns:
         ``out [B, Hq, Lq, Dv]`` (dtype of q), and ``lse`` when ``return_lse``.
