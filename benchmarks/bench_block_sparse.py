@@ -9,8 +9,11 @@ Masks (128x128 blocks, causal within them):
 Rows per shape: adaattn-block-sparse and flex on each mask, and our dense flash_attn (causal
 and not) for the proportionality bar: time / (listed blocks / all blocks x dense non-causal time).
 Times are medians of triton's do_bench; peak memory is one forward+backward above the inputs.
+--scaling adds a section on the proportionality bar: ours on random causal layouts from the
+diagonal alone to every causal block, each against density x our dense non-causal time; the
+excess t - 1.2 x fraction x dense is the fixed overhead that bar lets us state.
 
-    python benchmarks/bench_block_sparse.py [--out benchmarks/RESULTS.md]
+    python benchmarks/bench_block_sparse.py [--scaling] [--out benchmarks/RESULTS.md]
 """
 import argparse
 import os
@@ -30,6 +33,7 @@ from adaattn import BlockSparseMask  # noqa: E402
 HEADS, DIM, BLOCK = 16, 128, 128
 SHAPES = [(4, 4096), (1, 16384)]
 WINDOW_BLOCKS = 8
+SCALING_DENSITIES = (0.0, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 
 def random_layout(n_blocks: int, density: float, seed: int) -> torch.Tensor:
@@ -65,7 +69,9 @@ def masks(length: int):
     return {name: (m, f, m.kv_num_blocks.sum().item() / n / n) for name, (m, f) in out.items()}
 
 
-def builders(batch: int, length: int):
+def builders(batch: int, length: int, only_mask=None):
+    """name -> (build, listed fraction) for the main table; with only_mask, {"ours": build} of
+    that mask alone."""
     from torch.nn.attention.flex_attention import flex_attention
     flex = torch.compile(flex_attention, dynamic=False)
 
@@ -93,11 +99,45 @@ def builders(batch: int, length: int):
             return lambda q, k, v: adaattn.flash_attn(q, k, v, causal=causal), x, dout
         return build
 
+    if only_mask is not None:
+        return {"ours": ours(only_mask)}
     rows = {"adaattn-dense-full": (dense(False), 1.0), "adaattn-dense-causal": (dense(True), None)}
     for name, (mask, flex_mask, fraction) in masks(length).items():
         rows[f"adaattn-{name}"] = (ours(mask), fraction)
         rows[f"flex-{name}"] = (peer(flex_mask), fraction)
     return rows
+
+
+def scaling_rows(batch: int, length: int):
+    """name -> (build, listed fraction): ours on random layouts (SCALING_DENSITIES; 0 is the
+    diagonal alone, 1 every causal block) and dense non-causal flash_attn."""
+    rows = {"adaattn-dense-full": (builders(batch, length)["adaattn-dense-full"][0], 1.0)}
+    n = length // BLOCK
+    for density in SCALING_DENSITIES:
+        mask = BlockSparseMask.from_dense(random_layout(n, density, seed=7).cuda(), BLOCK)
+        fraction = mask.kv_num_blocks.sum().item() / n / n
+        rows[f"adaattn-random-{density}"] = (builders(batch, length, mask)["ours"], fraction)
+    return rows
+
+
+def render_scaling(results, batch: int, length: int) -> str:
+    dense = results["adaattn-dense-full"][0].fwdbwd_ms
+    lines = [f"### B = {batch}, L = {length} (dense non-causal fwd+bwd {ba._fmt(dense, '.3f')} ms)",
+             "", "| layout | listed blocks | fwd ms | fwd+bwd ms | fraction x dense | "
+             "t / (fraction x dense) | t - 1.2 x fraction x dense |",
+             "|:---|---:|---:|---:|---:|---:|---:|"]
+    excess = []
+    for name, (row, fraction) in results.items():
+        if name == "adaattn-dense-full" or row.fwdbwd_ms is None or dense is None:
+            continue
+        share = fraction * dense
+        excess.append(row.fwdbwd_ms - 1.2 * share)
+        lines.append(f"| {name} | {fraction:.3f} | {ba._fmt(row.fwd_ms, '.3f')} "
+                     f"| {row.fwdbwd_ms:.3f} | {share:.3f} | {row.fwdbwd_ms / share:.2f} "
+                     f"| {excess[-1]:.3f} |")
+    if excess:
+        lines += ["", f"Largest excess (the fixed overhead this shape needs): {max(excess):.3f} ms"]
+    return "\n".join(lines)
 
 
 def render(results, batch: int, length: int) -> str:
@@ -131,6 +171,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--out", help="markdown results file to update")
     parser.add_argument("--warmup", type=int, default=25, help="do_bench warmup, ms")
     parser.add_argument("--rep", type=int, default=100, help="do_bench measuring time, ms")
+    parser.add_argument("--scaling", action="store_true",
+                        help="also the proportionality sweep (section block-sparse-scaling)")
+    parser.add_argument("--only-scaling", action="store_true", help="the sweep alone")
     args = parser.parse_args(argv[1:])
     if not torch.cuda.is_available():
         print("bench_block_sparse.py needs a CUDA device", file=sys.stderr)
@@ -143,6 +186,22 @@ def main(argv: Optional[List[str]] = None) -> int:
     title = (f"## block-sparse attention: bf16, causal, D = {DIM}, H = {HEADS}, "
              f"{BLOCK}x{BLOCK} blocks")
     sections = [title, ba.run_metadata(argv)]
+    scaling = [f"## block-sparse time against listed blocks: bf16, causal, D = {DIM}, "
+               f"H = {HEADS}, {BLOCK}x{BLOCK} blocks", ba.run_metadata(argv)]
+    for batch, length in SHAPES if (args.scaling or args.only_scaling) else []:
+        results = {}
+        for name, (build, fraction) in scaling_rows(batch, length).items():
+            row = bv._measure(name, [length] * batch, build, args)
+            results[name] = (row, fraction)
+            print(f"B={batch} L={length} {name} ({fraction:.3f}): fwd {row.fwd_ms} "
+                  f"fwd+bwd {row.fwdbwd_ms} {row.note}", flush=True)
+        scaling.append(render_scaling(results, batch, length))
+    if args.scaling or args.only_scaling:
+        if args.out:
+            ba.update_results(args.out, "block-sparse-scaling", "\n\n".join(scaling))
+        print("\n\n".join(scaling))
+    if args.only_scaling:
+        return 0
     for batch, length in SHAPES:
         results = {}
         for name, (build, fraction) in builders(batch, length).items():

@@ -61,10 +61,6 @@ struct AttnParams {
   double scale;      // multiplies q.k (double so the fp64 exact path is not rounded to fp32)
   float scale_log2;  // scale * log2(e), for exp2-based online softmax
   bool deterministic;  // backward: no order-dependent floating-point accumulation
-  // Tensor-core CTA order, set by the launcher: true puts the tiles of one head next to each
-  // other (its K/V stay in L2) when all tiles carry similar work; false walks the heavy tiles of
-  // every head first (causal: late query tiles, early key tiles) so the last wave is light.
-  bool head_major;
 
   // ---- lazy attention (spec 3.2); unused by the flash family ----------------------------
   // Causal (window_left = -1, window_right = 0). Query row r has position i = r + Lk - Lq of its

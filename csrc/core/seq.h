@@ -153,27 +153,16 @@ ADAATTN_HD int64_t tile_slots(const AttnParams& p, int block_rows) {
                       : static_cast<int64_t>(p.batch) * ((len + block_rows - 1) / block_rows);
 }
 
-// The tile of CTA x in a grid of heads * tile_slots CTAs. head_major puts one head's tiles next
-// to each other; otherwise tile slots are interleaved over heads. kReverse walks the slots from
-// the last one (under causal masking the late query tiles are the heavy ones).
+// The tile of CTA x in a grid of heads * tile_slots CTAs, head-major: one head's tiles are next
+// to each other, so the CTAs running together share that head's K/V (or Q/dO) in L2. kReverse
+// walks the slots from the last one (under causal masking the late query tiles are the heavy
+// ones). Interleaving the heads instead (tile j of every head before tile j + 1, a lighter last
+// wave under causal masks) was slower on the H100: its working set outgrew L2 (RESULTS.md,
+// "CTA order").
 template <bool kKeys, bool kReverse>
 ADAATTN_HD WorkItem tile_item(const AttnParams& p, int64_t x, int block_rows) {
-  const int heads = kKeys ? p.heads_kv : p.heads_q;
   const int64_t slots = tile_slots<kKeys>(p, block_rows);
-  int64_t h, j;
-  if (is_packed(p) || p.head_major) {
-    h = p.head_major ? x / slots : x % heads;
-    j = p.head_major ? x % slots : x / heads;
-  } else {
-    // Dense, not head-major: tile j of every (b, h) before tile j + 1 of any.
-    const int64_t bh_count = static_cast<int64_t>(p.batch) * heads;
-    const int64_t per_entry = slots / p.batch;
-    const int64_t bh = x % bh_count, jj = x / bh_count;
-    const int64_t tile = kReverse ? per_entry - 1 - jj : jj;
-    const int b = static_cast<int>(bh / heads);
-    return {b, static_cast<int>(bh % heads), static_cast<int>(tile),
-            static_cast<int>(b * per_entry + tile), true};
-  }
+  const int64_t h = x / slots, j = x % slots;
   const int64_t slot = kReverse ? slots - 1 - j : j;
   if (!is_packed(p)) {
     const int64_t per_entry = slots / p.batch;

@@ -73,10 +73,7 @@ void dispatch(const AttnParams& p, c10::ScalarType dtype, const Kernel (&kernels
   const bool bf16 = dtype == c10::kBFloat16;
   TORCH_CHECK(bf16 || dtype == c10::kHalf,
               "adaattn: tensor-core kernels take float16 or bfloat16, got ", dtype);
-  // Work per tile is uniform unless exactly one side of the window is bounded (causal).
-  AttnParams ordered = p;
-  ordered.head_major = (p.window_left < 0) == (p.window_right < 0);
-  (bf16 ? kernel->bf16 : kernel->fp16)(ordered);
+  (bf16 ? kernel->bf16 : kernel->fp16)(p);
 }
 
 }  // namespace

@@ -13,7 +13,7 @@ namespace tc {
 
 // The query tile of a row-tile CTA (forward, lazy row pass, deterministic dQ): its batch entry,
 // query head and kv head, first row, sequence lengths and the union of its rows' key ranges.
-// CTA order (AttnParams::head_major, seq.h): query tiles are walked backwards.
+// CTA order (seq.h tile_item): head-major, query tiles walked backwards.
 struct RowTile {
   int b, h, h_kv, m0;
   SeqLens lens;
