@@ -85,11 +85,13 @@ __device__ __forceinline__ float elastic_scores(float (&s)[MI][NT][4], const Att
 // Online max/sum update of one score tile for the rows this thread holds; returns the factor
 // by which earlier partial results of each row must be rescaled. The scores in log2 units are
 // s (kRaw = false) or scale * s with scale > 0 (kRaw = true: the max is taken on the raw scores
-// and each exponent is one FMA, which saves the scaling pass).
+// and each exponent is one FMA, which saves the scaling pass). The running max moves only when
+// the tile's exceeds it by more than `slack` (then corr = 1 and the caller may skip the
+// rescale); exponents stay below 2^slack.
 template <bool kRaw = false, int MI, int NT>
 __device__ __forceinline__ void online_softmax(float (&s)[MI][NT][4], float (&row_max)[MI][2],
                                                float (&row_sum)[MI][2], float (&corr)[MI][2],
-                                               float scale = 1.f) {
+                                               float scale = 1.f, float slack = 0.f) {
   if constexpr (!kRaw) scale = 1.f;
 #pragma unroll
   for (int mi = 0; mi < MI; ++mi)
@@ -102,6 +104,7 @@ __device__ __forceinline__ void online_softmax(float (&s)[MI][NT][4], float (&ro
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
       if constexpr (kRaw) mx = fmaxf(row_max[mi][hh], mx * scale);
+      if (!(mx - row_max[mi][hh] > slack)) mx = row_max[mi][hh];
       const float base = mx == -INFINITY ? 0.f : mx;
       corr[mi][hh] = exp2f(row_max[mi][hh] - base);
       row_max[mi][hh] = mx;
