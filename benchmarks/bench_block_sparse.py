@@ -165,6 +165,17 @@ def render(results, batch: int, length: int) -> str:
     return "\n".join(lines)
 
 
+def measure_rows(rows, batch: int, length: int, args):
+    """name -> (Row, listed fraction) for rows name -> (build, listed fraction)."""
+    results = {}
+    for name, (build, fraction) in rows.items():
+        row = bv._measure(name, [length] * batch, build, args)
+        results[name] = (row, fraction)
+        print(f"B={batch} L={length} {name}: fwd {row.fwd_ms} fwd+bwd {row.fwdbwd_ms} "
+              f"{row.note}", flush=True)
+    return results
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -189,12 +200,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     scaling = [f"## block-sparse time against listed blocks: bf16, causal, D = {DIM}, "
                f"H = {HEADS}, {BLOCK}x{BLOCK} blocks", ba.run_metadata(argv)]
     for batch, length in SHAPES if (args.scaling or args.only_scaling) else []:
-        results = {}
-        for name, (build, fraction) in scaling_rows(batch, length).items():
-            row = bv._measure(name, [length] * batch, build, args)
-            results[name] = (row, fraction)
-            print(f"B={batch} L={length} {name} ({fraction:.3f}): fwd {row.fwd_ms} "
-                  f"fwd+bwd {row.fwdbwd_ms} {row.note}", flush=True)
+        results = measure_rows(scaling_rows(batch, length), batch, length, args)
         scaling.append(render_scaling(results, batch, length))
     if args.scaling or args.only_scaling:
         if args.out:
@@ -203,13 +209,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.only_scaling:
         return 0
     for batch, length in SHAPES:
-        results = {}
-        for name, (build, fraction) in builders(batch, length).items():
-            row = bv._measure(name, [length] * batch, build, args)
-            results[name] = (row, fraction)
-            print(f"B={batch} L={length} {name}: fwd {row.fwd_ms} fwd+bwd {row.fwdbwd_ms} "
-                  f"{row.note}", flush=True)
-        sections.append(render(results, batch, length))
+        sections.append(render(measure_rows(builders(batch, length), batch, length, args),
+                               batch, length))
     body = "\n\n".join(sections)
     if args.out:
         ba.update_results(args.out, "block-sparse", body)

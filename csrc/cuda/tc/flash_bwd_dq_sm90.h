@@ -69,8 +69,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   constexpr int DKT = DK / 8;
   constexpr int kQWidth = sm90::GmmaLayout<DK>::kWidth;
   constexpr int kDoWidth = sm90::GmmaLayout<DV>::kWidth;
-  // Named barrier after the mainloop: every consumer is done with Q (1 and 2 are
-  // warpgroup_any's).
+  // Named barrier after the mainloop: every consumer is done with Q. Number 3 as in the forward
+  // (0 is __syncthreads, 1 and 2 are the forward's warpgroup_any barriers).
   constexpr int kOutputBarrier = 3;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ uint64_t full[Traits::kStages], empty[Traits::kStages];
