@@ -6,6 +6,12 @@ import torch
 
 from ._ops import ops
 
+# Mean listed keys per query row up to which the backward takes the two-pass (dQ-pass) kernels
+# when not asked to be deterministic; above it the atomic-dQ kernel is faster. On the H100 the
+# two-pass was faster at 2.7 and 5.1 listed blocks of 128 per row and the atomic one at 7.1-16.6
+# (benchmarks/RESULTS.md, "Forward max slack, and the final runs at ab2a73c").
+_TWO_PASS_MAX_KEYS_PER_ROW = 6 * 128
+
 BLOCK_SIZES = (64, 128)
 
 
@@ -76,6 +82,8 @@ class BlockSparseMask:
     The transposed index of the backward pass (``q_num_blocks [B|1, H|1, nKV]``,
     ``q_indices [B|1, H|1, nKV, nQ]``: the query blocks that list each key block) is built on
     the mask's device with torch ops (no host sync) the first time it is needed, then cached.
+    So is the mean number of listed keys per query row, which picks the backward's kernels
+    (see ``block_sparse_attn``); it is copied to the host asynchronously, without a sync.
     Values are checked by the op on CPU tensors; on CUDA, counts are clamped and out-of-range
     indices are skipped, and duplicate indices are the caller's responsibility.
     """
@@ -96,6 +104,8 @@ class BlockSparseMask:
         self.block_size = _block_size_pair(block_size)
         self.causal = bool(causal)
         self._transposed: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+        self._keys_per_row: Optional[float] = None
+        self._keys_probe: Optional[Tuple[torch.Tensor, torch.cuda.Event]] = None
 
     @classmethod
     def from_dense(cls, layout: torch.Tensor,
@@ -213,6 +223,34 @@ class BlockSparseMask:
             self._transposed = _dense_to_lists(self.to_dense().transpose(-1, -2))
         return self._transposed
 
+    def prefers_two_pass(self) -> bool:
+        """Whether the backward should take the two-pass kernels (dK/dV, then dQ without a
+        float32 accumulator) rather than atomic dQ: True while rows list at most
+        ``_TWO_PASS_MAX_KEYS_PER_ROW`` keys on average, and whenever that mean is not known yet.
+
+        On CUDA the first call starts the count and a non-blocking copy of it to pinned host
+        memory; a later call reads it once the copy has landed (an event query, no sync). Compiled
+        code uses a count known from an eager call, else True.
+        """
+        if self._keys_per_row is None:
+            counts = self.kv_num_blocks
+            if torch.compiler.is_compiling() or not counts.is_cuda or counts.numel() == 0:
+                return True
+            if self._keys_probe is None:
+                with torch.cuda.device(counts.device):
+                    total = torch.empty((), dtype=torch.int64, pin_memory=True)
+                    total.copy_(counts.sum(dtype=torch.int64), non_blocking=True)
+                    landed = torch.cuda.Event()
+                    landed.record()
+                self._keys_probe = (total, landed)
+                return True
+            total, landed = self._keys_probe
+            if not landed.query():
+                return True
+            self._keys_per_row = total.item() * self.block_size[1] / counts.numel()
+            self._keys_probe = None
+        return self._keys_per_row <= _TWO_PASS_MAX_KEYS_PER_ROW
+
     @property
     def q_num_blocks(self) -> torch.Tensor:
         """int32 ``[B|1, H|1, nKV]``, see ``transposed``."""
@@ -234,6 +272,7 @@ class BlockSparseMask:
                                self.block_size, causal=self.causal)
         if self._transposed is not None:
             mask._transposed = tuple(t.to(device) for t in self._transposed)
+        mask._keys_per_row = self._keys_per_row
         return mask
 
     def __repr__(self):
@@ -263,9 +302,12 @@ def block_sparse_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             ``block_mask.causal`` is set.
         softmax_scale: multiplies ``q @ k^T``; defaults to ``D ** -0.5``.
         return_lse: also return the float32 log-sum-exp ``[B, Hq, Lq]``.
-        deterministic: a bit-reproducible backward (as ``flash_attn``'s). On Hopper the
-            block-sparse backward is always the two-pass one (dq without atomics); elsewhere
-            the CUDA default may accumulate dq with atomics, whose order varies between runs.
+        deterministic: a bit-reproducible backward (as ``flash_attn``'s): the two-pass
+            kernels, dq without atomics. With ``False`` the CUDA backward still takes them while
+            the mask's rows list at most 768 keys on average (``BlockSparseMask.
+            prefers_two_pass``: also on a mask's first calls, before its count has reached the
+            host), and above that the kernel that adds dq with float32 atomics, whose order
+            varies between runs.
 
     Returns:
         ``out [B, Hq, Lq, D]`` (dtype of q), and ``lse`` when ``return_lse``. A row that sees no
@@ -286,7 +328,8 @@ def block_sparse_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 f"Lk = {k.shape[2]} need ceil(Lq / {bm}) x ceil(Lk / {bn}) = "
                 f"{need[0]} x {need[1]}")
     q_num_blocks, q_indices = block_mask.transposed()
+    two_pass = bool(deterministic) or block_mask.prefers_two_pass()
     out, lse = ops.block_sparse_attn(q, k, v, block_mask.kv_num_blocks, block_mask.kv_indices,
                                      q_num_blocks, q_indices, bm, bn, softmax_scale,
-                                     bool(causal) or block_mask.causal, bool(deterministic))
+                                     bool(causal) or block_mask.causal, two_pass)
     return (out, lse) if return_lse else out

@@ -328,6 +328,37 @@ def test_deterministic(device, dtype):
         assert torch.equal(a, b), f"{name} differs between two runs"
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("density,two_pass", [(0.1, True), (1.0, False)])
+def test_backward_choice_by_listed_keys(density, two_pass):
+    """The mask's mean listed keys per row (9 blocks of 128 at density 1, about 1 at 0.1) picks
+    the non-deterministic backward: two-pass up to 768 keys, atomic dQ above. The count reaches
+    the host without a sync; the first call of prefers_two_pass only starts it and answers True
+    (two-pass). Both backwards meet the low-precision bar."""
+    case = Case(b=2, hq=4, hkv=2, lq=1025, lk=1025, d=64, block=(128, 128), density=density,
+                causal=True)
+    q, k, v, mask, dout = make_inputs(case, torch.bfloat16, "cuda")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        assert mask.prefers_two_pass(), "the first call only starts the count"
+        adaattn.block_sparse_attn(q, k, v, mask, causal=True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert mask.prefers_two_pass() is two_pass
+    assert mask.to("cuda").prefers_two_pass() is two_pass, "to() keeps the count"
+    ours = run_ours(case, q, k, v, mask, dout)
+    ref64 = run_reference(case, q, k, v, mask, dout, torch.float64)
+    ref_low = run_reference(case, q, k, v, mask, dout, torch.bfloat16)
+    for name, a, lo, e in zip(NAMES, ours, ref_low, ref64):
+        assert_low_precision_rule(name, a, lo, e)
+
+
+def test_cpu_mask_prefers_two_pass():
+    mask = BlockSparseMask.from_dense(torch.ones(1, 1, 4, 4, dtype=torch.bool), 128)
+    assert mask.prefers_two_pass() and mask._keys_probe is None
+
+
 # --------------------------------------------------------------------------------------------
 # BlockSparseMask: BCSR form, transposed index, FlexAttention conversion
 # --------------------------------------------------------------------------------------------

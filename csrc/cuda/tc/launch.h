@@ -160,15 +160,15 @@ void launch_bwd_dq_sm90(const AttnParams& p) {
 }
 
 // Whether the Hopper backward takes two passes (dK/dV, then dQ without a float32 accumulator)
-// instead of atomic dQ: when asked to be deterministic, and for block-sparse masks, where the
-// accumulator's fixed traffic (zeroing it, reducing into it and converting it: 0.16 ms at B = 4,
-// H = 16, L = 4096, D = 128) outweighs the two products the dQ pass recomputes per listed block
-// (benchmarks/RESULTS.md, "two-pass backward").
+// instead of atomic dQ: when asked to be deterministic. block_sparse_attn asks for it also when
+// a mask's rows list few keys, where the accumulator's fixed traffic (zeroing it, reducing into
+// it and converting it: 0.16 ms at B = 4, H = 16, L = 4096, D = 128) outweighs the two products
+// the dQ pass recomputes per listed block (adaattn/block_sparse.py, prefers_two_pass).
 // ADAATTN_BWD_TWO_PASS=1 / =0 forces / disables it (A/B runs; read at every call).
 inline bool sm90_two_pass(const AttnParams& p) {
   const char* mode = std::getenv("ADAATTN_BWD_TWO_PASS");
   if (mode != nullptr) return mode[0] == '1';
-  return p.deterministic || p.block_kv_num != nullptr;
+  return p.deterministic;
 }
 
 // dK/dV/dQ. On Hopper (every compiled (D, Dv) pair): the two-pass wgmma kernels (the dQ pass
