@@ -40,7 +40,7 @@ def main() -> int:
     for name, (mask, flex_mask, fraction) in bbs.masks(args.length).items():
         if args.mask and name not in args.mask:
             continue
-        mask.transposed()
+        bbs.prime(mask)
         fns = {"adaattn": lambda q, k, v, m=mask: adaattn.block_sparse_attn(q, k, v, m,
                                                                            causal=True)}
         if not args.ncu:
