@@ -125,6 +125,15 @@ void launch_bwd_main(const AttnParams& p) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// flash_bwd_dq_convert_kernel over every query row.
+template <typename T, int DK, bool kSwizzled>
+void launch_dq_convert(const AttnParams& p, cudaStream_t stream) {
+  constexpr int kThreads = 256;
+  const int64_t items = row_items<false>(p) * (DK / 8);
+  flash_bwd_dq_convert_kernel<T, DK, kSwizzled>
+      <<<grid_size((items + kThreads - 1) / kThreads), kThreads, 0, stream>>>(p);
+}
+
 template <typename T, int DK, int DV>
 void run_flash_fwd(const AttnParams& p) {
   launch_fwd<T, DK, DV, SoftmaxVariant>(p);
@@ -208,10 +217,10 @@ void run_flash_bwd(const AttnParams& p_in) {
   }
   if (sm90) {
     if constexpr (kSm90Dims) launch_bwd_sm90<T, DK, DV, SoftmaxVariant>(p);
-    flash_bwd_dq_convert_kernel<T, DK, true><<<row_grid, kRowsPerBlock * 32, 0, stream>>>(p);
+    launch_dq_convert<T, DK, true>(p, stream);
   } else {
     if constexpr (FlashConfig<DV>::kAtomicDQ) launch_bwd_main<T, DK, DV, SoftmaxVariant, true>(p);
-    flash_bwd_dq_convert_kernel<T, DK, false><<<row_grid, kRowsPerBlock * 32, 0, stream>>>(p);
+    launch_dq_convert<T, DK, false>(p, stream);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -261,9 +270,7 @@ void run_lazy_bwd(const AttnParams& p_in) {
     accum = at::zeros({dq_accum_rows(p) * D}, f32);
     p.dq_accum = accum.data_ptr<float>();
     launch_bwd_sm90<T, D, D, LazyVariant>(p);
-    constexpr int kRowsPerBlock = 8;
-    const int row_grid = grid_size((row_items<false>(p) + kRowsPerBlock - 1) / kRowsPerBlock);
-    flash_bwd_dq_convert_kernel<T, D, true><<<row_grid, kRowsPerBlock * 32, 0, stream>>>(p);
+    launch_dq_convert<T, D, true>(p, stream);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   } else {
     launch_bwd_main<T, D, D, LazyVariant, false>(p);
