@@ -138,22 +138,24 @@ def _plan_from_gram(gram: torch.Tensor, exact: bool, energy: float, min_rank: in
     return RankPlan(vectors[..., :width].contiguous(), ranks, values)
 
 
-def _keeps_every_direction(gram: torch.Tensor, energy: float, min_rank: int,
-                           multiple: int) -> bool:
-    """True only if the plan of ``gram [B, Hkv, D, D]`` provably gives every head rank D.
+def _full_rank_flag(gram: torch.Tensor, energy: float, min_rank: int,
+                    multiple: int) -> Optional[torch.Tensor]:
+    """A bool scalar on ``gram``'s device, True only if the plan of ``gram [B, Hkv, D, D]``
+    provably gives every head rank D; ``None`` when every plan does (``energy = 1``, or
+    ``min_rank`` above the last bucket below D). Computed without a host synchronisation.
 
     A rank rounds up to D iff it exceeds ``c = multiple * floor((D - 1) / multiple)``, i.e. iff
     the top ``c`` eigenvalues hold less than ``energy`` of the trace, i.e. iff the bottom
     ``D - c`` hold more than ``1 - energy`` of it. That holds when every eigenvalue exceeds
     ``t = (1 - energy) * trace / (D - c)``, which a successful Cholesky factorisation of
-    ``G - t I`` proves (batched, one host sync). ``t`` carries a margin of ``8 D eps * trace``
-    for the factorisation's rounding (backward error ~ D eps ||G||, ||G|| <= trace). float32
-    Gram matrices take ``torch.ops.adaattn.shifted_cholesky_info`` (trace, shift and
-    factorisation in one kernel); float64 ones torch's ``cholesky_ex``."""
+    ``G - t I`` proves (batched). ``t`` carries a margin of ``8 D eps * trace`` for the
+    factorisation's rounding (backward error ~ D eps ||G||, ||G|| <= trace). float32 Gram
+    matrices take ``torch.ops.adaattn.shifted_cholesky_info`` (trace, shift and factorisation in
+    one kernel); float64 ones torch's ``cholesky_ex``."""
     dim = gram.shape[-1]
     cut = multiple * ((dim - 1) // multiple)
     if energy >= 1.0 or min_rank > cut:
-        return True
+        return None
     rel_shift = (1.0 - energy) / (dim - cut) + 8 * dim * torch.finfo(gram.dtype).eps
     if gram.dtype == torch.float32:
         info = torch.ops.adaattn.shifted_cholesky_info(gram.reshape(-1, dim, dim).contiguous(),
@@ -162,7 +164,26 @@ def _keeps_every_direction(gram: torch.Tensor, energy: float, min_rank: int,
         shift = rel_shift * gram.diagonal(dim1=-2, dim2=-1).sum(-1)
         eye = torch.eye(dim, dtype=gram.dtype, device=gram.device)
         info = torch.linalg.cholesky_ex(gram - shift[..., None, None] * eye).info
-    return not bool(info.any().item())
+    return (info == 0).all()
+
+
+def _gated_flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, flag: torch.Tensor,
+                      causal: bool, softmax_scale: Optional[float]) -> Tuple[torch.Tensor, bool]:
+    """``(flash_attn(q, k, v), bool(flag))`` for a CUDA bool scalar ``flag``, with the attention
+    queued before the host reads the flag: it is gated through ``seqlens``, the full length
+    when ``flag`` holds (every row and key attends, the same result as without seqlens) and 0
+    when not (every row is padding: the kernels only write zeros, an output the caller drops).
+    The flag travels to pinned memory and is read once it has landed, while flash runs."""
+    with torch.no_grad():
+        host_flag = torch.empty((), dtype=torch.bool, pin_memory=True)
+        host_flag.copy_(flag, non_blocking=True)
+        landed = torch.cuda.Event()
+        landed.record()
+        gate = (flag.to(torch.int32) * max(q.shape[2], k.shape[2])).expand(q.shape[0])
+    out = flash_attn(q, k, v, causal=causal, softmax_scale=softmax_scale,
+                     seqlens=gate.contiguous())
+    landed.synchronize()
+    return out, bool(host_flag)
 
 
 @torch.no_grad()
@@ -239,7 +260,9 @@ def adaptive_rank_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     projecting onto a full orthonormal basis changes nothing but the cost. Full-rank inputs are
     recognised before the eigendecomposition (a Cholesky factorisation of the shifted Gram
     matrix proves every eigenvalue large enough that each head's rank rounds up to D), so they
-    cost the Gram matrices, the factorisation and one host sync on top of flash_attn.
+    cost the Gram matrices and the factorisation on top of flash_attn; on CUDA, flash_attn is
+    queued before the host reads the certificate (see :func:`_gated_flash_attn`), so the GPU
+    does not wait for the host in between.
 
     Args:
         q: ``[B, Hq, Lq, D]``; k: ``[B, Hkv, Lk, D]``; v: ``[B, Hkv, Lk, Dv]``.
@@ -254,10 +277,19 @@ def adaptive_rank_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     with torch.no_grad():
         group = _check_plan_args(q, k, energy, min_rank, multiple)
         gram, exact = _plan_gram(q.detach(), k.detach(), group)
-        # Full-rank inputs skip the eigendecomposition: the plan would keep every direction.
-        full = not return_plan and _keeps_every_direction(gram, energy, min_rank, multiple)
-        plan = None if full else _plan_from_gram(gram, exact, energy, min_rank, multiple)
-    if full or plan.basis.shape[-1] == q.shape[-1]:
+        full = None if return_plan else _full_rank_flag(gram, energy, min_rank, multiple)
+    if not return_plan:
+        if full is None:
+            return flash_attn(q, k, v, causal=causal, softmax_scale=softmax_scale)
+        if q.is_cuda:
+            out, certified = _gated_flash_attn(q, k, v, full, causal, softmax_scale)
+            if certified:
+                return out
+        elif bool(full):
+            return flash_attn(q, k, v, causal=causal, softmax_scale=softmax_scale)
+    with torch.no_grad():
+        plan = _plan_from_gram(gram, exact, energy, min_rank, multiple)
+    if plan.basis.shape[-1] == q.shape[-1]:
         out = flash_attn(q, k, v, causal=causal, softmax_scale=softmax_scale)
     else:
         out = low_rank_attn(q, k, v, plan.basis, causal=causal, softmax_scale=softmax_scale)
