@@ -202,55 +202,36 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_fwd_sm90_kernel(con
         online_softmax<true>(s, row_max, row_sum, corr,
                              p.scale_log2 > 0.f ? p.scale_log2 : 1.f, kMaxSlack);
       };
-      // The loop is rotated: an iteration ends with the softmax of S_i while O += P_{i-1}
-      // V_{i-1} is in flight, and the next one starts by waiting for that product. ptxas
-      // moves a wgmma wait to the top of its basic block: with the wait after the softmax in
-      // one block, the softmax ran after the product (SASS; in the 32-wide forward that wait
-      // held 8% of the warps' stall samples). The back edge keeps them apart. Same-build A/B
-      // on the H100 (B=4, H=16, L=4k, three rounds): flash D=128 0.93-0.96 -> 0.89-0.92 ms,
-      // low-rank R=32 0.84-0.87 -> 0.79-0.85 ms; a 64-key tile for R=32 was slower (1.04).
       uint32_t pa[1][NT / 2][4];
-      float s[1][NT][4];
-      float corr[1][2] = {{1.f, 1.f}};
-      auto rescale_o = [&] {
+      {
+        wait_full(0);
+        float s[1][NT][4];
+        issue_scores(s, 0);
+        sm90::wgmma_wait<0>(s[0]);
+        release(0);
+        float corr[1][2];  // O is still 0
+        softmax_scores(s, tiles.at(0) * BN, corr);
+        to_a_frags<1, NT, T>(s, pa);
+      }
+      for (int i = 1; i < tiles.count; ++i) {
+        wait_full(i);
+        float s[1][NT][4];
+        issue_scores(s, i % 2);
+        issue_pv(pa[0], (i - 1) % 2);
+        sm90::wgmma_wait<1>(s[0]);
+        float corr[1][2];
+        softmax_scores(s, tiles.at(i) * BN, corr);
+        sm90::wgmma_wait<0>(o[0]);
+        sm90::fence_operand(pa[0]);  // P_{i-1} stays intact until its product has read it
+        release(i);
         if (corr[0][0] != 1.f || corr[0][1] != 1.f) {  // a max moved past the slack
 #pragma unroll
           for (int di = 0; di < DT; ++di)
 #pragma unroll
             for (int e = 0; e < 4; ++e) o[0][di][e] *= corr[0][e >> 1];
         }
-      };
-      // S_i goes out, then O += P_{i-1} V_{i-1}; the softmax of S_i runs during the product.
-      auto issue_and_softmax = [&](int i) {
-        wait_full(i);
-        issue_scores(s, i % 2);
-        issue_pv(pa[0], (i - 1) % 2);
-        sm90::wgmma_wait<1>(s[0]);
-        softmax_scores(s, tiles.at(i) * BN, corr);
-      };
-      // P_{i-1}'s product has landed: its stage is free, O takes the rescale of S_i's max.
-      auto finish_product = [&](int i) {
-        sm90::wgmma_wait<0>(o[0]);
-        sm90::fence_operand(pa[0]);  // P_{i-1} stays intact until its product has read it
-        release(i);
-        rescale_o();
-      };
-      wait_full(0);
-      issue_scores(s, 0);
-      sm90::wgmma_wait<0>(s[0]);
-      release(0);
-      softmax_scores(s, tiles.at(0) * BN, corr);  // O is still 0: no rescale
-      if (tiles.count > 1) {
         to_a_frags<1, NT, T>(s, pa);
-        issue_and_softmax(1);
-        for (int i = 2; i < tiles.count; ++i) {
-          finish_product(i - 1);
-          to_a_frags<1, NT, T>(s, pa);
-          issue_and_softmax(i);
-        }
-        finish_product(tiles.count - 1);
       }
-      to_a_frags<1, NT, T>(s, pa);
       wait_full(tiles.count);
       issue_pv(pa[0], (tiles.count - 1) % 2);
       sm90::wgmma_wait<0>(o[0]);
