@@ -41,8 +41,10 @@ struct Sm90FwdTraits {
 // are done with it, which lets group j + 2 in. The producer gives its registers to the consumers
 // (setmaxnreg).
 // * Softmax variants: group g holds K_g and V_{g-1} (group 0: Q and K_0). Iteration i issues S_i
-//   and then O += P_{i-1} V_{i-1}, and runs the softmax of S_i while the P V product is on the
-//   tensor cores; O is rescaled once that product has landed.
+//   and then O += P_{i-1} V_{i-1}, then the softmax of S_i, and rescales O once that product
+//   has landed. ptxas moves the product's wait above the softmax (SASS), so within a
+//   warpgroup they do not overlap; a rotated loop that keeps them apart was 1-5% faster on
+//   dense rows and 3-5% slower on masked ones (benchmarks/RESULTS.md, "Issue #6 work").
 // * Elastic softmax (lazy attention; kStats: the weight pass counts into p.stats, a separate
 //   instantiation): groups 0..n-1 hold K_i for the lse pass, whose S_{i+1} is issued before
 //   the softmax of S_i; groups n..2n-1 hold K_i and V_i for the weight pass, which skips the
