@@ -649,8 +649,8 @@ __global__ void __launch_bounds__(KVTraits::kThreads)
   }
 }
 
-// Atomic dQ, last step: dq = scale * dq_accum in T (rows in lse order). kSwizzled: the accumulator rows are stored permuted by dq_swizzle (the Hopper
-// backward).
+// Atomic dQ, last step: dq = scale * dq_accum in T (rows in lse order). kSwizzled: the
+// accumulator rows are stored permuted by dq_swizzle (the Hopper backward).
 template <typename T, int DK, bool kSwizzled>
 __global__ void flash_bwd_dq_convert_kernel(const AttnParams p) {
   // One thread per 8 columns of a row (two 16-byte loads, one 16-byte store), so that narrow
