@@ -45,6 +45,11 @@ struct Sm90FwdTraits {
 //   has landed. ptxas moves the product's wait above the softmax (SASS), so within a
 //   warpgroup they do not overlap; a rotated loop that keeps them apart was 1-5% faster on
 //   dense rows and 3-5% slower on masked ones (benchmarks/RESULTS.md, "Issue #6 work").
+//   The two warpgroups take turns issuing their products (ping-pong, named barriers 4 and 5),
+//   so that one's softmax runs under the other's products. Same-build A/B on the H100 (4
+//   rounds): flash D=128 0.954 -> 0.897 ms, D=64 0.844 -> 0.773, causal 0.576 -> 0.556,
+//   block-sparse rows 1-3% faster, the 32-wide low-rank forward unchanged (0.853 -> 0.850: its
+//   products are too short to cover a softmax). With the rotated loop as well it was slower.
 // * Elastic softmax (lazy attention; kStats: the weight pass counts into p.stats, a separate
 //   instantiation): groups 0..n-1 hold K_i for the lse pass, whose S_{i+1} is issued before
 //   the softmax of S_i; groups n..2n-1 hold K_i and V_i for the weight pass, which skips the
@@ -66,6 +71,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_fwd_sm90_kernel(con
   // Named barrier after the mainloop: every consumer is done with Q and K (1 and 2 are
   // warpgroup_any's).
   constexpr int kOutputBarrier = 3;
+  // Named barriers 4 + wg: warpgroup wg's turn to issue its products (softmax mainloop).
+  constexpr int kTurnBarrier = 4;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ uint64_t full[Traits::kStages], empty[Traits::kStages];
   // The 128-byte swizzle is a function of address bits 4-9: tiles start 1024-byte aligned.
@@ -204,11 +211,19 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_fwd_sm90_kernel(con
         online_softmax<true>(s, row_max, row_sum, corr,
                              p.scale_log2 > 0.f ? p.scale_log2 : 1.f, kMaxSlack);
       };
+      // Turns (FA3's ping-pong; without them both warpgroups wait on the same loads and run
+      // their softmaxes at once). Warpgroup 1 gives warpgroup 0 the first turn and passes none
+      // after its last product, so that every arrival is consumed.
+      auto take_turn = [&] { sm90::named_sync(kTurnBarrier + wg, kConsumerThreads); };
+      auto pass_turn = [&] { sm90::named_arrive(kTurnBarrier + 1 - wg, kConsumerThreads); };
+      if (wg == 1) pass_turn();
       uint32_t pa[1][NT / 2][4];
       {
         wait_full(0);
         float s[1][NT][4];
+        take_turn();
         issue_scores(s, 0);
+        pass_turn();
         sm90::wgmma_wait<0>(s[0]);
         release(0);
         float corr[1][2];  // O is still 0
@@ -218,8 +233,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_fwd_sm90_kernel(con
       for (int i = 1; i < tiles.count; ++i) {
         wait_full(i);
         float s[1][NT][4];
+        take_turn();
         issue_scores(s, i % 2);
         issue_pv(pa[0], (i - 1) % 2);
+        pass_turn();
         sm90::wgmma_wait<1>(s[0]);
         float corr[1][2];
         softmax_scores(s, tiles.at(i) * BN, corr);
@@ -235,7 +252,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_fwd_sm90_kernel(con
         to_a_frags<1, NT, T>(s, pa);
       }
       wait_full(tiles.count);
+      take_turn();
       issue_pv(pa[0], (tiles.count - 1) % 2);
+      if (wg == 0) pass_turn();
       sm90::wgmma_wait<0>(o[0]);
       sm90::fence_operand(pa[0]);
     };

@@ -244,6 +244,14 @@ __device__ __forceinline__ void named_sync(int id, int threads) {
 #endif
 }
 
+// Arrives at named barrier `id` over `threads` threads (bar.arrive) without waiting: the
+// producer side of a named_sync.
+__device__ __forceinline__ void named_arrive(int id, int threads) {
+#ifdef ADAATTN_SM90A_DEVICE
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+#endif
+}
+
 // Whether pred holds for any thread of warpgroup wg (all 128 threads must call it): a reduction
 // on named barrier 1 + wg, which __syncthreads (barrier 0) never uses.
 __device__ __forceinline__ bool warpgroup_any(bool pred, int wg) {
