@@ -48,7 +48,7 @@ struct Sm90FwdTraits {
 //   The two warpgroups take turns issuing their products (ping-pong, named barriers 4 and 5),
 //   so that one's softmax runs under the other's products. Same-build A/B on the H100 (4
 //   rounds): flash D=128 0.954 -> 0.897 ms, D=64 0.844 -> 0.773, causal 0.576 -> 0.556,
-//   block-sparse rows 1-3% faster, the 32-wide low-rank forward unchanged (0.853 -> 0.850: its
+//   block-sparse rows 1-4% faster, the 32-wide low-rank forward unchanged (0.853 -> 0.850: its
 //   products are too short to cover a softmax). With the rotated loop as well it was slower.
 // * Elastic softmax (lazy attention; kStats: the weight pass counts into p.stats, a separate
 //   instantiation): groups 0..n-1 hold K_i for the lse pass, whose S_{i+1} is issued before
