@@ -1,8 +1,9 @@
 // Hopper backward of the flash family (softmax variant, dQ by atomic bulk reductions; Dv in
 // {64, 128}, D = Dv or, for low-rank scores, D in {32, 64} below it):
 // the dK/dV pass of flash_bwd_kernel.h on warpgroup MMAs. A CTA owns 128 keys of one (batch,
-// kv head), 64 per warpgroup, and walks the query tiles (64 rows, every query head of its GQA
-// group) that meet them, with Q and dO double-buffered through cp.async. Per step and warpgroup:
+// kv head), 64 per warpgroup (or 64 keys and one warpgroup, two CTAs per SM: Sm90BwdTraits),
+// and walks the query tiles (64 rows, every query head of its GQA group) that meet them, with
+// Q and dO double-buffered through cp.async. Per step and warpgroup:
 //   S^T = K Q^T, dP^T = V dO^T        (both operands in shared memory)
 //   P^T, dS^T = P^T (dP^T - Delta)    (registers: the accumulator rows are keys)
 //   dV += P^T dO, dK += dS^T Q        (P^T, dS^T as register A operands; dO, Q read transposed)
@@ -34,12 +35,17 @@ namespace tc {
 // Query rows per step of the Hopper backward (the tile its dQ reductions add).
 constexpr int kSm90BwdBlockM = 64;
 
-template <typename T, int DK, int DV, bool kElastic = false, bool kWithDq = true>
+template <typename T, int DK, int DV, bool kElastic = false, bool kWithDq = true,
+          int kWarpgroupCount = 2>
 struct Sm90BwdTraits {
   // kWithDq = false: the dK/dV pass of the two-pass backward (flash_bwd_dq_sm90.h adds dQ).
   static constexpr bool kDq = kWithDq;
-  static constexpr int kThreads = 256;
-  static constexpr int kBlockN = 128;  // keys per CTA
+  // Warpgroups per CTA, 64 keys each. With one, two CTAs share an SM (kMinBlocks) and their
+  // steps are not tied together by CTA barriers (sm90_bwd_warpgroups says where that pays).
+  static constexpr int kWarpgroups = kWarpgroupCount;
+  static constexpr int kMinBlocks = kWarpgroups == 1 ? 2 : 1;
+  static constexpr int kThreads = 128 * kWarpgroups;
+  static constexpr int kBlockN = 64 * kWarpgroups;  // keys per CTA
   static constexpr int kBlockM = kSm90BwdBlockM;  // queries per step
   static constexpr int kKElems = kBlockN * DK;
   static constexpr int kVElems = kBlockN * DV;
@@ -54,7 +60,7 @@ struct Sm90BwdTraits {
   // The step's fp32 dQ rows, staged for the bulk reductions: at DK = 128 one [BM][DK] tile (the
   // two warpgroups' column halves), at DK <= 64 one [BM][DK] tile per warpgroup. Rows are
   // stored as the accumulator holds them (dq_swizzle), so that a tile is one contiguous copy.
-  static constexpr int kDqStageFloats = kDq ? 2 * kBlockM * kDqCols : 0;
+  static constexpr int kDqStageFloats = kDq ? kWarpgroups * kBlockM * kDqCols : 0;
   // K, V, two stages of Q and dO, dS^T, then lse and delta (elastic: and shift) of both stages,
   // (elastic) the fp32 dS^T staging tile and the dQ staging tiles; 1024 bytes of slack to align
   // the swizzled tiles.
@@ -69,10 +75,13 @@ struct Sm90BwdTraits {
   static_assert((DK == 32 || DK == 64 || DK == 128) && (DV == 64 || DV == 128) && DK <= DV,
                 "the Hopper backward takes Dv in {64, 128} and D in {32, 64, 128}, D <= Dv");
   static_assert(kDq || !kElastic, "lazy attention accumulates dQ in the dK/dV pass");
+  static_assert(kWarpgroups == 2 || (kWarpgroups == 1 && !kDqSplitCols && !kElastic),
+                "one warpgroup per CTA: D <= 64 and the softmax only");
 };
 
 template <typename Traits, typename T, int DK, int DV, typename Variant>
-__global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_sm90_kernel(const AttnParams p) {
+__global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
+    flash_bwd_sm90_kernel(const AttnParams p) {
 #ifdef ADAATTN_SM90A_DEVICE
   constexpr bool kElastic = Variant::kElastic;
   static_assert(!kElastic || DK == DV, "lazy attention has one head dim");
