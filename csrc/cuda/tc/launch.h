@@ -173,16 +173,17 @@ void launch_bwd_dq_sm90(const AttnParams& p) {
 }
 
 // Warpgroups per CTA of the Hopper backward with atomic dQ. One (64-key CTAs, two per SM) where
-// the query/key width is below the value width, i.e. the narrow scores of low_rank_attn: there a
-// step's products are short, and its dependent chain (products, exponentials, the dS^T barrier,
-// the dQ product) leaves the SM idle in a way a second, independent CTA fills, while one CTA of
-// more warpgroups keeps them in step. Same-build A/B on the H100 (bf16, B = 4, H = 16,
-// L = 4096, Dv = 128, low_rank_attn fwd+bwd, medians of 4 rounds): R = 32 3.427 -> 3.123 ms,
-// causal 2.003 -> 1.901 ms; R = 64 3.765 -> 3.738 (noise); a 192-key CTA of three warpgroups at
-// R = 32 (one CTA per SM, spilling at 168 registers) 3.433 -> 3.382.
+// a step's products are short: the narrow scores of low_rank_attn (query/key width below the
+// value width) and D = 64. There a step's dependent chain (products, exponentials, the dS^T
+// barrier, the dQ product) leaves the SM idle in a way a second, independent CTA fills, while
+// one CTA of more warpgroups keeps them in step. Same-build A/Bs on the H100 (bf16, medians of
+// 4 rounds, fwd+bwd): low_rank_attn (B = 4, H = 16, L = 4096, Dv = 128) R = 32 3.427 -> 3.123
+// ms, causal 2.003 -> 1.901 ms; R = 64 3.765 -> 3.738 (noise); flash D = 64 (B = 4, H = 32,
+// L = 4096) 6.060 / 5.918 -> 5.790 ms, causal 3.285 / 3.287 -> 3.177 ms. A 192-key CTA of three
+// warpgroups at R = 32 (one CTA per SM, spilling at 168 registers): 3.433 -> 3.382.
 template <int DK, int DV>
 constexpr int sm90_bwd_warpgroups() {
-  return DK < DV ? 1 : 2;
+  return DK < DV || DK == 64 ? 1 : 2;
 }
 
 // Whether the Hopper backward takes two passes (dK/dV, then dQ without a float32 accumulator)
