@@ -179,8 +179,9 @@ void launch_bwd_dq_sm90(const AttnParams& p) {
 // one CTA of more warpgroups keeps them in step. Same-build A/Bs on the H100 (bf16, medians of
 // 4 rounds, fwd+bwd): low_rank_attn (B = 4, H = 16, L = 4096, Dv = 128) R = 32 3.427 -> 3.123
 // ms, causal 2.003 -> 1.901 ms; R = 64 3.765 -> 3.738 (noise); flash D = 64 (B = 4, H = 32,
-// L = 4096) 6.060 / 5.918 -> 5.790 ms, causal 3.285 / 3.287 -> 3.177 ms. A 192-key CTA of three
-// warpgroups at R = 32 (one CTA per SM, spilling at 168 registers): 3.433 -> 3.382.
+// L = 4096, 4 alternating rounds) 5.99-6.15 -> 5.74-5.79 ms, causal 3.54-3.59 -> 3.30-3.37 ms.
+// A 192-key CTA of three warpgroups at R = 32 (one CTA per SM, spilling at 168 registers):
+// 3.433 -> 3.382.
 template <int DK, int DV>
 constexpr int sm90_bwd_warpgroups() {
   return DK < DV || DK == 64 ? 1 : 2;
