@@ -23,8 +23,10 @@ namespace {
 int64_t projected_width(const at::Tensor& q, int64_t rank, int64_t dim_v) {
 #ifdef ADAATTN_WITH_CUDA
   if (q.is_cuda() && (q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16)) {
+    // flash_attn zero-pads Dv to its kernel's; the scores' width R' must be a kernel's own.
     for (const int width : {32, 64, 128}) {
-      if (width >= rank && tc_supports_head_dims(width, static_cast<int>(dim_v))) return width;
+      const int kernel_width = tc_kernel_head_dims(width, static_cast<int>(dim_v), false).first;
+      if (width >= rank && kernel_width == width) return width;
     }
     TORCH_CHECK(false, "adaattn: low_rank_attn has no tensor-core kernel for rank R = ", rank,
                 " with value head dim Dv = ", dim_v, "; supported (R padded, Dv): ",

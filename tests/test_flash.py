@@ -287,16 +287,29 @@ def test_low_precision_cuda_sm80_kernels(case, dtype, monkeypatch):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", LOW_PRECISION, ids=str)
-@pytest.mark.parametrize("d", [32, 80, 96, 256])
-def test_low_precision_cuda_other_head_dims(d, dtype):
-    """Spec §1: tensor-core head dims beyond {64, 128} either work (and meet the rule) or are
-    refused with a RuntimeError naming the supported set (D = 80 is the usual refusal)."""
-    case = Case(b=2, hq=4, hkv=2, lq=97, lk=128, d=d, causal=True)
-    try:
-        _check_low_precision(case, dtype, "cuda")
-    except RuntimeError as e:
-        msg = str(e)
-        assert "head dim" in msg and "supported" in msg and "64" in msg and "128" in msg, msg
+@pytest.mark.parametrize("case", [
+    Case(b=2, hq=4, hkv=2, lq=97, lk=128, d=32, causal=True),
+    Case(b=2, hq=4, hkv=2, lq=97, lk=128, d=80, causal=True),
+    Case(b=2, hq=4, hkv=2, lq=97, lk=128, d=96, causal=True),
+    Case(b=2, hq=8, hkv=1, lq=1025, lk=1000, d=96, window=(100, 30), transposed=True),
+    Case(b=2, hq=4, hkv=4, lq=17, lk=300, d=48, seqlens=(0, 12)),
+    Case(b=1, hq=2, hkv=1, lq=1000, lk=1025, d=8, causal=True, scale=0.3),
+], ids=str)
+def test_low_precision_cuda_padded_head_dims(case, dtype):
+    """Spec §1: head dims <= 128 without a kernel of their own run zero-padded to the next
+    compiled one (D = 32 on (32, 64), D = 96 on (128, 128), ...) and meet the same rule; the
+    default scale stays D^-1/2 of the caller's D, and the outputs and gradients keep their D."""
+    _check_low_precision(case, dtype, "cuda")
+    _check_low_precision(case, dtype, "cuda", deterministic=True)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("d", [160, 256])
+def test_cuda_head_dims_past_the_kernels_refused(d):
+    """D > 128 has no tensor-core kernel to pad to: a RuntimeError names the supported set."""
+    q = torch.randn(1, 2, 8, d, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"head dims.*supported.*\(64, 64\), \(128, 128\)"):
+        adaattn.flash_attn(q, q, q)
 
 
 @pytest.mark.cuda

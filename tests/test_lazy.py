@@ -350,15 +350,17 @@ def test_low_precision_cuda_sm80_kernels(case, dtype, monkeypatch):
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", LOW_PRECISION, ids=str)
 @pytest.mark.parametrize("d", [32, 96])
-def test_low_precision_cuda_other_head_dims(d, dtype):
-    """Tensor-core head dims beyond {64, 128} either work (and meet the rule) or are refused with
-    a RuntimeError naming the supported set (spec §1)."""
-    case = Case(b=2, hq=4, hkv=2, lq=97, lk=128, d=d, w=7, tau=-1.0)
-    try:
-        _check_low_precision(case, dtype, "cuda")
-    except RuntimeError as e:
-        msg = str(e)
-        assert "head dim" in msg and "supported" in msg and "64" in msg and "128" in msg, msg
+def test_low_precision_cuda_padded_head_dims(d, dtype):
+    """Head dims without a lazy kernel of their own run zero-padded to (64, 64) or (128, 128)
+    and meet the same rule, tau and bias gradients included (spec §1)."""
+    _check_low_precision(Case(b=2, hq=4, hkv=2, lq=97, lk=128, d=d, w=7, tau=-1.0), dtype, "cuda")
+
+
+@pytest.mark.cuda
+def test_cuda_head_dims_past_the_kernels_refused():
+    q = torch.randn(1, 2, 8, 160, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"head dims.*supported"):
+        adaattn.lazy_attn(q, q, q, torch.zeros(2, device="cuda"), torch.zeros(2, 4, device="cuda"))
 
 
 # --------------------------------------------------------------------------------------------

@@ -238,7 +238,7 @@ def test_gradcheck_flash_value_dim(device, causal):
 
 @pytest.mark.parametrize("device", CUDA)
 @pytest.mark.parametrize("dtype", LOW_PRECISION)
-@pytest.mark.parametrize("dims", [(32, 64), (32, 128), (64, 128)])
+@pytest.mark.parametrize("dims", [(32, 64), (32, 128), (64, 128), (64, 32), (96, 64), (20, 100)])
 @pytest.mark.parametrize("shape", [(97, 128, False), (1000, 1025, True), (1, 17, True)])
 def test_flash_value_dim_low_precision(device, dtype, dims, shape):
     dim, dim_v = dims
@@ -261,7 +261,7 @@ def test_flash_value_dim_low_precision(device, dtype, dims, shape):
 def test_flash_unsupported_value_dim_on_tensor_cores(device):
     q = torch.randn(1, 2, 8, 64, device=device, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match=r"\(D, Dv\)"):
-        adaattn.flash_attn(q, q, torch.randn(1, 2, 8, 32, device=device, dtype=torch.bfloat16))
+        adaattn.flash_attn(q, q, torch.randn(1, 2, 8, 160, device=device, dtype=torch.bfloat16))
 
 
 def test_lazy_rejects_value_dim():

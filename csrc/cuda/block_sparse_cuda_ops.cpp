@@ -33,25 +33,25 @@ std::tuple<at::Tensor, at::Tensor> block_sparse_fwd_cuda_op(
     int64_t block_n, std::optional<double> softmax_scale, bool causal) {
   BlockSparseMaskTensors mask{kv_num_blocks, kv_indices, {}, {}};
   check_block_sparse_inputs(q_in, k_in, v_in, mask, block_m, block_n);
-  check_cuda_head_dims(q_in, v_in);
+  const TcLayout layout = tc_layout(q_in, v_in, /*lazy=*/false);
   check_cuda_block_size(q_in, block_m, block_n);
   mask = contiguous_mask(mask);
-  const bool tc = use_tensor_cores(q_in.scalar_type()) && q_in.numel() > 0 && k_in.numel() > 0;
-  const at::Tensor q = tc ? tc_aligned(q_in) : q_in;
-  const at::Tensor k = tc ? tc_aligned(k_in) : k_in;
-  const at::Tensor v = tc ? tc_aligned(v_in) : v_in;
+  const at::Tensor q = layout.qk(q_in);
+  const at::Tensor k = layout.qk(k_in);
+  const at::Tensor v = layout.vo(v_in);
   const c10::cuda::CUDAGuard guard(q.device());
   at::Tensor out = at::empty(out_shape(q, v), q.options());
   at::Tensor lse = at::empty(lse_shape(q, false), q.options().dtype(at::kFloat));
-  if (q.numel() == 0) return {out, lse};
-  AttnParams p = make_block_sparse_params(q, k, v, mask, block_m, block_n, softmax_scale, causal);
+  if (q.numel() == 0) return {layout.crop(out, layout.head_dim_v), lse};
+  AttnParams p = make_block_sparse_params(q, k, v, mask, block_m, block_n,
+                                          layout.scale(softmax_scale), causal);
   set_fwd_outputs(p, out, lse);
   if (use_tensor_cores(q.scalar_type())) {
     flash_fwd_tc_cuda(p, q.scalar_type());
   } else {
     flash_fwd_exact_cuda(p, q.scalar_type());
   }
-  return {out, lse};
+  return {layout.crop(out, layout.head_dim_v), lse};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> block_sparse_bwd_cuda_op(
@@ -63,15 +63,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_sparse_bwd_cuda_op(
   BlockSparseMaskTensors mask{kv_num_blocks, kv_indices, q_num_blocks, q_indices};
   check_block_sparse_inputs(q_in, k_in, v_in, mask, block_m, block_n);
   check_flash_bwd_inputs(dout_in, q_in, v_in, out_in, lse, /*packed=*/false);
-  check_cuda_head_dims(q_in, v_in);
+  const TcLayout layout = tc_layout(q_in, v_in, /*lazy=*/false);
   check_cuda_block_size(q_in, block_m, block_n);
   mask = contiguous_mask(mask);
-  const bool tc = use_tensor_cores(q_in.scalar_type()) && q_in.numel() > 0 && k_in.numel() > 0;
-  const at::Tensor q = tc ? tc_aligned(q_in) : q_in;
-  const at::Tensor k = tc ? tc_aligned(k_in) : k_in;
-  const at::Tensor v = tc ? tc_aligned(v_in) : v_in;
-  const at::Tensor out = tc ? tc_aligned(out_in) : out_in;
-  const at::Tensor dout = tc ? tc_aligned(dout_in) : dout_in;
+  const at::Tensor q = layout.qk(q_in);
+  const at::Tensor k = layout.qk(k_in);
+  const at::Tensor v = layout.vo(v_in);
+  const at::Tensor out = layout.vo(out_in);
+  const at::Tensor dout = layout.vo(dout_in);
   const c10::cuda::CUDAGuard guard(q.device());
   at::Tensor dq = at::empty(q.sizes(), q.options());
   at::Tensor dk = at::empty(k.sizes(), k.options());
@@ -80,10 +79,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_sparse_bwd_cuda_op(
     dq.zero_();
     dk.zero_();
     dv.zero_();
-    return {dq, dk, dv};
+    return {layout.crop(dq, layout.head_dim), layout.crop(dk, layout.head_dim),
+            layout.crop(dv, layout.head_dim_v)};
   }
   at::Tensor delta = at::empty(lse.sizes(), lse.options());
-  AttnParams p = make_block_sparse_params(q, k, v, mask, block_m, block_n, softmax_scale, causal);
+  AttnParams p = make_block_sparse_params(q, k, v, mask, block_m, block_n,
+                                          layout.scale(softmax_scale), causal);
   p.deterministic = deterministic;  // else dQ may be accumulated with atomics
   set_bwd_tensors(p, dout, out, lse, dq, dk, dv, delta);
   if (use_tensor_cores(q.scalar_type())) {
@@ -91,7 +92,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_sparse_bwd_cuda_op(
   } else {
     flash_bwd_exact_cuda(p, q.scalar_type());
   }
-  return {dq, dk, dv};
+  return {layout.crop(dq, layout.head_dim), layout.crop(dk, layout.head_dim),
+          layout.crop(dv, layout.head_dim_v)};
 }
 
 }  // namespace

@@ -1,10 +1,13 @@
-// Input preparation shared by the CUDA op registrations: which path a dtype takes, alignment of
-// tensor-core operands and the head-dim check.
+// Input preparation shared by the CUDA op registrations: which path a dtype takes, alignment and
+// head-dim padding of tensor-core operands, and the head-dim check.
 #pragma once
 
 #include <ATen/ATen.h>
 
+#include <cmath>
 #include <cstdint>
+#include <optional>
+#include <utility>
 
 #include "../flash_api.h"
 
@@ -28,13 +31,51 @@ inline at::Tensor tc_aligned(const at::Tensor& t) {
   return ok(c) ? c : c.clone();
 }
 
-inline void check_cuda_head_dims(const at::Tensor& q, const at::Tensor& v) {
-  if (use_tensor_cores(q.scalar_type())) {
-    TORCH_CHECK(tc_supports_head_dims(static_cast<int>(q.size(-1)), static_cast<int>(v.size(-1))),
-                "adaattn: head dims D = q.size(-1) = ", q.size(-1), ", Dv = v.size(-1) = ",
-                v.size(-1), " are not supported for ", q.scalar_type(), " on CUDA; supported ",
-                "(D, Dv): ", tc_head_dims(), " (float32/float64 accept any D, Dv <= 256)");
+// How one call's operands reach the kernels. fp16/bf16 go to the tensor cores: q, k (width D)
+// and v, out, dout (width Dv) aligned for cp.async and, where (D, Dv) has no kernel of its own,
+// zero-padded to the compiled pair that covers it (tc_kernel_head_dims). Zero columns add
+// nothing to q.k or to P V, so the padded call computes the same scores and, in its first Dv
+// columns, the same output; crop() drops the padding of outputs and gradients. fp32/fp64
+// operands pass through unchanged.
+struct TcLayout {
+  bool tc;
+  int64_t head_dim, head_dim_v;      // the caller's D, Dv
+  int64_t kernel_dim, kernel_dim_v;  // the kernel's, >= the caller's
+
+  at::Tensor qk(const at::Tensor& t) const { return operand(t, kernel_dim); }
+  at::Tensor vo(const at::Tensor& t) const { return operand(t, kernel_dim_v); }
+  // An output of kernel width back to the caller's (contiguous, like the op's fake kernel).
+  at::Tensor crop(const at::Tensor& t, int64_t width) const {
+    return t.size(-1) == width ? t : t.narrow(-1, 0, width).contiguous();
   }
+  // The default scale D^-1/2 is the caller's D, not the padded one.
+  std::optional<double> scale(std::optional<double> softmax_scale) const {
+    if (softmax_scale.has_value() || kernel_dim == head_dim) return softmax_scale;
+    return 1.0 / std::sqrt(static_cast<double>(head_dim));
+  }
+
+ private:
+  at::Tensor operand(const at::Tensor& t, int64_t width) const {
+    if (!tc) return t;
+    const int64_t pad = width - t.size(-1);
+    const at::Tensor padded = pad == 0 ? t : at::constant_pad_nd(t, {0, pad}, 0);
+    return padded.numel() > 0 ? tc_aligned(padded) : padded;
+  }
+};
+
+// Refuses fp16/bf16 head dims that no compiled pair covers (naming the supported set), then
+// chooses the layout. `lazy`: the lazy family's kernels.
+inline TcLayout tc_layout(const at::Tensor& q, const at::Tensor& v, bool lazy) {
+  const int64_t d = q.size(-1), dv = v.size(-1);
+  if (!use_tensor_cores(q.scalar_type())) return {false, d, dv, d, dv};
+  const std::pair<int, int> kernel =
+      d > 0 && dv > 0 ? tc_kernel_head_dims(static_cast<int>(d), static_cast<int>(dv), lazy)
+                      : std::pair<int, int>{0, 0};
+  TORCH_CHECK(kernel.first > 0, "adaattn: head dims D = q.size(-1) = ", d,
+              ", Dv = v.size(-1) = ", dv, " are not supported for ", q.scalar_type(),
+              " on CUDA; supported (D, Dv): ", tc_head_dims(),
+              " (float32/float64 accept any D, Dv <= 256)");
+  return {true, d, dv, kernel.first, kernel.second};
 }
 
 }  // namespace adaattn

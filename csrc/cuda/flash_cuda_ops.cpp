@@ -1,5 +1,6 @@
-// CUDA registration of the flash ops: fp16/bf16 go to the tensor-core kernels, fp32/fp64 to the
-// exact kernels. Launches on the current stream; no host synchronisation.
+// CUDA registration of the flash ops: fp16/bf16 go to the tensor-core kernels (head dims without
+// a kernel of their own zero-padded, see TcLayout), fp32/fp64 to the exact kernels. Launches on
+// the current stream; no host synchronisation.
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
@@ -22,20 +23,19 @@ std::tuple<at::Tensor, at::Tensor> flash_fwd_cuda_op(const at::Tensor& q_in,
                                                      const std::optional<at::Tensor>& cu_seqlens_q,
                                                      const std::optional<at::Tensor>& cu_seqlens_k) {
   check_flash_inputs(q_in, k_in, v_in, seqlens, cu_seqlens_q, cu_seqlens_k);
-  check_cuda_head_dims(q_in, v_in);
-  const bool tc = use_tensor_cores(q_in.scalar_type()) && q_in.numel() > 0 && k_in.numel() > 0;
-  const at::Tensor q = tc ? tc_aligned(q_in) : q_in;
-  const at::Tensor k = tc ? tc_aligned(k_in) : k_in;
-  const at::Tensor v = tc ? tc_aligned(v_in) : v_in;
-  const FlashOptions opt =
-      resolve_flash_options(q, softmax_scale, causal, window_left, window_right, false);
+  const TcLayout layout = tc_layout(q_in, v_in, /*lazy=*/false);
+  const at::Tensor q = layout.qk(q_in);
+  const at::Tensor k = layout.qk(k_in);
+  const at::Tensor v = layout.vo(v_in);
+  const FlashOptions opt = resolve_flash_options(q, layout.scale(softmax_scale), causal,
+                                                 window_left, window_right, false);
   const c10::cuda::CUDAGuard guard(q.device());
   at::Tensor out = at::empty(out_shape(q, v), q.options());
   at::Tensor lse = at::empty(lse_shape(q, cu_seqlens_q.has_value()), q.options().dtype(at::kFloat));
   if (no_rows(q, cu_seqlens_q)) {
     out.zero_();
     lse.fill_(-std::numeric_limits<float>::infinity());
-    return {out, lse};
+    return {layout.crop(out, layout.head_dim_v), lse};
   }
   AttnParams p = make_params(q, k, v, seqlens, cu_seqlens_q, cu_seqlens_k, opt);
   set_fwd_outputs(p, out, lse);
@@ -44,7 +44,7 @@ std::tuple<at::Tensor, at::Tensor> flash_fwd_cuda_op(const at::Tensor& q_in,
   } else {
     flash_fwd_exact_cuda(p, q.scalar_type());
   }
-  return {out, lse};
+  return {layout.crop(out, layout.head_dim_v), lse};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_bwd_cuda_op(
@@ -55,15 +55,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_bwd_cuda_op(
     const std::optional<at::Tensor>& cu_seqlens_q, const std::optional<at::Tensor>& cu_seqlens_k) {
   check_flash_inputs(q_in, k_in, v_in, seqlens, cu_seqlens_q, cu_seqlens_k);
   check_flash_bwd_inputs(dout_in, q_in, v_in, out_in, lse, cu_seqlens_q.has_value());
-  check_cuda_head_dims(q_in, v_in);
-  const bool tc = use_tensor_cores(q_in.scalar_type()) && q_in.numel() > 0 && k_in.numel() > 0;
-  const at::Tensor q = tc ? tc_aligned(q_in) : q_in;
-  const at::Tensor k = tc ? tc_aligned(k_in) : k_in;
-  const at::Tensor v = tc ? tc_aligned(v_in) : v_in;
-  const at::Tensor out = tc ? tc_aligned(out_in) : out_in;
-  const at::Tensor dout = tc ? tc_aligned(dout_in) : dout_in;
-  const FlashOptions opt = resolve_flash_options(q, softmax_scale, causal, window_left,
-                                                 window_right, deterministic);
+  const TcLayout layout = tc_layout(q_in, v_in, /*lazy=*/false);
+  const at::Tensor q = layout.qk(q_in);
+  const at::Tensor k = layout.qk(k_in);
+  const at::Tensor v = layout.vo(v_in);
+  const at::Tensor out = layout.vo(out_in);
+  const at::Tensor dout = layout.vo(dout_in);
+  const FlashOptions opt = resolve_flash_options(q, layout.scale(softmax_scale), causal,
+                                                 window_left, window_right, deterministic);
   const c10::cuda::CUDAGuard guard(q.device());
   at::Tensor dq = at::empty(q.sizes(), q.options());
   at::Tensor dk = at::empty(k.sizes(), k.options());
@@ -72,7 +71,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_bwd_cuda_op(
     dq.zero_();
     dk.zero_();
     dv.zero_();
-    return {dq, dk, dv};
+    return {layout.crop(dq, layout.head_dim), layout.crop(dk, layout.head_dim),
+            layout.crop(dv, layout.head_dim_v)};
   }
   at::Tensor delta = at::empty(lse.sizes(), lse.options());
   AttnParams p = make_params(q, k, v, seqlens, cu_seqlens_q, cu_seqlens_k, opt);
@@ -82,7 +82,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_bwd_cuda_op(
   } else {
     flash_bwd_exact_cuda(p, q.scalar_type());
   }
-  return {dq, dk, dv};
+  return {layout.crop(dq, layout.head_dim), layout.crop(dk, layout.head_dim),
+          layout.crop(dv, layout.head_dim_v)};
 }
 
 }  // namespace

@@ -83,7 +83,24 @@ bool tc_supports_head_dims(int head_dim, int head_dim_v) {
 }
 
 const char* tc_head_dims() {
-  return "(64, 64), (128, 128); flash attention also (32, 64), (32, 128), (64, 128)";
+  return "(64, 64), (128, 128); flash attention also (32, 64), (32, 128), (64, 128); other "
+         "D, Dv <= 128 run zero-padded to the smallest of these that covers them";
+}
+
+std::pair<int, int> tc_kernel_head_dims(int head_dim, int head_dim_v, bool lazy) {
+  std::pair<int, int> best{0, 0};
+  auto consider = [&](const Kernel& k) {
+    if (k.head_dim < head_dim || k.head_dim_v < head_dim_v) return;
+    if (best.first == 0 || k.head_dim + k.head_dim_v < best.first + best.second) {
+      best = {k.head_dim, k.head_dim_v};
+    }
+  };
+  if (lazy) {
+    for (const Kernel& k : kLazyFwd) consider(k);
+  } else {
+    for (const Kernel& k : kFlashKernels<false>) consider(k);
+  }
+  return best;
 }
 
 void flash_fwd_tc_cuda(const AttnParams& p, c10::ScalarType dtype) {

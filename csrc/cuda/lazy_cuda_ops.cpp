@@ -1,5 +1,6 @@
-// CUDA registration of the lazy ops: fp16/bf16 go to the tensor-core kernels, fp32/fp64 to the
-// exact kernels. Launches on the current stream; no host synchronisation.
+// CUDA registration of the lazy ops: fp16/bf16 go to the tensor-core kernels (head dims without
+// a kernel of their own zero-padded, see TcLayout), fp32/fp64 to the exact kernels. Launches on
+// the current stream; no host synchronisation.
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
@@ -19,11 +20,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lazy_fwd_cuda_op(
     std::optional<double> softmax_scale, bool return_stats,
     const std::optional<at::Tensor>& cu_seqlens) {
   check_lazy_inputs(q_in, k_in, v_in, tau, bias, seqlens, cu_seqlens);
-  check_cuda_head_dims(q_in, v_in);
-  const bool tc = use_tensor_cores(q_in.scalar_type()) && q_in.numel() > 0 && k_in.numel() > 0;
-  const at::Tensor q = tc ? tc_aligned(q_in) : q_in;
-  const at::Tensor k = tc ? tc_aligned(k_in) : k_in;
-  const at::Tensor v = tc ? tc_aligned(v_in) : v_in;
+  const TcLayout layout = tc_layout(q_in, v_in, /*lazy=*/true);
+  const bool tc = layout.tc && q_in.numel() > 0 && k_in.numel() > 0;
+  const at::Tensor q = layout.qk(q_in);
+  const at::Tensor k = layout.qk(k_in);
+  const at::Tensor v = layout.vo(v_in);
   const c10::cuda::CUDAGuard guard(q.device());
   at::Tensor out = at::empty(out_shape(q, v), q.options());
   at::Tensor lse = at::empty(lse_shape(q, cu_seqlens.has_value()), q.options().dtype(at::kFloat));
@@ -32,9 +33,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lazy_fwd_cuda_op(
   if (no_rows(q, cu_seqlens)) {
     out.zero_();
     lse.fill_(-std::numeric_limits<float>::infinity());
-    return {out, lse, stats};
+    return {layout.crop(out, layout.head_dim_v), lse, stats};
   }
-  AttnParams p = make_lazy_params(q, k, v, tau, bias, seqlens, cu_seqlens, softmax_scale);
+  AttnParams p = make_lazy_params(q, k, v, tau, bias, seqlens, cu_seqlens,
+                                   layout.scale(softmax_scale));
   set_fwd_outputs(p, out, lse);
   p.stats = return_stats ? stats.data_ptr<int64_t>() : nullptr;
   if (tc) {
@@ -42,7 +44,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lazy_fwd_cuda_op(
   } else {
     lazy_fwd_exact_cuda(p, q.scalar_type());
   }
-  return {out, lse, stats};
+  return {layout.crop(out, layout.head_dim_v), lse, stats};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lazy_bwd_cuda_op(
@@ -53,13 +55,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lazy_bwd_
     const std::optional<at::Tensor>& cu_seqlens) {
   check_lazy_inputs(q_in, k_in, v_in, tau, bias, seqlens, cu_seqlens);
   check_flash_bwd_inputs(dout_in, q_in, v_in, out_in, lse, cu_seqlens.has_value());
-  check_cuda_head_dims(q_in, v_in);
-  const bool tc = use_tensor_cores(q_in.scalar_type()) && q_in.numel() > 0 && k_in.numel() > 0;
-  const at::Tensor q = tc ? tc_aligned(q_in) : q_in;
-  const at::Tensor k = tc ? tc_aligned(k_in) : k_in;
-  const at::Tensor v = tc ? tc_aligned(v_in) : v_in;
-  const at::Tensor out = tc ? tc_aligned(out_in) : out_in;
-  const at::Tensor dout = tc ? tc_aligned(dout_in) : dout_in;
+  const TcLayout layout = tc_layout(q_in, v_in, /*lazy=*/true);
+  const bool tc = layout.tc && q_in.numel() > 0 && k_in.numel() > 0;
+  const at::Tensor q = layout.qk(q_in);
+  const at::Tensor k = layout.qk(k_in);
+  const at::Tensor v = layout.vo(v_in);
+  const at::Tensor out = layout.vo(out_in);
+  const at::Tensor dout = layout.vo(dout_in);
   const c10::cuda::CUDAGuard guard(q.device());
   at::Tensor dq = at::empty(q.sizes(), q.options());
   at::Tensor dk = at::empty(k.sizes(), k.options());
@@ -74,11 +76,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lazy_bwd_
     dq.zero_();
     dk.zero_();
     dv.zero_();
-    return {dq, dk, dv, dtau, dbias};
+    return {layout.crop(dq, layout.head_dim), layout.crop(dk, layout.head_dim),
+            layout.crop(dv, layout.head_dim_v), dtau, dbias};
   }
   at::Tensor delta = at::empty(lse.sizes(), lse.options());
   at::Tensor row_g = at::empty(lse.sizes(), lse.options());
-  AttnParams p = make_lazy_params(q, k, v, tau, bias, seqlens, cu_seqlens, softmax_scale);
+  AttnParams p = make_lazy_params(q, k, v, tau, bias, seqlens, cu_seqlens,
+                                   layout.scale(softmax_scale));
   set_bwd_tensors(p, dout, out, lse, dq, dk, dv, delta);
   p.row_g = row_g.data_ptr<float>();
   if (param_grads) {
@@ -90,7 +94,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lazy_bwd_
   } else {
     lazy_bwd_exact_cuda(p, q.scalar_type());
   }
-  return {dq, dk, dv, dtau, dbias};
+  return {layout.crop(dq, layout.head_dim), layout.crop(dk, layout.head_dim),
+          layout.crop(dv, layout.head_dim_v), dtau, dbias};
 }
 
 }  // namespace

@@ -1,0 +1,75 @@
+"""Benchmarks flash_attn at head dims without a tensor-core kernel of their own (zero-padded to
+the next compiled pair) against the compiled ones and against SDPA's backends at the same dims.
+
+bf16, B = 4, H = 16, L = 4096, causal and not; D in {64, 80, 96, 128} (80 and 96 run on the
+(128, 128) kernels). TFLOP/s count the caller's D (flash-attn's count: forward 4*B*H*L^2*D,
+halved when causal, forward+backward 3.5x), so a padded dim shows what the padding costs.
+Times are medians of triton's do_bench.
+
+    python benchmarks/bench_head_dims.py
+"""
+import argparse
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_attention as ba  # noqa: E402  (also puts the in-place build on sys.path)
+
+import adaattn  # noqa: E402
+
+B, H, L = 4, 16, 4096
+DIMS = (64, 80, 96, 128)
+
+
+def sdpa(backend):
+    from torch.nn.attention import sdpa_kernel
+
+    def run(q, k, v, causal):
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return run
+
+
+def peers():
+    from torch.nn.attention import SDPBackend
+    return {
+        "adaattn": lambda q, k, v, causal: adaattn.flash_attn(q, k, v, causal=causal),
+        "sdpa-flash": sdpa(SDPBackend.FLASH_ATTENTION),
+        "sdpa-cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
+        "sdpa-efficient": sdpa(SDPBackend.EFFICIENT_ATTENTION),
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--warmup", type=int, default=25, help="do_bench warmup (ms)")
+    parser.add_argument("--rep", type=int, default=100, help="do_bench repetitions (ms)")
+    args = parser.parse_args()
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, B={B}, H={H}, L={L}, bf16")
+    print("| D | causal | op | fwd ms | fwd+bwd ms | fwd TFLOP/s | fwd+bwd TFLOP/s |")
+    print("|---:|---|---|---:|---:|---:|---:|")
+    for d in DIMS:
+        for causal in (False, True):
+            q, k, v = (torch.randn(B, H, L, d, device="cuda", dtype=torch.bfloat16,
+                                   requires_grad=True) for _ in range(3))
+            dout = torch.randn_like(q)
+            flops = 4 * B * H * L * L * d / (2 if causal else 1)
+            for name, fn in peers().items():
+                try:
+                    fwd = ba._do_bench(lambda: fn(q, k, v, causal), args.warmup, args.rep,
+                                       [q, k, v])
+                    both = ba._do_bench(lambda: fn(q, k, v, causal).backward(dout),
+                                        args.warmup, args.rep, [q, k, v])
+                except RuntimeError as e:
+                    print(f"| {d} | {causal} | {name} | refused: {str(e).splitlines()[0][:60]} "
+                          "| | | |")
+                    continue
+                print(f"| {d} | {causal} | {name} | {fwd:.3f} | {both:.3f} | "
+                      f"{flops / fwd / 1e9:.1f} | {3.5 * flops / both / 1e9:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
