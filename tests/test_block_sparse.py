@@ -702,6 +702,7 @@ OPCHECK_CASES = [
          causal=True),
     Case(b=2, lq=150, lk=70, d=64, block=(128, 128), density=0.5, mask_b=True, scale=0.2,
          transposed=True),
+    Case(b=2, hq=4, hkv=2, lq=100, lk=150, d=80, block=(128, 128), density=0.5, causal=True),
 ]
 
 

@@ -503,6 +503,7 @@ OPCHECK_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor",
 OPCHECK_CASES = [
     Case(b=2, hq=4, hkv=2, lq=17, lk=33, d=64, causal=True),
     Case(b=2, lq=33, lk=17, d=64, window=(4, 2), seqlens=(0, 12), scale=0.2, transposed=True),
+    Case(b=2, hq=4, hkv=2, lq=17, lk=33, d=96, causal=True),  # CUDA bf16: zero-padded to 128
 ]
 
 

@@ -682,6 +682,7 @@ OPCHECK_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor",
 OPCHECK_CASES = [
     Case(b=2, hq=4, hkv=2, lq=17, lk=33, d=64, w=7, tau=-1.0),
     Case(b=2, lq=33, lk=40, d=64, w=512, tau=0.5, seqlens=(0, 30), scale=0.2, transposed=True),
+    Case(b=2, hq=4, hkv=2, lq=17, lk=33, d=32, w=7, tau=-1.0),  # CUDA bf16: zero-padded to 64
 ]
 
 
