@@ -28,10 +28,10 @@ void flash_fwd_tc_cuda(const AttnParams& p, c10::ScalarType dtype);
 void flash_bwd_tc_cuda(const AttnParams& p, c10::ScalarType dtype);
 // (D, Dv) pairs with a tensor-core kernel: D == Dv in {64, 128} for every family; the flash
 // family also takes the narrower query/key widths of low-rank attention (D < Dv).
-bool tc_supports_head_dims(int head_dim, int head_dim_v);
 const char* tc_head_dims();  // the supported pairs, for error messages
-// The compiled pair (D', Dv') >= (D, Dv) with the least work per score (D' + Dv'), on which
-// other head dims run zero-padded; {0, 0} when none covers them. `lazy`: the lazy family's pairs.
+// The compiled pair (D', Dv') >= (D, Dv) with the least work per score (D' + Dv'): the pair
+// itself where it is compiled, else the one other head dims run on zero-padded; {0, 0} when
+// none covers them. `lazy`: the lazy family's pairs.
 std::pair<int, int> tc_kernel_head_dims(int head_dim, int head_dim_v, bool lazy);
 #endif
 

@@ -78,10 +78,6 @@ void dispatch(const AttnParams& p, c10::ScalarType dtype, const Kernel (&kernels
 
 }  // namespace
 
-bool tc_supports_head_dims(int head_dim, int head_dim_v) {
-  return find(kFlashKernels<false>, head_dim, head_dim_v) != nullptr;
-}
-
 const char* tc_head_dims() {
   return "(64, 64), (128, 128); flash attention also (32, 64), (32, 128), (64, 128); other "
          "D, Dv <= 128 run zero-padded to the smallest of these that covers them";
