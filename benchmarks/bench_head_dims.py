@@ -13,34 +13,16 @@ import os
 import sys
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_attention as ba  # noqa: E402  (also puts the in-place build on sys.path)
-
-import adaattn  # noqa: E402
 
 B, H, L = 4, 16, 4096
 DIMS = (64, 80, 96, 128)
 
 
-def sdpa(backend):
-    from torch.nn.attention import sdpa_kernel
-
-    def run(q, k, v, causal):
-        with sdpa_kernel(backend):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-    return run
-
-
-def peers():
-    from torch.nn.attention import SDPBackend
-    return {
-        "adaattn": lambda q, k, v, causal: adaattn.flash_attn(q, k, v, causal=causal),
-        "sdpa-flash": sdpa(SDPBackend.FLASH_ATTENTION),
-        "sdpa-cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
-        "sdpa-efficient": sdpa(SDPBackend.EFFICIENT_ATTENTION),
-    }
+# bench_attention's builders: each maps a config (only its `causal` is read) to fn(q, k, v).
+PEERS = ("adaattn", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient")
 
 
 def main():
@@ -57,12 +39,12 @@ def main():
                                    requires_grad=True) for _ in range(3))
             dout = torch.randn_like(q)
             flops = 4 * B * H * L * L * d / (2 if causal else 1)
-            for name, fn in peers().items():
+            for name in PEERS:
+                fn = ba.PEERS[name](ba.Config(d, L, causal))
                 try:
-                    fwd = ba._do_bench(lambda: fn(q, k, v, causal), args.warmup, args.rep,
-                                       [q, k, v])
-                    both = ba._do_bench(lambda: fn(q, k, v, causal).backward(dout),
-                                        args.warmup, args.rep, [q, k, v])
+                    fwd = ba._do_bench(lambda: fn(q, k, v), args.warmup, args.rep, [q, k, v])
+                    both = ba._do_bench(lambda: fn(q, k, v).backward(dout), args.warmup,
+                                        args.rep, [q, k, v])
                 except RuntimeError as e:
                     print(f"| {d} | {causal} | {name} | refused: {str(e).splitlines()[0][:60]} "
                           "| | | |")

@@ -23,31 +23,9 @@
 #include <vector>
 
 #include "cuda/tc/flash_fwd_sm90.h"
-
-#define CK(x)                                                                           \
-  do {                                                                                  \
-    const cudaError_t err_ = (x);                                                       \
-    if (err_ != cudaSuccess) {                                                          \
-      std::fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, cudaGetErrorString(err_)); \
-      std::exit(2);                                                                     \
-    }                                                                                   \
-  } while (0)
+#include "standalone_cuda.cuh"
 
 using T = __nv_bfloat16;
-
-// Standard normal bf16 entries from a hash of the index (Box-Muller).
-__global__ void fill_normal(T* x, long long n, unsigned seed) {
-  for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<long long>(gridDim.x) * blockDim.x) {
-    unsigned long long z = static_cast<unsigned long long>(i) * 0x9E3779B97F4A7C15ull + seed;
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    z ^= z >> 31;
-    const float u1 = ((z & 0xffffff) + 0.5f) / 16777216.f;
-    const float u2 = (((z >> 24) & 0xffffff) + 0.5f) / 16777216.f;
-    x[i] = __float2bfloat16(sqrtf(-2.f * logf(u1)) * cosf(6.2831853f * u2));
-  }
-}
 
 template <int DK, int DV>
 void time_forward(int batch, int heads, int len, bool causal) {

@@ -30,42 +30,13 @@
 #include <vector>
 
 #include "cuda/sym_eig_kernel.cuh"
+#include "standalone_cuda.cuh"
 
 #ifndef ADAATTN_SYM_EIG_STAGES
 #error "build with -DADAATTN_SYM_EIG_STAGES"
 #endif
 
-#define CK(x)                                                                          \
-  do {                                                                                 \
-    const cudaError_t err_ = (x);                                                      \
-    if (err_ != cudaSuccess) {                                                         \
-      std::fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, cudaGetErrorString(err_)); \
-      std::exit(2);                                                                    \
-    }                                                                                  \
-  } while (0)
-
 constexpr int kD = 128, kRows = 8192, kPlanted = 32;
-
-__device__ float hash_normal(unsigned long long i, unsigned seed) {
-  auto mix = [](unsigned long long x) {
-    x ^= x >> 33;
-    x *= 0xff51afd7ed558ccdull;
-    x ^= x >> 33;
-    x *= 0xc4ceb9fe1a85ec53ull;
-    return x ^ (x >> 33);
-  };
-  const unsigned long long h = mix(i * 0x9e3779b97f4a7c15ull + seed);
-  const float u1 = (static_cast<float>(h >> 40) + 1.f) * (1.f / 16777217.f);
-  const float u2 = static_cast<float>((h >> 8) & 0xffffffu) * (1.f / 16777216.f);
-  return sqrtf(-2.f * logf(u1)) * cospif(2.f * u2);
-}
-
-__global__ void fill_normal(float* x, size_t count, unsigned seed) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < count;
-       i += size_t(gridDim.x) * blockDim.x) {
-    x[i] = hash_normal(i, seed);
-  }
-}
 
 // x[b, r, :] <- c[b, r, :] B[b]^T + 0.05 x[b, r, :] (B [N, kD, kPlanted]).
 __global__ void plant(float* x, const float* c, const float* basis) {
