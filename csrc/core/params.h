@@ -1,5 +1,7 @@
-// Kernel parameters shared by every attention kernel (CPU and CUDA).
-// Plain data only: it is passed by value to CUDA kernels.
+// Kernel parameters of every attention kernel (CPU and CUDA), in layers: the operands and sizes
+// every pass reads, the mask, the forward outputs, the backward tensors, and the arguments of
+// the variant (variants/). Plain data only: AttnParams is passed by value to CUDA kernels, and
+// its fields are reached by their plain names (p.q, p.lse, p.dq, p.softcap, ...).
 #pragma once
 
 #include <cstdint>
@@ -7,8 +9,7 @@
 namespace adaattn {
 
 // Strides are in elements; the last dim of every tensor is contiguous (stride 1).
-struct AttnParams {
-  // ---- forward inputs -------------------------------------------------------------------
+struct QkvParams {
   const void* q;  // [B, Hq, Lq, D]
   const void* k;  // [B, Hkv, Lk, D]
   const void* v;  // [B, Hkv, Lk, Dv]
@@ -16,12 +17,56 @@ struct AttnParams {
   int64_t k_batch_stride, k_head_stride, k_row_stride;
   int64_t v_batch_stride, v_head_stride, v_row_stride;
 
-  // ---- forward outputs ------------------------------------------------------------------
+  int batch;       // B
+  int heads_q;     // Hq
+  int heads_kv;    // Hkv; Hq % Hkv == 0, query head h reads kv head h / (Hq / Hkv)
+  int len_q;       // Lq
+  int len_k;       // Lk
+  int head_dim;    // D, of q and k
+  int head_dim_v;  // Dv, of v and out
+
+  // Packed layout (see seq.h); null for the dense layout. q/out/dout/dq are [Tq, Hq, D] and
+  // k/v/dk/dv [Tk, Hkv, D] (batch strides 0); batch is the number of sequences N, len_q/len_k
+  // are Tq/Tk, and lse/delta/row_g are [Hq, Tq].
+  const int* cu_seqlens_q;  // [N + 1] int32: sequence b owns rows [cu[b], cu[b + 1]) of q
+  const int* cu_seqlens_k;  // [N + 1] int32, for k/v
+
+  double scale;      // multiplies q.k (double so the fp64 exact path is not rounded to fp32)
+  float scale_log2;  // scale * log2(e), for exp2-based softmax
+};
+
+// The mask policy's inputs (mask.h, block_sparse.h): element (i, j) is attended iff j is inside
+// key_range(p, lens, i) and, with block lists, block (i / block_m, j / block_n) is listed.
+struct MaskParams {
+  const int* seqlens;  // [B] int32 or null: rows/keys at or past seqlens[b] are padding
+  int window_left;     // -1 = unbounded; keys j >= diag - window_left
+  int window_right;    // -1 = unbounded; keys j <= diag + window_right (causal => 0)
+
+  // Block lists (BCSR rows), or null: the first `num` entries of an index row are the listed
+  // blocks; the helpers of block_sparse.h clamp counts to the row length and skip out-of-range
+  // indices. Batch/head strides are in elements and 0 for a mask dim of size 1 (broadcast over
+  // B or Hq); the last dim(s) are contiguous.
+  const int* block_kv_num;  // [Bm, Hm, nQ] int32: key blocks listed for query block mb
+  const int* block_kv_idx;  // [Bm, Hm, nQ, nKV] int32: their indices (forward, backward dq)
+  const int* block_q_num;   // [Bm, Hm, nKV] int32: query blocks listing key block nb
+  const int* block_q_idx;   // [Bm, Hm, nKV, nQ] int32: their indices (backward dk/dv)
+  int64_t block_kv_num_batch_stride, block_kv_num_head_stride;
+  int64_t block_kv_idx_batch_stride, block_kv_idx_head_stride;
+  int64_t block_q_num_batch_stride, block_q_num_head_stride;
+  int64_t block_q_idx_batch_stride, block_q_idx_head_stride;
+  int block_m;    // BM, query rows per block (64 or 128)
+  int block_n;    // BN, keys per block (64 or 128)
+  int block_nq;   // nQ = ceil(Lq / BM): query blocks; max of block_q_num, length of a q_idx row
+  int block_nkv;  // nKV = ceil(Lk / BN): key blocks; max of block_kv_num, length of a kv_idx row
+};
+
+struct FwdParams {
   void* out;   // [B, Hq, Lq, Dv]
   float* lse;  // [B, Hq, Lq] (packed: [Hq, Tq]) contiguous, natural log; -inf: row sees no key
   int64_t o_batch_stride, o_head_stride, o_row_stride;
+};
 
-  // ---- backward inputs / outputs (unused by forward kernels) ----------------------------
+struct BwdParams {
   const void* dout;  // [B, Hq, Lq, Dv]
   int64_t do_batch_stride, do_head_stride, do_row_stride;
   void* dq;  // [B, Hq, Lq, D]
@@ -30,74 +75,37 @@ struct AttnParams {
   int64_t dq_batch_stride, dq_head_stride, dq_row_stride;
   int64_t dk_batch_stride, dk_head_stride, dk_row_stride;
   int64_t dv_batch_stride, dv_head_stride, dv_row_stride;
-  float* delta;     // lse-shaped scratch: rowsum(dO * O)
-  // Tensor-core backward with !deterministic: float32 dQ accumulator, [rows in lse order, D]
-  // (dense [B, Hq, Lq, D], packed [Hq, Tq, D]), zeroed by the launcher. The dK/dV CTAs add their
-  // dS K into it with atomics (no second pass over the keys) and a last pass writes
-  // dq = scale * dq_accum. Null: the two-pass backward, bit-reproducible.
+  float* delta;  // lse-shaped scratch: the backward row term Delta_i (variant.h)
+  // Tensor-core backward: float32 dQ accumulator, [rows in lse order, D] (dense [B, Hq, Lq, D],
+  // packed [Hq, Tq, D]), zeroed by the launcher. The dK/dV CTAs add their dS K into it with
+  // atomics and a last pass writes dq = scale * dq_accum. Null: the two-pass backward.
   float* dq_accum;
+  bool deterministic;  // no order-dependent floating-point accumulation
+};
 
-  // ---- sizes ----------------------------------------------------------------------------
-  int batch;     // B
-  int heads_q;   // Hq
-  int heads_kv;  // Hkv; Hq % Hkv == 0, query head h reads kv head h / (Hq / Hkv)
-  int len_q;     // Lq
-  int len_k;     // Lk
-  int head_dim;    // D, of q and k
-  int head_dim_v;  // Dv, of v and out (flash family: may differ from D; lazy: == D)
+// Arguments of the variants (variants/*.h); each variant reads only its own. A variant with
+// learnable parameters gets their gradients' outputs and scratch here too.
+struct VariantParams {
+  // Softcap score modifier (variants/softcap.h): s <- softcap * tanh(s / softcap); 0 = off.
+  float softcap;
 
-  // ---- packed layout (see seq.h); null for the dense layout ------------------------------
-  // q/out/dout/dq are [Tq, Hq, D] and k/v/dk/dv [Tk, Hkv, D] (batch strides 0); batch is the
-  // number of sequences N, len_q/len_k are Tq/Tk, and lse/delta/row_g are [Hq, Tq].
-  const int* cu_seqlens_q;  // [N + 1] int32: sequence b owns rows [cu[b], cu[b + 1]) of q
-  const int* cu_seqlens_k;  // [N + 1] int32, for k/v
-
-  // ---- mask (see mask.h) ----------------------------------------------------------------
-  const int* seqlens;  // [B] int32 or null: rows/keys at or past seqlens[b] are padding
-  int window_left;     // -1 = unbounded; keys j >= diag - window_left
-  int window_right;    // -1 = unbounded; keys j <= diag + window_right (causal => 0)
-
-  // ---- math -----------------------------------------------------------------------------
-  double scale;      // multiplies q.k (double so the fp64 exact path is not rounded to fp32)
-  float scale_log2;  // scale * log2(e), for exp2-based online softmax
-  bool deterministic;  // backward: no order-dependent floating-point accumulation
-
-  // ---- lazy attention (spec 3.2); unused by the flash family ----------------------------
-  // Causal (window_left = -1, window_right = 0). Query row r has position i = r + Lk - Lq of its
-  // sequence (packed: i = r, positions restart in every sequence).
-  // s_ij = scale q_i.k_j + (0 <= i-j < W ? bias[h, i-j] : 0); a_ij = max(0, p_ij + tau_h/(i+1)).
-  const float* tau;   // [Hq] float32
-  const float* bias;  // [Hq, bias_window] float32, contiguous
-  int bias_window;    // W >= 1
-  // Backward: p.delta holds Delta_i = g_i.o_i - tau_h/(i+1) G_i (= sum_j M_ij p_ij dA_ij).
-  float* row_g;  // lse-shaped scratch: G_i / (i + 1), G_i = sum_j M_ij dA_ij (dtau's terms)
-  float* dtau;   // [Hq] float32 output, or null: skip the parameter gradients
-  float* dbias;  // [Hq, W] float32 output; null exactly when dtau is null
+  // Relative-bias score modifier (variants/rel_bias.h): s += bias[h, i - j], 0 <= i - j < W.
+  const float* bias;     // [Hq, bias_window] float32, contiguous
+  int bias_window;       // W >= 1
+  float* dbias;          // [Hq, W] float32 output, or null: no bias gradient
   // Tensor-core backward scratch for a deterministic dbias: per-CTA partial sums, zeroed by the
   // launcher (layout [Hq, key tile slots (seq.h tile_slots), min(W, Lk)]).
   float* dbias_partial;
+
+  // Elastic transform (variants/elastic.h): a = max(0, p + tau_h / (i + 1)).
+  const float* tau;  // [Hq] float32
+  float* row_g;      // lse-shaped scratch: G_i / (i + 1), G_i = sum_j M_ij dA_ij (dtau's terms)
+  float* dtau;       // [Hq] float32 output, or null: no tau gradient
   // Forward statistics, or null: int64 counters {zero weights, attended weights, skipped key
   // tiles, visited key tiles} of the weight pass (a tile is skipped when all its a_ij are 0).
   int64_t* stats;
-
-  // ---- block-sparse attention (spec 3.3); unused by the other families --------------------
-  // Element (i, j) is attended iff block (i / block_m, j / block_n) is listed for (b, h) and j is
-  // inside key_range(p, lens, i) of mask.h (causal/window). Lists are BCSR rows: the first
-  // `num` entries of an index row are the listed blocks; the helpers of block_sparse.h clamp
-  // counts to the row length and skip out-of-range indices. Batch/head strides are in elements
-  // and 0 for a mask dim of size 1 (broadcast over B or Hq); the last dim(s) are contiguous.
-  const int* block_kv_num;  // [Bm, Hm, nQ] int32: key blocks listed for query block mb
-  const int* block_kv_idx;  // [Bm, Hm, nQ, nKV] int32: their indices (forward, backward dq)
-  const int* block_q_num;   // [Bm, Hm, nKV] int32: query blocks listing key block nb
-  const int* block_q_idx;   // [Bm, Hm, nKV, nQ] int32: their indices (backward dk/dv)
-  int64_t block_kv_num_batch_stride, block_kv_num_head_stride;  // of block_kv_num
-  int64_t block_kv_idx_batch_stride, block_kv_idx_head_stride;  // of block_kv_idx
-  int64_t block_q_num_batch_stride, block_q_num_head_stride;    // of block_q_num
-  int64_t block_q_idx_batch_stride, block_q_idx_head_stride;    // of block_q_idx
-  int block_m;    // BM, query rows per block (64 or 128)
-  int block_n;    // BN, keys per block (64 or 128)
-  int block_nq;   // nQ = ceil(Lq / BM): query blocks; max of block_q_num, length of a q_idx row
-  int block_nkv;  // nKV = ceil(Lk / BN): key blocks; max of block_kv_num, length of a kv_idx row
 };
+
+struct AttnParams : QkvParams, MaskParams, FwdParams, BwdParams, VariantParams {};
 
 }  // namespace adaattn

@@ -30,6 +30,11 @@ struct SeqLens {
 
 ADAATTN_HD bool is_packed(const AttnParams& p) { return p.cu_seqlens_q != nullptr; }
 
+// Position of query row r within its sequence, bottom-right aligned (r + Lk - Lq; packed:
+// positions restart in every sequence). Positional variants (distance biases, per-position
+// shifts) take it as i.
+ADAATTN_HD int row_position(const SeqLens& lens, int row) { return row + lens.shift; }
+
 // Sequence b of a packed tensor with `total` rows: cu_seqlens clamped into [0, total] and made
 // non-decreasing, so a malformed cu_seqlens can never index outside the tensor.
 ADAATTN_HD void packed_range(const int* cu, int b, int total, int64_t& start, int& len) {
