@@ -87,7 +87,8 @@ struct BwdParams {
 // learnable parameters gets their gradients' outputs and scratch here too.
 struct VariantParams {
   // Softcap score modifier (variants/softcap.h): s <- softcap * tanh(s / softcap); 0 = off.
-  float softcap;
+  // Double so that the fp64 exact path is not rounded to fp32.
+  double softcap;
 
   // Relative-bias score modifier (variants/rel_bias.h): s += bias[h, i - j], 0 <= i - j < W.
   const float* bias;     // [Hq, bias_window] float32, contiguous

@@ -34,6 +34,31 @@ struct ElasticTransform {
     return T(1) / static_cast<T>(i + 1);
   }
   ADAATTN_HD static bool wants_param_grad(const AttnParams& p) { return p.dtau != nullptr; }
+
+#if defined(__CUDACC__)
+  // dtau[h] = sum over (b, rows) of G_i / (i + 1) (p.row_g holds the terms): one CTA per head,
+  // fixed-order tree reduction. kThreads threads per CTA, shared memory of kThreads floats.
+  template <int kThreads>
+  __device__ static void reduce_param_grad(const AttnParams& p, float* partial) {
+    const int h = blockIdx.x;
+    // Dense: the Lq rows of every (b, h); packed: the Tq rows of head h.
+    const int segments = is_packed(p) ? 1 : p.batch;
+    float acc = 0.f;
+    for (int b = 0; b < segments; ++b) {
+      const float* g = p.row_g + (static_cast<int64_t>(b) * p.heads_q + h) * p.len_q;
+      for (int r = threadIdx.x; r < p.len_q; r += kThreads) acc += g[r];
+    }
+    partial[threadIdx.x] = acc;
+    __syncthreads();
+    for (int width = kThreads / 2; width > 0; width >>= 1) {
+      if (static_cast<int>(threadIdx.x) < width) partial[threadIdx.x] += partial[threadIdx.x + width];
+      __syncthreads();
+    }
+    if (threadIdx.x == 0) p.dtau[h] = partial[0];
+  }
+  // Where the backward's row pass leaves G_i * row_term_grad(i) for reduce_param_grad.
+  __device__ __forceinline__ static float* row_grad_terms(const AttnParams& p) { return p.row_g; }
+#endif
 };
 
 }  // namespace adaattn

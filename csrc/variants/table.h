@@ -16,11 +16,11 @@ using SoftcapVariant = Variant<SoftcapMod, SoftmaxTransform>;  // softcap > 0
 using LazyVariant = Variant<RelBiasMod, ElasticTransform>;     // lazy_attn
 
 // Names of the compiled variants across the launcher API (attention_api.h).
-enum class VariantId { kPlain, kSoftcap, kLazy };
+enum class VariantId { kPlain, kSoftcap, kLazy, kCount };
 
 // The softmax-family variant that p's arguments select (flash, varlen, block-sparse, low-rank).
 inline VariantId softmax_variant(const AttnParams& p) {
-  return p.softcap > 0.f ? VariantId::kSoftcap : VariantId::kPlain;
+  return p.softcap > 0.0 ? VariantId::kSoftcap : VariantId::kPlain;
 }
 
 // Calls f(V{}) with the variant type of `id`.

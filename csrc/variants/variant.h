@@ -20,13 +20,18 @@
 //   kPositional    it reads the positions (i, j), not only x
 //   apply(p, h, i, j, x) -> s, grad(p, x, s) -> ds/dx, param_slot(p, i, j) -> table index or -1
 //   wants_param_grad(p)   the caller asked for the table's gradient
-// and, for the tensor-core kernels (variants/*_tc.h), the same on accumulator fragments.
+// and, for the tensor-core kernels, the same on accumulator fragments: tile_active(p, lens,
+// first_row, last_key) (whether a tile needs the modifier at all), modify_frag<kKeyRows>(s, ...)
+// on scores in log2 units, without kUnitGrad grad_log2(s2, p) (the derivative from the
+// modified score in log2 units), and with kParamGrad the per-CTA partial sums
+// (accumulate_param_grad) and their fixed-order reduction (reduce_param_grad).
 // A probability transform is a type with
 //   kNormalized    one online pass, o /= row sum, Delta = dO.o; else an lse pass before the
 //                  weights and a backward row pass for Delta (and G)
 //   kRowParamGrad  it has a per-head parameter whose gradient sums G_i * row_term_grad(i)
 //   row_term(p, h, i) -> c_i, weight(p, c) -> a, live(p, c) -> M, row_term_grad(p, i)
 //   kCountsZeros   the forward can count zero weights (AttnParams::stats)
+// and, with kRowParamGrad on the tensor cores, reduce_param_grad over the row pass's terms.
 #pragma once
 
 #include "../core/params.h"
@@ -58,6 +63,14 @@ struct NoScoreMod {
   }
   ADAATTN_HD static int param_slot(const AttnParams&, int, int) { return -1; }
   ADAATTN_HD static bool wants_param_grad(const AttnParams&) { return false; }
+#if defined(__CUDACC__)
+  __device__ __forceinline__ static bool tile_active(const AttnParams&, const SeqLens&, int, int) {
+    return false;
+  }
+  template <bool kKeyRows, int MI, int NT>
+  __device__ __forceinline__ static void modify_frag(float (&)[MI][NT][4], const AttnParams&,
+                                                     const SeqLens&, int, int, int, int) {}
+#endif
 };
 
 }  // namespace adaattn

@@ -1,0 +1,112 @@
+// Pieces of the tensor-core backward shared by the SM80 and Hopper kernels: the row term of a
+// normalised transform (Delta = dO . O, which also zeroes the atomic dQ accumulator), the last
+// step of atomic dQ, and the fixed-order reductions of the variants' parameter gradients.
+#pragma once
+
+#include <cmath>
+
+#include "../../core/params.h"
+#include "../../core/seq.h"
+#include "mma.h"
+
+namespace adaattn {
+namespace tc {
+
+// The query row of this warp for the one-warp-per-row kernels, in lse order: dense (b, h, i);
+// packed (h, t) with b = 0 (batch strides are 0). valid == false past the last row.
+struct WarpRow {
+  int64_t row;
+  int b, h, i;
+  bool valid;
+};
+__device__ __forceinline__ WarpRow warp_row(const AttnParams& p) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  const int64_t bh = row / p.len_q;
+  return {row, static_cast<int>(bh / p.heads_q), static_cast<int>(bh % p.heads_q),
+          static_cast<int>(row % p.len_q), row < row_items<false>(p)};
+}
+
+// Column at which the Hopper backward stores column `col` of dQ-accumulator row `row`: groups
+// of 8 floats XOR-ed with row % 4, so that its staging stores (four rows per 16 lanes) hit
+// distinct banks while a step's rows stay one contiguous block for its bulk reduction.
+__device__ __forceinline__ int dq_swizzle(int64_t row, int col) {
+  return col ^ ((static_cast<int>(row) & 3) << 3);
+}
+
+template <typename T, int DV>
+__global__ void bwd_delta_kernel(const AttnParams p) {
+  const WarpRow r = warp_row(p);
+  const int lane = threadIdx.x % 32;
+  if (!r.valid) return;
+  // Each lane reads DV / 32 neighbouring elements in one load (rows are 16-byte aligned).
+  constexpr int kPer = DV / 32;
+  static_assert(DV % 32 == 0, "the delta kernel takes DV a multiple of 32");
+  struct alignas(kPer * sizeof(T)) Pack {
+    T x[kPer];
+  };
+  const T* o = static_cast<const T*>(p.out) + r.b * p.o_batch_stride + r.h * p.o_head_stride +
+               static_cast<int64_t>(r.i) * p.o_row_stride;
+  const T* d = static_cast<const T*>(p.dout) + r.b * p.do_batch_stride + r.h * p.do_head_stride +
+               static_cast<int64_t>(r.i) * p.do_row_stride;
+  if (p.dq_accum != nullptr) {
+    // The atomic backward's float32 dQ row starts at zero (no separate fill pass).
+    float* const acc = p.dq_accum + r.row * p.head_dim;
+    for (int c = 4 * lane; c < p.head_dim; c += 128) {
+      *reinterpret_cast<float4*>(acc + c) = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+  }
+  const Pack ov = reinterpret_cast<const Pack*>(o)[lane];
+  const Pack dv = reinterpret_cast<const Pack*>(d)[lane];
+  float acc = 0.f;
+#pragma unroll
+  for (int c = 0; c < kPer; ++c) acc += to_float(ov.x[c]) * to_float(dv.x[c]);
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffff, acc, off);
+  if (lane == 0) p.delta[r.row] = acc;
+}
+
+// Atomic dQ, last step: dq = scale * dq_accum in T (rows in lse order). kSwizzled: the
+// accumulator rows are stored permuted by dq_swizzle (the Hopper backward).
+template <typename T, int DK, bool kSwizzled>
+__global__ void bwd_dq_convert_kernel(const AttnParams p) {
+  // One thread per 8 columns of a row (two 16-byte loads, one 16-byte store), so that narrow
+  // rows keep every lane busy: a warp per row left half the lanes idle at DK = 32 (low-rank
+  // scores), where this kernel took 52 us for 42 MB on the H100.
+  static_assert(DK % 32 == 0, "8-column chunks, and dq_swizzle's XOR stays inside the row");
+  constexpr int kChunks = DK / 8;
+  const int64_t item = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t row = item / kChunks;
+  if (row >= row_items<false>(p)) return;
+  const int col = static_cast<int>(item % kChunks) * 8;
+  const int64_t bh = row / p.len_q;
+  const int b = static_cast<int>(bh / p.heads_q), h = static_cast<int>(bh % p.heads_q);
+  T* dq = static_cast<T*>(p.dq) + b * p.dq_batch_stride + h * p.dq_head_stride +
+          (row % p.len_q) * p.dq_row_stride + col;
+  const float* acc = p.dq_accum + row * DK + (kSwizzled ? dq_swizzle(row, col) : col);
+  const float scale = static_cast<float>(p.scale);
+  const float4 lo = *reinterpret_cast<const float4*>(acc);
+  const float4 hi = *reinterpret_cast<const float4*>(acc + 4);
+  *reinterpret_cast<uint4*>(dq) = make_uint4(
+      MmaOp<T>::pack(lo.x * scale, lo.y * scale), MmaOp<T>::pack(lo.z * scale, lo.w * scale),
+      MmaOp<T>::pack(hi.x * scale, hi.y * scale), MmaOp<T>::pack(hi.z * scale, hi.w * scale));
+}
+
+
+// The fixed-order reduction of a per-head parameter gradient of the transform (over the row
+// pass's terms): one CTA of kThreads per query head.
+template <typename Transform, int kThreads>
+__global__ void __launch_bounds__(kThreads) reduce_row_param_grad_kernel(const AttnParams p) {
+  __shared__ float partial[kThreads];
+  Transform::template reduce_param_grad<kThreads>(p, partial);
+}
+
+// The fixed-order reduction of the score modifier's table gradient over the dK/dV CTAs'
+// partials (`slots` key tiles).
+template <typename Mod, int kThreads>
+__global__ void __launch_bounds__(kThreads) reduce_table_param_grad_kernel(const AttnParams p,
+                                                                           int64_t slots) {
+  Mod::template reduce_param_grad<kThreads>(p, slots);
+}
+
+}  // namespace tc
+}  // namespace adaattn
