@@ -7,6 +7,7 @@
 #include <c10/util/Exception.h>
 
 #include <cstdint>
+#include <limits>
 #include <type_traits>
 
 namespace adaattn {
@@ -14,8 +15,12 @@ namespace exact {
 
 constexpr int kWarp = 32;
 constexpr int kWarpsPerBlock = 4;
+constexpr int kThreads = kWarpsPerBlock * kWarp;
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int64_t kMaxBlocks = int64_t{1} << 30;  // grid-stride loops cover the rest
+
+template <typename T>
+constexpr T kNegInf = -std::numeric_limits<T>::infinity();
 
 // --use_fast_math turns expf/logf into approximate intrinsics (errors of several ulp that grow
 // with |x|); going through double keeps the fp32 path within 1e-5 of fp64.
@@ -45,6 +50,15 @@ __device__ __forceinline__ T warp_max(T x) {
     x = other > x ? other : x;
   }
   return x;
+}
+
+// Calls fn(item) for the items [0, total) of this warp: one warp per item, grid-stride.
+template <typename Fn>
+__device__ __forceinline__ void for_each_warp_item(int64_t total, Fn&& fn) {
+  for (int64_t item = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarp;
+       item < total; item += static_cast<int64_t>(gridDim.x) * kWarpsPerBlock) {
+    fn(item);
+  }
 }
 
 template <typename T, int kSlots>
@@ -93,17 +107,44 @@ __device__ __forceinline__ void store_slice(const T (&x)[kSlots], T* row, int di
   }
 }
 
+// The rows of one (batch entry, head) of a tensor: row i at base + i * stride, `dim` elements.
 template <typename T>
-__device__ __forceinline__ const T* row_ptr(const void* base, int64_t batch_stride,
-                                            int64_t head_stride, int64_t row_stride, int b, int h,
-                                            int64_t i) {
-  return static_cast<const T*>(base) + b * batch_stride + h * head_stride + i * row_stride;
+struct Rows {
+  const T* base;
+  int64_t stride;
+  int dim;
+  __device__ __forceinline__ const T* operator[](int i) const { return base + i * stride; }
+};
+
+// Dot products of a chunk of rows with a warp's register row: lane t < count gets
+// scale * x . rows[first + t] in `mine`; the other lanes keep theirs. All lanes take part.
+template <typename T, int kSlots>
+__device__ __forceinline__ void chunk_dot(const T (&x)[kSlots], Rows<T> rows, T scale, int first,
+                                          int count, int lane, T& mine) {
+  for (int t = 0; t < count; ++t) {
+    const T s = warp_sum(slice_dot(x, rows[first + t], rows.dim, lane));
+    if (lane == t) mine = s * scale;
+  }
 }
 
-template <typename T>
-__device__ __forceinline__ T* row_ptr(void* base, int64_t batch_stride, int64_t head_stride,
-                                      int64_t row_stride, int b, int h, int64_t i) {
-  return static_cast<T*>(base) + b * batch_stride + h * head_stride + i * row_stride;
+// The same for two register rows at once (scores and dA of a chunk): lane t < count gets
+// scale * x . xs[first + t] in `mine_x` and y . ys[first + t] in `mine_y`.
+template <typename T, int kSlots>
+__device__ __forceinline__ void chunk_dot2(const T (&x)[kSlots], Rows<T> xs, T scale,
+                                           const T (&y)[kSlots], Rows<T> ys, int first, int count,
+                                           int lane, T& mine_x, T& mine_y) {
+  for (int t = 0; t < count; ++t) {
+    const T sx = warp_sum(slice_dot(x, xs[first + t], xs.dim, lane));
+    const T sy = warp_sum(slice_dot(y, ys[first + t], ys.dim, lane));
+    if (lane == t) {
+      mine_x = sx * scale;
+      mine_y = sy;
+    }
+  }
+}
+
+__device__ __forceinline__ void add_count(int64_t* counter, int64_t n) {
+  atomicAdd(reinterpret_cast<unsigned long long*>(counter), static_cast<unsigned long long>(n));
 }
 
 inline unsigned grid_for(int64_t warps) {
@@ -116,7 +157,7 @@ inline unsigned grid_for(int64_t warps) {
 template <typename Fn>
 inline void dispatch_slots(int head_dim, Fn&& fn) {
   TORCH_CHECK(head_dim > 0 && head_dim <= 8 * kWarp,
-              "adaattn: the exact CUDA kernels take head dim D in [1, 256], got ", head_dim);
+              "adaattn: the exact CUDA kernels take head dims D, Dv in [1, 256], got ", head_dim);
   if (head_dim <= kWarp) {
     fn(std::integral_constant<int, 1>{});
   } else if (head_dim <= 2 * kWarp) {
@@ -125,6 +166,22 @@ inline void dispatch_slots(int head_dim, Fn&& fn) {
     fn(std::integral_constant<int, 4>{});
   } else {
     fn(std::integral_constant<int, 8>{});
+  }
+}
+
+// Calls fn(T{}) with the element type of `dtype`: float or double.
+template <typename Fn>
+inline void dispatch_exact_dtype(c10::ScalarType dtype, Fn&& fn) {
+  switch (dtype) {
+    case c10::kFloat:
+      fn(float{});
+      break;
+    case c10::kDouble:
+      fn(double{});
+      break;
+    default:
+      TORCH_CHECK(false, "adaattn: the exact CUDA attention kernels take float32 or float64, got ",
+                  dtype);
   }
 }
 

@@ -34,6 +34,8 @@ struct ElasticTransform {
     return T(1) / static_cast<T>(i + 1);
   }
   ADAATTN_HD static bool wants_param_grad(const AttnParams& p) { return p.dtau != nullptr; }
+  // The parameter's gradient, [Hq] float32 (non-null when wants_param_grad).
+  ADAATTN_HD static float* param_grad_out(const AttnParams& p) { return p.dtau; }
 
 #if defined(__CUDACC__)
   // dtau[h] = sum over (b, rows) of G_i / (i + 1) (p.row_g holds the terms): one CTA per head,

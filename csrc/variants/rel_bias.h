@@ -30,6 +30,13 @@ struct RelBiasMod {
     return d >= 0 && d < p.bias_window ? d : -1;
   }
   ADAATTN_HD static bool wants_param_grad(const AttnParams& p) { return p.dbias != nullptr; }
+  // Entries per head of the table.
+  ADAATTN_HD static int param_count(const AttnParams& p) { return p.bias_window; }
+  // The key that row position i reads entry `slot` with (param_slot's inverse), or a negative
+  // value when none.
+  ADAATTN_HD static int param_key(const AttnParams&, int i, int slot) { return i - slot; }
+  // The table gradient, [Hq, param_count] float32 (non-null when wants_param_grad).
+  ADAATTN_HD static float* param_grad_out(const AttnParams& p) { return p.dbias; }
 
 #if defined(__CUDACC__)
   // ---- tensor-core hooks (fragments: csrc/cuda/tc/softmax_frag.h) ----

@@ -8,15 +8,21 @@
 //   o_i  = sum_j a_ij v_j   (divided by the row sum when Transform::kNormalized)
 //
 // Backward, with dA_ij = dO_i.v_j and M_ij = Transform::live(p_ij, c_i):
-//   dS_ij = p_ij (M_ij dA_ij - Delta_i) * Mod::grad(x_ij, s_ij),  dq = scale dS k, ...
+//   dS_ij = p_ij (M_ij dA_ij - Delta_i)       the gradient of s_ij
+//   dX_ij = dS_ij * Mod::grad(x_ij, s_ij)     of x_ij = scale q_i.k_j: dq = scale dX k, ...
 //   Delta_i = sum_j M_ij p_ij dA_ij           the backward row term; for a normalised transform
 //                                             it equals dO_i.o_i (the delta kernel)
-//   parameter gradients: Mod's from dS (Mod::param_slot), Transform's from G_i = sum_j M dA.
+//   parameter gradients: Mod's table (added to the score) sums dS over Mod::param_slot;
+//   Transform's sums G_i = sum_j M_ij dA_ij times row_term_grad(i).
 //
 // A score modifier is a type with
 //   kIdentity      Mod(x) == x: the kernels fold the scale into the exponent
 //   kUnitGrad      d Mod / dx == 1: the backward skips the factor
-//   kParamGrad     it has a learnable table whose gradient sums dS_ij over param_slot(i, j)
+//   kParamGrad     it has a learnable table, added to the score, whose gradient sums dS_ij over
+//                  param_slot(i, j); such a modifier also has param_count(p) (entries per
+//                  head), param_key(p, i, slot) (the key j with param_slot(p, i, j) == slot, or
+//                  < 0: a row reads each entry at most once) and param_grad_out(p) (the
+//                  [Hq, param_count] float32 gradient)
 //   kPositional    it reads the positions (i, j), not only x
 //   apply(p, h, i, j, x) -> s, grad(p, x, s) -> ds/dx, param_slot(p, i, j) -> table index or -1
 //   wants_param_grad(p)   the caller asked for the table's gradient
@@ -26,9 +32,10 @@
 // modified score in log2 units), and with kParamGrad the per-CTA partial sums
 // (accumulate_param_grad) and their fixed-order reduction (reduce_param_grad).
 // A probability transform is a type with
-//   kNormalized    one online pass, o /= row sum, Delta = dO.o; else an lse pass before the
-//                  weights and a backward row pass for Delta (and G)
-//   kRowParamGrad  it has a per-head parameter whose gradient sums G_i * row_term_grad(i)
+//   kNormalized    a = p (softmax): one online pass, o /= row sum, Delta = dO.o; else an lse
+//                  pass before the weights and a backward row pass for Delta (and G)
+//   kRowParamGrad  it has a per-head parameter whose gradient sums G_i * row_term_grad(i);
+//                  such a transform also has param_grad_out(p) (the [Hq] float32 gradient)
 //   row_term(p, h, i) -> c_i, weight(p, c) -> a, live(p, c) -> M, row_term_grad(p, i)
 //   kCountsZeros   the forward can count zero weights (AttnParams::stats)
 // and, with kRowParamGrad on the tensor cores, reduce_param_grad over the row pass's terms.
