@@ -7,19 +7,18 @@ L x L matrices fit in memory). For each: forward and forward+backward time (medi
 triton.testing.do_bench), TFLOP/s with flash-attn's count (forward 4*B*H*Lq*Lk*D, halved when
 causal; backward 2.5x forward, so forward+backward = 3.5x), and the peak memory of one
 forward+backward above the inputs. A peer that refuses or fails a config is recorded, not fatal.
+adaattn, sdpa-flash and sdpa-cudnn run in every invocation, whatever ``--peers`` says, so that
+each result is against the strongest SDPA backend of the same run.
 
-    python benchmarks/bench_attention.py [--quick] [--out benchmarks/RESULTS.md]
+Writes benchmarks/results/flash.json (``--quick``: flash-quick.json) in the format of
+``results_io``, after every config, and prints the table; ``make_results.py`` renders it.
 
-``--out`` rewrites only this script's section of the results file (sections are keyed, see
-``update_results``), so other op families can keep their own tables in the same file.
+    python benchmarks/bench_attention.py [--quick] [--peers ...] [--results-dir DIR]
 """
 import argparse
 import dataclasses
 import datetime
 import os
-import re
-import shlex
-import subprocess
 import sys
 import warnings
 from typing import Callable, Dict, List, Optional
@@ -30,14 +29,23 @@ import torch.nn.functional as F
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)  # the in-place build next to the sources
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import adaattn  # noqa: E402
+import results_io  # noqa: E402
+
+try:
+    import adaattn  # noqa: E402
+except ImportError as _import_error:  # not built yet: --help still works
+    adaattn = None
+    IMPORT_ERROR: Optional[ImportError] = _import_error
+else:
+    IMPORT_ERROR = None
 
 TOKENS = 16384  # B * L
 HIDDEN = 2048  # H * D
 DTYPE = torch.bfloat16
-RESULTS_TITLE = "# adaattn benchmark results"
-NO_RESULTS = "_No GPU results yet._"
+# Every run measures these, so that each row has the strongest SDPA backend beside it.
+REQUIRED_PEERS = ("adaattn", "sdpa-flash", "sdpa-cudnn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,91 +230,103 @@ def render_table(rows: List[Row]) -> str:
     return "\n".join(lines)
 
 
-def _git_commit() -> str:
-    """HEAD of the checkout, or $ADAATTN_COMMIT where the tree was copied without .git."""
-    if os.environ.get("ADAATTN_COMMIT"):
-        return os.environ["ADAATTN_COMMIT"]
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, check=True,
-                                capture_output=True, text=True, timeout=30).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               cwd=ROOT, capture_output=True, text=True, timeout=30).stdout
-        return commit + ("+dirty" if dirty.strip() else "")
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
-def render_ratios(rows: List[Row], baseline: str = "sdpa-flash") -> str:
-    """adaattn's speed and peak memory relative to ``baseline``, one line per config."""
+def render_ratios(rows: List[Row], ours: str = "adaattn") -> str:
+    """``ours``'s speed against the fastest other peer of each config and direction (peer time
+    / our time, so > 1 means ours is faster), one line per config."""
     by_key = {(r.cfg, r.peer): r for r in rows}
-    lines = [f"| D | L | causal | fwd speed vs {baseline} | fwd+bwd speed vs {baseline} "
-             f"| peak memory vs {baseline} |", "|---:|---:|:---:|---:|---:|---:|"]
+    lines = ["| D | L | causal | fwd vs fastest peer | fwd+bwd vs fastest peer |",
+             "|---:|---:|:---:|:---|:---|"]
     for cfg in dict.fromkeys(r.cfg for r in rows):
-        ours, base = by_key.get((cfg, "adaattn")), by_key.get((cfg, baseline))
-        if ours is None or base is None:
+        mine = by_key.get((cfg, ours))
+        if mine is None:
             continue
-
-        def ratio(a, b):
-            return "—" if a is None or b is None else f"{a / b:.2f}x"
+        cells = []
+        for field in ("fwd_ms", "fwdbwd_ms"):
+            peers = [(getattr(r, field), r.peer) for r in rows
+                     if r.cfg == cfg and r.peer != ours and getattr(r, field) is not None]
+            t = getattr(mine, field)
+            if t is None or not peers:
+                cells.append("—")
+                continue
+            best, name = min(peers)
+            cells.append(f"{best / t:.2f}x {name}")
         lines.append(f"| {cfg.d} | {cfg.length} | {'yes' if cfg.causal else 'no'} "
-                     f"| {ratio(base.fwd_ms, ours.fwd_ms)} "
-                     f"| {ratio(base.fwdbwd_ms, ours.fwdbwd_ms)} "
-                     f"| {ratio(ours.peak_mib, base.peak_mib)} |")
+                     f"| {cells[0]} | {cells[1]} |")
     return "\n".join(lines)
 
 
 def run_metadata(argv: List[str]) -> str:
+    """The run's GPU, software, commit and command, for the printed table."""
     props = torch.cuda.get_device_properties(0)
     return "\n".join([
         f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
         f"- GPU: {props.name} (sm_{props.major}{props.minor}, "
         f"{props.total_memory / 2**30:.0f} GiB)",
-        f"- torch {torch.__version__}, CUDA {torch.version.cuda}, commit {_git_commit()}",
-        f"- command: `{' '.join(shlex.quote(a) for a in ['python'] + argv)}`",
-        "- time: median of triton.testing.do_bench; TFLOP/s: flash-attn's count (fwd "
-        "4·B·H·L²·D, halved when causal; fwd+bwd 3.5x fwd); peak: max_memory_allocated "
-        "during one fwd+bwd minus the inputs",
+        f"- torch {torch.__version__}, CUDA {torch.version.cuda}, "
+        f"commit {results_io.git_commit()}",
+        f"- command: `{results_io.command_line(argv)}`",
+        "- " + TIMING,
     ])
 
 
-def _markers(key: str):
-    return f"<!-- results:{key} -->", f"<!-- /results:{key} -->"
+TIMING = ("time: median of triton.testing.do_bench; TFLOP/s: flash-attn's count (fwd "
+          "4·B·H·L²·D, halved when causal; fwd+bwd 3.5x fwd); peak: max_memory_allocated "
+          "during one fwd+bwd minus the inputs")
 
 
-def update_results(path: str, key: str, body: str) -> None:
-    """Replaces (or appends) the section ``key`` of the markdown results file at ``path``.
+def config_case(cfg: Config) -> str:
+    return (f"D={cfg.d} L={cfg.length} B={cfg.batch} H={cfg.heads} "
+            f"{'causal' if cfg.causal else 'non-causal'}")
 
-    Each benchmark family owns one keyed section, so e.g. a lazy or varlen benchmark can call
-    this with its own key without touching the flash tables.
-    """
-    text = open(path).read() if os.path.exists(path) else RESULTS_TITLE + "\n"
-    text = text.replace(NO_RESULTS + "\n", "").replace(NO_RESULTS, "")
-    begin, end = _markers(key)
-    block = f"{begin}\n{body.strip()}\n{end}"
-    pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.S)
-    if pattern.search(text):
-        text = pattern.sub(lambda _: block, text)
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
-    with open(path, "w") as f:
-        f.write(text)
+
+def json_rows(rows: List[Row], ours: str = "adaattn", tflops: bool = True) -> List[dict]:
+    """results_io rows (one per config and direction) from measured Rows: peer ``ours`` is
+    reported as "adaattn", every other peer under its own name."""
+    out = []
+    for cfg in dict.fromkeys(r.cfg for r in rows):
+        peers = [r for r in rows if r.cfg == cfg]
+        if not any(r.peer == ours for r in peers):
+            continue
+        note = "; ".join(f"{r.peer}: {r.note}" for r in peers if r.note)
+        config = {"d": cfg.d, "l": cfg.length, "b": cfg.batch, "h": cfg.heads,
+                  "causal": cfg.causal}
+        for field, direction, mode in (("fwd_ms", "fwd", "fwd"),
+                                       ("fwdbwd_ms", "fwd+bwd", "fwdbwd")):
+            def name(r):
+                return "adaattn" if r.peer == ours else r.peer
+            ms = {name(r): getattr(r, field) for r in peers}
+            extra = {}
+            if tflops:
+                extra["tflops"] = {name(r): round(_tflops(cfg, getattr(r, field), mode), 1)
+                                   for r in peers if getattr(r, field) is not None}
+            if direction == "fwd+bwd":
+                extra["peak_mib"] = {name(r): round(r.peak_mib) for r in peers
+                                     if r.peak_mib is not None}
+            out.append(results_io.row(config_case(cfg), direction, ms, config=config,
+                                      note=note, **extra))
+    return out
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="D=128, L=4096, causal and not")
-    parser.add_argument("--out", help="markdown results file to update, e.g. benchmarks/RESULTS.md")
-    parser.add_argument("--section", help="results section key (default: flash or flash-quick)")
     parser.add_argument("--peers", default=",".join(PEERS),
-                        help=f"comma-separated subset of {','.join(PEERS)}")
+                        help=f"comma-separated subset of {','.join(PEERS)} "
+                             f"({', '.join(REQUIRED_PEERS)} always run)")
     parser.add_argument("--warmup", type=int, default=25, help="do_bench warmup, ms")
     parser.add_argument("--rep", type=int, default=100, help="do_bench measuring time, ms")
+    results_io.add_arguments(parser, "flash, or flash-quick with --quick")
     args = parser.parse_args(argv[1:])
     peers = [p.strip() for p in args.peers.split(",") if p.strip()]
     unknown = set(peers) - set(PEERS)
     if unknown:
         parser.error(f"unknown peers {sorted(unknown)}; choose from {list(PEERS)}")
+    peers = [p for p in PEERS if p in peers or p in REQUIRED_PEERS]
+    if adaattn is None:
+        print(results_io.import_error_message("bench_attention.py", IMPORT_ERROR),
+              file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("bench_attention.py needs a CUDA device", file=sys.stderr)
         return 2
@@ -318,8 +338,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             setattr(torch._dynamo.config, name, 256)
     warnings.filterwarnings("ignore", category=UserWarning)
 
-    key = args.section or ("flash-quick" if args.quick else "flash")
-    title = (f"## flash attention{' (quick subset)' if args.quick else ''}: bf16, "
+    family = args.family or ("flash-quick" if args.quick else "flash")
+    title = (f"flash attention{' (quick subset)' if args.quick else ''}: bf16, "
              f"B·L = {TOKENS}, H·D = {HIDDEN}")
     meta = run_metadata(argv)
     rows: List[Row] = []
@@ -328,15 +348,17 @@ def main(argv: Optional[List[str]] = None) -> int:
             row = measure(peer, cfg, args)
             rows.append(row)
             print(render_table([row]).splitlines()[-1], flush=True)
-        if args.out:  # after every config, so a run cut short still leaves its results
-            update_results(args.out, key, f"{title}\n\n{meta}\n\n{render_table(rows)}"
-                                          f"\n\n{render_ratios(rows)}")
+        if not args.no_write:  # after every config, so a run cut short still leaves results
+            path = results_io.write(family, json_rows(rows), title=title, setup=TIMING,
+                                    argv=argv, results_dir=args.results_dir)
     print()
-    print(title)
+    print("## " + title)
     print(meta)
     print(render_table(rows))
     print()
     print(render_ratios(rows))
+    if not args.no_write:
+        print(f"\nwrote {path}")
     return 0
 
 

@@ -13,7 +13,11 @@ Times are medians of triton's do_bench; peak memory is one forward+backward abov
 diagonal alone to every causal block, each against density x our dense non-causal time; the
 excess t - 1.2 x fraction x dense is the fixed overhead that bar lets us state.
 
-    python benchmarks/bench_block_sparse.py [--scaling] [--out benchmarks/RESULTS.md]
+Writes benchmarks/results/block-sparse.json (a case per shape and mask: adaattn against
+flex-compiled, plus our dense rows) and, with --scaling, block-sparse-scaling.json; prints the
+tables.
+
+    python benchmarks/bench_block_sparse.py [--scaling | --only-scaling] [--results-dir DIR]
 """
 import argparse
 import os
@@ -26,9 +30,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_attention as ba  # noqa: E402  (also puts the in-place build on sys.path)
 import bench_varlen as bv  # noqa: E402
+import results_io  # noqa: E402
 
-import adaattn  # noqa: E402
-from adaattn import BlockSparseMask  # noqa: E402
+adaattn = ba.adaattn  # None when the extension is not built (--help still works)
+BlockSparseMask = getattr(adaattn, "BlockSparseMask", None)
 
 HEADS, DIM, BLOCK = 16, 128, 128
 SHAPES = [(4, 4096), (1, 16384)]
@@ -186,16 +191,52 @@ def measure_rows(rows, batch: int, length: int, args):
     return results
 
 
+def _shape_rows(results, batch: int, length: int, scaling: bool) -> List[dict]:
+    """results_io rows of one shape: each adaattn-<mask> row with its flex-<mask> peer (as
+    flex-compiled), our dense rows alone."""
+    out = []
+    full = results.get("adaattn-dense-full", (None, None))[0]
+    for name, (row, fraction) in results.items():
+        if not name.startswith("adaattn-"):
+            continue
+        flex = results.get(name.replace("adaattn-", "flex-"), (None, None))[0]
+        group = [("adaattn", row)] + ([("flex-compiled", flex)] if flex is not None else [])
+        note = "; ".join(f"{n}: {r.note}" for n, r in group if r.note)
+        case = f"B={batch} L={length} {name[len('adaattn-'):]}"
+        for field, direction in (("fwd_ms", "fwd"), ("fwdbwd_ms", "fwd+bwd")):
+            extra = {}
+            if direction == "fwd+bwd":
+                extra["peak_mib"] = {n: round(r.peak_mib) for n, r in group
+                                     if r.peak_mib is not None}
+                if (fraction is not None and full is not None and full.fwdbwd_ms
+                        and row.fwdbwd_ms is not None):
+                    extra["vs_fraction_of_dense"] = round(
+                        row.fwdbwd_ms / (fraction * full.fwdbwd_ms), 3)
+                if scaling and full is not None:
+                    extra["dense_full_ms"] = full.fwdbwd_ms
+            out.append(results_io.row(case, direction, {n: getattr(r, field) for n, r in group},
+                                      listed_fraction=None if fraction is None
+                                      else round(fraction, 4),
+                                      note=note, config={"b": batch, "l": length, "h": HEADS,
+                                                         "d": DIM, "block": BLOCK},
+                                      **extra))
+    return out
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", help="markdown results file to update")
     parser.add_argument("--warmup", type=int, default=25, help="do_bench warmup, ms")
     parser.add_argument("--rep", type=int, default=100, help="do_bench measuring time, ms")
     parser.add_argument("--scaling", action="store_true",
-                        help="also the proportionality sweep (section block-sparse-scaling)")
+                        help="also the proportionality sweep (block-sparse-scaling.json)")
     parser.add_argument("--only-scaling", action="store_true", help="the sweep alone")
+    results_io.add_arguments(parser, "block-sparse; the sweep: <family>-scaling")
     args = parser.parse_args(argv[1:])
+    if adaattn is None:
+        print(results_io.import_error_message("bench_block_sparse.py", ba.IMPORT_ERROR),
+              file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("bench_block_sparse.py needs a CUDA device", file=sys.stderr)
         return 2
@@ -204,28 +245,48 @@ def main(argv: Optional[List[str]] = None) -> int:
         if hasattr(torch._dynamo.config, name):
             setattr(torch._dynamo.config, name, 256)
     torch.manual_seed(0)
-    title = (f"## block-sparse attention: bf16, causal, D = {DIM}, H = {HEADS}, "
+    family = args.family or "block-sparse"
+    title = (f"block-sparse attention: bf16, causal, D = {DIM}, H = {HEADS}, "
              f"{BLOCK}x{BLOCK} blocks")
-    sections = [title, ba.run_metadata(argv)]
-    scaling = [f"## block-sparse time against listed blocks: bf16, causal, D = {DIM}, "
-               f"H = {HEADS}, {BLOCK}x{BLOCK} blocks", ba.run_metadata(argv)]
+    setup = ("masks: window-8x128 (a causal window of 8 blocks, from a FlexAttention "
+             "BlockMask), random-p (a random causal layout of density p, diagonal always "
+             "listed); flex-compiled: compiled FlexAttention on the same mask; dense rows: our "
+             f"flash_attn; vs_fraction_of_dense: t / (listed fraction x dense full t); "
+             f"{ba.TIMING}")
+    scaling_title = (f"block-sparse time against listed blocks: bf16, causal, D = {DIM}, "
+                     f"H = {HEADS}, {BLOCK}x{BLOCK} blocks")
+    scaling_setup = ("random causal layouts from the diagonal alone (random-0.0) to every "
+                     "causal block (random-1.0); the bar: t <= overhead + 1.2 x listed "
+                     f"fraction x dense non-causal t; {ba.TIMING}")
+    sections = ["## " + title, ba.run_metadata(argv)]
+    scaling = ["## " + scaling_title, ba.run_metadata(argv)]
+    scaling_json: List[dict] = []
     for batch, length in SHAPES if (args.scaling or args.only_scaling) else []:
         results = measure_rows(scaling_rows(batch, length), batch, length, args)
         scaling.append(render_scaling(results, batch, length))
+        scaling_json += _shape_rows(results, batch, length, scaling=True)
+        if not args.no_write:
+            path = results_io.write(f"{family}-scaling", scaling_json, title=scaling_title,
+                                    setup=scaling_setup, argv=argv,
+                                    results_dir=args.results_dir)
     if args.scaling or args.only_scaling:
-        if args.out:
-            ba.update_results(args.out, "block-sparse-scaling", "\n\n".join(scaling))
         print("\n\n".join(scaling))
+        if not args.no_write:
+            print(f"\nwrote {path}")
     if args.only_scaling:
         return 0
+    main_json: List[dict] = []
     for batch, length in SHAPES:
-        sections.append(render(measure_rows(builders(batch, length), batch, length, args),
-                               batch, length))
-    body = "\n\n".join(sections)
-    if args.out:
-        ba.update_results(args.out, "block-sparse", body)
+        results = measure_rows(builders(batch, length), batch, length, args)
+        sections.append(render(results, batch, length))
+        main_json += _shape_rows(results, batch, length, scaling=False)
+        if not args.no_write:
+            path = results_io.write(family, main_json, title=title, setup=setup, argv=argv,
+                                    results_dir=args.results_dir)
     print()
-    print(body)
+    print("\n\n".join(sections))
+    if not args.no_write:
+        print(f"\nwrote {path}")
     return 0
 
 

@@ -6,7 +6,10 @@ bf16, B = 4, H = 16, L = 4096, causal and not; D in {64, 80, 96, 128} (80 and 96
 halved when causal, forward+backward 3.5x), so a padded dim shows what the padding costs.
 Times are medians of triton's do_bench.
 
-    python benchmarks/bench_head_dims.py
+Writes benchmarks/results/head-dims.json (a case per D and mask, SDPA's backends as peers) and
+prints the table.
+
+    python benchmarks/bench_head_dims.py [--results-dir DIR]
 """
 import argparse
 import os
@@ -16,6 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_attention as ba  # noqa: E402  (also puts the in-place build on sys.path)
+import results_io  # noqa: E402
 
 B, H, L = 4, 16, 4096
 DIMS = (64, 80, 96, 128)
@@ -29,16 +33,26 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--warmup", type=int, default=25, help="do_bench warmup (ms)")
     parser.add_argument("--rep", type=int, default=100, help="do_bench repetitions (ms)")
+    results_io.add_arguments(parser, "head-dims")
     args = parser.parse_args()
+    if ba.adaattn is None:
+        print(results_io.import_error_message("bench_head_dims.py", ba.IMPORT_ERROR),
+              file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        print("bench_head_dims.py needs a CUDA device", file=sys.stderr)
+        return 2
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, B={B}, H={H}, L={L}, bf16")
     print("| D | causal | op | fwd ms | fwd+bwd ms | fwd TFLOP/s | fwd+bwd TFLOP/s |")
     print("|---:|---|---|---:|---:|---:|---:|")
+    json_rows = []
     for d in DIMS:
         for causal in (False, True):
             q, k, v = (torch.randn(B, H, L, d, device="cuda", dtype=torch.bfloat16,
                                    requires_grad=True) for _ in range(3))
             dout = torch.randn_like(q)
             flops = 4 * B * H * L * L * d / (2 if causal else 1)
+            times, notes = {}, []
             for name in PEERS:
                 fn = ba.PEERS[name](ba.Config(d, L, causal))
                 try:
@@ -46,12 +60,35 @@ def main():
                     both = ba._do_bench(lambda: fn(q, k, v).backward(dout), args.warmup,
                                         args.rep, [q, k, v])
                 except RuntimeError as e:
-                    print(f"| {d} | {causal} | {name} | refused: {str(e).splitlines()[0][:60]} "
-                          "| | | |")
+                    first = str(e).splitlines()[0][:60]
+                    print(f"| {d} | {causal} | {name} | refused: {first} | | | |")
+                    times[name] = (None, None)
+                    notes.append(f"{name}: refused: {first}")
                     continue
+                times[name] = (fwd, both)
                 print(f"| {d} | {causal} | {name} | {fwd:.3f} | {both:.3f} | "
                       f"{flops / fwd / 1e9:.1f} | {3.5 * flops / both / 1e9:.1f} |")
+            case = f"D={d} {'causal' if causal else 'non-causal'}"
+            for i, (direction, count) in enumerate((("fwd", flops), ("fwd+bwd", 3.5 * flops))):
+                json_rows.append(results_io.row(
+                    case, direction, {name: t[i] for name, t in times.items()},
+                    tflops={name: round(count / t[i] / 1e9, 1) for name, t in times.items()
+                            if t[i] is not None},
+                    note="; ".join(notes), config={"b": B, "h": H, "l": L, "d": d,
+                                                    "causal": causal}))
+            if not args.no_write:
+                path = results_io.write(
+                    args.family or "head-dims", json_rows,
+                    title=f"head dims without a kernel of their own: bf16, B = {B}, H = {H}, "
+                          f"L = {L}",
+                    setup="D = 80 and 96 run zero-padded on the D = 128 kernels; TFLOP/s count "
+                          "the caller's D (flash-attn's count); time: median of "
+                          "triton.testing.do_bench",
+                    results_dir=args.results_dir)
+    if not args.no_write:
+        print(f"\nwrote {path}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

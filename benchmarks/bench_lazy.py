@@ -8,7 +8,10 @@ medians of triton's do_bench; TFLOP/s use the causal flash count (so lazy and fl
 directly); peak memory is one forward+backward above the inputs. The zero-weight and
 skipped-tile fractions are the op's own statistics for the same inputs.
 
-    python benchmarks/bench_lazy.py [--quick] [--out benchmarks/RESULTS.md]
+Writes benchmarks/results/lazy.json (``--quick``: lazy-quick.json; adaattn = adaattn-lazy, the
+other rows its peers) and prints the tables.
+
+    python benchmarks/bench_lazy.py [--quick] [--results-dir DIR]
 """
 import argparse
 import os
@@ -20,8 +23,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_attention as ba  # noqa: E402  (also puts the in-place build on sys.path)
+import results_io  # noqa: E402
 
-import adaattn  # noqa: E402
+adaattn = ba.adaattn  # None when the extension is not built (--help still works)
 
 WINDOW = 512
 TAU = -1.0
@@ -102,25 +106,31 @@ def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="only D=128, L=4096 (the bar)")
-    parser.add_argument("--out", help="markdown results file to update")
     parser.add_argument("--peers", default=",".join(PEERS),
                         help=f"comma-separated subset of {','.join(PEERS)}")
     parser.add_argument("--warmup", type=int, default=25, help="do_bench warmup, ms")
     parser.add_argument("--rep", type=int, default=100, help="do_bench measuring time, ms")
+    results_io.add_arguments(parser, "lazy, or lazy-quick with --quick")
     args = parser.parse_args(argv[1:])
     peers = [p.strip() for p in args.peers.split(",") if p.strip()]
     unknown = set(peers) - set(PEERS)
     if unknown:
         parser.error(f"unknown peers {sorted(unknown)}; choose from {list(PEERS)}")
+    if adaattn is None:
+        print(results_io.import_error_message("bench_lazy.py", ba.IMPORT_ERROR),
+              file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("bench_lazy.py needs a CUDA device", file=sys.stderr)
         return 2
     warnings.filterwarnings("ignore", category=UserWarning)
     ba.PEERS.update(PEERS)  # ba.measure looks peers up by name
 
-    key = "lazy-quick" if args.quick else "lazy"
-    title = (f"## lazy attention{' (quick subset)' if args.quick else ''}: bf16, causal, "
+    family = args.family or ("lazy-quick" if args.quick else "lazy")
+    title = (f"lazy attention{' (quick subset)' if args.quick else ''}: bf16, causal, "
              f"W = {WINDOW}, tau = {TAU}, B·L = {ba.TOKENS}, H·D = {ba.HIDDEN}")
+    setup = ("bias ~ 0.1 N(0, 1), tau and bias requiring grad; note: the op's zero-weight and "
+             f"skipped-tile fractions; {ba.TIMING}")
     meta = ba.run_metadata(argv)
     rows: List[ba.Row] = []
     for cfg in configs(args.quick):
@@ -130,15 +140,18 @@ def main(argv: Optional[List[str]] = None) -> int:
                 row.note = sparsity(cfg)
             rows.append(row)
             print(ba.render_table([row]).splitlines()[-1], flush=True)
-        if args.out:
-            ba.update_results(args.out, key, f"{title}\n\n{meta}\n\n{ba.render_table(rows)}"
-                                             f"\n\n{render_ratios(rows)}")
+        if not args.no_write:
+            path = results_io.write(family, ba.json_rows(rows, ours="adaattn-lazy"),
+                                    title=title, setup=setup, argv=argv,
+                                    results_dir=args.results_dir)
     print()
-    print(title)
+    print("## " + title)
     print(meta)
     print(ba.render_table(rows))
     print()
     print(render_ratios(rows))
+    if not args.no_write:
+        print(f"\nwrote {path}")
     return 0
 
 

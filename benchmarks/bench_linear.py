@@ -15,8 +15,12 @@ at which linear attention (raw, ours) beats causal flash attention forward+backw
 
 Timing: CUDA events around each call, ``--warmup`` untimed calls, median of ``--reps``.
 
+Writes benchmarks/results/linear.json: a case per (D, T, feature setting) with adaattn's
+linear_attn, fla's matching call (raw, norm) and our causal flash_attn in the same run; prints
+the table.
+
     python benchmarks/bench_linear.py [--lengths 4096,16384,65536] [--dims 64,128]
-                                      [--heads 16] [--reps 20] [--warmup 5] [--out FILE]
+                                      [--heads 16] [--reps 20] [--warmup 5] [--results-dir DIR]
 """
 import argparse
 import os
@@ -27,7 +31,16 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import adaattn  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import results_io  # noqa: E402
+
+try:
+    import adaattn  # noqa: E402
+except ImportError as _import_error:  # not built yet: --help still works
+    adaattn = None
+    IMPORT_ERROR: Optional[ImportError] = _import_error
+else:
+    IMPORT_ERROR = None
 
 DTYPE = torch.bfloat16
 
@@ -103,8 +116,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--no-fla", action="store_true", help="skip fla even if importable")
-    parser.add_argument("--out", help="also write the markdown table to this file")
+    results_io.add_arguments(parser, "linear")
     args = parser.parse_args(argv)
+    if adaattn is None:
+        print(results_io.import_error_message("bench_linear.py", IMPORT_ERROR), file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("bench_linear.py needs a CUDA device", file=sys.stderr)
         return 2
@@ -139,10 +155,46 @@ def main(argv: Optional[List[str]] = None) -> int:
                      f"(of {lengths}).")
     text = "\n".join(lines)
     print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    if not args.no_write:
+        title = f"linear attention: bf16, B = 1, H = {args.heads}, causal, D = Dv"
+        setup = ("raw: identity features without normalisation (fla scale=1, normalize=False); "
+                 "norm: identity features, normalised (fla's default); elu: our default "
+                 "(elu + 1, normalised), no fla equivalent; adaattn-flash-causal: our causal "
+                 "flash_attn at the same shape; inputs (B, T, H, D), passed to adaattn as "
+                 f"transposed views; time: CUDA events, median of {args.reps} after "
+                 f"{args.warmup} warm-up calls")
+        path = results_io.write(args.family or "linear",
+                                json_rows(results, dims, lengths, args.heads, table),
+                                title=title, setup=setup, argv=[sys.argv[0]] + list(argv),
+                                results_dir=args.results_dir)
+        print(f"\nwrote {path}")
     return 0
+
+
+# (case suffix, our peer name in ``peers``, fla's peer name)
+SETTINGS = (("raw", "adaattn linear raw", "fla linear raw"),
+            ("norm", "adaattn linear norm", "fla linear norm"),
+            ("elu", "adaattn elu", None))
+
+
+def json_rows(results: Dict[Tuple[int, int, str], Tuple[float, float]], dims: List[int],
+              lengths: List[int], heads: int, table: Dict[str, Callable]) -> List[dict]:
+    """results_io rows: one case per (D, T, setting); a peer that ran out of memory is None."""
+    out = []
+    for d in dims:
+        for length in lengths:
+            for setting, ours, fla in SETTINGS:
+                names = [("adaattn", ours)] + ([("fla", fla)] if fla in table else []) + \
+                        [("adaattn-flash-causal", "adaattn flash causal")]
+                oom = [peer for peer, name in names if (d, length, name) not in results]
+                for i, direction in enumerate(("fwd", "fwd+bwd")):
+                    ms = {peer: results[(d, length, name)][i] if (d, length, name) in results
+                          else None for peer, name in names}
+                    out.append(results_io.row(
+                        f"D={d} T={length} {setting}", direction, ms,
+                        note="; ".join(f"{peer}: out of memory" for peer in oom),
+                        config={"d": d, "t": length, "h": heads, "b": 1}))
+    return out
 
 
 if __name__ == "__main__":

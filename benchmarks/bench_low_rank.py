@@ -9,7 +9,10 @@ Rows in the same run:
   ``flash_attn``.
 Causal and not. Times are medians of triton's do_bench (L2 flushed between calls).
 
-    python benchmarks/bench_low_rank.py [--out benchmarks/RESULTS.md]
+Writes benchmarks/results/low-rank.json (adaattn = low_rank_attn or adaptive_rank_attn, peer
+adaattn-flash = flash_attn on the same inputs) and prints the table.
+
+    python benchmarks/bench_low_rank.py [--results-dir DIR]
 """
 import argparse
 import os
@@ -21,8 +24,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_attention as ba  # noqa: E402  (also puts the in-place build on sys.path)
+import results_io  # noqa: E402
 
-import adaattn  # noqa: E402
+adaattn = ba.adaattn  # None when the extension is not built (--help still works)
 
 B, H, L, D = 4, 16, 4096, 128
 PLANTED_RANK, NOISE, ENERGY = 32, 0.01, 0.99
@@ -56,7 +60,8 @@ def fmt(x: Optional[float], spec: str = ".3f") -> str:
     return "-" if x is None else format(x, spec)
 
 
-def run(args) -> str:
+def run(args, json_rows: Optional[List[dict]] = None) -> str:
+    """The markdown table; with ``json_rows``, also appends the results_io rows to it."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     lines: List[str] = []
     lines.append("| inputs | causal | rank R (plan) | plan ms | op | fwd ms | fwd+bwd ms | "
@@ -101,28 +106,46 @@ def run(args) -> str:
                 f"{flash[0] / ours[0]:.2f}x | {flash[1] / ours[1]:.2f}x | "
                 f"{fmt(error, '.2e')} |")
             print(lines[-1], flush=True)
+            if json_rows is not None:
+                case = (f"{kind} q/k, {'causal' if causal else 'non-causal'}: {name}, "
+                        f"rank {'/'.join(map(str, ranks))}")
+                for i, direction in enumerate(("fwd", "fwd+bwd")):
+                    json_rows.append(results_io.row(
+                        case, direction, {"adaattn": ours[i], "adaattn-flash": flash[i]},
+                        plan_ms=round(plan_ms, 4), ranks=ranks, rel_error=error,
+                        config={"b": B, "h": H, "l": L, "d": D, "causal": causal}))
     return "\n".join(lines)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", help="markdown results file to update")
     parser.add_argument("--warmup", type=int, default=25, help="do_bench warmup (ms)")
     parser.add_argument("--rep", type=int, default=100, help="do_bench repetitions (ms)")
+    results_io.add_arguments(parser, "low-rank")
     args = parser.parse_args(argv[1:])
+    if adaattn is None:
+        print(results_io.import_error_message("bench_low_rank.py", ba.IMPORT_ERROR),
+              file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("bench_low_rank: needs a CUDA device")
         return 1
-    table = run(args)
+    title = f"adaptive-rank attention: bf16, B = {B}, H = {H}, L = {L}, D = {D}"
+    setup = (f"planted: q, k of effective rank {PLANTED_RANK} + {NOISE:.0%} noise, "
+             f"rank_plan(energy={ENERGY}) then low_rank_attn (basis gradient included); random: "
+             "full-rank q, k through adaptive_rank_attn (plan + attention); rel_error against "
+             "float32 SDPA on the same bf16 inputs; plan_ms: rank_plan alone; time: median of "
+             "triton.testing.do_bench")
+    json_rows: List[dict] = []
+    table = run(args, json_rows)
     body = "\n".join([
-        f"## Adaptive-rank attention (bf16, B={B}, H={H}, L={L}, D={D})", "",
-        ba.run_metadata(argv), f"- planted: effective rank {PLANTED_RANK} + {NOISE:.0%} noise; "
-        f"energy {ENERGY}; speedup = flash time / our time; rel. error against float32 SDPA "
-        "on the same bf16 inputs", "", table])
+        "## " + title, "", ba.run_metadata(argv), "- " + setup, "", table])
     print(body)
-    if args.out:
-        ba.update_results(args.out, "low-rank", body)
+    if not args.no_write:
+        path = results_io.write(args.family or "low-rank", json_rows, title=title, setup=setup,
+                                argv=argv, results_dir=args.results_dir)
+        print(f"\nwrote {path}")
     return 0
 
 

@@ -13,22 +13,27 @@ eigensolver), and the whole rank_plan (with its one host synchronisation). Times
 CUDA-event timings after warmup; sym_eig's accuracy on the same matrices is printed too
 (max |U^T U - I| in float32 epsilons, max |A U - U diag(w)| / ||A||_F).
 
-    python benchmarks/bench_rank.py [--markdown] [--out benchmarks/RESULTS.md]
+Writes benchmarks/results/rank.json: per (Hkv, inputs), the Gram step against the float32-copy
+way, sym_eig and sym_eig_top against float64 torch.linalg.eigh, the certificate and the whole
+rank_plan (direction "fwd": the plan has no backward); prints the table.
+
+    python benchmarks/bench_rank.py [--markdown] [--results-dir DIR]
 """
 import argparse
 import datetime
 import os
-import shlex
 import sys
-from typing import Callable, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_attention as ba  # noqa: E402  (also puts the in-place build on sys.path)
+import results_io  # noqa: E402
 
-import adaattn  # noqa: E402
-from adaattn.rank import _gram  # noqa: E402
+adaattn = ba.adaattn  # None when the extension is not built (--help still works)
+if adaattn is not None:
+    from adaattn.rank import _gram  # noqa: E402
 
 BATCH, HEADS, LENGTH, DIM = 4, 16, 4096, 128
 KV_HEADS = (16, 4)
@@ -59,7 +64,8 @@ def accuracy(gram: torch.Tensor) -> str:
     return f"orthonormal to {orth:.1f} eps, residual {resid:.1e}"
 
 
-def measure(hkv: int, kind: str, args) -> List[list]:
+def measure(hkv: int, kind: str, args, accuracies: Optional[Dict] = None) -> List[list]:
+    """Rows [hkv, kind, step, ms]; sym_eig's accuracy goes to ``accuracies[(hkv, kind)]``."""
     q, k = inputs(hkv, kind)
     group = HEADS // hkv
     qm = q.reshape(BATCH * hkv, group * LENGTH, DIM)
@@ -83,7 +89,10 @@ def measure(hkv: int, kind: str, args) -> List[list]:
             lambda: torch.ops.adaattn.shifted_cholesky_info(gram, shift))
         row("eigh float64", lambda: torch.linalg.eigh(gram.double()), reps=args.eigh_reps)
         row("rank_plan (energy 0.99)", lambda: adaattn.rank_plan(q, k, energy=0.99))
-    print(f"Hkv={hkv:2d} {kind:8s} sym_eig accuracy: {accuracy(gram)}", flush=True)
+    acc = accuracy(gram)
+    print(f"Hkv={hkv:2d} {kind:8s} sym_eig accuracy: {acc}", flush=True)
+    if accuracies is not None:
+        accuracies[(hkv, kind)] = acc
     return rows
 
 
@@ -99,38 +108,75 @@ def metadata(argv: List[str]) -> str:
     return "\n".join([
         f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
         f"- GPU: {props.name} (sm_{props.major}{props.minor}, {props.multi_processor_count} SMs)",
-        f"- torch {torch.__version__}, CUDA {torch.version.cuda}, commit {ba._git_commit()}",
-        f"- command: `{' '.join(shlex.quote(a) for a in ['python'] + argv)}`",
+        f"- torch {torch.__version__}, CUDA {torch.version.cuda}, "
+        f"commit {results_io.git_commit()}",
+        f"- command: `{results_io.command_line(argv)}`",
         f"- q bf16 [{BATCH}, {HEADS}, {LENGTH}, {DIM}], k [{BATCH}, Hkv, {LENGTH}, {DIM}]; "
         f"planted: rank {PLANTED_RANK} + 0.05 noise; time: median of CUDA events",
     ])
+
+
+# (case, the step reported as adaattn, {peer name: the step measured as that peer})
+CASES = (("Gram matrices", "gram (bf16 GEMM, fp32 accumulate)",
+          {"torch-float32-copy": "gram (float32 copy)"}),
+         ("sym_eig (all eigenvectors)", "sym_eig", {"torch-eigh-float64": "eigh float64"}),
+         ("sym_eig_top (energy 0.99)", "sym_eig_top (energy 0.99)",
+          {"torch-eigh-float64": "eigh float64"}),
+         ("shifted_cholesky_info (certificate)", "shifted_cholesky_info (certificate)", {}),
+         ("rank_plan (energy 0.99)", "rank_plan (energy 0.99)", {}))
+
+
+def json_rows(rows: List[list], accuracies: Dict) -> List[dict]:
+    times = {(hkv, kind, name): ms for hkv, kind, name, ms in rows}
+    out = []
+    for hkv, kind in dict.fromkeys((hkv, kind) for hkv, kind, _, _ in rows):
+        for case, ours, peers in CASES:
+            if (hkv, kind, ours) not in times:
+                continue
+            ms = {"adaattn": times[(hkv, kind, ours)]}
+            ms.update({peer: times.get((hkv, kind, step)) for peer, step in peers.items()})
+            out.append(results_io.row(
+                f"Hkv={hkv} ({BATCH * hkv} matrices of {DIM}), {kind}: {case}", "fwd", ms,
+                accuracy=accuracies.get((hkv, kind)) if ours == "sym_eig" else None,
+                config={"b": BATCH, "hq": HEADS, "hkv": hkv, "l": LENGTH, "d": DIM}))
+    return out
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--markdown", action="store_true",
-                        help="also print the results as a markdown section for RESULTS.md")
-    parser.add_argument("--out", help="markdown results file to update (section 'rank')")
+                        help="also print the results as a markdown section")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--eigh-reps", type=int, default=3, help="reps of the slow float64 eigh")
+    results_io.add_arguments(parser, "rank")
     args = parser.parse_args(argv[1:])
+    if adaattn is None:
+        print(results_io.import_error_message("bench_rank.py", ba.IMPORT_ERROR),
+              file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("bench_rank.py needs a CUDA device", file=sys.stderr)
         return 2
     torch.manual_seed(0)
-    rows = []
+    rows: List[list] = []
+    accuracies: Dict = {}
     for hkv in KV_HEADS:
         for kind in ("random", "planted"):
-            rows += measure(hkv, kind, args)
-    body = (f"## rank_plan (spec §3.4): Gram, sym_eig, eigh, whole plan\n\n{metadata(argv)}\n\n"
-            f"{render(rows)}")
+            rows += measure(hkv, kind, args, accuracies)
+    title = "rank_plan (spec §3.4): Gram, sym_eig, eigh, whole plan"
+    body = f"## {title}\n\n{metadata(argv)}\n\n{render(rows)}"
     if args.markdown:
         print()
         print(body)
-    if args.out:
-        ba.update_results(args.out, "rank", body)
+    if not args.no_write:
+        setup = (f"q bf16 [{BATCH}, {HEADS}, {LENGTH}, {DIM}], k [{BATCH}, Hkv, {LENGTH}, "
+                 f"{DIM}]; planted: rank {PLANTED_RANK} + 0.05 noise; rank_plan timed on the "
+                 "host with its one host synchronisation; time: median of CUDA events")
+        path = results_io.write(args.family or "rank", json_rows(rows, accuracies), title=title,
+                                setup=setup, argv=argv, results_dir=args.results_dir)
+        print(f"wrote {path}")
     return 0
 
 

@@ -12,7 +12,10 @@ TFLOP/s count causal attention per document (4 * H * L^2 * D / 2 forward, 3.5x f
 forward+backward), so packed and dense rows compare as throughput on the same work. Times are
 medians of triton's do_bench; peak memory is one forward+backward above the inputs.
 
-    python benchmarks/bench_varlen.py [--d 128] [--out benchmarks/RESULTS.md]
+Writes benchmarks/results/varlen-d<D>.json, one case per op and layout (adaattn = our op on it;
+FlexAttention is the packed flash case's peer), and prints the tables.
+
+    python benchmarks/bench_varlen.py [--d 128] [--results-dir DIR]
 """
 import argparse
 import os
@@ -25,8 +28,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_attention as ba  # noqa: E402  (also puts the in-place build on sys.path)
+import results_io  # noqa: E402
 
-import adaattn  # noqa: E402
+adaattn = ba.adaattn  # None when the extension is not built (--help still works)
 
 TOKENS = 16384
 HEADS = 16
@@ -197,14 +201,49 @@ def render_bars(rows: List[Row], d: int) -> str:
     ])
 
 
+# (case prefix, the measured row reported as adaattn, its peers in the same run)
+CASES = (("flash, packed", "adaattn-flash-varlen", ("flex-document",)),
+         ("flash, dense", "adaattn-flash-dense", ()),
+         ("lazy, packed", "adaattn-lazy-varlen", ()),
+         ("lazy, dense", "adaattn-lazy-dense", ()))
+
+
+def json_rows(rows: List[Row], d: int) -> List[dict]:
+    by = {r.name: r for r in rows}
+    out = []
+    for prefix, ours, peers in CASES:
+        if ours not in by:
+            continue
+        group = [("adaattn", by[ours])] + [(p, by[p]) for p in peers if p in by]
+        lengths = by[ours].lengths
+        shape = (f"{len(lengths)} docs of {min(lengths)}-{max(lengths)}"
+                 if len(set(lengths)) > 1 else f"{len(lengths)} x {lengths[0]}")
+        note = "; ".join(f"{name}: {r.note}" for name, r in group if r.note)
+        for field, direction, mode in (("fwd_ms", "fwd", "fwd"),
+                                       ("fwdbwd_ms", "fwd+bwd", "fwdbwd")):
+            ms = {name: getattr(r, field) for name, r in group}
+            tflops = {name: round(causal_flops(r.lengths, d, mode) / t / 1e9, 1)
+                      for name, r in group for t in [getattr(r, field)] if t is not None}
+            peak = ({name: round(r.peak_mib) for name, r in group if r.peak_mib is not None}
+                    if direction == "fwd+bwd" else None)
+            out.append(results_io.row(f"{prefix}: {shape}", direction, ms, tflops=tflops,
+                                      peak_mib=peak, note=note,
+                                      config={"d": d, "h": HEADS, "tokens": TOKENS}))
+    return out
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--d", type=int, default=128, help="head dim (64 or 128)")
-    parser.add_argument("--out", help="markdown results file to update")
     parser.add_argument("--warmup", type=int, default=25, help="do_bench warmup, ms")
     parser.add_argument("--rep", type=int, default=100, help="do_bench measuring time, ms")
+    results_io.add_arguments(parser, "varlen-d<D>")
     args = parser.parse_args(argv[1:])
+    if adaattn is None:
+        print(results_io.import_error_message("bench_varlen.py", ba.IMPORT_ERROR),
+              file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("bench_varlen.py needs a CUDA device", file=sys.stderr)
         return 2
@@ -212,19 +251,25 @@ def main(argv: Optional[List[str]] = None) -> int:
     torch.manual_seed(0)
     lengths = document_lengths()
     dense_len = max(128, round(sum(lengths) / len(lengths) / 128) * 128)
-    title = (f"## varlen (packed documents): bf16, causal, D = {args.d}, H = {HEADS}, "
+    title = (f"varlen (packed documents): bf16, causal, D = {args.d}, H = {HEADS}, "
              f"{TOKENS} tokens in {len(lengths)} documents of {DOC_MIN}-{DOC_MAX}; dense rows: "
              f"{TOKENS // dense_len} x {dense_len}")
+    setup = ("dense: the same tokens as equal-length sequences (compare TFLOP/s, counted "
+             "per document); flex-document: compiled FlexAttention with a causal document "
+             f"mask; {ba.TIMING}")
     meta = ba.run_metadata(argv)
     rows = []
     for name, (build, lens) in builders(lengths, args.d, dense_len).items():
         rows.append(_measure(name, lens, build, args))
         print(render([rows[-1]], args.d).splitlines()[-1], flush=True)
-    body = f"{title}\n\n{meta}\n\n{render(rows, args.d)}\n\n{render_bars(rows, args.d)}"
-    if args.out:
-        ba.update_results(args.out, f"varlen-d{args.d}", body)
+    body = f"## {title}\n\n{meta}\n\n{render(rows, args.d)}\n\n{render_bars(rows, args.d)}"
     print()
     print(body)
+    if not args.no_write:
+        path = results_io.write(args.family or f"varlen-d{args.d}", json_rows(rows, args.d),
+                                title=title, setup=setup, argv=argv,
+                                results_dir=args.results_dir)
+        print(f"\nwrote {path}")
     return 0
 
 
