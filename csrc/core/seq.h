@@ -162,8 +162,8 @@ ADAATTN_HD int64_t tile_slots(const AttnParams& p, int block_rows) {
 // to each other, so the CTAs running together share that head's K/V (or Q/dO) in L2. kReverse
 // walks the slots from the last one (under causal masking the late query tiles are the heavy
 // ones). Interleaving the heads instead (tile j of every head before tile j + 1, a lighter last
-// wave under causal masks) was slower on the H100: its working set outgrew L2 (RESULTS.md,
-// "CTA order").
+// wave under causal masks) was slower on the H100: its working set outgrew L2
+// (docs/lab/history.md).
 template <bool kKeys, bool kReverse>
 ADAATTN_HD WorkItem tile_item(const AttnParams& p, int64_t x, int block_rows) {
   const int64_t slots = tile_slots<kKeys>(p, block_rows);

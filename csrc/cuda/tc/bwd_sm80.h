@@ -316,7 +316,7 @@ __device__ __forceinline__ void bwd_dkdv_block(const AttnParams& p, int block) {
     }
 
   };
-  if (p.block_kv_num == nullptr) {
+  if (kLsePass || p.block_kv_num == nullptr) {  // block lists: normalised only (fwd_sm80.h)
     mainloop(dense_query_steps<BM>(p, h_kv, rows));
   } else {
     mainloop(query_steps<BM>(p, b, h_kv, n0, rows));
@@ -511,7 +511,7 @@ __device__ __forceinline__ void bwd_dq_block(const AttnParams& p, int block) {
     }
 
   };
-  if (p.block_kv_num == nullptr) {
+  if (kLsePass || p.block_kv_num == nullptr) {  // block lists: normalised only (fwd_sm80.h)
     mainloop(dense_key_tiles<BN>(tile_keys));
   } else {
     mainloop(key_tiles<BN>(p, tile_keys, b, h, m0));

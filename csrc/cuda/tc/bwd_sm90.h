@@ -465,7 +465,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
       if (dq_issuer) sm90::bulk_wait();
     }
   };
-  if (p.block_kv_num == nullptr) {
+  if (kLsePass || p.block_kv_num == nullptr) {  // block lists: normalised only (fwd_sm80.h)
     mainloop(dense_query_steps<BM>(p, h_kv, rows));
   } else {
     mainloop(query_steps<BM>(p, b, h_kv, n0, rows));

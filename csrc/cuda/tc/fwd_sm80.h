@@ -104,7 +104,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
 #pragma unroll
         for (int e = 0; e < 4; ++e) s[mi][ni][e] *= p.scale_log2;
     if (!Mod::kIdentity && Mod::tile_active(p, lens, m0 + warp_row0, n0 + BN - 1)) {
-      modify_scores<Mod, false>(s, s, p, lens, h, m0 + warp_row0, n0, lane);
+      modify_scores<Mod, false>(s, p, lens, h, m0 + warp_row0, n0, lane);
     }
     if (!tile_is_full(p, lens, m0 + warp_row0, m0 + warp_row0 + 16 * MI, n0, n0 + BN)) {
       mask_scores(s, rr, n0, lane);
@@ -204,7 +204,9 @@ __global__ void __launch_bounds__(Traits::kThreads)
       }
     }
   };
-  if (p.block_kv_num == nullptr) {
+  // Block lists are walked for normalised transforms only (a second copy of the two-pass
+  // mainloop costs registers and compile time, and no op pairs them).
+  if (!Variant::kNormalized || p.block_kv_num == nullptr) {
     mainloop(dense_key_tiles<BN>(tile_keys));
   } else {
     mainloop(key_tiles<BN>(p, tile_keys, b, h, m0));

@@ -93,8 +93,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_sm90_kernel(const Att
   const int valid_q = lens.rows_q - m0;
   sm90::init_load_ring(full, empty, kConsumerThreads);
 
+  // Block lists are walked for normalised transforms only (fwd_sm80.h says why).
   auto with_tiles = [&](auto&& body) {
-    if (p.block_kv_num == nullptr) {
+    if (kLsePass || p.block_kv_num == nullptr) {
       body(dense_key_tiles<BN>(tile.keys));
     } else {
       body(key_tiles<BN>(p, tile.keys, b, h, m0));
