@@ -34,6 +34,8 @@ struct ElasticTransform {
     return T(1) / static_cast<T>(i + 1);
   }
   ADAATTN_HD static bool wants_param_grad(const AttnParams& p) { return p.dtau != nullptr; }
+  // The parameter's gradient dtau [Hq] (null: not asked for).
+  ADAATTN_HD static float* param_grad(const AttnParams& p) { return p.dtau; }
 };
 
 }  // namespace adaattn

@@ -30,6 +30,14 @@ struct RelBiasMod {
     return d >= 0 && d < p.bias_window ? d : -1;
   }
   ADAATTN_HD static bool wants_param_grad(const AttnParams& p) { return p.dbias != nullptr; }
+  // The table's gradient dbias [Hq, param_size] (null: not asked for).
+  ADAATTN_HD static float* param_grad(const AttnParams& p) { return p.dbias; }
+  ADAATTN_HD static int param_size(const AttnParams& p) { return p.bias_window; }
+  // Slots param_slot can return in this problem: i - j <= Lk - 1, so min(W, Lk) (the size of a
+  // partial table; the entries past it get a zero gradient).
+  ADAATTN_HD static int param_slots(const AttnParams& p) {
+    return p.bias_window < p.len_k ? p.bias_window : p.len_k;
+  }
 };
 
 }  // namespace adaattn

@@ -20,6 +20,9 @@
 //   kPositional    it reads the positions (i, j), not only x
 //   apply(p, h, i, j, x) -> s, grad(p, x, s) -> ds/dx, param_slot(p, i, j) -> table index or -1
 //   wants_param_grad(p)   the caller asked for the table's gradient
+//   with kParamGrad also: param_grad(p) -> the float [Hq, param_size(p)] gradient output (or
+//   null), param_slots(p) -> how many leading slots param_slot can return in this problem
+//   (partial tables need no more; the gradient of the slots past them is 0)
 // and, for the tensor-core kernels (variants/*_tc.h), the same on accumulator fragments.
 // A probability transform is a type with
 //   kNormalized    one online pass, o /= row sum, Delta = dO.o; else an lse pass before the
@@ -27,6 +30,7 @@
 //   kRowParamGrad  it has a per-head parameter whose gradient sums G_i * row_term_grad(i)
 //   row_term(p, h, i) -> c_i, weight(p, c) -> a, live(p, c) -> M, row_term_grad(p, i)
 //   kCountsZeros   the forward can count zero weights (AttnParams::stats)
+//   with kRowParamGrad also: param_grad(p) -> the float [Hq] gradient output (or null)
 #pragma once
 
 #include "../core/params.h"
