@@ -9,7 +9,7 @@
 
 #include "autograd_util.h"
 #include "block_sparse_ops.h"
-#include "flash_api.h"
+#include "attention_api.h"
 #include "flash_ops.h"
 
 namespace adaattn {
@@ -176,7 +176,8 @@ std::tuple<at::Tensor, at::Tensor> block_sparse_fwd_cpu_op(
   if (q.numel() > 0) {
     AttnParams p = make_block_sparse_params(q, k, v, mask, block_m, block_n, softmax_scale, causal);
     set_fwd_outputs(p, out, lse);
-    flash_fwd_cpu(p, q.scalar_type());  // walks the block lists (core/block_sparse.h)
+    // The kernel walks the block lists (core/block_sparse.h).
+    attention_fwd_cpu(softmax_variant(p), p, q.scalar_type());
   }
   return {out.to(q_in.scalar_type()), lse};
 }
@@ -204,7 +205,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_sparse_bwd_cpu_op(
     // tensor stands in for the delta scratch.
     at::Tensor no_scratch = at::empty({0}, lse.options());
     set_bwd_tensors(p, dout, out, lse, dq, dk, dv, no_scratch);
-    flash_bwd_cpu(p, q.scalar_type());
+    attention_bwd_cpu(softmax_variant(p), p, q.scalar_type());
   } else {
     dq.zero_();
     dk.zero_();

@@ -14,7 +14,7 @@
 #include <algorithm>
 #include <cmath>
 
-#include "flash_api.h"
+#include "attention_api.h"
 
 namespace adaattn {
 namespace {
@@ -25,12 +25,13 @@ int64_t projected_width(const at::Tensor& q, int64_t rank, int64_t dim_v) {
   if (q.is_cuda() && (q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16)) {
     // flash_attn zero-pads Dv to its kernel's; the scores' width R' must be a kernel's own.
     for (const int width : {32, 64, 128}) {
-      const int kernel_width = tc_kernel_head_dims(width, static_cast<int>(dim_v), false).first;
+      const int kernel_width =
+          tc_kernel_head_dims(VariantId::kPlain, width, static_cast<int>(dim_v)).first;
       if (width >= rank && kernel_width == width) return width;
     }
     TORCH_CHECK(false, "adaattn: low_rank_attn has no tensor-core kernel for rank R = ", rank,
                 " with value head dim Dv = ", dim_v, "; supported (R padded, Dv): ",
-                tc_head_dims());
+                tc_head_dims(VariantId::kPlain));
   }
 #endif
   return std::max<int64_t>(rank, 1);  // R = 0: one zero column, every score is 0

@@ -10,9 +10,8 @@
 
 #include "autograd_util.h"
 #include "core/seq.h"
-#include "flash_api.h"
+#include "attention_api.h"
 #include "flash_ops.h"
-#include "lazy_api.h"
 #include "lazy_ops.h"
 
 namespace adaattn {
@@ -323,7 +322,7 @@ std::tuple<at::Tensor, at::Tensor> flash_fwd_cpu_op(
   } else {
     AttnParams p = make_params(q, k, v, seqlens, cu_seqlens_q, cu_seqlens_k, opt);
     set_fwd_outputs(p, out, lse);
-    flash_fwd_cpu(p, q.scalar_type());
+    attention_fwd_cpu(softmax_variant(p), p, q.scalar_type());
   }
   return {out.to(q_in.scalar_type()), lse};
 }
@@ -347,7 +346,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_bwd_cpu_op(
   if (!no_rows(q, cu_seqlens_q) && k.numel() > 0) {
     AttnParams p = make_params(q, k, v, seqlens, cu_seqlens_q, cu_seqlens_k, opt);
     set_bwd_tensors(p, dout, out, lse, dq, dk, dv, delta);
-    flash_bwd_cpu(p, q.scalar_type());
+    attention_bwd_cpu(softmax_variant(p), p, q.scalar_type());
   } else {
     dq.zero_();
     dk.zero_();
@@ -374,7 +373,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lazy_fwd_cpu_op(
     AttnParams p = make_lazy_params(q, k, v, tau, bias, seqlens, cu_seqlens, softmax_scale);
     set_fwd_outputs(p, out, lse);
     p.stats = return_stats ? stats.data_ptr<int64_t>() : nullptr;
-    lazy_fwd_cpu(p, q.scalar_type());
+    attention_fwd_cpu(VariantId::kLazy, p, q.scalar_type());
   }
   return {out.to(q_in.scalar_type()), lse, stats};
 }
@@ -406,7 +405,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lazy_bwd_
       p.dtau = dtau.data_ptr<float>();
       p.dbias = dbias.data_ptr<float>();
     }
-    lazy_bwd_cpu(p, q.scalar_type());
+    attention_bwd_cpu(VariantId::kLazy, p, q.scalar_type());
   } else {
     dq.zero_();
     dk.zero_();

@@ -1,6 +1,6 @@
-// Tile building blocks of the CPU kernels (flash_cpu.cpp, lazy_cpu.cpp, block_sparse_cpu.cpp): tasks own tiles of
-// kBlockM query rows, keys are copied transposed into kBlockN-column tiles so that the inner loops
-// run with unit stride (vectorisable, fixed summation order).
+// Tile building blocks of the CPU attention kernel (attention_cpu.cpp): tasks own tiles of kBlockM
+// query rows, keys are copied transposed into kBlockN-column tiles so that the inner loops run
+// with unit stride (vectorisable, fixed summation order).
 #pragma once
 
 #include <algorithm>
@@ -8,6 +8,8 @@
 #include <cstdint>
 #include <limits>
 
+#include "../core/block_sparse.h"
+#include "../core/mask.h"
 #include "../core/seq.h"
 
 namespace adaattn {
@@ -83,17 +85,31 @@ inline T dot(const T* __restrict__ x, const T* __restrict__ y, int dim) {
   return acc;
 }
 
-// One online-softmax step of a row over tile columns [c0, c1) (all inside the row's key range):
-// scales the scores, raises the running max, rescales the row's accumulator and running sum, and
-// passes each column's unnormalised weight exp(s - max) to add(c, weight).
+// Calls fn(n0, cols) for each key tile [n0, n0 + cols), cols <= kBlockN, that rows [m0, m0 + rows)
+// of (b, h) visit: their key range or, block-sparse, that range cut to the listed blocks of the
+// rows' query block (a row tile lies in one query block: block_m is a multiple of kBlockM).
+template <typename Fn>
+inline void for_each_key_tile(const AttnParams& p, const SeqLens& lens, int b, int h, int m0,
+                              int rows, Fn&& fn) {
+  const KeyRange span = tile_key_range(p, lens, m0, m0 + rows);
+  for_each_key_span(p, b, h, m0, span, [&](int lo, int hi) {
+    for (int n0 = lo; n0 < hi; n0 += kBlockN) fn(n0, std::min(kBlockN, hi - n0));
+  });
+}
+
+// The columns [lo, hi) of key tile [n0, n0 + cols) inside a row's key range (empty: lo >= hi).
+inline KeyRange tile_columns(KeyRange range, int n0, int cols) {
+  return {std::max(range.lo, n0) - n0, std::min(range.hi, n0 + cols) - n0};
+}
+
+// One online-softmax step of a row over tile columns [c0, c1) (all inside the row's key range)
+// of its final scores: raises the running max, rescales the row's accumulator and running sum,
+// and passes each column's unnormalised weight exp(s - max) to add(c, weight).
 template <typename T, typename Add>
-inline void online_softmax_step(T* __restrict__ scores, int c0, int c1, T scale, T& row_max,
+inline void online_softmax_step(const T* __restrict__ scores, int c0, int c1, T& row_max,
                                 T& row_sum, T* acc_row, int dim, Add&& add) {
   T tile_max = neg_inf<T>();
-  for (int c = c0; c < c1; ++c) {
-    scores[c] *= scale;
-    tile_max = std::max(tile_max, scores[c]);
-  }
+  for (int c = c0; c < c1; ++c) tile_max = std::max(tile_max, scores[c]);
   const T new_max = std::max(row_max, tile_max);
   // exp(-inf) = 0 on a row's first tile: the zero accumulator stays zero.
   const T rescale = std::exp(row_max - new_max);

@@ -7,7 +7,7 @@
 #include <torch/library.h>
 
 #include "../block_sparse_ops.h"
-#include "../flash_api.h"
+#include "../attention_api.h"
 #include "../flash_ops.h"
 #include "cuda_inputs.h"
 
@@ -33,7 +33,7 @@ std::tuple<at::Tensor, at::Tensor> block_sparse_fwd_cuda_op(
     int64_t block_n, std::optional<double> softmax_scale, bool causal) {
   BlockSparseMaskTensors mask{kv_num_blocks, kv_indices, {}, {}};
   check_block_sparse_inputs(q_in, k_in, v_in, mask, block_m, block_n);
-  const TcLayout layout = tc_layout(q_in, v_in, /*lazy=*/false);
+  const TcLayout layout = tc_layout(q_in, v_in, VariantId::kPlain);
   check_cuda_block_size(q_in, block_m, block_n);
   mask = contiguous_mask(mask);
   const at::Tensor q = layout.qk(q_in);
@@ -47,9 +47,9 @@ std::tuple<at::Tensor, at::Tensor> block_sparse_fwd_cuda_op(
                                           layout.scale(softmax_scale), causal);
   set_fwd_outputs(p, out, lse);
   if (use_tensor_cores(q.scalar_type())) {
-    flash_fwd_tc_cuda(p, q.scalar_type());
+    attention_fwd_tc_cuda(softmax_variant(p), p, q.scalar_type());
   } else {
-    flash_fwd_exact_cuda(p, q.scalar_type());
+    attention_fwd_exact_cuda(softmax_variant(p), p, q.scalar_type());
   }
   return {layout.crop(out, layout.head_dim_v), lse};
 }
@@ -63,7 +63,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_sparse_bwd_cuda_op(
   BlockSparseMaskTensors mask{kv_num_blocks, kv_indices, q_num_blocks, q_indices};
   check_block_sparse_inputs(q_in, k_in, v_in, mask, block_m, block_n);
   check_flash_bwd_inputs(dout_in, q_in, v_in, out_in, lse, /*packed=*/false);
-  const TcLayout layout = tc_layout(q_in, v_in, /*lazy=*/false);
+  const TcLayout layout = tc_layout(q_in, v_in, VariantId::kPlain);
   check_cuda_block_size(q_in, block_m, block_n);
   mask = contiguous_mask(mask);
   const at::Tensor q = layout.qk(q_in);
@@ -88,9 +88,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_sparse_bwd_cuda_op(
   p.deterministic = deterministic;  // else dQ may be accumulated with atomics
   set_bwd_tensors(p, dout, out, lse, dq, dk, dv, delta);
   if (use_tensor_cores(q.scalar_type())) {
-    flash_bwd_tc_cuda(p, q.scalar_type());
+    attention_bwd_tc_cuda(softmax_variant(p), p, q.scalar_type());
   } else {
-    flash_bwd_exact_cuda(p, q.scalar_type());
+    attention_bwd_exact_cuda(softmax_variant(p), p, q.scalar_type());
   }
   return {layout.crop(dq, layout.head_dim), layout.crop(dk, layout.head_dim),
           layout.crop(dv, layout.head_dim_v)};

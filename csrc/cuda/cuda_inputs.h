@@ -9,7 +9,7 @@
 #include <optional>
 #include <utility>
 
-#include "../flash_api.h"
+#include "../attention_api.h"
 
 namespace adaattn {
 
@@ -63,17 +63,17 @@ struct TcLayout {
   }
 };
 
-// Refuses fp16/bf16 head dims that no compiled pair covers (naming the supported set), then
-// chooses the layout. `lazy`: the lazy family's kernels.
-inline TcLayout tc_layout(const at::Tensor& q, const at::Tensor& v, bool lazy) {
+// Refuses fp16/bf16 head dims that no compiled pair of `variant` covers (naming the supported
+// set), then chooses the layout.
+inline TcLayout tc_layout(const at::Tensor& q, const at::Tensor& v, VariantId variant) {
   const int64_t d = q.size(-1), dv = v.size(-1);
   if (!use_tensor_cores(q.scalar_type())) return {false, d, dv, d, dv};
   const std::pair<int, int> kernel =
-      d > 0 && dv > 0 ? tc_kernel_head_dims(static_cast<int>(d), static_cast<int>(dv), lazy)
+      d > 0 && dv > 0 ? tc_kernel_head_dims(variant, static_cast<int>(d), static_cast<int>(dv))
                       : std::pair<int, int>{0, 0};
   TORCH_CHECK(kernel.first > 0, "adaattn: head dims D = q.size(-1) = ", d,
               ", Dv = v.size(-1) = ", dv, " are not supported for ", q.scalar_type(),
-              " on CUDA; supported (D, Dv): ", tc_head_dims(),
+              " on CUDA; supported (D, Dv): ", tc_head_dims(variant),
               " (float32/float64 accept any D, Dv <= 256)");
   return {true, d, dv, kernel.first, kernel.second};
 }

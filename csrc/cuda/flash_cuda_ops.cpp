@@ -6,7 +6,7 @@
 
 #include <limits>
 
-#include "../flash_api.h"
+#include "../attention_api.h"
 #include "../flash_ops.h"
 #include "cuda_inputs.h"
 
@@ -23,7 +23,7 @@ std::tuple<at::Tensor, at::Tensor> flash_fwd_cuda_op(const at::Tensor& q_in,
                                                      const std::optional<at::Tensor>& cu_seqlens_q,
                                                      const std::optional<at::Tensor>& cu_seqlens_k) {
   check_flash_inputs(q_in, k_in, v_in, seqlens, cu_seqlens_q, cu_seqlens_k);
-  const TcLayout layout = tc_layout(q_in, v_in, /*lazy=*/false);
+  const TcLayout layout = tc_layout(q_in, v_in, VariantId::kPlain);
   const at::Tensor q = layout.qk(q_in);
   const at::Tensor k = layout.qk(k_in);
   const at::Tensor v = layout.vo(v_in);
@@ -40,9 +40,9 @@ std::tuple<at::Tensor, at::Tensor> flash_fwd_cuda_op(const at::Tensor& q_in,
   AttnParams p = make_params(q, k, v, seqlens, cu_seqlens_q, cu_seqlens_k, opt);
   set_fwd_outputs(p, out, lse);
   if (use_tensor_cores(q.scalar_type())) {
-    flash_fwd_tc_cuda(p, q.scalar_type());
+    attention_fwd_tc_cuda(softmax_variant(p), p, q.scalar_type());
   } else {
-    flash_fwd_exact_cuda(p, q.scalar_type());
+    attention_fwd_exact_cuda(softmax_variant(p), p, q.scalar_type());
   }
   return {layout.crop(out, layout.head_dim_v), lse};
 }
@@ -55,7 +55,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_bwd_cuda_op(
     const std::optional<at::Tensor>& cu_seqlens_q, const std::optional<at::Tensor>& cu_seqlens_k) {
   check_flash_inputs(q_in, k_in, v_in, seqlens, cu_seqlens_q, cu_seqlens_k);
   check_flash_bwd_inputs(dout_in, q_in, v_in, out_in, lse, cu_seqlens_q.has_value());
-  const TcLayout layout = tc_layout(q_in, v_in, /*lazy=*/false);
+  const TcLayout layout = tc_layout(q_in, v_in, VariantId::kPlain);
   const at::Tensor q = layout.qk(q_in);
   const at::Tensor k = layout.qk(k_in);
   const at::Tensor v = layout.vo(v_in);
@@ -78,9 +78,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_bwd_cuda_op(
   AttnParams p = make_params(q, k, v, seqlens, cu_seqlens_q, cu_seqlens_k, opt);
   set_bwd_tensors(p, dout, out, lse, dq, dk, dv, delta);
   if (use_tensor_cores(q.scalar_type())) {
-    flash_bwd_tc_cuda(p, q.scalar_type());
+    attention_bwd_tc_cuda(softmax_variant(p), p, q.scalar_type());
   } else {
-    flash_bwd_exact_cuda(p, q.scalar_type());
+    attention_bwd_exact_cuda(softmax_variant(p), p, q.scalar_type());
   }
   return {layout.crop(dq, layout.head_dim), layout.crop(dk, layout.head_dim),
           layout.crop(dv, layout.head_dim_v)};

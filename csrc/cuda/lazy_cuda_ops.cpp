@@ -6,8 +6,8 @@
 
 #include <limits>
 
+#include "../attention_api.h"
 #include "../flash_ops.h"
-#include "../lazy_api.h"
 #include "../lazy_ops.h"
 #include "cuda_inputs.h"
 
@@ -20,7 +20,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lazy_fwd_cuda_op(
     std::optional<double> softmax_scale, bool return_stats,
     const std::optional<at::Tensor>& cu_seqlens) {
   check_lazy_inputs(q_in, k_in, v_in, tau, bias, seqlens, cu_seqlens);
-  const TcLayout layout = tc_layout(q_in, v_in, /*lazy=*/true);
+  const TcLayout layout = tc_layout(q_in, v_in, VariantId::kLazy);
   const bool tc = layout.tc && q_in.numel() > 0 && k_in.numel() > 0;
   const at::Tensor q = layout.qk(q_in);
   const at::Tensor k = layout.qk(k_in);
@@ -40,9 +40,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lazy_fwd_cuda_op(
   set_fwd_outputs(p, out, lse);
   p.stats = return_stats ? stats.data_ptr<int64_t>() : nullptr;
   if (tc) {
-    lazy_fwd_tc_cuda(p, q.scalar_type());
+    attention_fwd_tc_cuda(VariantId::kLazy, p, q.scalar_type());
   } else {
-    lazy_fwd_exact_cuda(p, q.scalar_type());
+    attention_fwd_exact_cuda(VariantId::kLazy, p, q.scalar_type());
   }
   return {layout.crop(out, layout.head_dim_v), lse, stats};
 }
@@ -55,7 +55,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lazy_bwd_
     const std::optional<at::Tensor>& cu_seqlens) {
   check_lazy_inputs(q_in, k_in, v_in, tau, bias, seqlens, cu_seqlens);
   check_flash_bwd_inputs(dout_in, q_in, v_in, out_in, lse, cu_seqlens.has_value());
-  const TcLayout layout = tc_layout(q_in, v_in, /*lazy=*/true);
+  const TcLayout layout = tc_layout(q_in, v_in, VariantId::kLazy);
   const bool tc = layout.tc && q_in.numel() > 0 && k_in.numel() > 0;
   const at::Tensor q = layout.qk(q_in);
   const at::Tensor k = layout.qk(k_in);
@@ -90,9 +90,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lazy_bwd_
     p.dbias = dbias.data_ptr<float>();
   }
   if (tc) {
-    lazy_bwd_tc_cuda(p, q.scalar_type());
+    attention_bwd_tc_cuda(VariantId::kLazy, p, q.scalar_type());
   } else {
-    lazy_bwd_exact_cuda(p, q.scalar_type());
+    attention_bwd_exact_cuda(VariantId::kLazy, p, q.scalar_type());
   }
   return {layout.crop(dq, layout.head_dim), layout.crop(dk, layout.head_dim),
           layout.crop(dv, layout.head_dim_v), dtau, dbias};

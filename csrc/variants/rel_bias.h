@@ -30,6 +30,11 @@ struct RelBiasMod {
     return d >= 0 && d < p.bias_window ? d : -1;
   }
   ADAATTN_HD static bool wants_param_grad(const AttnParams& p) { return p.dbias != nullptr; }
+  // Slots param_slot can return in this problem: i - j <= Lk - 1, so min(W, Lk) (the size of a
+  // partial table; the entries past it get a zero gradient).
+  ADAATTN_HD static int param_slots(const AttnParams& p) {
+    return p.bias_window < p.len_k ? p.bias_window : p.len_k;
+  }
   // Entries per head of the table.
   ADAATTN_HD static int param_count(const AttnParams& p) { return p.bias_window; }
   // The key that row position i reads entry `slot` with (param_slot's inverse), or a negative

@@ -22,7 +22,8 @@
 //                  param_slot(i, j); such a modifier also has param_count(p) (entries per
 //                  head), param_key(p, i, slot) (the key j with param_slot(p, i, j) == slot, or
 //                  < 0: a row reads each entry at most once) and param_grad_out(p) (the
-//                  [Hq, param_count] float32 gradient)
+//                  [Hq, param_count] float32 gradient) and param_slots(p) (how many leading
+//                  slots param_slot can return in this problem: partial tables need no more)
 //   kPositional    it reads the positions (i, j), not only x
 //   apply(p, h, i, j, x) -> s, grad(p, x, s) -> ds/dx, param_slot(p, i, j) -> table index or -1
 //   wants_param_grad(p)   the caller asked for the table's gradient
