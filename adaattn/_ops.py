@@ -36,14 +36,15 @@ def _out_fake(q, v):
 
 @torch.library.register_fake("adaattn::flash_fwd")
 def _flash_fwd_fake(q, k, v, seqlens, softmax_scale, causal, window_left, window_right,
-                    cu_seqlens_q=None, cu_seqlens_k=None):
+                    cu_seqlens_q=None, cu_seqlens_k=None, softcap=0.0):
     out = _out_fake(q, v)
     return out, _lse_fake(q, cu_seqlens_q is not None)
 
 
 @torch.library.register_fake("adaattn::flash_bwd")
 def _flash_bwd_fake(grad_out, q, k, v, out, lse, seqlens, softmax_scale, causal, window_left,
-                    window_right, deterministic, cu_seqlens_q=None, cu_seqlens_k=None):
+                    window_right, deterministic, cu_seqlens_q=None, cu_seqlens_k=None,
+                    softcap=0.0):
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             torch.empty_like(k, memory_format=torch.contiguous_format),
             torch.empty_like(v, memory_format=torch.contiguous_format))
@@ -89,7 +90,7 @@ def _linear_bwd_fake(grad_out, grad_state, q, k, v, initial_state, cu_seqlens, f
 
 @torch.library.register_fake("adaattn::block_sparse_fwd")
 def _block_sparse_fwd_fake(q, k, v, kv_num_blocks, kv_indices, block_m, block_n, softmax_scale,
-                           causal):
+                           causal, softcap=0.0):
     out = _out_fake(q, v)
     lse = q.new_empty(q.shape[:3], dtype=torch.float32)
     return out, lse
@@ -98,7 +99,7 @@ def _block_sparse_fwd_fake(q, k, v, kv_num_blocks, kv_indices, block_m, block_n,
 @torch.library.register_fake("adaattn::block_sparse_bwd")
 def _block_sparse_bwd_fake(grad_out, q, k, v, out, lse, kv_num_blocks, kv_indices, q_num_blocks,
                            q_indices, block_m, block_n, softmax_scale, causal,
-                           deterministic=False):
+                           deterministic=False, softcap=0.0):
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             torch.empty_like(k, memory_format=torch.contiguous_format),
             torch.empty_like(v, memory_format=torch.contiguous_format))

@@ -5,6 +5,7 @@ from typing import Optional, Tuple, Union
 import torch
 
 from ._ops import ops
+from .flash import _softcap_value
 
 # Mean listed keys per query row up to which the backward takes the two-pass (dQ-pass) kernels
 # when not asked to be deterministic; above it the atomic-dQ kernel is faster. On the H100 the
@@ -284,7 +285,7 @@ class BlockSparseMask:
 def block_sparse_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       block_mask: BlockSparseMask, *, causal: bool = False,
                       softmax_scale: Optional[float] = None, return_lse: bool = False,
-                      deterministic: bool = False
+                      deterministic: bool = False, softcap: float = 0
                       ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Softmax attention restricted to the blocks of ``block_mask``; work scales with the number
     of listed blocks, forward and backward.
@@ -308,6 +309,9 @@ def block_sparse_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             prefers_two_pass``: also on a mask's first calls, before its count has reached the
             host), and above that the kernel that adds dq with float32 atomics, whose order
             varies between runs.
+        softcap: score soft-capping ``s <- softcap * tanh(s / softcap)`` on the scaled scores
+            ``[B, Hq, Lq, Lk]`` before masking; ``0`` = off. Must be finite and ``>= 0``;
+            ``lse`` is then that of the capped scores.
 
     Returns:
         ``out [B, Hq, Lq, D]`` (dtype of q), and ``lse`` when ``return_lse``. A row that sees no
@@ -331,5 +335,6 @@ def block_sparse_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     two_pass = bool(deterministic) or block_mask.prefers_two_pass()
     out, lse = ops.block_sparse_attn(q, k, v, block_mask.kv_num_blocks, block_mask.kv_indices,
                                      q_num_blocks, q_indices, bm, bn, softmax_scale,
-                                     bool(causal) or block_mask.causal, two_pass)
+                                     bool(causal) or block_mask.causal, two_pass,
+                                     _softcap_value(softcap))
     return (out, lse) if return_lse else out

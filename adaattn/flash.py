@@ -1,4 +1,5 @@
 """Exact softmax attention (flash attention), forward and backward on CPU and CUDA."""
+import numbers
 from typing import Optional, Tuple, Union
 
 import torch
@@ -19,10 +20,19 @@ def _window_pair(window) -> Window:
     return left, right
 
 
+# The softcap defaults are the int 0 (off): torch.compile(dynamic=True) turns a float default into
+# a graph input and then restarts its analysis to specialise it; an int default stays a constant.
+def _softcap_value(softcap) -> float:
+    """softcap as a float (the op checks that it is finite and >= 0)."""
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise ValueError(f"adaattn: softcap must be a float >= 0 (0 = off), got {softcap!r}")
+    return float(softcap)
+
+
 def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
                softmax_scale: Optional[float] = None, window: Window = (-1, -1),
                seqlens: Optional[torch.Tensor] = None, return_lse: bool = False,
-               deterministic: bool = False
+               deterministic: bool = False, softcap: float = 0
                ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Exact softmax attention with O(L) memory (tiled, online softmax, recomputing backward).
 
@@ -47,13 +57,16 @@ def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: boo
             (faster end to end; the summation order varies between runs); ``True`` recomputes
             the scores in a separate dq pass instead. Every other kernel (CPU, fp32/fp64,
             ``Dv = 128`` before Hopper) is always deterministic.
+        softcap: score soft-capping (Gemma 2): ``s <- softcap * tanh(s / softcap)`` on the
+            scaled scores ``s = softmax_scale * q @ k^T`` ``[B, Hq, Lq, Lk]``, before masking;
+            ``0`` = off. Must be finite and ``>= 0``. ``lse`` is then that of the capped scores.
 
     Returns:
         ``out [B, Hq, Lq, Dv]`` (dtype of q), and ``lse`` when ``return_lse``.
     """
     left, right = _window_pair(window)
     out, lse = ops.flash_attn(q, k, v, seqlens, softmax_scale, bool(causal), left, right,
-                              bool(deterministic))
+                              bool(deterministic), None, None, _softcap_value(softcap))
     return (out, lse) if return_lse else out
 
 
@@ -62,7 +75,7 @@ def flash_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None, *,
                       causal: bool = False, softmax_scale: Optional[float] = None,
                       window: Window = (-1, -1), return_lse: bool = False,
-                      deterministic: bool = False
+                      deterministic: bool = False, softcap: float = 0
                       ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Flash attention over packed variable-length sequences (no padding, no work on padding).
 
@@ -81,6 +94,8 @@ def flash_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             kernels size their grids from the token count (no host synchronisation, no
             recompilation when the packing changes).
         causal, softmax_scale, window, deterministic: as in :func:`flash_attn`.
+        softcap: ``s <- softcap * tanh(s / softcap)`` on each sequence's scaled scores
+            ``[Hq, Lq_n, Lk_n]`` before masking, as in :func:`flash_attn`; ``0`` = off.
         return_lse: also return the float32 log-sum-exp ``[Hq, Tq]``.
 
     ``cu_seqlens`` values are validated on the CPU; on CUDA that would cost a device sync, so it
@@ -93,5 +108,6 @@ def flash_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     del max_seqlen_q, max_seqlen_k
     left, right = _window_pair(window)
     out, lse = ops.flash_attn(q, k, v, None, softmax_scale, bool(causal), left, right,
-                              bool(deterministic), cu_seqlens_q, cu_seqlens_k)
+                              bool(deterministic), cu_seqlens_q, cu_seqlens_k,
+                              _softcap_value(softcap))
     return (out, lse) if return_lse else out

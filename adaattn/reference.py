@@ -30,11 +30,17 @@ def flash_key_mask(len_q: int, len_k: int, *, causal: bool = False, window=(-1, 
     return mask
 
 
+def _softcap(scores: torch.Tensor, softcap: float) -> torch.Tensor:
+    """``softcap * tanh(scores / softcap)`` (spec §3.6, after scaling, before masking); 0 = off."""
+    return softcap * torch.tanh(scores / softcap) if softcap > 0 else scores
+
+
 def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
                softmax_scale: Optional[float] = None, window=(-1, -1),
-               seqlens: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+               seqlens: Optional[torch.Tensor] = None,
+               softcap: float = 0.0) -> Tuple[torch.Tensor, torch.Tensor]:
     """Materialised softmax attention. q ``[B, Hq, Lq, D]``, k ``[B, Hkv, Lk, D]``, v
-    ``[B, Hkv, Lk, Dv]``.
+    ``[B, Hkv, Lk, Dv]``; ``softcap > 0`` caps the scaled scores to ``(-softcap, softcap)``.
 
     Returns ``(out [B, Hq, Lq, Dv], lse [B, Hq, Lq] float32)``; rows that see no key give
     ``out = 0``, ``lse = -inf`` and zero gradients. Computes in q's dtype.
@@ -45,7 +51,7 @@ def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: boo
     scale = dim ** -0.5 if softmax_scale is None else softmax_scale
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = _softcap(torch.matmul(q, k.transpose(-1, -2)) * scale, softcap)
     mask = flash_key_mask(len_q, len_k, causal=causal, window=window, seqlens=seqlens,
                           batch=batch, device=q.device)
     scores = scores.masked_fill(~mask, float("-inf"))
@@ -87,9 +93,10 @@ def block_sparse_key_mask(block_mask, len_q: int, len_k: int, *,
 
 
 def block_sparse_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask, *,
-                      causal: bool = False,
-                      softmax_scale: Optional[float] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Materialised block-sparse attention: softmax attention under ``block_sparse_key_mask``.
+                      causal: bool = False, softmax_scale: Optional[float] = None,
+                      softcap: float = 0.0) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Materialised block-sparse attention: softmax attention under ``block_sparse_key_mask``
+    (``softcap > 0``: on the capped scaled scores, as :func:`flash_attn`).
 
     q ``[B, Hq, Lq, D]``, k/v ``[B, Hkv, Lk, D]``, block_mask an ``adaattn.BlockSparseMask`` of
     ``ceil(Lq / BM) x ceil(Lk / BN)`` blocks. Returns ``(out [B, Hq, Lq, D], lse [B, Hq, Lq]
@@ -102,7 +109,7 @@ def block_sparse_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_m
     scale = dim ** -0.5 if softmax_scale is None else softmax_scale
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = _softcap(torch.matmul(q, k.transpose(-1, -2)) * scale, softcap)
     mask = block_sparse_key_mask(block_mask, len_q, len_k, causal=causal).to(q.device)
     scores = scores.masked_fill(~mask, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
@@ -257,13 +264,13 @@ def _packed_per_sequence(fn, q, k, v, cu_seqlens_q, cu_seqlens_k):
 def flash_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, *,
                       causal: bool = False, softmax_scale: Optional[float] = None,
-                      window=(-1, -1)) -> Tuple[torch.Tensor, torch.Tensor]:
+                      window=(-1, -1), softcap: float = 0.0) -> Tuple[torch.Tensor, torch.Tensor]:
     """Packed flash attention as one :func:`flash_attn` call per sequence. q ``[Tq, Hq, D]``,
     k/v ``[Tk, Hkv, D]``, cu_seqlens int32 ``[N + 1]``. Returns ``(out [Tq, Hq, D],
     lse [Hq, Tq] float32)``."""
     return _packed_per_sequence(
         lambda qn, kn, vn: flash_attn(qn, kn, vn, causal=causal, softmax_scale=softmax_scale,
-                                      window=window),
+                                      window=window, softcap=softcap),
         q, k, v, cu_seqlens_q, cu_seqlens_k)
 
 

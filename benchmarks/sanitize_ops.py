@@ -1,6 +1,6 @@
 """Small fwd+bwd calls of the CUDA kernels for compute-sanitizer (memcheck, racecheck): flash
-(D 64 and 128, GQA, causal, window, seqlens, Lq != Lk; atomic and two-pass backward),
-block-sparse (an empty row of blocks included), lazy and low-rank, bf16; and
+(D 64 and 128, GQA, causal, window, seqlens, Lq != Lk; atomic and two-pass backward; with
+softcap), block-sparse (an empty row of blocks included), lazy and low-rank, bf16; and
 shifted_cholesky_info (D 33 and 128, pivots failing and not).
 
     compute-sanitizer --tool memcheck python benchmarks/sanitize_ops.py
@@ -26,7 +26,8 @@ def main():
     torch.manual_seed(0)
     for d in (64, 128):
         for kwargs in ({}, {"causal": True}, {"window": (33, 0)},
-                       {"causal": True, "deterministic": True}):
+                       {"causal": True, "deterministic": True}, {"softcap": 5.0},
+                       {"causal": True, "softcap": 5.0, "deterministic": True}):
             q, k, v = rand(2, 4, 197, d), rand(2, 2, 230, d), rand(2, 2, 230, d)
             backward(adaattn.flash_attn(q, k, v, **kwargs))
         q, k, v = rand(2, 4, 197, d), rand(2, 4, 197, d), rand(2, 4, 197, d)
@@ -39,6 +40,7 @@ def main():
     layout[0, 0, 1] = False
     mask = adaattn.BlockSparseMask.from_dense(layout, block_size=128)
     backward(adaattn.block_sparse_attn(q, k, v, mask, causal=True))
+    backward(adaattn.block_sparse_attn(q, k, v, mask, causal=True, softcap=5.0))
     tau = torch.full((2,), -1.0, device="cuda", requires_grad=True)
     bias = (0.1 * torch.randn(2, 64, device="cuda")).requires_grad_()
     backward(adaattn.lazy_attn(q, k, v, tau, bias))

@@ -127,12 +127,15 @@ BlockSparseMaskTensors contiguous_mask(const BlockSparseMaskTensors& mask) {
   return {c(mask.kv_num_blocks), c(mask.kv_indices), c(mask.q_num_blocks), c(mask.q_indices)};
 }
 
+FlashOptions block_sparse_options(const at::Tensor& q, std::optional<double> softmax_scale,
+                                  bool causal, bool deterministic, double softcap) {
+  return resolve_flash_options(q, softmax_scale, causal, /*window_left=*/-1, /*window_right=*/-1,
+                               deterministic, softcap);
+}
+
 AttnParams make_block_sparse_params(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                     const BlockSparseMaskTensors& mask, int64_t block_m,
-                                    int64_t block_n, std::optional<double> softmax_scale,
-                                    bool causal) {
-  const FlashOptions opt = resolve_flash_options(q, softmax_scale, causal, /*window_left=*/-1,
-                                                 /*window_right=*/-1, /*deterministic=*/true);
+                                    int64_t block_n, const FlashOptions& opt) {
   AttnParams p = make_params(q, k, v, std::nullopt, std::nullopt, std::nullopt, opt);
   p.block_m = static_cast<int>(block_m);
   p.block_n = static_cast<int>(block_n);
@@ -165,16 +168,17 @@ at::Tensor cpu_compute(const at::Tensor& t) {
 std::tuple<at::Tensor, at::Tensor> block_sparse_fwd_cpu_op(
     const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
     const at::Tensor& kv_num_blocks, const at::Tensor& kv_indices, int64_t block_m,
-    int64_t block_n, std::optional<double> softmax_scale, bool causal) {
+    int64_t block_n, std::optional<double> softmax_scale, bool causal, double softcap) {
   BlockSparseMaskTensors mask{kv_num_blocks, kv_indices, {}, {}};
   check_block_sparse_inputs(q_in, k_in, v_in, mask, block_m, block_n);
+  const FlashOptions opt = block_sparse_options(q_in, softmax_scale, causal, true, softcap);
   mask = contiguous_mask(mask);
   check_block_sparse_mask_values(mask);
   const at::Tensor q = cpu_compute(q_in), k = cpu_compute(k_in), v = cpu_compute(v_in);
   at::Tensor out = at::empty(out_shape(q, v), q.options());
   at::Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
   if (q.numel() > 0) {
-    AttnParams p = make_block_sparse_params(q, k, v, mask, block_m, block_n, softmax_scale, causal);
+    AttnParams p = make_block_sparse_params(q, k, v, mask, block_m, block_n, opt);
     set_fwd_outputs(p, out, lse);
     // The kernel walks the block lists (core/block_sparse.h).
     attention_fwd_cpu(softmax_variant(p), p, q.scalar_type());
@@ -188,9 +192,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_sparse_bwd_cpu_op(
     const at::Tensor& kv_num_blocks, const at::Tensor& kv_indices,
     const at::Tensor& q_num_blocks, const at::Tensor& q_indices, int64_t block_m,
     int64_t block_n, std::optional<double> softmax_scale, bool causal,
-    bool /*deterministic: the CPU kernels always are*/) {
+    bool /*deterministic: the CPU kernels always are*/, double softcap) {
   BlockSparseMaskTensors mask{kv_num_blocks, kv_indices, q_num_blocks, q_indices};
   check_block_sparse_inputs(q_in, k_in, v_in, mask, block_m, block_n);
+  const FlashOptions opt = block_sparse_options(q_in, softmax_scale, causal, true, softcap);
   check_flash_bwd_inputs(dout_in, q_in, v_in, out_in, lse, /*packed=*/false);
   mask = contiguous_mask(mask);
   check_block_sparse_mask_values(mask);
@@ -200,7 +205,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_sparse_bwd_cpu_op(
   at::Tensor dk = at::empty(k.sizes(), k.options());
   at::Tensor dv = at::empty(v.sizes(), v.options());
   if (q.numel() > 0 && k.numel() > 0) {
-    AttnParams p = make_block_sparse_params(q, k, v, mask, block_m, block_n, softmax_scale, causal);
+    AttnParams p = make_block_sparse_params(q, k, v, mask, block_m, block_n, opt);
     // The CPU kernel keeps its row statistics in T and reads neither p.lse nor p.delta: an empty
     // tensor stands in for the delta scratch.
     at::Tensor no_scratch = at::empty({0}, lse.options());
@@ -220,11 +225,11 @@ using torch::autograd::variable_list;
 
 using BlockSparseFwdSig = std::tuple<at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-    int64_t, int64_t, std::optional<double>, bool);
+    int64_t, int64_t, std::optional<double>, bool, double);
 using BlockSparseBwdSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-    int64_t, int64_t, std::optional<double>, bool, bool);
+    int64_t, int64_t, std::optional<double>, bool, bool, double);
 
 c10::TypedOperatorHandle<BlockSparseFwdSig> block_sparse_fwd_op() {
   static auto op = c10::Dispatcher::singleton()
@@ -242,10 +247,10 @@ class BlockSparseAttnFunction : public torch::autograd::Function<BlockSparseAttn
                                const at::Tensor& kv_indices, const at::Tensor& q_num_blocks,
                                const at::Tensor& q_indices, int64_t block_m, int64_t block_n,
                                std::optional<double> softmax_scale, bool causal,
-                               bool deterministic) {
+                               bool deterministic, double softcap) {
     at::AutoDispatchBelowADInplaceOrView guard;
     auto [out, lse] = block_sparse_fwd_op().call(q, k, v, kv_num_blocks, kv_indices, block_m,
-                                                 block_n, softmax_scale, causal);
+                                                 block_n, softmax_scale, causal, softcap);
     ctx->save_for_backward({q, k, v, out, lse, kv_num_blocks, kv_indices, q_num_blocks,
                             q_indices});
     ctx->saved_data["block_m"] = block_m;
@@ -253,6 +258,7 @@ class BlockSparseAttnFunction : public torch::autograd::Function<BlockSparseAttn
     save_scale(ctx, softmax_scale);
     ctx->saved_data["causal"] = causal;
     ctx->saved_data["deterministic"] = deterministic;
+    ctx->saved_data["softcap"] = softcap;
     ctx->mark_non_differentiable({lse});
     return {out, lse};
   }
@@ -269,9 +275,11 @@ class BlockSparseAttnFunction : public torch::autograd::Function<BlockSparseAttn
                                  ctx->saved_data["block_m"].toInt(),
                                  ctx->saved_data["block_n"].toInt(), scale,
                                  ctx->saved_data["causal"].toBool(),
-                                 ctx->saved_data["deterministic"].toBool());
-    return {dq,           dk,           dv,           at::Tensor(), at::Tensor(), at::Tensor(),
-            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+                                 ctx->saved_data["deterministic"].toBool(),
+                                 ctx->saved_data["softcap"].toDouble());
+    return {dq,           dk,           dv,           at::Tensor(), at::Tensor(),
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
+            at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -279,13 +287,14 @@ std::tuple<at::Tensor, at::Tensor> block_sparse_attn_autograd(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& kv_num_blocks, const at::Tensor& kv_indices,
     const at::Tensor& q_num_blocks, const at::Tensor& q_indices, int64_t block_m,
-    int64_t block_n, std::optional<double> softmax_scale, bool causal, bool deterministic) {
+    int64_t block_n, std::optional<double> softmax_scale, bool causal, bool deterministic,
+    double softcap) {
   // Shapes of the transposed index are checked now, not first in backward.
   check_block_sparse_inputs(q, k, v, {kv_num_blocks, kv_indices, q_num_blocks, q_indices},
                             block_m, block_n);
   auto res = BlockSparseAttnFunction::apply(q, k, v, kv_num_blocks, kv_indices, q_num_blocks,
                                             q_indices, block_m, block_n, softmax_scale, causal,
-                                            deterministic);
+                                            deterministic, softcap);
   return {res[0], res[1]};
 }
 
@@ -296,11 +305,11 @@ std::tuple<at::Tensor, at::Tensor> block_sparse_attn_no_grad(
     const at::Tensor& kv_num_blocks, const at::Tensor& kv_indices,
     const at::Tensor& q_num_blocks, const at::Tensor& q_indices, int64_t block_m,
     int64_t block_n, std::optional<double> softmax_scale, bool causal,
-    bool /*deterministic: backward only*/) {
+    bool /*deterministic: backward only*/, double softcap) {
   check_block_sparse_inputs(q, k, v, {kv_num_blocks, kv_indices, q_num_blocks, q_indices},
                             block_m, block_n);
   return block_sparse_fwd_op().call(q, k, v, kv_num_blocks, kv_indices, block_m, block_n,
-                                    softmax_scale, causal);
+                                    softmax_scale, causal, softcap);
 }
 
 }  // namespace

@@ -7,6 +7,7 @@
 #include <optional>
 
 #include "core/params.h"
+#include "flash_ops.h"
 
 namespace adaattn {
 
@@ -34,11 +35,14 @@ void check_block_sparse_mask_values(const BlockSparseMaskTensors& mask);
 // Contiguous copies where needed: the kernels read each list's entries with unit stride.
 BlockSparseMaskTensors contiguous_mask(const BlockSparseMaskTensors& mask);
 
-// Sets the flash fields (make_params, causal as window (-1, 0), no seqlens) and the block-sparse
-// section from contiguous mask tensors (undefined q_* leave the transposed pointers null).
+// The options of a block-sparse call: causal as window (-1, 0), no other window.
+FlashOptions block_sparse_options(const at::Tensor& q, std::optional<double> softmax_scale,
+                                  bool causal, bool deterministic, double softcap);
+
+// Sets the flash fields (make_params, no seqlens) and the block-sparse section from contiguous
+// mask tensors (undefined q_* leave the transposed pointers null).
 AttnParams make_block_sparse_params(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                     const BlockSparseMaskTensors& mask, int64_t block_m,
-                                    int64_t block_n, std::optional<double> softmax_scale,
-                                    bool causal);
+                                    int64_t block_n, const FlashOptions& opt);
 
 }  // namespace adaattn

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "core/params.h"
+#include "variants/table.h"
 
 namespace adaattn {
 
@@ -19,11 +20,21 @@ struct FlashOptions {
   int window_left;
   int window_right;
   bool deterministic;
+  double softcap;  // score modifier s <- softcap * tanh(s / softcap); 0 = off
 };
 
+// Validates window, scale (default D^-1/2 of q's D) and softcap (finite, >= 0; errors name the
+// argument).
 FlashOptions resolve_flash_options(const at::Tensor& q, std::optional<double> softmax_scale,
                                    bool causal, int64_t window_left, int64_t window_right,
-                                   bool deterministic);
+                                   bool deterministic, double softcap);
+
+// The softmax-family variant (variants/table.h) that the options select.
+inline VariantId softmax_variant(const FlashOptions& opt) {
+  AttnParams p{};
+  p.softcap = opt.softcap;
+  return softmax_variant(p);
+}
 
 // Validates q, k, v, seqlens and the packed layout's cu_seqlens (names the offending argument on
 // failure). Dense q/k/v are [B, H, L, D]; with cu_seqlens_q/k they are packed [T, H, D].

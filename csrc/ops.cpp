@@ -159,7 +159,7 @@ void check_flash_bwd_inputs(const at::Tensor& dout, const at::Tensor& q, const a
 
 FlashOptions resolve_flash_options(const at::Tensor& q, std::optional<double> softmax_scale,
                                    bool causal, int64_t window_left, int64_t window_right,
-                                   bool deterministic) {
+                                   bool deterministic, double softcap) {
   TORCH_CHECK(window_left >= -1 && window_right >= -1,
               "adaattn: window must be (left, right) with each >= 0 or -1 (unbounded), got (",
               window_left, ", ", window_right, ")");
@@ -169,8 +169,14 @@ FlashOptions resolve_flash_options(const at::Tensor& q, std::optional<double> so
   const double scale =
       softmax_scale.has_value() ? *softmax_scale : 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
   TORCH_CHECK(std::isfinite(scale), "adaattn: softmax_scale must be finite, got ", scale);
+  // The tensor-core kernels read softcap as float32: it must stay finite there, and a positive
+  // value nonzero (the exact paths take it as given).
+  const float cap = static_cast<float>(softcap);
+  TORCH_CHECK(softcap >= 0 && std::isfinite(cap) && (softcap == 0 || cap > 0),
+              "adaattn: softcap must be 0 (off) or a positive finite float32 value, got ",
+              softcap);
   return {scale, static_cast<int>(window_left), causal ? 0 : static_cast<int>(window_right),
-          deterministic};
+          deterministic, softcap};
 }
 
 namespace {
@@ -210,6 +216,7 @@ AttnParams make_params(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   p.scale = opt.scale;
   p.scale_log2 = static_cast<float>(opt.scale * M_LOG2E);
   p.deterministic = opt.deterministic;
+  p.softcap = opt.softcap;
   return p;
 }
 
@@ -287,7 +294,7 @@ AttnParams make_lazy_params(const at::Tensor& q, const at::Tensor& k, const at::
   // Causal, bottom-right aligned: window (-1, 0). The kernels are deterministic by construction.
   const FlashOptions opt = resolve_flash_options(q, softmax_scale, /*causal=*/true,
                                                  /*window_left=*/-1, /*window_right=*/0,
-                                                 /*deterministic=*/true);
+                                                 /*deterministic=*/true, /*softcap=*/0.0);
   AttnParams p = make_params(q, k, v, seqlens, cu_seqlens, cu_seqlens, opt);
   p.tau = tau.data_ptr<float>();
   p.bias = bias.data_ptr<float>();
@@ -308,10 +315,10 @@ std::tuple<at::Tensor, at::Tensor> flash_fwd_cpu_op(
     const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
     const std::optional<at::Tensor>& seqlens, std::optional<double> softmax_scale, bool causal,
     int64_t window_left, int64_t window_right, const std::optional<at::Tensor>& cu_seqlens_q,
-    const std::optional<at::Tensor>& cu_seqlens_k) {
+    const std::optional<at::Tensor>& cu_seqlens_k, double softcap) {
   check_flash_inputs(q_in, k_in, v_in, seqlens, cu_seqlens_q, cu_seqlens_k);
-  const FlashOptions opt =
-      resolve_flash_options(q_in, softmax_scale, causal, window_left, window_right, false);
+  const FlashOptions opt = resolve_flash_options(q_in, softmax_scale, causal, window_left,
+                                                 window_right, false, softcap);
   const at::Tensor q = cpu_compute(q_in), k = cpu_compute(k_in), v = cpu_compute(v_in);
   const bool packed = cu_seqlens_q.has_value();
   at::Tensor out = at::empty(out_shape(q, v), q.options());
@@ -332,11 +339,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_bwd_cpu_op(
     const at::Tensor& v_in, const at::Tensor& out_in, const at::Tensor& lse,
     const std::optional<at::Tensor>& seqlens, std::optional<double> softmax_scale, bool causal,
     int64_t window_left, int64_t window_right, bool deterministic,
-    const std::optional<at::Tensor>& cu_seqlens_q, const std::optional<at::Tensor>& cu_seqlens_k) {
+    const std::optional<at::Tensor>& cu_seqlens_q, const std::optional<at::Tensor>& cu_seqlens_k,
+    double softcap) {
   check_flash_inputs(q_in, k_in, v_in, seqlens, cu_seqlens_q, cu_seqlens_k);
   check_flash_bwd_inputs(dout_in, q_in, v_in, out_in, lse, cu_seqlens_q.has_value());
   const FlashOptions opt = resolve_flash_options(q_in, softmax_scale, causal, window_left,
-                                                 window_right, deterministic);
+                                                 window_right, deterministic, softcap);
   const at::Tensor q = cpu_compute(q_in), k = cpu_compute(k_in), v = cpu_compute(v_in);
   const at::Tensor out = cpu_compute(out_in), dout = cpu_compute(dout_in);
   at::Tensor dq = at::empty(q.sizes(), q.options());
@@ -421,11 +429,11 @@ using OptTensor = std::optional<at::Tensor>;
 
 using FlashFwdSig = std::tuple<at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&,
-    std::optional<double>, bool, int64_t, int64_t, const OptTensor&, const OptTensor&);
+    std::optional<double>, bool, int64_t, int64_t, const OptTensor&, const OptTensor&, double);
 using FlashBwdSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
     const at::Tensor&, const OptTensor&, std::optional<double>, bool, int64_t, int64_t, bool,
-    const OptTensor&, const OptTensor&);
+    const OptTensor&, const OptTensor&, double);
 
 c10::TypedOperatorHandle<FlashFwdSig> flash_fwd_op() {
   static auto op = c10::Dispatcher::singleton()
@@ -441,10 +449,11 @@ class FlashAttnFunction : public torch::autograd::Function<FlashAttnFunction> {
                                const at::Tensor& v, const OptTensor& seqlens,
                                std::optional<double> softmax_scale, bool causal,
                                int64_t window_left, int64_t window_right, bool deterministic,
-                               const OptTensor& cu_seqlens_q, const OptTensor& cu_seqlens_k) {
+                               const OptTensor& cu_seqlens_q, const OptTensor& cu_seqlens_k,
+                               double softcap) {
     at::AutoDispatchBelowADInplaceOrView guard;
     auto [out, lse] = flash_fwd_op().call(q, k, v, seqlens, softmax_scale, causal, window_left,
-                                          window_right, cu_seqlens_q, cu_seqlens_k);
+                                          window_right, cu_seqlens_q, cu_seqlens_k, softcap);
     ctx->save_for_backward({q, k, v, out, lse, seqlens.value_or(at::Tensor()),
                             cu_seqlens_q.value_or(at::Tensor()),
                             cu_seqlens_k.value_or(at::Tensor())});
@@ -453,6 +462,7 @@ class FlashAttnFunction : public torch::autograd::Function<FlashAttnFunction> {
     ctx->saved_data["window_left"] = window_left;
     ctx->saved_data["window_right"] = window_right;
     ctx->saved_data["deterministic"] = deterministic;
+    ctx->saved_data["softcap"] = softcap;
     ctx->mark_non_differentiable({lse});
     return {out, lse};
   }
@@ -469,18 +479,20 @@ class FlashAttnFunction : public torch::autograd::Function<FlashAttnFunction> {
         dout, saved[0], saved[1], saved[2], out, saved[4], saved_optional(saved[5]), scale,
         ctx->saved_data["causal"].toBool(), ctx->saved_data["window_left"].toInt(),
         ctx->saved_data["window_right"].toInt(), ctx->saved_data["deterministic"].toBool(),
-        saved_optional(saved[6]), saved_optional(saved[7]));
+        saved_optional(saved[6]), saved_optional(saved[7]), ctx->saved_data["softcap"].toDouble());
     return {dq,           dk,           dv,           at::Tensor(), at::Tensor(), at::Tensor(),
-            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
 std::tuple<at::Tensor, at::Tensor> flash_attn_autograd(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const OptTensor& seqlens,
     std::optional<double> softmax_scale, bool causal, int64_t window_left, int64_t window_right,
-    bool deterministic, const OptTensor& cu_seqlens_q, const OptTensor& cu_seqlens_k) {
+    bool deterministic, const OptTensor& cu_seqlens_q, const OptTensor& cu_seqlens_k,
+    double softcap) {
   auto res = FlashAttnFunction::apply(q, k, v, seqlens, softmax_scale, causal, window_left,
-                                      window_right, deterministic, cu_seqlens_q, cu_seqlens_k);
+                                      window_right, deterministic, cu_seqlens_q, cu_seqlens_k,
+                                      softcap);
   return {res[0], res[1]};
 }
 
@@ -488,9 +500,10 @@ std::tuple<at::Tensor, at::Tensor> flash_attn_autograd(
 std::tuple<at::Tensor, at::Tensor> flash_attn_no_grad(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const OptTensor& seqlens,
     std::optional<double> softmax_scale, bool causal, int64_t window_left, int64_t window_right,
-    bool /*deterministic*/, const OptTensor& cu_seqlens_q, const OptTensor& cu_seqlens_k) {
+    bool /*deterministic*/, const OptTensor& cu_seqlens_q, const OptTensor& cu_seqlens_k,
+    double softcap) {
   return flash_fwd_op().call(q, k, v, seqlens, softmax_scale, causal, window_left, window_right,
-                             cu_seqlens_q, cu_seqlens_k);
+                             cu_seqlens_q, cu_seqlens_k, softcap);
 }
 
 using LazyFwdSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
@@ -568,16 +581,17 @@ TORCH_LIBRARY(adaattn, m) {
   m.def(
       "flash_attn(Tensor q, Tensor k, Tensor v, Tensor? seqlens=None, float? softmax_scale=None, "
       "bool causal=False, int window_left=-1, int window_right=-1, bool deterministic=False, "
-      "Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None) -> (Tensor out, Tensor lse)");
+      "Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, float softcap=0.0) -> (Tensor out, "
+      "Tensor lse)");
   m.def(
       "flash_fwd(Tensor q, Tensor k, Tensor v, Tensor? seqlens, float? softmax_scale, bool causal, "
-      "int window_left, int window_right, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None) "
-      "-> (Tensor out, Tensor lse)");
+      "int window_left, int window_right, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, "
+      "float softcap=0.0) -> (Tensor out, Tensor lse)");
   m.def(
       "flash_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
       "Tensor? seqlens, float? softmax_scale, bool causal, int window_left, int window_right, "
-      "bool deterministic, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None) -> "
-      "(Tensor grad_q, Tensor grad_k, Tensor grad_v)");
+      "bool deterministic, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, "
+      "float softcap=0.0) -> (Tensor grad_q, Tensor grad_k, Tensor grad_v)");
   m.def(
       "lazy_attn(Tensor q, Tensor k, Tensor v, Tensor tau, Tensor bias, Tensor? seqlens=None, "
       "float? softmax_scale=None, bool return_stats=False, Tensor? cu_seqlens=None) -> "
@@ -605,16 +619,17 @@ TORCH_LIBRARY(adaattn, m) {
   m.def(
       "block_sparse_attn(Tensor q, Tensor k, Tensor v, Tensor kv_num_blocks, Tensor kv_indices, "
       "Tensor q_num_blocks, Tensor q_indices, int block_m=128, int block_n=128, "
-      "float? softmax_scale=None, bool causal=False, bool deterministic=False) -> (Tensor out, "
-      "Tensor lse)");
+      "float? softmax_scale=None, bool causal=False, bool deterministic=False, "
+      "float softcap=0.0) -> (Tensor out, Tensor lse)");
   m.def(
       "block_sparse_fwd(Tensor q, Tensor k, Tensor v, Tensor kv_num_blocks, Tensor kv_indices, "
-      "int block_m, int block_n, float? softmax_scale, bool causal) -> (Tensor out, Tensor lse)");
+      "int block_m, int block_n, float? softmax_scale, bool causal, float softcap=0.0) -> "
+      "(Tensor out, Tensor lse)");
   m.def(
       "block_sparse_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
       "Tensor kv_num_blocks, Tensor kv_indices, Tensor q_num_blocks, Tensor q_indices, "
-      "int block_m, int block_n, float? softmax_scale, bool causal, bool deterministic=False) -> "
-      "(Tensor grad_q, Tensor grad_k, Tensor grad_v)");
+      "int block_m, int block_n, float? softmax_scale, bool causal, bool deterministic=False, "
+      "float softcap=0.0) -> (Tensor grad_q, Tensor grad_k, Tensor grad_v)");
   m.def(
       "low_rank_attn(Tensor q, Tensor k, Tensor v, Tensor basis, bool causal=False, "
       "float? softmax_scale=None) -> (Tensor out, Tensor lse)");

@@ -18,7 +18,8 @@
 // modifier), and writes dq_i = scale (X_i - Delta_i Y_i) = scale sum_j p g (M dA - Delta_i) k_j.
 // Delta_i is summed directly rather than as dO_i.o_i - c_i G_i: equal in exact arithmetic, but
 // the saved output is rounded to the input dtype (bf16/fp16), which would put that rounding into
-// every gradient. The key pass then forms dS, dk, dv and the modifier's table gradient.
+// every gradient. The key pass then forms dS, dk, dv and the modifier's table gradient; the
+// transform's per-head parameter gradient sums G_i row_term_grad(i) in a fixed order.
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 

@@ -30,10 +30,13 @@ void check_cuda_block_size(const at::Tensor& q, int64_t block_m, int64_t block_n
 std::tuple<at::Tensor, at::Tensor> block_sparse_fwd_cuda_op(
     const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
     const at::Tensor& kv_num_blocks, const at::Tensor& kv_indices, int64_t block_m,
-    int64_t block_n, std::optional<double> softmax_scale, bool causal) {
+    int64_t block_n, std::optional<double> softmax_scale, bool causal, double softcap) {
   BlockSparseMaskTensors mask{kv_num_blocks, kv_indices, {}, {}};
   check_block_sparse_inputs(q_in, k_in, v_in, mask, block_m, block_n);
-  const TcLayout layout = tc_layout(q_in, v_in, VariantId::kPlain);
+  // Resolved on the caller's q: the default scale is D^-1/2 of the caller's D, not the padded.
+  const FlashOptions opt = block_sparse_options(q_in, softmax_scale, causal, true, softcap);
+  const VariantId variant = softmax_variant(opt);
+  const TcLayout layout = tc_layout(q_in, v_in, variant);
   check_cuda_block_size(q_in, block_m, block_n);
   mask = contiguous_mask(mask);
   const at::Tensor q = layout.qk(q_in);
@@ -43,13 +46,12 @@ std::tuple<at::Tensor, at::Tensor> block_sparse_fwd_cuda_op(
   at::Tensor out = at::empty(out_shape(q, v), q.options());
   at::Tensor lse = at::empty(lse_shape(q, false), q.options().dtype(at::kFloat));
   if (q.numel() == 0) return {layout.crop(out, layout.head_dim_v), lse};
-  AttnParams p = make_block_sparse_params(q, k, v, mask, block_m, block_n,
-                                          layout.scale(softmax_scale), causal);
+  AttnParams p = make_block_sparse_params(q, k, v, mask, block_m, block_n, opt);
   set_fwd_outputs(p, out, lse);
   if (use_tensor_cores(q.scalar_type())) {
-    attention_fwd_tc_cuda(softmax_variant(p), p, q.scalar_type());
+    attention_fwd_tc_cuda(variant, p, q.scalar_type());
   } else {
-    attention_fwd_exact_cuda(softmax_variant(p), p, q.scalar_type());
+    attention_fwd_exact_cuda(variant, p, q.scalar_type());
   }
   return {layout.crop(out, layout.head_dim_v), lse};
 }
@@ -59,11 +61,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_sparse_bwd_cuda_op(
     const at::Tensor& v_in, const at::Tensor& out_in, const at::Tensor& lse,
     const at::Tensor& kv_num_blocks, const at::Tensor& kv_indices,
     const at::Tensor& q_num_blocks, const at::Tensor& q_indices, int64_t block_m,
-    int64_t block_n, std::optional<double> softmax_scale, bool causal, bool deterministic) {
+    int64_t block_n, std::optional<double> softmax_scale, bool causal, bool deterministic,
+    double softcap) {
   BlockSparseMaskTensors mask{kv_num_blocks, kv_indices, q_num_blocks, q_indices};
   check_block_sparse_inputs(q_in, k_in, v_in, mask, block_m, block_n);
   check_flash_bwd_inputs(dout_in, q_in, v_in, out_in, lse, /*packed=*/false);
-  const TcLayout layout = tc_layout(q_in, v_in, VariantId::kPlain);
+  // deterministic = false: dQ may be accumulated with atomics.
+  const FlashOptions opt =
+      block_sparse_options(q_in, softmax_scale, causal, deterministic, softcap);
+  const VariantId variant = softmax_variant(opt);
+  const TcLayout layout = tc_layout(q_in, v_in, variant);
   check_cuda_block_size(q_in, block_m, block_n);
   mask = contiguous_mask(mask);
   const at::Tensor q = layout.qk(q_in);
@@ -83,14 +90,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_sparse_bwd_cuda_op(
             layout.crop(dv, layout.head_dim_v)};
   }
   at::Tensor delta = at::empty(lse.sizes(), lse.options());
-  AttnParams p = make_block_sparse_params(q, k, v, mask, block_m, block_n,
-                                          layout.scale(softmax_scale), causal);
-  p.deterministic = deterministic;  // else dQ may be accumulated with atomics
+  AttnParams p = make_block_sparse_params(q, k, v, mask, block_m, block_n, opt);
   set_bwd_tensors(p, dout, out, lse, dq, dk, dv, delta);
   if (use_tensor_cores(q.scalar_type())) {
-    attention_bwd_tc_cuda(softmax_variant(p), p, q.scalar_type());
+    attention_bwd_tc_cuda(variant, p, q.scalar_type());
   } else {
-    attention_bwd_exact_cuda(softmax_variant(p), p, q.scalar_type());
+    attention_bwd_exact_cuda(variant, p, q.scalar_type());
   }
   return {layout.crop(dq, layout.head_dim), layout.crop(dk, layout.head_dim),
           layout.crop(dv, layout.head_dim_v)};

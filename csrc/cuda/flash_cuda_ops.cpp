@@ -21,14 +21,17 @@ std::tuple<at::Tensor, at::Tensor> flash_fwd_cuda_op(const at::Tensor& q_in,
                                                      bool causal, int64_t window_left,
                                                      int64_t window_right,
                                                      const std::optional<at::Tensor>& cu_seqlens_q,
-                                                     const std::optional<at::Tensor>& cu_seqlens_k) {
+                                                     const std::optional<at::Tensor>& cu_seqlens_k,
+                                                     double softcap) {
   check_flash_inputs(q_in, k_in, v_in, seqlens, cu_seqlens_q, cu_seqlens_k);
-  const TcLayout layout = tc_layout(q_in, v_in, VariantId::kPlain);
+  // Resolved on the caller's q: the default scale is D^-1/2 of the caller's D, not the padded.
+  const FlashOptions opt = resolve_flash_options(q_in, softmax_scale, causal, window_left,
+                                                 window_right, false, softcap);
+  const VariantId variant = softmax_variant(opt);
+  const TcLayout layout = tc_layout(q_in, v_in, variant);
   const at::Tensor q = layout.qk(q_in);
   const at::Tensor k = layout.qk(k_in);
   const at::Tensor v = layout.vo(v_in);
-  const FlashOptions opt = resolve_flash_options(q, layout.scale(softmax_scale), causal,
-                                                 window_left, window_right, false);
   const c10::cuda::CUDAGuard guard(q.device());
   at::Tensor out = at::empty(out_shape(q, v), q.options());
   at::Tensor lse = at::empty(lse_shape(q, cu_seqlens_q.has_value()), q.options().dtype(at::kFloat));
@@ -40,9 +43,9 @@ std::tuple<at::Tensor, at::Tensor> flash_fwd_cuda_op(const at::Tensor& q_in,
   AttnParams p = make_params(q, k, v, seqlens, cu_seqlens_q, cu_seqlens_k, opt);
   set_fwd_outputs(p, out, lse);
   if (use_tensor_cores(q.scalar_type())) {
-    attention_fwd_tc_cuda(softmax_variant(p), p, q.scalar_type());
+    attention_fwd_tc_cuda(variant, p, q.scalar_type());
   } else {
-    attention_fwd_exact_cuda(softmax_variant(p), p, q.scalar_type());
+    attention_fwd_exact_cuda(variant, p, q.scalar_type());
   }
   return {layout.crop(out, layout.head_dim_v), lse};
 }
@@ -52,17 +55,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_bwd_cuda_op(
     const at::Tensor& v_in, const at::Tensor& out_in, const at::Tensor& lse,
     const std::optional<at::Tensor>& seqlens, std::optional<double> softmax_scale, bool causal,
     int64_t window_left, int64_t window_right, bool deterministic,
-    const std::optional<at::Tensor>& cu_seqlens_q, const std::optional<at::Tensor>& cu_seqlens_k) {
+    const std::optional<at::Tensor>& cu_seqlens_q, const std::optional<at::Tensor>& cu_seqlens_k,
+    double softcap) {
   check_flash_inputs(q_in, k_in, v_in, seqlens, cu_seqlens_q, cu_seqlens_k);
   check_flash_bwd_inputs(dout_in, q_in, v_in, out_in, lse, cu_seqlens_q.has_value());
-  const TcLayout layout = tc_layout(q_in, v_in, VariantId::kPlain);
+  const FlashOptions opt = resolve_flash_options(q_in, softmax_scale, causal, window_left,
+                                                 window_right, deterministic, softcap);
+  const VariantId variant = softmax_variant(opt);
+  const TcLayout layout = tc_layout(q_in, v_in, variant);
   const at::Tensor q = layout.qk(q_in);
   const at::Tensor k = layout.qk(k_in);
   const at::Tensor v = layout.vo(v_in);
   const at::Tensor out = layout.vo(out_in);
   const at::Tensor dout = layout.vo(dout_in);
-  const FlashOptions opt = resolve_flash_options(q, layout.scale(softmax_scale), causal,
-                                                 window_left, window_right, deterministic);
   const c10::cuda::CUDAGuard guard(q.device());
   at::Tensor dq = at::empty(q.sizes(), q.options());
   at::Tensor dk = at::empty(k.sizes(), k.options());
@@ -78,9 +83,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_bwd_cuda_op(
   AttnParams p = make_params(q, k, v, seqlens, cu_seqlens_q, cu_seqlens_k, opt);
   set_bwd_tensors(p, dout, out, lse, dq, dk, dv, delta);
   if (use_tensor_cores(q.scalar_type())) {
-    attention_bwd_tc_cuda(softmax_variant(p), p, q.scalar_type());
+    attention_bwd_tc_cuda(variant, p, q.scalar_type());
   } else {
-    attention_bwd_exact_cuda(softmax_variant(p), p, q.scalar_type());
+    attention_bwd_exact_cuda(variant, p, q.scalar_type());
   }
   return {layout.crop(dq, layout.head_dim), layout.crop(dk, layout.head_dim),
           layout.crop(dv, layout.head_dim_v)};

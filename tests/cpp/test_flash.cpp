@@ -20,7 +20,7 @@ namespace {
 using FlashAttnSig = std::tuple<at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
     std::optional<double>, bool, int64_t, int64_t, bool, const std::optional<at::Tensor>&,
-    const std::optional<at::Tensor>&);
+    const std::optional<at::Tensor>&, double);
 
 c10::TypedOperatorHandle<FlashAttnSig> flash_attn_op() {
   return c10::Dispatcher::singleton()
@@ -28,12 +28,15 @@ c10::TypedOperatorHandle<FlashAttnSig> flash_attn_op() {
       .typed<FlashAttnSig>();
 }
 
-// Naive softmax attention: GQA by repeating kv heads, causal bottom-right aligned.
+// Naive softmax attention: GQA by repeating kv heads, causal bottom-right aligned, scores
+// soft-capped when softcap > 0.
 std::tuple<at::Tensor, at::Tensor> naive_attention(const at::Tensor& q, const at::Tensor& k,
-                                                   const at::Tensor& v, bool causal, double scale) {
+                                                   const at::Tensor& v, bool causal, double scale,
+                                                   double softcap) {
   const int64_t group = q.size(1) / k.size(1), lq = q.size(2), lk = k.size(2);
   const at::Tensor ke = k.repeat_interleave(group, 1), ve = v.repeat_interleave(group, 1);
   at::Tensor s = torch::matmul(q, ke.transpose(-2, -1)) * scale;
+  if (softcap > 0) s = torch::tanh(s / softcap) * softcap;
   if (causal) {
     const at::Tensor row = torch::arange(lq, torch::kLong).unsqueeze(1);
     const at::Tensor col = torch::arange(lk, torch::kLong).unsqueeze(0);
@@ -47,7 +50,7 @@ double rel_err(const at::Tensor& a, const at::Tensor& b) {
          b.to(torch::kDouble).norm().item<double>();
 }
 
-void check_against_naive(int64_t lq, int64_t lk, bool causal) {
+void check_against_naive(int64_t lq, int64_t lk, bool causal, double softcap = 0.0) {
   // Fresh CPU allocations are NaN-filled, so an output element the kernel forgets fails.
   at::globalContext().setDeterministicAlgorithms(true, /*warn_only=*/true);
   at::globalContext().setDeterministicFillUninitializedMemory(true);
@@ -61,13 +64,13 @@ void check_against_naive(int64_t lq, int64_t lk, bool causal) {
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));
 
   auto [out, lse] = flash_attn_op().call(q, k, v, std::nullopt, std::nullopt, causal, -1, -1,
-                                         false, std::nullopt, std::nullopt);
+                                         false, std::nullopt, std::nullopt, softcap);
   torch::autograd::backward({out}, {dout});
 
   const at::Tensor qr = q.detach().clone().requires_grad_();
   const at::Tensor kr = k.detach().clone().requires_grad_();
   const at::Tensor vr = v.detach().clone().requires_grad_();
-  auto [out_ref, lse_ref] = naive_attention(qr, kr, vr, causal, scale);
+  auto [out_ref, lse_ref] = naive_attention(qr, kr, vr, causal, scale, softcap);
   torch::autograd::backward({out_ref}, {dout});
 
   REQUIRE(out.sizes() == q.sizes());
@@ -93,13 +96,19 @@ TEST_CASE("flash_attn float64 forward+backward, causal, GQA, Lq < Lk", "[flash]"
   check_against_naive(/*lq=*/13, /*lk=*/37, /*causal=*/true);
 }
 
+TEST_CASE("flash_attn float64 forward+backward with softcap, causal, GQA", "[flash][softcap]") {
+  // Scores of scale q.k with D = 16 reach a few units: a cap of 0.5 bends every one of them.
+  check_against_naive(/*lq=*/13, /*lk=*/37, /*causal=*/true, /*softcap=*/0.5);
+  check_against_naive(/*lq=*/40, /*lk=*/9, /*causal=*/false, /*softcap=*/2.0);
+}
+
 TEST_CASE("flash_attn rejects a rank-3 q with an error naming q", "[flash][errors]") {
   const at::Tensor q = torch::randn({2, 5, 16}, torch::kDouble);
   const at::Tensor k = torch::randn({2, 2, 5, 16}, torch::kDouble);
   bool thrown = false;
   try {
     flash_attn_op().call(q, k, k, std::nullopt, std::nullopt, false, -1, -1, false, std::nullopt,
-                         std::nullopt);
+                         std::nullopt, 0.0);
   } catch (const c10::Error& e) {
     thrown = true;
     CHECK_THAT(e.msg(), Catch::Contains("q must have 4 dims"));
@@ -127,7 +136,7 @@ TEST_CASE("flash_attn packed (cu_seqlens) equals one dense call per sequence", "
   const at::Tensor cu_k_t = torch::tensor(cu_k, torch::kInt);
 
   auto [out, lse] = flash_attn_op().call(q, k, v, std::nullopt, std::nullopt, /*causal=*/true,
-                                         -1, -1, false, cu_q_t, cu_k_t);
+                                         -1, -1, false, cu_q_t, cu_k_t, 0.0);
   torch::autograd::backward({out}, {dout});
   REQUIRE(lse.sizes() == at::IntArrayRef({hq, cu_q.back()}));
 
@@ -140,7 +149,7 @@ TEST_CASE("flash_attn packed (cu_seqlens) equals one dense call per sequence", "
     const at::Tensor kn = dense(k.detach(), cu_k[n], cu_k[n + 1]).requires_grad_();
     const at::Tensor vn = dense(v.detach(), cu_k[n], cu_k[n + 1]).requires_grad_();
     auto [out_n, lse_n] = flash_attn_op().call(qn, kn, vn, std::nullopt, std::nullopt, true, -1,
-                                               -1, false, std::nullopt, std::nullopt);
+                                               -1, false, std::nullopt, std::nullopt, 0.0);
     torch::autograd::backward({out_n}, {dense(dout, cu_q[n], cu_q[n + 1])});
     CHECK(rel_err(dense(out.detach(), cu_q[n], cu_q[n + 1]), out_n) < 1e-12);
     CHECK(rel_err(lse.slice(1, cu_q[n], cu_q[n + 1]).unsqueeze(0), lse_n) < 1e-6);
