@@ -270,19 +270,16 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
             for (int e = 0; e < 4; ++e) {
               const float lse2 = ((e & 1) ? l.y : l.x) * float(M_LOG2E);
               const float ce = (e & 1) ? c.y : c.x;
-              float pe = exp2f(fmaf(st[0][ni][e], scale, -lse2));
-              a[e] = Transform::weight(pe, ce);
-              bool m = Transform::live(pe, ce);
+              const float pe = exp2f(fmaf(st[0][ni][e], scale, -lse2));
+              bool in = true;  // selects, not branches, for masked entries
               if constexpr (decltype(masked)::value) {
                 const int qcol = ni * 8 + 2 * t + (e & 1);
                 const RowSpan& r = seen[e >> 1];
-                if (qcol < r.first || qcol >= r.last) {
-                  pe = a[e] = 0.f;
-                  m = false;
-                }
+                in = qcol >= r.first && qcol < r.last;
               }
-              st[0][ni][e] = pe;
-              live |= static_cast<uint32_t>(m) << (4 * ni + e);
+              a[e] = in ? Transform::weight(pe, ce) : 0.f;
+              st[0][ni][e] = in ? pe : 0.f;
+              live |= static_cast<uint32_t>(in && Transform::live(pe, ce)) << (4 * ni + e);
             }
             pa[0][ni / 2][2 * (ni & 1)] = MmaOp<T>::pack(a[0], a[1]);
             pa[0][ni / 2][2 * (ni & 1) + 1] = MmaOp<T>::pack(a[2], a[3]);
