@@ -192,8 +192,9 @@ def test_large_cap_is_plain_attention(device, family, spec):
         assert_rel_close(name, a, e, FP32_RTOL)
 
 
-def _check_low_precision(problem, dtype):
-    _assert_cap_matters(problem)
+def _check_low_precision(problem, dtype, cap_matters=True):
+    if cap_matters:
+        _assert_cap_matters(problem)
     ours = _run_ours(problem, CAP)
     ref64 = _run_reference(problem, CAP, torch.float64)
     ref_low = _run_reference(problem, CAP, dtype)
@@ -249,7 +250,10 @@ def _low_precision_cuda_grid():
 @pytest.mark.parametrize("dtype", LOW_PRECISION, ids=str)
 @pytest.mark.parametrize("family,spec", _low_precision_cuda_grid())
 def test_low_precision_cuda(family, spec, dtype):
-    _check_low_precision(family(spec, dtype, "cuda"), dtype)
+    # One key per row: softmax gives it weight 1 whatever the cap, so only the accuracy is
+    # checked there.
+    one_key = family is Dense and spec.lk == 1
+    _check_low_precision(family(spec, dtype, "cuda"), dtype, cap_matters=not one_key)
 
 
 # --------------------------------------------------------------------------------------------
@@ -261,7 +265,8 @@ EMPTY_CASES = [
       for b, hq, hkv, lq, lk, d in flash_tests.EMPTY_SHAPES[:5] for causal in (False, True)],
     _param(Packed, dict(lens_q=[0, 4, 0], lens_k=[3, 0, 0])),  # no query, no key, neither
     _param(Packed, dict(lens_q=[])),
-    *[_param(Sparse, SC(b=b, hq=hq, hkv=hkv, lq=lq, lk=lk, d=d, density=1.0))
+    # 128 x 128 blocks: the CUDA tensor cores take no other.
+    *[_param(Sparse, SC(b=b, hq=hq, hkv=hkv, lq=lq, lk=lk, d=d, block=(128, 128), density=1.0))
       for b, hq, hkv, lq, lk, d in sparse_tests.EMPTY_SHAPES],
 ]
 
