@@ -42,12 +42,16 @@ def sources(pattern):
 
 
 def extension():
-    cpp = sources("csrc/*.cpp") + sources("csrc/cpu/*.cpp")
+    # csrc/ops/<family>/: schemas, checks, autograd and CPU registration; *_cuda.cpp beside them
+    # are the CUDA registrations, built only with CUDA.
+    ops = sources("csrc/ops/**/*.cpp")
+    ops_cuda = [p for p in ops if p.endswith("_cuda.cpp")]
+    cpp = [p for p in ops if p not in ops_cuda] + sources("csrc/cpu/*.cpp")
     cxx_flags = ["-O3", "-std=c++17"]
     if not want_cuda():
         return CppExtension("adaattn._C", cpp, extra_compile_args={"cxx": cxx_flags},
                             py_limited_api=True)
-    cuda = sources("csrc/cuda/*.cpp") + sources("csrc/cuda/**/*.cu")
+    cuda = ops_cuda + sources("csrc/cuda/**/*.cu")
     nvcc_flags = ["-O3", "-std=c++17", "--use_fast_math", "--expt-relaxed-constexpr",
                   "-DADAATTN_WITH_CUDA", "-lineinfo"] + gencode_flags()
     return CUDAExtension("adaattn._C", cpp + cuda,

@@ -15,7 +15,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
-#include "../cholesky_api.h"
+#include "../ops/linalg/cholesky_checks.h"
 
 namespace adaattn {
 namespace {

@@ -10,7 +10,7 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "../sym_eig_api.h"
+#include "../ops/linalg/sym_eig_checks.h"
 #include "sym_eig_kernel.cuh"
 
 namespace adaattn {

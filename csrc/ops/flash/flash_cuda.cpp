@@ -6,9 +6,9 @@
 
 #include <limits>
 
-#include "../attention_api.h"
-#include "../flash_ops.h"
-#include "cuda_inputs.h"
+#include "../../attention_api.h"
+#include "../common/attention_inputs.h"
+#include "../common/cuda_inputs.h"
 
 namespace adaattn {
 namespace {

@@ -9,7 +9,7 @@
 #include <optional>
 #include <utility>
 
-#include "../attention_api.h"
+#include "../../attention_api.h"
 
 namespace adaattn {
 

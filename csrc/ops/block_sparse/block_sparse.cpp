@@ -1,16 +1,18 @@
-// Block-sparse attention (spec 3.3): validation of the BCSR mask, AttnParams construction, the
-// CPU ops and the C++ autograd function registered at the Autograd key. The schemas live in
-// ops.cpp. The kernels are the flash family's: with AttnParams' block-sparse section set they
-// visit only the listed blocks (core/block_sparse.h, cuda/tc/tiles.h).
+// Block-sparse attention (spec 3.3): its schemas, validation of the BCSR mask, AttnParams
+// construction, the CPU ops and the C++ autograd function registered at the Autograd key; the
+// CUDA registration is block_sparse_cuda.cpp. The kernels are the flash family's: with
+// AttnParams' block-sparse section set they visit only the listed blocks (core/block_sparse.h,
+// cuda/tc/tiles.h).
 #include <torch/autograd.h>
 #include <torch/library.h>
 
 #include <vector>
 
-#include "autograd_util.h"
+#include "../../attention_api.h"
+#include "../common/attention_inputs.h"
+#include "../common/autograd_util.h"
+#include "../common/checks.h"
 #include "block_sparse_ops.h"
-#include "attention_api.h"
-#include "flash_ops.h"
 
 namespace adaattn {
 
@@ -160,11 +162,6 @@ AttnParams make_block_sparse_params(const at::Tensor& q, const at::Tensor& k, co
 
 namespace {
 
-// CPU kernels run in fp32/fp64; fp16/bf16 inputs are computed in fp32 and cast back.
-at::Tensor cpu_compute(const at::Tensor& t) {
-  return t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16 ? t.to(at::kFloat) : t;
-}
-
 std::tuple<at::Tensor, at::Tensor> block_sparse_fwd_cpu_op(
     const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
     const at::Tensor& kv_num_blocks, const at::Tensor& kv_indices, int64_t block_m,
@@ -313,6 +310,23 @@ std::tuple<at::Tensor, at::Tensor> block_sparse_attn_no_grad(
 }
 
 }  // namespace
+
+TORCH_LIBRARY_FRAGMENT(adaattn, m) {
+  m.def(
+      "block_sparse_attn(Tensor q, Tensor k, Tensor v, Tensor kv_num_blocks, Tensor kv_indices, "
+      "Tensor q_num_blocks, Tensor q_indices, int block_m=128, int block_n=128, "
+      "float? softmax_scale=None, bool causal=False, bool deterministic=False, "
+      "float softcap=0.0) -> (Tensor out, Tensor lse)");
+  m.def(
+      "block_sparse_fwd(Tensor q, Tensor k, Tensor v, Tensor kv_num_blocks, Tensor kv_indices, "
+      "int block_m, int block_n, float? softmax_scale, bool causal, float softcap=0.0) -> "
+      "(Tensor out, Tensor lse)");
+  m.def(
+      "block_sparse_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+      "Tensor kv_num_blocks, Tensor kv_indices, Tensor q_num_blocks, Tensor q_indices, "
+      "int block_m, int block_n, float? softmax_scale, bool causal, bool deterministic=False, "
+      "float softcap=0.0) -> (Tensor grad_q, Tensor grad_k, Tensor grad_v)");
+}
 
 TORCH_LIBRARY_IMPL(adaattn, CPU, m) {
   m.impl("block_sparse_fwd", &block_sparse_fwd_cpu_op);

@@ -14,7 +14,7 @@
 #include <algorithm>
 #include <cmath>
 
-#include "attention_api.h"
+#include "../../attention_api.h"
 
 namespace adaattn {
 namespace {
@@ -81,6 +81,12 @@ std::tuple<at::Tensor, at::Tensor> low_rank_attn(const at::Tensor& q, const at::
 }
 
 }  // namespace
+
+TORCH_LIBRARY_FRAGMENT(adaattn, m) {
+  m.def(
+      "low_rank_attn(Tensor q, Tensor k, Tensor v, Tensor basis, bool causal=False, "
+      "float? softmax_scale=None) -> (Tensor out, Tensor lse)");
+}
 
 TORCH_LIBRARY_IMPL(adaattn, CompositeImplicitAutograd, m) {
   m.impl("low_rank_attn", &low_rank_attn);

@@ -1,5 +1,6 @@
-// Linear attention (spec 3.5): argument validation, LinearParams construction, the CPU ops and
-// the C++ autograd function registered at the Autograd key. The schemas live in ops.cpp.
+// Linear attention (spec 3.5): its schemas, argument validation, LinearParams construction, the
+// CPU ops and the C++ autograd function registered at the Autograd key. The CUDA registration is
+// linear_cuda.cpp.
 #include <torch/autograd.h>
 #include <torch/library.h>
 
@@ -7,8 +8,9 @@
 #include <sstream>
 #include <string>
 
-#include "autograd_util.h"
-#include "linear_api.h"
+#include "../../linear_api.h"
+#include "../common/autograd_util.h"
+#include "../common/checks.h"
 #include "linear_ops.h"
 
 namespace adaattn {
@@ -77,16 +79,7 @@ FeatureMap check_linear_inputs(const at::Tensor& q, const at::Tensor& k, const a
                                const std::string& feature_map, bool normalize) {
   const FeatureMap fmap = parse_feature_map(feature_map);
   const bool packed = cu_seqlens.has_value();
-  if (packed) {
-    const at::Tensor& c = *cu_seqlens;
-    TORCH_CHECK(c.scalar_type() == at::kInt, "adaattn: cu_seqlens must be int32, got ",
-                c.scalar_type());
-    TORCH_CHECK(c.dim() == 1 && c.size(0) >= 1,
-                "adaattn: cu_seqlens must have shape [N + 1] (N >= 0 sequences), got ", c.sizes());
-    TORCH_CHECK(c.is_contiguous(), "adaattn: cu_seqlens must be contiguous");
-    TORCH_CHECK(c.device() == q.device(), "adaattn: cu_seqlens must be on q's device ",
-                q.device(), ", got ", c.device());
-  }
+  if (packed) check_cu_seqlens_tensor(*cu_seqlens, "cu_seqlens", q);
   check_linear_tensor(q, "q", packed);
   check_linear_tensor(k, "k", packed);
   check_linear_tensor(v, "v", packed);
@@ -162,25 +155,6 @@ LinearParams make_linear_params(const at::Tensor& q, const at::Tensor& k, const 
 
 namespace {
 
-// CPU kernels run in fp32/fp64; fp16/bf16 inputs are computed in fp32 and cast back.
-at::Tensor cpu_compute(const at::Tensor& t) {
-  return t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16 ? t.to(at::kFloat) : t;
-}
-
-// The CPU can afford to check cu_seqlens' values (the CUDA kernels clamp them instead).
-void check_cu_seqlens_values(const std::optional<at::Tensor>& cu_seqlens, int64_t total) {
-  if (!cu_seqlens.has_value()) return;
-  const int* c = cu_seqlens->data_ptr<int>();
-  const int64_t n = cu_seqlens->size(0);
-  TORCH_CHECK(c[0] == 0, "adaattn: cu_seqlens must start at 0, got ", c[0]);
-  for (int64_t i = 1; i < n; ++i) {
-    TORCH_CHECK(c[i] >= c[i - 1], "adaattn: cu_seqlens must be non-decreasing, got ", c[i - 1],
-                " then ", c[i], " at index ", i);
-  }
-  TORCH_CHECK(c[n - 1] == total, "adaattn: cu_seqlens must end at T = q.size(0) = ", total,
-              ", got ", c[n - 1]);
-}
-
 std::optional<at::Tensor> contiguous_opt(const std::optional<at::Tensor>& t) {
   return t.has_value() ? std::optional<at::Tensor>(t->contiguous()) : std::nullopt;
 }
@@ -191,7 +165,9 @@ std::tuple<at::Tensor, at::Tensor> linear_fwd_cpu_op(
     c10::string_view feature_map, bool causal, bool normalize) {
   const FeatureMap fmap = check_linear_inputs(q_in, k_in, v_in, initial_state_in, cu_seqlens,
                                               std::string(feature_map), normalize);
-  check_cu_seqlens_values(cu_seqlens, q_in.size(0));
+  if (cu_seqlens.has_value()) {
+    check_cu_seqlens_values(*cu_seqlens, "cu_seqlens", q_in.size(0), "T = q.size(0) = ");
+  }
   const at::Tensor q = cpu_compute(q_in), k = cpu_compute(k_in), v = cpu_compute(v_in);
   const auto initial_state = contiguous_opt(initial_state_in);
   at::Tensor out = at::empty(v.sizes(), v.options());
@@ -216,7 +192,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_bwd_cpu_op(
   const FeatureMap fmap = check_linear_inputs(q_in, k_in, v_in, initial_state_in, cu_seqlens,
                                               std::string(feature_map), normalize);
   check_linear_grads(dout_in, grad_state_in, q_in, v_in, cu_seqlens, normalize);
-  check_cu_seqlens_values(cu_seqlens, q_in.size(0));
+  if (cu_seqlens.has_value()) {
+    check_cu_seqlens_values(*cu_seqlens, "cu_seqlens", q_in.size(0), "T = q.size(0) = ");
+  }
   const at::Tensor q = cpu_compute(q_in), k = cpu_compute(k_in), v = cpu_compute(v_in);
   const at::Tensor dout = cpu_compute(dout_in);
   const auto initial_state = contiguous_opt(initial_state_in);
@@ -317,6 +295,20 @@ std::tuple<at::Tensor, at::Tensor> linear_attn_no_grad(
 }
 
 }  // namespace
+
+TORCH_LIBRARY_FRAGMENT(adaattn, m) {
+  m.def(
+      "linear_attn(Tensor q, Tensor k, Tensor v, Tensor? initial_state=None, "
+      "Tensor? cu_seqlens=None, str feature_map=\"elu\", bool causal=True, bool normalize=True) "
+      "-> (Tensor out, Tensor state)");
+  m.def(
+      "linear_fwd(Tensor q, Tensor k, Tensor v, Tensor? initial_state, Tensor? cu_seqlens, "
+      "str feature_map, bool causal, bool normalize) -> (Tensor out, Tensor state)");
+  m.def(
+      "linear_bwd(Tensor grad_out, Tensor? grad_state, Tensor q, Tensor k, Tensor v, "
+      "Tensor? initial_state, Tensor? cu_seqlens, str feature_map, bool causal, bool normalize) "
+      "-> (Tensor grad_q, Tensor grad_k, Tensor grad_v, Tensor grad_initial_state)");
+}
 
 TORCH_LIBRARY_IMPL(adaattn, CPU, m) {
   m.impl("linear_fwd", &linear_fwd_cpu_op);

@@ -1,6 +1,5 @@
 // Device-independent halves of the linear-attention ops (spec 3.5): validation and LinearParams
-// construction, shared by the CPU registration (ops.cpp) and the CUDA one
-// (cuda/linear_cuda_ops.cpp).
+// construction, shared by the CPU registration (linear.cpp) and the CUDA one (linear_cuda.cpp).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -9,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "core/linear.h"
+#include "../../core/linear.h"
 
 namespace adaattn {
 

@@ -1,4 +1,4 @@
-// shifted_cholesky_info (cholesky_api.h): validation, the CPU kernel and its registration; the
+// shifted_cholesky_info (cholesky_checks.h): validation, the CPU kernel and its registration; the
 // CUDA kernel is cuda/cholesky.cu.
 //
 // For each matrix A (its lower triangle is read): t = rel_shift * trace(A) (summed in order, in
@@ -13,7 +13,7 @@
 #include <limits>
 #include <vector>
 
-#include "cholesky_api.h"
+#include "cholesky_checks.h"
 
 namespace adaattn {
 
@@ -71,6 +71,10 @@ at::Tensor shifted_cholesky_info_cpu(const at::Tensor& a, double rel_shift) {
 }
 
 }  // namespace
+
+TORCH_LIBRARY_FRAGMENT(adaattn, m) {
+  m.def("shifted_cholesky_info(Tensor a, float rel_shift) -> Tensor");
+}
 
 TORCH_LIBRARY_IMPL(adaattn, CPU, m) {
   m.impl("shifted_cholesky_info", &shifted_cholesky_info_cpu);

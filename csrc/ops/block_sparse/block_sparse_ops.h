@@ -6,8 +6,8 @@
 
 #include <optional>
 
-#include "core/params.h"
-#include "flash_ops.h"
+#include "../../core/params.h"
+#include "../common/attention_inputs.h"
 
 namespace adaattn {
 

@@ -11,8 +11,8 @@
 #include <cstdint>
 #include <string>
 
-#include "../linear_api.h"
-#include "../linear_ops.h"
+#include "../../linear_api.h"
+#include "linear_ops.h"
 
 namespace adaattn {
 namespace {

@@ -1,5 +1,6 @@
-// Device-independent halves of the flash ops: argument validation, output allocation and
-// AttnParams construction. The CPU and CUDA registrations wrap these with their launchers.
+// Device-independent halves of the attention-core ops (flash, lazy, block-sparse, low-rank):
+// argument validation, output shapes and AttnParams construction. The CPU and CUDA registrations
+// wrap these with their launchers.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -9,8 +10,8 @@
 #include <tuple>
 #include <vector>
 
-#include "core/params.h"
-#include "variants/table.h"
+#include "../../core/params.h"
+#include "../../variants/table.h"
 
 namespace adaattn {
 

@@ -6,10 +6,10 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
-#include "../block_sparse_ops.h"
-#include "../attention_api.h"
-#include "../flash_ops.h"
-#include "cuda_inputs.h"
+#include "../../attention_api.h"
+#include "../common/attention_inputs.h"
+#include "../common/cuda_inputs.h"
+#include "block_sparse_ops.h"
 
 namespace adaattn {
 namespace {

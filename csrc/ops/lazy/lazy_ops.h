@@ -1,12 +1,12 @@
 // Device-independent halves of the lazy ops: validation and AttnParams construction, shared by
-// the CPU registration (ops.cpp) and the CUDA one (cuda/lazy_cuda_ops.cpp).
+// the CPU registration (lazy.cpp) and the CUDA one (lazy_cuda.cpp).
 #pragma once
 
 #include <ATen/ATen.h>
 
 #include <optional>
 
-#include "core/params.h"
+#include "../../core/params.h"
 
 namespace adaattn {
 

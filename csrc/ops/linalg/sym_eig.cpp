@@ -15,8 +15,8 @@
 #include <numeric>
 #include <vector>
 
-#include "core/sym_eig.h"
-#include "sym_eig_api.h"
+#include "../../core/sym_eig.h"
+#include "sym_eig_checks.h"
 
 namespace adaattn {
 
@@ -296,6 +296,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sym_eig_top_cpu(const at::Tensor&
 }
 
 }  // namespace
+
+TORCH_LIBRARY_FRAGMENT(adaattn, m) {
+  m.def("sym_eig(Tensor a) -> (Tensor eigenvalues, Tensor eigenvectors)");
+  m.def(
+      "sym_eig_top(Tensor a, float energy, int min_rank, int multiple) -> (Tensor eigenvalues, "
+      "Tensor eigenvectors, Tensor ranks)");
+}
 
 TORCH_LIBRARY_IMPL(adaattn, CPU, m) {
   m.impl("sym_eig", &sym_eig_cpu);
