@@ -1,4 +1,4 @@
-// Launchers of the linear-attention family (spec 3.5), one per device path. Each takes fully
+// Launchers of the linear-attention family, one per device path. Each takes fully
 // validated parameters (see linear_ops.h) whose outputs are allocated and writes every output
 // element: forward: out and state_out; backward: dq, dk, dv and dstate_in.
 #pragma once

@@ -1,4 +1,4 @@
-// Block-sparse mask helpers (spec 3.3), shared by the CPU and CUDA kernels: the BCSR lists of
+// Block-sparse mask helpers, shared by the CPU and CUDA kernels: the BCSR lists of
 // AttnParams' block-sparse section. Element (i, j) of (b, h) is attended iff key block
 // j / block_n is listed for query block i / block_m, and j is inside key_range (mask.h: causal).
 //

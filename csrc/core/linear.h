@@ -1,4 +1,4 @@
-// Parameters and scalar helpers of the linear-attention family (spec 3.5), shared by the CPU and
+// Parameters and scalar helpers of the linear-attention family, shared by the CPU and
 // CUDA kernels. Plain data only: LinearParams is passed by value to CUDA kernels.
 #pragma once
 

@@ -168,7 +168,7 @@ ADAATTN_HD bool sym_eig_precedes(float a, int i, float b, int j) {
   return ka > kb || (ka == kb && i < j);
 }
 
-// rank_plan's rank (spec §3.4) of the eigenvalues lam[order[0]] >= lam[order[1]] >= ... (any
+// rank_plan's rank (docs/ops.md) of the eigenvalues lam[order[0]] >= lam[order[1]] >= ... (any
 // power-of-2 scale): the smallest r whose eigenvalues, clamped at 0, hold `energy` of their sum
 // (none, e.g. NaN: n), then at least min_rank, rounded up to a multiple of `multiple`, at most n;
 // energy >= 1 gives n. min_rank and multiple are in [1, n]. The sums are in double in the order of

@@ -1,4 +1,4 @@
-// CPU kernels of linear attention (spec 3.5), float32 and float64 inputs.
+// CPU kernels of linear attention, float32 and float64 inputs.
 //
 // One task per (sequence, head), run in parallel; every task owns its outputs, so results do not
 // depend on the thread count. Rows are processed in chunks of kChunk: a chunk's outputs are

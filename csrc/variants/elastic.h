@@ -1,4 +1,4 @@
-// The elastic transform of lazy attention (spec 3.2): a_ij = max(0, p_ij + tau_h / (i + 1)),
+// The elastic transform of lazy attention: a_ij = max(0, p_ij + tau_h / (i + 1)),
 // not renormalised. The weights need the finished row lse (an lse pass first); the backward's
 // M_ij = [p_ij + tau_h / (i + 1) > 0] makes Delta_i = sum_j M p dA != dO.o, and
 // dtau_h = sum_i G_i / (i + 1) with G_i = sum_j M_ij dA_ij.

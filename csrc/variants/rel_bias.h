@@ -1,5 +1,5 @@
 // The relative-bias score modifier: s_ij = x_ij + bias[h, i - j] for 0 <= i - j < W, + 0
-// beyond the table (lazy attention's distance bias, spec 3.2 / 3.6 rel_bias). Learnable:
+// beyond the table (lazy attention's distance bias; rel_bias in docs/ops.md). Learnable:
 // dbias[h, d] = sum over (b, i - j = d) of dS_ij.
 #pragma once
 

@@ -1,4 +1,4 @@
-// The softcap score modifier (Gemma 2; spec 3.6): s = c tanh(x / c) after scaling, c > 0.
+// The softcap score modifier (Gemma 2): s = c tanh(x / c) after scaling, c > 0.
 // ds/dx = 1 - tanh^2 = 1 - (s / c)^2.
 #pragma once
 

@@ -1,4 +1,4 @@
-// Tensor-core chunked linear attention (spec 3.5), fp16/bf16 inputs, fp32 states. Every sequence
+// Tensor-core chunked linear attention, fp16/bf16 inputs, fp32 states. Every sequence
 // is cut into chunks of kChunk = 64 rows (chunks never cross a sequence boundary); with the
 // augmented state S = [S_v | z] (core/linear.h) of chunk c's predecessors, S_{c-1}:
 //   u_i = phi(q_i) S_{c-1} + sum_{j <= i in chunk} (phi(q_i) . phi(k_j)) [v_j | 1]

@@ -1,4 +1,4 @@
-// Block-sparse attention (spec 3.3): its schemas, validation of the BCSR mask, AttnParams
+// Block-sparse attention: its schemas, validation of the BCSR mask, AttnParams
 // construction, the CPU ops and the C++ autograd function registered at the Autograd key; the
 // CUDA registration is block_sparse_cuda.cpp. The kernels are the flash family's: with
 // AttnParams' block-sparse section set they visit only the listed blocks (core/block_sparse.h,

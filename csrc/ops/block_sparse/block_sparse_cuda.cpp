@@ -1,4 +1,4 @@
-// CUDA registration of the block-sparse ops (spec 3.3): fp16/bf16 go to the flash tensor-core
+// CUDA registration of the block-sparse ops: fp16/bf16 go to the flash tensor-core
 // kernels, which walk the mask's block lists (tc/tiles.h); fp32/fp64 to the exact kernels, which
 // walk them per row (core/block_sparse.h). Mask values are not checked here (that would need a
 // host sync): the kernels clamp counts and skip out-of-range indices, so a malformed mask never

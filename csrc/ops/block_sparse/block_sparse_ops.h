@@ -1,4 +1,4 @@
-// Device-independent halves of the block-sparse ops (spec 3.3): validation of the BCSR mask and
+// Device-independent halves of the block-sparse ops: validation of the BCSR mask and
 // AttnParams construction, shared by the CPU registration (block_sparse.cpp) and a CUDA one.
 #pragma once
 

@@ -1,4 +1,4 @@
-// Linear attention (spec 3.5): its schemas, argument validation, LinearParams construction, the
+// Linear attention: its schemas, argument validation, LinearParams construction, the
 // CPU ops and the C++ autograd function registered at the Autograd key. The CUDA registration is
 // linear_cuda.cpp.
 #include <torch/autograd.h>

@@ -1,4 +1,4 @@
-// Device-independent halves of the linear-attention ops (spec 3.5): validation and LinearParams
+// Device-independent halves of the linear-attention ops: validation and LinearParams
 // construction, shared by the CPU registration (linear.cpp) and the CUDA one (linear_cuda.cpp).
 #pragma once
 

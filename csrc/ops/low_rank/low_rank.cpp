@@ -1,4 +1,4 @@
-// Low-rank attention (spec 3.4): exact softmax attention on the scores of q and k projected onto
+// Low-rank attention: exact softmax attention on the scores of q and k projected onto
 // a per-(batch, kv head) basis U [B, Hkv, D, R], with v at full width.
 //
 // The projection is one batched GEMM per operand (at::matmul), not fused into the attention
