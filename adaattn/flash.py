@@ -42,8 +42,8 @@ def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: boo
         k: ``[B, Hkv, Lk, D]`` with ``Hq % Hkv == 0`` (GQA/MQA: query head ``h`` reads kv head
             ``h // (Hq // Hkv)``).
         v: ``[B, Hkv, Lk, Dv]``; the value head dim may differ from ``D`` (CUDA fp16/bf16:
-            kernels for ``(D, Dv)`` in (64, 64), (128, 128), (32, 64), (32, 128), (64, 128);
-            other dims up to 128 run zero-padded to the cheapest of these that covers them).
+            the compiled ``(D, Dv)`` pairs are listed in csrc/cuda/tc/generate.py; other dims
+            up to 128 run zero-padded to the cheapest pair that covers them).
         causal: query row ``r`` sees key ``c`` iff ``c <= r + (Lk - Lq)`` (bottom-right aligned).
         softmax_scale: multiplies ``q @ k^T``; defaults to ``D ** -0.5``.
         window: ``(left, right)`` sliding window around the same diagonal; ``-1`` = unbounded.
