@@ -125,7 +125,7 @@ struct Problem {
       }
     });
     for (int r = 0; r < rows; ++r) {
-      lse[r] = row_sum[r] > T(0) ? row_max[r] + std::log(row_sum[r]) : neg_inf<T>();
+      lse[r] = row_saw_keys(row_sum[r]) ? row_max[r] + std::log(row_sum[r]) : neg_inf<T>();
     }
   }
 };
@@ -181,7 +181,7 @@ void attention_fwd(const AttnParams& p) {
           }
         });
         for (int r = 0; r < rows; ++r) {
-          const bool seen = row_sum[r] > T(0);
+          const bool seen = row_saw_keys(row_sum[r]);
           lse[r] = seen ? row_max[r] + std::log(row_sum[r]) : neg_inf<T>();
           T* acc_row = acc.data() + static_cast<size_t>(r) * dim_v;
           for (int d = 0; d < dim_v; ++d) acc_row[d] = seen ? acc_row[d] / row_sum[r] : T(0);
@@ -320,7 +320,7 @@ void attention_bwd(const AttnParams& p) {
           }
         });
         for (int r = 0; r < rows; ++r) {
-          const bool seen = row_sum[r] > T(0);
+          const bool seen = row_saw_keys(row_sum[r]);
           lse[r] = seen ? row_max[r] + std::log(row_sum[r]) : neg_inf<T>();
           T* dq_row = dq.row(b, h, m0 + r);
           const T* acc_row = dq_acc.data() + static_cast<size_t>(r) * dim;

@@ -105,6 +105,14 @@ inline KeyRange tile_columns(KeyRange range, int n0, int cols) {
 // One online-softmax step of a row over tile columns [c0, c1) (all inside the row's key range)
 // of its final scores: raises the running max, rescales the row's accumulator and running sum,
 // and passes each column's unnormalised weight exp(s - max) to add(c, weight).
+// Whether a row's softmax sum counts attended keys: it is at least 1 once any key is attended
+// (the max's own term), exactly 0 when none is. A NaN sum (NaN or inf inputs) counts, so the
+// NaN reaches out and lse instead of turning into a zero row.
+template <typename T>
+inline bool row_saw_keys(T row_sum) {
+  return row_sum != T(0);
+}
+
 template <typename T, typename Add>
 inline void online_softmax_step(const T* __restrict__ scores, int c0, int c1, T& row_max,
                                 T& row_sum, T* acc_row, int dim, Add&& add) {

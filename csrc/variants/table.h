@@ -18,10 +18,12 @@ using LazyVariant = Variant<RelBiasMod, ElasticTransform>;     // lazy_attn
 // Names of the compiled variants across the launcher API (attention_api.h).
 enum class VariantId { kPlain, kSoftcap, kLazy, kCount };
 
-// The softmax-family variant that p's arguments select (flash, varlen, block-sparse, low-rank).
-inline VariantId softmax_variant(const AttnParams& p) {
-  return p.softcap > 0.0 ? VariantId::kSoftcap : VariantId::kPlain;
+// The softmax-family variant that the score modifiers' arguments select (flash, varlen,
+// block-sparse, low-rank).
+inline VariantId softmax_variant(double softcap) {
+  return softcap > 0.0 ? VariantId::kSoftcap : VariantId::kPlain;
 }
+inline VariantId softmax_variant(const AttnParams& p) { return softmax_variant(p.softcap); }
 
 // Calls f(V{}) with the variant type of `id`.
 template <typename F>

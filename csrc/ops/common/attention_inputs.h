@@ -31,11 +31,7 @@ FlashOptions resolve_flash_options(const at::Tensor& q, std::optional<double> so
                                    bool deterministic, double softcap);
 
 // The softmax-family variant (variants/table.h) that the options select.
-inline VariantId softmax_variant(const FlashOptions& opt) {
-  AttnParams p{};
-  p.softcap = opt.softcap;
-  return softmax_variant(p);
-}
+inline VariantId softmax_variant(const FlashOptions& opt) { return softmax_variant(opt.softcap); }
 
 // Validates q, k, v, seqlens and the packed layout's cu_seqlens (names the offending argument on
 // failure). Dense q/k/v are [B, H, L, D]; with cu_seqlens_q/k they are packed [T, H, D].
