@@ -33,6 +33,29 @@ const char* tc_head_dims(VariantId variant);
 // (D' + Dv'): the pair itself where it is compiled, else the one other head dims run on
 // zero-padded; {0, 0} when none covers them.
 std::pair<int, int> tc_kernel_head_dims(VariantId variant, int head_dim, int head_dim_v);
+
+// Decode against a KV cache (p.cache_seqlens set, p.block_table for a paged cache): the
+// split-KV kernel for fp16/bf16, where decode_tc_supported. Key splits of each (sequence, kv
+// head) write partial results to o_part [splits, B, Hq, Lq, Dv] and lse_part [splits, B, Hq, Lq]
+// (float32, unused with one split), merged by a second kernel. Current stream, no host sync.
+bool decode_tc_supported(VariantId variant, int head_dim, int head_dim_v);
+// The split count: `requested` if > 0 (capped at the key tiles and 128), else chosen from the
+// grid the shapes give and the SMs and occupancy of the current device.
+int decode_num_splits(VariantId variant, const AttnParams& p, c10::ScalarType dtype,
+                      int64_t requested);
+void attention_decode_tc_cuda(VariantId variant, const AttnParams& p, int num_splits,
+                              float* o_part, float* lse_part, c10::ScalarType dtype);
+
+// Writes the new rows k [B, Hkv, Lq, D] and v [B, Hkv, Lq, Dv] into the cache of p (contiguous
+// or paged) at positions cache_seqlens[b] + r; rows that fall outside the cache are dropped.
+// Any dtype; strides in elements, last dims contiguous.
+struct KvAppendParams {
+  const void* k;
+  const void* v;
+  int64_t k_batch_stride, k_head_stride, k_row_stride;
+  int64_t v_batch_stride, v_head_stride, v_row_stride;
+};
+void kvcache_append_cuda(const AttnParams& p, const KvAppendParams& a, c10::ScalarType dtype);
 #endif
 
 }  // namespace adaattn

@@ -75,17 +75,6 @@ constexpr int scan_ctas_per_sm() {
 }
 
 template <typename T>
-__device__ __forceinline__ T from_float(float x);
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
-  return __float2bfloat16_rn(x);
-}
-template <>
-__device__ __forceinline__ __half from_float<__half>(float x) {
-  return __float2half_rn(x);
-}
-
-template <typename T>
 __device__ __forceinline__ float2 unpack2(uint32_t v);
 template <>
 __device__ __forceinline__ float2 unpack2<__nv_bfloat16>(uint32_t v) {

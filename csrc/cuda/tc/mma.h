@@ -70,6 +70,17 @@ __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162f
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 
 template <typename T>
+__device__ __forceinline__ T from_float(float x);
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+template <>
+__device__ __forceinline__ __half from_float<__half>(float x) {
+  return __float2half_rn(x);
+}
+
+template <typename T>
 struct MmaOp;
 
 template <>
@@ -120,6 +131,24 @@ __device__ __forceinline__ void load_tile_to(T* dst, const T* src, int64_t row_s
     const int col = (c % kChunksPerRow) * 8;
     const bool valid = r < valid_rows;
     cp_async16(dst + offset(r, col), src + (valid ? r * row_stride : 0) + col, valid);
+  }
+}
+
+// A [ROWS][D] tile whose rows lie anywhere (a paged cache, rows gathered from several heads)
+// into the swz<D> layout: row r is read from row_ptr(r) when r < valid_rows, else zero-filled.
+template <int ROWS, int D, int THREADS, typename T, typename RowPtr>
+__device__ __forceinline__ void load_rows_async(T* dst, RowPtr row_ptr, int valid_rows, int tid) {
+  constexpr int kChunksPerRow = D / 8;
+  constexpr int kChunks = ROWS * kChunksPerRow;
+#pragma unroll
+  for (int i = 0; i < (kChunks + THREADS - 1) / THREADS; ++i) {
+    const int c = tid + i * THREADS;
+    if (kChunks % THREADS != 0 && c >= kChunks) break;
+    const int r = c / kChunksPerRow;
+    const int col = (c % kChunksPerRow) * 8;
+    const bool valid = r < valid_rows;
+    const T* src = row_ptr(valid ? r : 0);
+    cp_async16(dst + swz<D>(r, col), src + col, valid);
   }
 }
 

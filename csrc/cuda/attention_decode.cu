@@ -1,0 +1,210 @@
+// The KV-cache decode launchers: the split-KV kernel (tc/decode.h) per compiled (variant, D, Dv,
+// dtype, row warps), its split count, and the in-place append of the new keys and values.
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <type_traits>
+
+#include "../attention_api.h"
+#include "../core/seq.h"
+#include "tc/decode.h"
+
+namespace adaattn {
+namespace {
+
+// Rows of a CTA: group * Lq query rows; 16 go to one warp and the four warps split the keys,
+// or 64 to four warps (row blocks past 64 rows re-read the cache).
+int row_warps(const AttnParams& p) { return p.heads_q / p.heads_kv * p.len_q > 16 ? 4 : 1; }
+
+int experiment_cfg() {
+  const char* v = std::getenv("ADAATTN_DECODE_CFG");
+  return v == nullptr ? 0 : std::atoi(v);
+}
+
+template <int D, int RW, int KW, int BN, int S>
+using Cfg = tc::DecodeTraits<D, D, RW, KW, BN, S>;
+
+// Calls f(T{}, Traits{}, Variant{}) for the compiled decode kernel of the arguments; returns
+// false when there is none.
+template <typename F>
+bool with_decode_kernel(VariantId variant, int d, int dv, c10::ScalarType dtype, int rw, F&& f) {
+  if (d != dv || (d != 64 && d != 128) || variant == VariantId::kLazy) return false;
+  if (dtype != c10::kBFloat16 && dtype != c10::kHalf) return false;
+  return with_variant(variant, [&](auto v) {
+    using V = decltype(v);
+    if constexpr (!V::kNormalized || V::Mod::kPositional || V::Mod::kParamGrad) {
+      return false;
+    } else {
+      auto by_dtype = [&](auto t) {
+        using T = decltype(t);
+        auto by_dim = [&](auto dim) {
+          constexpr int D = decltype(dim)::value;
+          const int cfg = experiment_cfg();
+          if constexpr (D == 128 && std::is_same_v<T, __nv_bfloat16> && std::is_same_v<V, PlainVariant>) {
+            if (rw == 1) {
+              switch (cfg) {
+                case 1: return f(T{}, Cfg<D, 1, 4, 64, 4>{}, V{});
+                case 2: return f(T{}, Cfg<D, 1, 8, 128, 2>{}, V{});
+                case 3: return f(T{}, Cfg<D, 1, 4, 64, 2>{}, V{});
+                case 4: return f(T{}, Cfg<D, 1, 2, 32, 4>{}, V{});
+                default: break;
+              }
+            } else {
+              switch (cfg) {
+                case 1: return f(T{}, Cfg<D, 4, 2, 64, 3>{}, V{});
+                case 2: return f(T{}, Cfg<D, 4, 2, 64, 4>{}, V{});
+                case 3: return f(T{}, Cfg<D, 4, 1, 64, 2>{}, V{});
+                case 4: return f(T{}, Cfg<D, 2, 2, 64, 3>{}, V{});
+                default: break;
+              }
+            }
+          }
+          if (rw == 1) {
+            f(T{}, Cfg<D, 1, 4, 64, 3>{}, V{});
+          } else {
+            f(T{}, Cfg<D, 4, 1, 64, 3>{}, V{});
+          }
+        };
+        if (d == 64) {
+          by_dim(std::integral_constant<int, 64>{});
+        } else {
+          by_dim(std::integral_constant<int, 128>{});
+        }
+      };
+      if (dtype == c10::kBFloat16) {
+        by_dtype(__nv_bfloat16{});
+      } else {
+        by_dtype(__half{});
+      }
+      return true;
+    }
+  });
+}
+
+template <typename Traits>
+int key_tiles(const AttnParams& p) {
+  return std::max(1, (p.len_k + Traits::kBlockN - 1) / Traits::kBlockN);
+}
+
+// One CTA per new row (b, h, r) of k and v; E is a type of the element's size.
+template <typename E>
+__global__ void append_kernel(const AttnParams p, const KvAppendParams a) {
+  const int item = blockIdx.x;  // (b, h, r)
+  const int r = item % p.len_q;
+  const int h = item / p.len_q % p.heads_kv;
+  const int b = item / p.len_q / p.heads_kv;
+  const int cached = p.cache_seqlens[b];
+  if (cached < 0 || cached + r >= p.len_k) return;
+  const int pos = cached + r;
+  const E* ks = static_cast<const E*>(a.k) + b * a.k_batch_stride + h * a.k_head_stride +
+                r * a.k_row_stride;
+  const E* vs = static_cast<const E*>(a.v) + b * a.v_batch_stride + h * a.v_head_stride +
+                r * a.v_row_stride;
+  const int block = tc::cache_block(p, b, pos);
+  E* kd = static_cast<E*>(const_cast<void*>(p.k)) +
+          tc::cache_offset(p, block, p.k_batch_stride, p.k_head_stride, p.k_row_stride, h, pos);
+  E* vd = static_cast<E*>(const_cast<void*>(p.v)) +
+          tc::cache_offset(p, block, p.v_batch_stride, p.v_head_stride, p.v_row_stride, h, pos);
+  for (int c = threadIdx.x; c < p.head_dim; c += blockDim.x) kd[c] = ks[c];
+  for (int c = threadIdx.x; c < p.head_dim_v; c += blockDim.x) vd[c] = vs[c];
+}
+
+}  // namespace
+
+bool decode_tc_supported(VariantId variant, int head_dim, int head_dim_v) {
+  return with_decode_kernel(variant, head_dim, head_dim_v, c10::kBFloat16, 1,
+                            [](auto, auto, auto) {});
+}
+
+int decode_num_splits(VariantId variant, const AttnParams& p, c10::ScalarType dtype,
+                      int64_t requested) {
+  int splits = 1;
+  with_decode_kernel(variant, p.head_dim, p.head_dim_v, dtype, row_warps(p),
+                     [&](auto t, auto traits, auto v) {
+    using T = decltype(t);
+    using Traits = decltype(traits);
+    const int tiles = key_tiles<Traits>(p);
+    const int most = std::min(tiles, 128);
+    if (requested > 0) {
+      splits = static_cast<int>(std::min<int64_t>(requested, most));
+      return;
+    }
+    // Enough CTAs for the SMs: the first count whose last wave is at least 85% full, or that
+    // reaches two waves (a split costs a partial write and the merge).
+    const auto kernel = tc::decode_kernel<T, Traits, decltype(v)>;
+    int per_sm = 0;
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        Traits::kSmemBytes));
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, Traits::kThreads,
+                                                                 Traits::kSmemBytes));
+    const int64_t slots =
+        static_cast<int64_t>(std::max(per_sm, 1)) * at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+    const int64_t rows = static_cast<int64_t>(p.heads_q / p.heads_kv) * p.len_q;
+    const int64_t ctas = static_cast<int64_t>(p.batch) * p.heads_kv *
+                         ((rows + Traits::kRows - 1) / Traits::kRows);
+    for (splits = 1; splits < most; ++splits) {
+      const int64_t total = ctas * splits;
+      if (total >= 2 * slots) break;
+      const int64_t tail = total % slots;
+      if (total >= slots && (tail == 0 || tail * 100 >= 85 * slots)) break;
+    }
+  });
+  return splits;
+}
+
+void attention_decode_tc_cuda(VariantId variant, const AttnParams& p, int num_splits,
+                              float* o_part, float* lse_part, c10::ScalarType dtype) {
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const bool found = with_decode_kernel(variant, p.head_dim, p.head_dim_v, dtype, row_warps(p),
+                                        [&](auto t, auto traits, auto v) {
+    using T = decltype(t);
+    using Traits = decltype(traits);
+    constexpr int D = Traits::kChunksPerRow * 8;
+    const auto kernel = tc::decode_kernel<T, Traits, decltype(v)>;
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        Traits::kSmemBytes));
+    const int tiles = key_tiles<Traits>(p);
+    const tc::DecodeSplits sp{o_part, lse_part, num_splits,
+                              (tiles + num_splits - 1) / num_splits};
+    const int64_t rows = static_cast<int64_t>(p.heads_q / p.heads_kv) * p.len_q;
+    const dim3 grid(static_cast<unsigned>(static_cast<int64_t>(p.batch) * p.heads_kv),
+                    static_cast<unsigned>((rows + Traits::kRows - 1) / Traits::kRows),
+                    static_cast<unsigned>(num_splits));
+    kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(p, sp);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    if (num_splits > 1) {
+      const int64_t all_rows = static_cast<int64_t>(p.batch) * p.heads_q * p.len_q;
+      tc::decode_combine_kernel<T, D>
+          <<<static_cast<unsigned>((all_rows + 3) / 4), 128, 0, stream>>>(p, sp);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+  });
+  TORCH_CHECK(found, "adaattn: no decode kernel for head dims (", p.head_dim, ", ",
+              p.head_dim_v, ") and ", dtype);
+}
+
+void kvcache_append_cuda(const AttnParams& p, const KvAppendParams& a, c10::ScalarType dtype) {
+  const int64_t items = static_cast<int64_t>(p.batch) * p.heads_kv * p.len_q;
+  if (items == 0) return;
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const dim3 grid(static_cast<unsigned>(items));
+  switch (c10::elementSize(dtype)) {
+    case 2:
+      append_kernel<uint16_t><<<grid, 64, 0, stream>>>(p, a);
+      break;
+    case 4:
+      append_kernel<uint32_t><<<grid, 64, 0, stream>>>(p, a);
+      break;
+    default:
+      append_kernel<uint64_t><<<grid, 64, 0, stream>>>(p, a);
+      break;
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace adaattn

@@ -1,0 +1,336 @@
+// Split-KV decode (flash-decoding) on mma.sync tensor cores, for SM80 and Hopper alike: decode
+// is bound by reading the KV cache, not by the products. One CTA per (sequence, kv head, row
+// block, key split). Its rows are the query rows of every query head of the kv head's GQA group
+// (group * Lq rows, head-major), so each K/V byte is read once per split. The four warps split
+// the rows 16 at a time (kRowWarps) and the keys of each tile between them (4 / kRowWarps),
+// each keeping its own online softmax; K/V tiles stream through a 3-stage cp.async pipeline,
+// rows fetched one by one so a paged cache costs only its block-table lookups. Warps merge
+// their states through shared memory; with several splits each writes a normalised partial
+// output and its lse, and decode_combine_kernel merges the splits through their lse.
+//
+// The variant's score modifier must not depend on the head or the position (the rows of a warp
+// mix heads): normalised transforms with such modifiers only (static_assert).
+#pragma once
+
+#include <cmath>
+
+#include "../../core/mask.h"
+#include "../../core/params.h"
+#include "mma.h"
+#include "softmax_frag.h"
+
+namespace adaattn {
+namespace tc {
+
+// Partial results of the key splits (decode_combine_kernel merges them): o [splits, B, Hq, Lq,
+// Dv] normalised, lse [splits, B, Hq, Lq] natural log (-inf: the split saw no key of the row).
+// With one split the CTA writes out and lse itself.
+struct DecodeSplits {
+  float* o_part;
+  float* lse_part;
+  int num_splits;
+  int tiles_per_split;  // key tiles (kBlockN keys) per split
+};
+
+template <int D, int DV, int kRowWarps_, int kKeyWarps_, int kBlockN_, int kStages_>
+struct DecodeTraits {
+  static constexpr int kRowWarps = kRowWarps_;
+  static constexpr int kKeyWarps = kKeyWarps_;
+  static constexpr int kThreads = 32 * kRowWarps * kKeyWarps;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kStages = kStages_;
+  static constexpr int kRows = 16 * kRowWarps;
+  static constexpr int kWarpKeys = kBlockN / kKeyWarps;
+  static_assert(kWarpKeys % 16 == 0, "each warp's key slice is a multiple of 16");
+  static_assert(D == DV, "a K row and a V row share their cache position and page");
+  // Cache rows each thread copies per tile (16-byte chunks of K, and as many of V).
+  static constexpr int kChunksPerRow = D / 8;
+  static constexpr int kRowsPerThread = kBlockN * kChunksPerRow / kThreads;
+  static_assert(kBlockN * kChunksPerRow % kThreads == 0, "tile chunks divide among threads");
+  // Q, then the K/V stages; after the mainloop the stages hold the warps' merge buffers.
+  static constexpr int kQBytes = kRows * D * 2;
+  static constexpr int kStageElems = kBlockN * (D + DV);
+  static constexpr int kStagesBytes = kStages * kStageElems * 2;
+  static constexpr int kMergeBytes = kKeyWarps * kRows * (DV + 2) * 4;
+  static_assert(kMergeBytes <= kStagesBytes, "merge buffers fit in the K/V stages");
+  static constexpr int kSmemBytes = kQBytes + kStagesBytes;
+};
+
+// Where key j of entry b lives: its page (paged cache, clamped into the pool) or b.
+__device__ __forceinline__ int cache_block(const AttnParams& p, int b, int j) {
+  if (p.block_table == nullptr) return b;
+  const int page = p.block_table[b * p.block_table_stride + j / p.page_size];
+  return page < 0 ? 0 : (page >= p.num_pages ? p.num_pages - 1 : page);
+}
+
+// Element offset of key j of kv head h in block `block` (cache_block) of a cache operand.
+__device__ __forceinline__ int64_t cache_offset(const AttnParams& p, int block, int64_t batch_stride,
+                                                int64_t head_stride, int64_t row_stride, int h,
+                                                int j) {
+  const int slot = p.block_table == nullptr ? j : j % p.page_size;
+  return block * batch_stride + h * head_stride + slot * row_stride;
+}
+
+template <typename T, typename Traits, typename Variant>
+__global__ void __launch_bounds__(Traits::kThreads)
+    decode_kernel(const AttnParams p, const DecodeSplits sp) {
+  constexpr int D = Traits::kChunksPerRow * 8;
+  constexpr int DV = D;
+  constexpr int kThreads = Traits::kThreads;
+  constexpr int kRowWarps = Traits::kRowWarps;
+  using Mod = typename Variant::Mod;
+  static_assert(Variant::kNormalized && !Mod::kPositional && !Mod::kParamGrad,
+                "decode rows mix heads and positions");
+  constexpr int BN = Traits::kBlockN;
+  constexpr int kRows = Traits::kRows;
+  constexpr int kKeyWarps = Traits::kKeyWarps;
+  constexpr int kWarpKeys = Traits::kWarpKeys;
+  constexpr int kStages = Traits::kStages;
+  constexpr int NT = kWarpKeys / 8;
+  constexpr int DT = DV / 8;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* sQ = reinterpret_cast<T*>(smem_raw);
+  T* sStages = sQ + kRows * D;
+
+  const int b = blockIdx.x / p.heads_kv, h_kv = blockIdx.x % p.heads_kv;
+  const int row0 = blockIdx.y * kRows;
+  const int split = blockIdx.z;
+  const int group = p.heads_q / p.heads_kv;
+  const int rows = group * p.len_q;
+  const SeqLens lens = seq_lens(p, b);
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane >> 2;
+  const int row_warp = warp % kRowWarps, key_warp = warp / kRowWarps;
+  const int warp_row0 = row_warp * 16;
+  RowRanges<1> rr;
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int row = row0 + warp_row0 + g + 8 * hh;
+    const KeyRange r = row < rows ? key_range(p, lens, row % p.len_q) : KeyRange{0, 0};
+    rr.lo[0][hh] = r.lo;
+    rr.hi[0][hh] = r.hi;
+  }
+
+  // This split's key tiles: of the tiles the query rows' ranges cover (every head of the
+  // group shares them), the split's share.
+  const KeyRange keys = tile_key_range(p, lens, 0, p.len_q);
+  const int first = keys.lo / BN + split * sp.tiles_per_split;
+  const int end_tile = keys.hi > keys.lo ? (keys.hi + BN - 1) / BN : 0;
+  const int last = min(first + sp.tiles_per_split, end_tile);
+
+  // Each thread copies the same kRowsPerThread rows of every K and V tile; their blocks (pages)
+  // are looked up one tile ahead, so the lookups' latency hides behind a tile's compute.
+  constexpr int kPerThread = Traits::kRowsPerThread;
+  constexpr int kRowStep = kThreads / Traits::kChunksPerRow;
+  const int my_row = tid / Traits::kChunksPerRow, my_col = (tid % Traits::kChunksPerRow) * 8;
+  int blocks[kPerThread];
+  auto lookup = [&](int tile) {
+#pragma unroll
+    for (int i = 0; i < kPerThread; ++i) {
+      const int j = tile * BN + my_row + i * kRowStep;
+      blocks[i] = cache_block(p, b, j < lens.k ? j : 0);
+    }
+  };
+  auto load_stage = [&](int tile, int stage) {
+    T* sK = sStages + stage * Traits::kStageElems;
+    T* sV = sK + BN * D;
+#pragma unroll
+    for (int i = 0; i < kPerThread; ++i) {
+      const int r = my_row + i * kRowStep;
+      const int j = tile * BN + r;
+      const bool valid = j < lens.k;
+      const int jj = valid ? j : 0;
+      cp_async16(sK + swz<D>(r, my_col),
+                 static_cast<const T*>(p.k) +
+                     cache_offset(p, blocks[i], p.k_batch_stride, p.k_head_stride,
+                                  p.k_row_stride, h_kv, jj) + my_col,
+                 valid);
+      cp_async16(sV + swz<DV>(r, my_col),
+                 static_cast<const T*>(p.v) +
+                     cache_offset(p, blocks[i], p.v_batch_stride, p.v_head_stride,
+                                  p.v_row_stride, h_kv, jj) + my_col,
+                 valid);
+    }
+  };
+
+  load_rows_async<kRows, D, kThreads>(sQ, [&](int r) {
+    const int row = row0 + r;
+    return static_cast<const T*>(p.q) + b * p.q_batch_stride +
+           (h_kv * group + row / p.len_q) * p.q_head_stride + (row % p.len_q) * p.q_row_stride;
+  }, rows - row0, tid);
+  lookup(first);
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (first + s < last) {
+      load_stage(first + s, s);
+      lookup(first + s + 1);
+    }
+    cp_async_commit();
+  }
+
+  float o[1][DT][4];
+  zero(o);
+  float row_max[1][2] = {{-INFINITY, -INFINITY}};
+  float row_sum[1][2] = {{0.f, 0.f}};
+  for (int tile = first; tile < last; ++tile) {
+    const int i = tile - first;
+    cp_async_wait<kStages - 2>();
+    __syncthreads();
+    if (tile + kStages - 1 < last) {
+      load_stage(tile + kStages - 1, (i + kStages - 1) % kStages);
+      lookup(tile + kStages);
+    }
+    cp_async_commit();
+    const T* sK = sStages + (i % kStages) * Traits::kStageElems;
+    const T* sV = sK + BN * D;
+
+    float s[1][NT][4];
+    zero(s);
+    warp_gemm_nt<1, NT, D>(s, sQ, warp_row0, sK, key_warp * kWarpKeys, lane);
+    const int n0 = tile * BN + key_warp * kWarpKeys;
+    float scale = p.scale_log2;
+    if (!Mod::kIdentity || !(scale > 0.f)) {
+#pragma unroll
+      for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[0][ni][e] *= scale;
+      modify_scores<Mod, false>(s, p, lens, h_kv * group, 0, n0, lane);
+      scale = 1.f;
+    }
+    mask_scores(s, rr, n0, lane);
+    float corr[1][2];
+    online_softmax<true>(s, row_max, row_sum, corr, scale);
+#pragma unroll
+    for (int di = 0; di < DT; ++di)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[0][di][e] *= corr[0][e >> 1];
+    uint32_t pa[1][NT / 2][4];
+    to_a_frags<1, NT, T>(s, pa);
+    warp_gemm_rs<1, DT, NT / 2, DV>(o, pa, sV, key_warp * kWarpKeys, lane);
+  }
+  cp_async_wait_all();
+  __syncthreads();  // the stages become the merge buffers
+
+  // Merge the key warps: per row the max M and sum L over warps; each warp's O rescaled by
+  // exp2(m_w - M) / L, then summed.
+  float* sMax = reinterpret_cast<float*>(sStages);
+  float* sSum = sMax + kKeyWarps * kRows;
+  float* sO = sSum + kKeyWarps * kRows;
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    float l = row_sum[0][hh];
+    l += __shfl_xor_sync(0xffffffff, l, 1);
+    l += __shfl_xor_sync(0xffffffff, l, 2);
+    row_sum[0][hh] = l;
+    if ((lane & 3) == 0) {
+      const int r = warp_row0 + g + 8 * hh;
+      sMax[key_warp * kRows + r] = l > 0.f ? row_max[0][hh] : -INFINITY;
+      sSum[key_warp * kRows + r] = l;
+    }
+  }
+  __syncthreads();
+  auto row_stats = [&](int r, float& m, float& l) {
+    m = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kKeyWarps; ++w) m = fmaxf(m, sMax[w * kRows + r]);
+    l = 0.f;
+#pragma unroll
+    for (int w = 0; w < kKeyWarps; ++w) {
+      const float mw = sMax[w * kRows + r];
+      if (mw != -INFINITY) l += sSum[w * kRows + r] * exp2f(mw - m);
+    }
+  };
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int r = warp_row0 + g + 8 * hh;
+    float m, l;
+    row_stats(r, m, l);
+    const float f = row_sum[0][hh] > 0.f ? exp2f(row_max[0][hh] - m) / l : 0.f;
+#pragma unroll
+    for (int di = 0; di < DT; ++di) {
+      const int col = di * 8 + 2 * (lane & 3);
+      float* dst = sO + (key_warp * kRows + r) * DV + col;
+      dst[0] = o[0][di][2 * hh] * f;
+      dst[1] = o[0][di][2 * hh + 1] * f;
+    }
+  }
+  __syncthreads();
+
+  const int valid_rows = min(kRows, rows - row0);
+  for (int idx = tid; idx < valid_rows * DV; idx += kThreads) {
+    const int r = idx / DV, col = idx % DV;
+    float acc = 0.f;
+#pragma unroll
+    for (int w = 0; w < kKeyWarps; ++w) acc += sO[(w * kRows + r) * DV + col];
+    const int row = row0 + r;
+    const int h = h_kv * group + row / p.len_q, q_row = row % p.len_q;
+    const int64_t stat = (static_cast<int64_t>(b) * p.heads_q + h) * p.len_q + q_row;
+    float lse = 0.f;
+    if (col == 0) {
+      float m, l;
+      row_stats(r, m, l);
+      lse = l > 0.f ? (m + log2f(l)) * float(M_LN2) : -INFINITY;
+    }
+    if (sp.num_splits == 1) {
+      T* out = static_cast<T*>(p.out) + b * p.o_batch_stride + h * p.o_head_stride +
+               q_row * p.o_row_stride;
+      out[col] = from_float<T>(acc);
+      if (col == 0) p.lse[stat] = lse;
+    } else {
+      const int64_t part = static_cast<int64_t>(split) * p.batch * p.heads_q * p.len_q + stat;
+      sp.o_part[part * DV + col] = acc;
+      if (col == 0) sp.lse_part[part] = lse;
+    }
+  }
+}
+
+// Merges the splits' partial outputs of every row (b, h, r) through their lse; one warp per
+// row. Splits that saw no key of the row (lse -inf) are skipped; a row no split saw gets out 0
+// and lse -inf.
+template <typename T, int DV>
+__global__ void __launch_bounds__(128) decode_combine_kernel(const AttnParams p,
+                                                             const DecodeSplits sp) {
+  const int64_t rows = static_cast<int64_t>(p.batch) * p.heads_q * p.len_q;
+  const int64_t stat = static_cast<int64_t>(blockIdx.x) * 4 + threadIdx.x / 32;
+  if (stat >= rows) return;
+  const int lane = threadIdx.x % 32;
+  float m = -INFINITY;
+  for (int s = lane; s < sp.num_splits; s += 32) m = fmaxf(m, sp.lse_part[s * rows + stat]);
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, off));
+  float sum = 0.f;
+  if (m != -INFINITY) {
+    for (int s = lane; s < sp.num_splits; s += 32) sum += expf(sp.lse_part[s * rows + stat] - m);
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffff, sum, off);
+  const float lse = sum > 0.f ? m + logf(sum) : -INFINITY;
+
+  constexpr int kCols = (DV + 31) / 32;
+  float acc[kCols] = {};
+  if (sum > 0.f) {
+    for (int s = 0; s < sp.num_splits; ++s) {
+      const float ls = sp.lse_part[s * rows + stat];
+      if (ls == -INFINITY) continue;
+      const float w = expf(ls - lse);
+      const float* o = sp.o_part + (s * rows + stat) * DV;
+#pragma unroll
+      for (int c = 0; c < kCols; ++c) {
+        if (lane + 32 * c < DV) acc[c] += w * o[lane + 32 * c];
+      }
+    }
+  }
+  const int b = static_cast<int>(stat / (static_cast<int64_t>(p.heads_q) * p.len_q));
+  const int h = static_cast<int>(stat / p.len_q % p.heads_q);
+  const int q_row = static_cast<int>(stat % p.len_q);
+  T* out = static_cast<T*>(p.out) + b * p.o_batch_stride + h * p.o_head_stride +
+           q_row * p.o_row_stride;
+#pragma unroll
+  for (int c = 0; c < kCols; ++c) {
+    if (lane + 32 * c < DV) out[lane + 32 * c] = from_float<T>(acc[c]);
+  }
+  if (lane == 0) p.lse[stat] = lse;
+}
+
+}  // namespace tc
+}  // namespace adaattn

@@ -1,0 +1,143 @@
+// CUDA registration of the KV-cache ops. The new rows are appended by a kernel; fp16/bf16 at the
+// decode kernel's head dims (softmax variants) go to the split-KV kernel, reading a paged cache
+// through its block table. Everything else (lazy attention, float32/float64, other head dims)
+// runs the prefill kernels of the attention core on the cache (a paged one gathered first).
+// Launches on the current stream; no host synchronisation, no allocation whose size depends on
+// values (CUDA-graph safe).
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <limits>
+
+#include "../../attention_api.h"
+#include "../../core/env.h"
+#include "../common/cuda_inputs.h"
+#include "../lazy/lazy_ops.h"
+#include "decode_ops.h"
+
+namespace adaattn {
+namespace {
+
+using OptTensor = std::optional<at::Tensor>;
+
+// cp.async reads 16-byte chunks: base and strides (but the last dim's) multiples of 8 elements.
+bool chunk_aligned(const at::Tensor& t) {
+  if (reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 != 0) return false;
+  for (int64_t d = 0; d + 1 < t.dim(); ++d) {
+    if (t.stride(d) % 8 != 0) return false;
+  }
+  return true;
+}
+
+void set_cache_layout(AttnParams& p, const OptTensor& block_table, const KvCacheShape& shape) {
+  if (!shape.paged) return;
+  p.block_table = block_table->data_ptr<int>();
+  p.block_table_stride = block_table->size(1);
+  p.page_size = static_cast<int>(shape.page_size);
+  p.num_pages = static_cast<int>(shape.num_pages);
+  p.len_k = static_cast<int>(shape.capacity);
+}
+
+std::tuple<at::Tensor, at::Tensor> kvcache_attn_cuda(
+    const at::Tensor& q_in, at::Tensor& k_cache, at::Tensor& v_cache, const OptTensor& k,
+    const OptTensor& v, const at::Tensor& cache_seqlens, const OptTensor& block_table,
+    const KvCacheShape& shape, const FlashOptions& opt, VariantId variant, int64_t num_splits,
+    const at::Tensor* tau, const at::Tensor* bias) {
+  const c10::cuda::CUDAGuard guard(q_in.device());
+  const int64_t appended = k.has_value() ? q_in.size(2) : 0;
+  if (env::check_inputs()) check_kvcache_values(cache_seqlens, block_table, shape, appended);
+  if (k.has_value() && k->numel() > 0 && shape.capacity > 0) {
+    // The cache operands as the decode kernel reads them: cache_row() for paged caches.
+    AttnParams a = make_kvcache_params(q_in, k_cache, v_cache, cache_seqlens, appended, opt);
+    set_cache_layout(a, block_table, shape);
+    const KvAppendParams rows{k->data_ptr(), v->data_ptr(), k->stride(0), k->stride(1),
+                              k->stride(2), v->stride(0), v->stride(1), v->stride(2)};
+    kvcache_append_cuda(a, rows, q_in.scalar_type());
+  }
+
+  const auto lse_options = q_in.options().dtype(at::kFloat);
+  at::Tensor out = at::empty(out_shape(q_in, v_cache), q_in.options());
+  at::Tensor lse = at::empty(lse_shape(q_in, false), lse_options);
+  if (q_in.numel() == 0 || shape.capacity == 0) {
+    out.zero_();
+    lse.fill_(-std::numeric_limits<float>::infinity());
+    return {out, lse};
+  }
+
+  const int d = static_cast<int>(q_in.size(-1)), dv = static_cast<int>(v_cache.size(-1));
+  if (use_tensor_cores(q_in.scalar_type()) && decode_tc_supported(variant, d, dv) &&
+      chunk_aligned(k_cache) && chunk_aligned(v_cache)) {
+    const at::Tensor q = tc_aligned(q_in);
+    AttnParams p = make_kvcache_params(q, k_cache, v_cache, cache_seqlens, appended, opt);
+    set_cache_layout(p, block_table, shape);
+    set_fwd_outputs(p, out, lse);
+    const int splits = decode_num_splits(variant, p, q.scalar_type(), num_splits);
+    at::Tensor o_part, lse_part;
+    if (splits > 1) {
+      o_part = at::empty({splits, q.size(0), q.size(1), q.size(2), v_cache.size(-1)}, lse_options);
+      lse_part = at::empty({splits, q.size(0), q.size(1), q.size(2)}, lse_options);
+    }
+    attention_decode_tc_cuda(variant, p, splits, splits > 1 ? o_part.data_ptr<float>() : nullptr,
+                             splits > 1 ? lse_part.data_ptr<float>() : nullptr,
+                             q.scalar_type());
+    return {out, lse};
+  }
+
+  // The prefill kernels on a [B, Hkv, L, D] cache (head dims padded where fp16/bf16 need it).
+  const TcLayout layout = tc_layout(q_in, v_cache, variant);
+  const at::Tensor kc = shape.paged ? gather_pages(k_cache, *block_table) : k_cache;
+  const at::Tensor vc = shape.paged ? gather_pages(v_cache, *block_table) : v_cache;
+  const at::Tensor q = layout.qk(q_in), kq = layout.qk(kc), vq = layout.vo(vc);
+  at::Tensor kernel_out = at::empty(out_shape(q, vq), q.options());
+  // opt's default scale is already the caller's D^-1/2, not the padded D's.
+  AttnParams p = make_kvcache_params(q, kq, vq, cache_seqlens, appended, opt);
+  if (tau != nullptr) {
+    p.tau = tau->data_ptr<float>();
+    p.bias = bias->data_ptr<float>();
+    p.bias_window = static_cast<int>(bias->size(1));
+  }
+  set_fwd_outputs(p, kernel_out, lse);
+  if (layout.tc) {
+    attention_fwd_tc_cuda(variant, p, q.scalar_type());
+  } else {
+    attention_fwd_exact_cuda(variant, p, q.scalar_type());
+  }
+  return {layout.crop(kernel_out, layout.head_dim_v), lse};
+}
+
+std::tuple<at::Tensor, at::Tensor> flash_kvcache_cuda_op(
+    const at::Tensor& q, at::Tensor& k_cache, at::Tensor& v_cache, const OptTensor& k,
+    const OptTensor& v, const at::Tensor& cache_seqlens, const OptTensor& block_table,
+    std::optional<double> softmax_scale, bool causal, int64_t window_left, int64_t window_right,
+    double softcap, int64_t num_splits) {
+  const KvCacheShape shape =
+      check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table);
+  TORCH_CHECK(num_splits >= 0, "adaattn: num_splits must be >= 0 (0 = automatic), got ",
+              num_splits);
+  const FlashOptions opt = resolve_flash_options(q, softmax_scale, causal, window_left,
+                                                 window_right, false, softcap);
+  return kvcache_attn_cuda(q, k_cache, v_cache, k, v, cache_seqlens, block_table, shape, opt,
+                           softmax_variant(opt), num_splits, nullptr, nullptr);
+}
+
+std::tuple<at::Tensor, at::Tensor> lazy_kvcache_cuda_op(
+    const at::Tensor& q, at::Tensor& k_cache, at::Tensor& v_cache, const OptTensor& k,
+    const OptTensor& v, const at::Tensor& tau, const at::Tensor& bias,
+    const at::Tensor& cache_seqlens, const OptTensor& block_table,
+    std::optional<double> softmax_scale, int64_t num_splits) {
+  const KvCacheShape shape =
+      check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table);
+  check_lazy_kvcache_args(q, v_cache, tau, bias, num_splits);
+  return kvcache_attn_cuda(q, k_cache, v_cache, k, v, cache_seqlens, block_table, shape,
+                           lazy_options(q, softmax_scale), VariantId::kLazy, num_splits, &tau,
+                           &bias);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(adaattn, CUDA, m) {
+  m.impl("flash_attn_with_kvcache", &flash_kvcache_cuda_op);
+  m.impl("lazy_attn_with_kvcache", &lazy_kvcache_cuda_op);
+}
+
+}  // namespace adaattn
