@@ -59,7 +59,7 @@ AttnParams make_lazy_params(const at::Tensor& q, const at::Tensor& k, const at::
   // Causal, bottom-right aligned: window (-1, 0). The kernels are deterministic by construction.
   const FlashOptions opt = resolve_flash_options(q, softmax_scale, /*causal=*/true,
                                                  /*window_left=*/-1, /*window_right=*/0,
-                                                 /*deterministic=*/true, /*softcap=*/0.0);
+                                                 BwdMode::kTwoPass, /*softcap=*/0.0);
   AttnParams p = make_params(q, k, v, seqlens, cu_seqlens, cu_seqlens, opt);
   p.tau = tau.data_ptr<float>();
   p.bias = bias.data_ptr<float>();
