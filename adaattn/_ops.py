@@ -99,7 +99,7 @@ def _block_sparse_fwd_fake(q, k, v, kv_num_blocks, kv_indices, block_m, block_n,
 @torch.library.register_fake("adaattn::block_sparse_bwd")
 def _block_sparse_bwd_fake(grad_out, q, k, v, out, lse, kv_num_blocks, kv_indices, q_num_blocks,
                            q_indices, block_m, block_n, softmax_scale, causal,
-                           deterministic=False, softcap=0.0):
+                           bwd_mode="atomic", softcap=0.0):
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             torch.empty_like(k, memory_format=torch.contiguous_format),
             torch.empty_like(v, memory_format=torch.contiguous_format))

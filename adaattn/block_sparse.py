@@ -7,13 +7,14 @@ import torch
 from ._ops import ops
 from .flash import _softcap_value
 
-# Mean listed keys per query row up to which the backward takes the two-pass (dQ-pass) kernels
-# when not asked to be deterministic; above it the atomic-dQ kernel is faster. On the H100 the
-# two-pass was faster at 2.7 and 5.1 listed blocks of 128 per row and the atomic one at 7.1-16.6
-# (benchmarks/RESULTS.md, "Forward max slack, and the final runs at ab2a73c").
+# Mean listed keys per query row up to which bwd_mode="auto" takes the two-pass (dQ-pass)
+# kernels; above it the atomic-dQ kernel is faster. On the H100 the two-pass was faster at 2.7
+# and 5.1 listed blocks of 128 per row and the atomic one at 7.1-16.6 (benchmarks/RESULTS.md,
+# "Forward max slack, and the final runs at ab2a73c").
 _TWO_PASS_MAX_KEYS_PER_ROW = 6 * 128
 
 BLOCK_SIZES = (64, 128)
+BWD_MODES = ("auto", "atomic", "two_pass")
 
 
 def _block_size_pair(block_size, name="block_size") -> Tuple[int, int]:
@@ -225,8 +226,8 @@ class BlockSparseMask:
         return self._transposed
 
     def prefers_two_pass(self) -> bool:
-        """Whether the backward should take the two-pass kernels (dK/dV, then dQ without a
-        float32 accumulator) rather than atomic dQ: True while rows list at most
+        """Whether ``bwd_mode="auto"`` should take the two-pass kernels (dK/dV, then dQ without
+        a float32 accumulator) rather than atomic dQ: True while rows list at most
         ``_TWO_PASS_MAX_KEYS_PER_ROW`` keys on average, and whenever that mean is not known yet.
 
         On CUDA the first call starts the count and a non-blocking copy of it to pinned host
@@ -282,10 +283,25 @@ class BlockSparseMask:
                 f"device={self.kv_indices.device})")
 
 
+def _bwd_mode(bwd_mode, deterministic, block_mask: BlockSparseMask) -> str:
+    """The op's ``bwd_mode``, ``"atomic"`` or ``"two_pass"``, from ``block_sparse_attn``'s
+    arguments."""
+    if not isinstance(bwd_mode, str) or bwd_mode not in BWD_MODES:
+        raise ValueError(f"adaattn: bwd_mode must be one of {', '.join(map(repr, BWD_MODES))}, "
+                         f"got {bwd_mode!r}")
+    if bwd_mode == "atomic" and deterministic:
+        raise ValueError("adaattn: deterministic=True contradicts bwd_mode='atomic' (atomic dq "
+                         "accumulation is not bit-reproducible); pass bwd_mode='two_pass' or "
+                         "'auto'")
+    if bwd_mode != "auto":
+        return bwd_mode
+    return "two_pass" if deterministic or block_mask.prefers_two_pass() else "atomic"
+
+
 def block_sparse_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       block_mask: BlockSparseMask, *, causal: bool = False,
                       softmax_scale: Optional[float] = None, return_lse: bool = False,
-                      deterministic: bool = False, softcap: float = 0
+                      deterministic: bool = False, bwd_mode: str = "auto", softcap: float = 0
                       ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Softmax attention restricted to the blocks of ``block_mask``; work scales with the number
     of listed blocks, forward and backward.
@@ -303,12 +319,23 @@ def block_sparse_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             ``block_mask.causal`` is set.
         softmax_scale: multiplies ``q @ k^T``; defaults to ``D ** -0.5``.
         return_lse: also return the float32 log-sum-exp ``[B, Hq, Lq]``.
-        deterministic: a bit-reproducible backward (as ``flash_attn``'s): the two-pass
-            kernels, dq without atomics. With ``False`` the CUDA backward still takes them while
-            the mask's rows list at most 768 keys on average (``BlockSparseMask.
-            prefers_two_pass``: also on a mask's first calls, before its count has reached the
-            host), and above that the kernel that adds dq with float32 atomics, whose order
-            varies between runs.
+        deterministic: ask for a bit-reproducible backward (as ``flash_attn``'s):
+            ``bwd_mode="auto"`` then takes ``"two_pass"``; with ``bwd_mode="atomic"`` it is a
+            contradiction (``ValueError``).
+        bwd_mode: how the CUDA fp16/bf16 backward forms dq (the CPU and the float32/float64
+            kernels are deterministic in every mode):
+
+            * ``"two_pass"``: dq in a pass of its own that recomputes the scores; no atomics,
+              bit-reproducible.
+            * ``"atomic"``: the dK/dV kernel also adds each key tile's share of dq with float32
+              atomics, whose order varies between runs (before Hopper only at ``Dv = 64``; the
+              other head dims take the two passes).
+            * ``"auto"``: ``"two_pass"`` when ``deterministic`` or while the mask's rows list
+              at most 768 keys on average (``BlockSparseMask.prefers_two_pass``: also on a
+              mask's first calls, before its count has reached the host), where it is faster;
+              ``"atomic"`` above that.
+
+            ``ADAATTN_BWD_TWO_PASS=1|0`` overrides the choice on Hopper (A/B runs).
         softcap: score soft-capping ``s <- softcap * tanh(s / softcap)`` on the scaled scores
             ``[B, Hq, Lq, Lk]`` before masking; ``0`` = off. Must be finite and ``>= 0``;
             ``lse`` is then that of the capped scores.
@@ -332,9 +359,9 @@ def block_sparse_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 f"Lk = {k.shape[2]} need ceil(Lq / {bm}) x ceil(Lk / {bn}) = "
                 f"{need[0]} x {need[1]}")
     q_num_blocks, q_indices = block_mask.transposed()
-    two_pass = bool(deterministic) or block_mask.prefers_two_pass()
     out, lse = ops.block_sparse_attn(q, k, v, block_mask.kv_num_blocks, block_mask.kv_indices,
                                      q_num_blocks, q_indices, bm, bn, softmax_scale,
-                                     bool(causal) or block_mask.causal, two_pass,
+                                     bool(causal) or block_mask.causal,
+                                     _bwd_mode(bwd_mode, deterministic, block_mask),
                                      _softcap_value(softcap))
     return (out, lse) if return_lse else out

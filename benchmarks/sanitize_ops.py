@@ -1,7 +1,7 @@
 """Small fwd+bwd calls of the CUDA kernels for compute-sanitizer (memcheck, racecheck): flash
 (D 64 and 128, GQA, causal, window, seqlens, Lq != Lk; atomic and two-pass backward; with
-softcap), block-sparse (an empty row of blocks included), lazy and low-rank, bf16; and
-shifted_cholesky_info (D 33 and 128, pivots failing and not).
+softcap), block-sparse (an empty row of blocks included; atomic and two-pass backward), lazy
+and low-rank, bf16; and shifted_cholesky_info (D 33 and 128, pivots failing and not).
 
     compute-sanitizer --tool memcheck python benchmarks/sanitize_ops.py
 """
@@ -39,7 +39,8 @@ def main():
     layout = torch.rand(1, 2, 3, 3, device="cuda") < 0.5
     layout[0, 0, 1] = False
     mask = adaattn.BlockSparseMask.from_dense(layout, block_size=128)
-    backward(adaattn.block_sparse_attn(q, k, v, mask, causal=True))
+    for bwd_mode in ("atomic", "two_pass"):
+        backward(adaattn.block_sparse_attn(q, k, v, mask, causal=True, bwd_mode=bwd_mode))
     backward(adaattn.block_sparse_attn(q, k, v, mask, causal=True, softcap=5.0))
     tau = torch.full((2,), -1.0, device="cuda", requires_grad=True)
     bias = (0.1 * torch.randn(2, 64, device="cuda")).requires_grad_()

@@ -83,11 +83,11 @@ def make_inputs(case: Case, dtype, device, requires_grad=True):
     return q, k, v, mask, dout
 
 
-def run_ours(case: Case, q, k, v, mask, dout, deterministic=False):
+def run_ours(case: Case, q, k, v, mask, dout, deterministic=False, bwd_mode="auto"):
     """``(out, lse, dq, dk, dv)`` from adaattn.block_sparse_attn."""
     out, lse = adaattn.block_sparse_attn(q, k, v, mask, causal=case.causal,
                                          softmax_scale=case.scale, return_lse=True,
-                                         deterministic=deterministic)
+                                         deterministic=deterministic, bwd_mode=bwd_mode)
     assert out.shape == q.shape and out.dtype == q.dtype and out.device == q.device
     assert lse.shape == q.shape[:3] and lse.dtype == torch.float32
     grads = torch.autograd.grad(out, (q, k, v), dout)
@@ -336,7 +336,7 @@ def test_deterministic(device, dtype):
 @pytest.mark.parametrize("density,two_pass", [(0.1, True), (1.0, False)])
 def test_backward_choice_by_listed_keys(density, two_pass):
     """The mask's mean listed keys per row (9 blocks of 128 at density 1, about 1 at 0.1) picks
-    the non-deterministic backward: two-pass up to 768 keys, atomic dQ above. The count reaches
+    the backward of bwd_mode="auto": two-pass up to 768 keys, atomic dQ above. The count reaches
     the host without a sync; the first call of prefers_two_pass only starts it and answers True
     (two-pass). Both backwards meet the low-precision bar."""
     case = Case(b=2, hq=4, hkv=2, lq=1025, lk=1025, d=64, block=(128, 128), density=density,
@@ -356,6 +356,73 @@ def test_backward_choice_by_listed_keys(density, two_pass):
     ref_low = run_reference(case, q, k, v, mask, dout, torch.bfloat16)
     for name, a, lo, e in zip(NAMES, ours, ref_low, ref64):
         assert_low_precision_rule(name, a, lo, e)
+
+
+BWD_MODES = ("auto", "atomic", "two_pass")
+
+
+@pytest.mark.parametrize("bwd_mode", BWD_MODES)
+def test_bwd_mode_fp32(device, bwd_mode):
+    """Every bwd_mode meets the fp32 bar (the CPU and the exact CUDA kernels ignore it)."""
+    case = Case(b=2, hq=4, hkv=2, lq=300, lk=400, d=32, density=0.5, mask_h=True, causal=True)
+    q, k, v, mask, dout = make_inputs(case, torch.float32, device)
+    ours = run_ours(case, q, k, v, mask, dout, bwd_mode=bwd_mode)
+    ref = run_reference(case, q, k, v, mask, dout, torch.float64)
+    for name, a, e in zip(NAMES, ours, ref):
+        assert_rel_close(name, a, e, FP32_RTOL)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("bwd_mode", BWD_MODES)
+def test_bwd_mode_low_precision_cuda(bwd_mode, d):
+    """The tensor-core backwards of every bwd_mode meet the low-precision bar, at density 1
+    (where "auto" takes atomic dQ once the mask's count has reached the host) and at D = 64 and
+    128 (before Hopper "atomic" has atomic dQ at Dv = 64 only)."""
+    case = Case(b=2, hq=8, hkv=2, lq=1025, lk=1000, d=d, block=(128, 128), density=1.0,
+                causal=True)
+    q, k, v, mask, dout = make_inputs(case, torch.bfloat16, "cuda")
+    mask.prefers_two_pass()
+    torch.cuda.synchronize()
+    assert not mask.prefers_two_pass(), "1024 listed keys per row: auto takes atomic dQ"
+    ours = run_ours(case, q, k, v, mask, dout, bwd_mode=bwd_mode)
+    ref64 = run_reference(case, q, k, v, mask, dout, torch.float64)
+    ref_low = run_reference(case, q, k, v, mask, dout, torch.bfloat16)
+    for name, a, lo, e in zip(NAMES, ours, ref_low, ref64):
+        assert_low_precision_rule(name, a, lo, e)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", LOW_PRECISION, ids=str)
+def test_two_pass_bitwise_reproducible(dtype):
+    """bwd_mode="two_pass" without deterministic=True: two runs give bit-identical outputs and
+    gradients, on a dense mask for which "auto" takes atomic dQ."""
+    case = Case(b=2, hq=8, hkv=2, lq=1025, lk=1025, d=64, block=(128, 128), density=1.0,
+                mask_h=True, causal=True)
+    q, k, v, mask, dout = make_inputs(case, dtype, "cuda")
+    mask.prefers_two_pass()
+    torch.cuda.synchronize()
+    assert not mask.prefers_two_pass()
+    first = run_ours(case, q, k, v, mask, dout, bwd_mode="two_pass")
+    second = run_ours(case, q, k, v, mask, dout, bwd_mode="two_pass")
+    for name, a, b in zip(NAMES, first, second):
+        assert torch.equal(a, b), f"{name} differs between two runs"
+
+
+@pytest.mark.parametrize("bwd_mode", ["fast", "", "Atomic", "two-pass", None, 1])
+def test_bad_bwd_mode(device, bwd_mode):
+    q, k, v = _qkv(device)
+    mask = BlockSparseMask.from_dense(_layout(device), 64)
+    with pytest.raises(ValueError, match=r"bwd_mode must be one of 'auto', 'atomic', "
+                                         r"'two_pass', got"):
+        adaattn.block_sparse_attn(q, k, v, mask, bwd_mode=bwd_mode)
+
+
+def test_deterministic_contradicts_atomic(device):
+    q, k, v = _qkv(device)
+    mask = BlockSparseMask.from_dense(_layout(device), 64)
+    with pytest.raises(ValueError, match=r"deterministic=True contradicts bwd_mode='atomic'"):
+        adaattn.block_sparse_attn(q, k, v, mask, deterministic=True, bwd_mode="atomic")
 
 
 def test_cpu_mask_prefers_two_pass():
@@ -560,6 +627,14 @@ def _bad_call(kind, device):
         return f(q[0], k, v, mask)
     if kind == "dtype_mix":
         return f(q, k.double(), v, mask)
+    if kind == "op_bwd_mode":  # "auto" is resolved in Python, never by the op
+        return torch.ops.adaattn.block_sparse_attn(q, k, v, num, idx, *mask.transposed(), 64, 64,
+                                                   None, False, "auto")
+    if kind == "bwd_op_bwd_mode":
+        out, lse = _op_fwd(q, k, v, num, idx)
+        return torch.ops.adaattn.block_sparse_bwd(torch.ones_like(out), q, k, v, out, lse, num,
+                                                  idx, *mask.transposed(), 64, 64, None, False,
+                                                  "deterministic")
     if kind == "bwd_transposed_shape":
         out, lse = _op_fwd(q, k, v, num, idx)
         return torch.ops.adaattn.block_sparse_bwd(torch.ones_like(out), q, k, v, out, lse, num,
@@ -588,6 +663,8 @@ BAD_INPUTS = {
     "q_rank": r"\bq\b.*4 dims",
     "dtype_mix": r"\bk\b.*dtype|dtype.*\bk\b",
     "bwd_transposed_shape": r"q_num_blocks.*shape",
+    "op_bwd_mode": r"bwd_mode must be 'atomic' or 'two_pass', got 'auto'",
+    "bwd_op_bwd_mode": r"bwd_mode must be 'atomic' or 'two_pass', got 'deterministic'",
 }
 
 
@@ -714,10 +791,11 @@ def _mask_args(case, mask):
     return (mask.kv_num_blocks, mask.kv_indices) + mask.transposed()
 
 
+@pytest.mark.parametrize("bwd_mode", ["atomic", "two_pass"])
 @pytest.mark.parametrize("case", OPCHECK_CASES, ids=str)
-def test_opcheck_block_sparse_attn(device, case):
+def test_opcheck_block_sparse_attn(device, case, bwd_mode):
     q, k, v, mask, _ = make_inputs(case, _opcheck_dtype(device), device)
-    args = (q, k, v) + _mask_args(case, mask) + (*case.block, case.scale, case.causal)
+    args = (q, k, v) + _mask_args(case, mask) + (*case.block, case.scale, case.causal, bwd_mode)
     torch.library.opcheck(torch.ops.adaattn.block_sparse_attn.default, args,
                           test_utils=OPCHECK_UTILS)
 
@@ -731,7 +809,7 @@ def test_opcheck_block_sparse_fwd_bwd(device, case):
     tail = (*case.block, case.scale, case.causal)
     fwd_args = (q, k, v, mask.kv_num_blocks, mask.kv_indices) + tail
     out, lse = torch.ops.adaattn.block_sparse_fwd(*fwd_args)
-    bwd_args = (dout, q, k, v, out, lse) + _mask_args(case, mask) + tail
+    bwd_args = (dout, q, k, v, out, lse) + _mask_args(case, mask) + tail + ("two_pass",)
     no_grad_utils = tuple(u for u in OPCHECK_UTILS if u != "test_autograd_registration")
     for op, args in ((torch.ops.adaattn.block_sparse_fwd.default, fwd_args),
                      (torch.ops.adaattn.block_sparse_bwd.default, bwd_args)):

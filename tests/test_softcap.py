@@ -335,7 +335,7 @@ def test_bad_softcap_backend_ops(device):
     with pytest.raises(RuntimeError, match="softcap"):
         torch.ops.adaattn.block_sparse_bwd(torch.ones_like(out), problem.q, problem.k, problem.v,
                                            out, lse, mask.kv_num_blocks, mask.kv_indices,
-                                           *mask.transposed(), 64, 64, None, False, True,
+                                           *mask.transposed(), 64, 64, None, False, "two_pass",
                                            softcap=-1.0)
 
 

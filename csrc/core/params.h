@@ -66,6 +66,13 @@ struct FwdParams {
   int64_t o_batch_stride, o_head_stride, o_row_stride;
 };
 
+// How the tensor-core backward forms dQ (launch.h decides per GPU, head dims and variant).
+// kAtomic: the dK/dV CTAs add their dS K into a float32 accumulator with atomics, in an order
+// that varies between runs, where the kernel configuration has that form; kTwoPass: dQ in a
+// pass of its own, no order-dependent accumulation, for the variants that have one. The CPU and
+// the exact CUDA kernels are deterministic in either mode.
+enum class BwdMode : uint8_t { kAtomic, kTwoPass };
+
 struct BwdParams {
   const void* dout;  // [B, Hq, Lq, Dv]
   int64_t do_batch_stride, do_head_stride, do_row_stride;
@@ -80,7 +87,7 @@ struct BwdParams {
   // packed [Hq, Tq, D]), zeroed by the launcher. The dK/dV CTAs add their dS K into it with
   // atomics and a last pass writes dq = scale * dq_accum. Null: the two-pass backward.
   float* dq_accum;
-  bool deterministic;  // no order-dependent floating-point accumulation
+  BwdMode bwd_mode;
 };
 
 // Arguments of the variants (variants/*.h); each variant reads only its own. A variant with

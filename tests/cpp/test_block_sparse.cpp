@@ -18,8 +18,8 @@ namespace {
 
 using BlockSparseAttnSig = std::tuple<at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-    const at::Tensor&, const at::Tensor&, int64_t, int64_t, std::optional<double>, bool, bool,
-    double);
+    const at::Tensor&, const at::Tensor&, int64_t, int64_t, std::optional<double>, bool,
+    c10::string_view, double);
 
 c10::TypedOperatorHandle<BlockSparseAttnSig> block_sparse_attn_op() {
   return c10::Dispatcher::singleton()
@@ -85,7 +85,7 @@ void check_against_naive(int64_t lq, int64_t lk, bool causal) {
   auto [q_num, q_idx] = to_lists(layout.transpose(-1, -2));
 
   auto [out, lse] = block_sparse_attn_op().call(q, k, v, kv_num, kv_idx, q_num, q_idx, bm, bn,
-                                                std::nullopt, causal, /*deterministic=*/true,
+                                                std::nullopt, causal, /*bwd_mode=*/"two_pass",
                                                 /*softcap=*/0.0);
   torch::autograd::backward({out}, {dout});
 
@@ -123,7 +123,7 @@ TEST_CASE("block_sparse_attn names kv_indices when its shape does not fit Lk",
   bool thrown = false;
   try {
     block_sparse_attn_op().call(q, k, k, kv_num, kv_idx, q_num, q_idx, 64, 64, std::nullopt,
-                                false, false, 0.0);
+                                false, "atomic", 0.0);
   } catch (const c10::Error& e) {
     thrown = true;
     CHECK_THAT(e.msg(), Catch::Contains("kv_indices must have shape"));

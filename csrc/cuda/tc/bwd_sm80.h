@@ -9,7 +9,7 @@
 //        each dK/dV step also stages dS^T in shared memory and adds dS K for its query tile
 //        into a float32 accumulator with atomics; a last kernel scales and converts it. Five
 //        products per (query, key) tile pair in all.
-//      - deterministic (p.deterministic): a dQ CTA per (query tile, batch, head), like the
+//      - deterministic (BwdMode::kTwoPass): a dQ CTA per (query tile, batch, head), like the
 //        forward, recomputes S and dP (seven products in all) so that no sum depends on the
 //        order in which CTAs finish: results are bit-reproducible.
 //

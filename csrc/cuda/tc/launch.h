@@ -27,7 +27,7 @@ namespace tc {
 // warps per CTA, 16-row groups per warp (MI), and the streamed tile size. Two row groups per
 // warp halve the shared-memory reads per MMA, which bound these kernels on Hopper, as long as
 // the accumulators still fit in registers.
-// kAtomicDQ: whether the non-deterministic backward accumulates dQ with atomics in the dK/dV
+// kAtomicDQ: whether the BwdMode::kAtomic backward accumulates dQ with atomics in the dK/dV
 // CTAs (bwd_sm80.h). Measured on the H100 (bf16, B.L = 16k): at DV = 64 it is 4-8%
 // faster end to end than the two-pass backward; at DV = 128 the dK/dV CTA (one row group per
 // warp, as the dK and dV accumulators take 128 registers) is bound by shared-memory reads, the
@@ -184,9 +184,9 @@ constexpr int sm90_bwd_warpgroups() {
 }
 
 // Whether the Hopper backward takes two passes (dK/dV, then dQ without a float32 accumulator)
-// instead of atomic dQ: when the op asks for it (bwd_mode, or deterministic), unless the
-// environment forces either way (env::bwd_two_pass). Normalised transforms without a learnable
-// score table only.
+// instead of atomic dQ: as p.bwd_mode says (block_sparse_attn's bwd_mode, flash_attn's
+// deterministic), unless the environment forces either way (env::bwd_two_pass). Normalised
+// transforms without a learnable score table only.
 template <typename Variant>
 constexpr bool kSm90TwoPassVariant = Variant::kNormalized && !Variant::Mod::kParamGrad;
 
@@ -196,7 +196,7 @@ inline bool sm90_two_pass(const AttnParams& p) {
     return false;
   } else {
     const int forced = env::bwd_two_pass();
-    return forced >= 0 ? forced == 1 : p.deterministic;
+    return forced >= 0 ? forced == 1 : p.bwd_mode == BwdMode::kTwoPass;
   }
 }
 
@@ -227,8 +227,8 @@ void reduce_param_grads(const AttnParams& p, int64_t key_slots, cudaStream_t str
 // kernel, which also zeroes the atomic dQ accumulator) for a normalised transform, the row pass
 // (G and Delta) otherwise. On Hopper (every compiled (D, Dv) pair): the two-pass wgmma kernels
 // (the dQ pass computes Delta, then the dK/dV pass) where sm90_two_pass says so, else the
-// wgmma kernel with atomic dQ. Elsewhere: atomic dQ where the config measured it faster unless
-// p.deterministic (or the transform is not normalised), else the fused two-pass kernels.
+// wgmma kernel with atomic dQ. Elsewhere: atomic dQ where the config measured it faster and
+// p.bwd_mode is kAtomic (and the transform is normalised), else the fused two-pass kernels.
 template <typename T, int DK, int DV, typename Variant>
 void run_bwd(const AttnParams& p_in) {
   using Mod = typename Variant::Mod;
@@ -261,7 +261,7 @@ void run_bwd(const AttnParams& p_in) {
     }
     return;
   }
-  const bool atomic = sm90 || (kNormalized && C::kAtomicDQ && !p.deterministic);
+  const bool atomic = sm90 || (kNormalized && C::kAtomicDQ && p.bwd_mode == BwdMode::kAtomic);
   at::Tensor accum;
   if (atomic) {
     // The delta kernel zeroes it; the row pass does not.

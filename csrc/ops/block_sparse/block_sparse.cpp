@@ -6,6 +6,7 @@
 #include <torch/autograd.h>
 #include <torch/library.h>
 
+#include <string>
 #include <vector>
 
 #include "../../attention_api.h"
@@ -129,10 +130,16 @@ BlockSparseMaskTensors contiguous_mask(const BlockSparseMaskTensors& mask) {
   return {c(mask.kv_num_blocks), c(mask.kv_indices), c(mask.q_num_blocks), c(mask.q_indices)};
 }
 
+BwdMode parse_bwd_mode(c10::string_view bwd_mode) {
+  if (bwd_mode == "atomic") return BwdMode::kAtomic;
+  if (bwd_mode == "two_pass") return BwdMode::kTwoPass;
+  TORCH_CHECK(false, "adaattn: bwd_mode must be 'atomic' or 'two_pass', got '", bwd_mode, "'");
+}
+
 FlashOptions block_sparse_options(const at::Tensor& q, std::optional<double> softmax_scale,
-                                  bool causal, bool deterministic, double softcap) {
+                                  bool causal, BwdMode bwd_mode, double softcap) {
   return resolve_flash_options(q, softmax_scale, causal, /*window_left=*/-1, /*window_right=*/-1,
-                               deterministic, softcap);
+                               bwd_mode, softcap);
 }
 
 AttnParams make_block_sparse_params(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -168,7 +175,8 @@ std::tuple<at::Tensor, at::Tensor> block_sparse_fwd_cpu_op(
     int64_t block_n, std::optional<double> softmax_scale, bool causal, double softcap) {
   BlockSparseMaskTensors mask{kv_num_blocks, kv_indices, {}, {}};
   check_block_sparse_inputs(q_in, k_in, v_in, mask, block_m, block_n);
-  const FlashOptions opt = block_sparse_options(q_in, softmax_scale, causal, true, softcap);
+  const FlashOptions opt =
+      block_sparse_options(q_in, softmax_scale, causal, BwdMode::kTwoPass, softcap);
   mask = contiguous_mask(mask);
   check_block_sparse_mask_values(mask);
   const at::Tensor q = cpu_compute(q_in), k = cpu_compute(k_in), v = cpu_compute(v_in);
@@ -189,10 +197,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_sparse_bwd_cpu_op(
     const at::Tensor& kv_num_blocks, const at::Tensor& kv_indices,
     const at::Tensor& q_num_blocks, const at::Tensor& q_indices, int64_t block_m,
     int64_t block_n, std::optional<double> softmax_scale, bool causal,
-    bool /*deterministic: the CPU kernels always are*/, double softcap) {
+    c10::string_view bwd_mode, double softcap) {
   BlockSparseMaskTensors mask{kv_num_blocks, kv_indices, q_num_blocks, q_indices};
   check_block_sparse_inputs(q_in, k_in, v_in, mask, block_m, block_n);
-  const FlashOptions opt = block_sparse_options(q_in, softmax_scale, causal, true, softcap);
+  // The CPU kernels are deterministic in either mode.
+  const FlashOptions opt = block_sparse_options(q_in, softmax_scale, causal,
+                                                parse_bwd_mode(bwd_mode), softcap);
   check_flash_bwd_inputs(dout_in, q_in, v_in, out_in, lse, /*packed=*/false);
   mask = contiguous_mask(mask);
   check_block_sparse_mask_values(mask);
@@ -226,7 +236,7 @@ using BlockSparseFwdSig = std::tuple<at::Tensor, at::Tensor>(
 using BlockSparseBwdSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-    int64_t, int64_t, std::optional<double>, bool, bool, double);
+    int64_t, int64_t, std::optional<double>, bool, c10::string_view, double);
 
 c10::TypedOperatorHandle<BlockSparseFwdSig> block_sparse_fwd_op() {
   static auto op = c10::Dispatcher::singleton()
@@ -244,7 +254,7 @@ class BlockSparseAttnFunction : public torch::autograd::Function<BlockSparseAttn
                                const at::Tensor& kv_indices, const at::Tensor& q_num_blocks,
                                const at::Tensor& q_indices, int64_t block_m, int64_t block_n,
                                std::optional<double> softmax_scale, bool causal,
-                               bool deterministic, double softcap) {
+                               c10::string_view bwd_mode, double softcap) {
     at::AutoDispatchBelowADInplaceOrView guard;
     auto [out, lse] = block_sparse_fwd_op().call(q, k, v, kv_num_blocks, kv_indices, block_m,
                                                  block_n, softmax_scale, causal, softcap);
@@ -254,7 +264,7 @@ class BlockSparseAttnFunction : public torch::autograd::Function<BlockSparseAttn
     ctx->saved_data["block_n"] = block_n;
     save_scale(ctx, softmax_scale);
     ctx->saved_data["causal"] = causal;
-    ctx->saved_data["deterministic"] = deterministic;
+    ctx->saved_data["bwd_mode"] = std::string(bwd_mode);
     ctx->saved_data["softcap"] = softcap;
     ctx->mark_non_differentiable({lse});
     return {out, lse};
@@ -272,7 +282,7 @@ class BlockSparseAttnFunction : public torch::autograd::Function<BlockSparseAttn
                                  ctx->saved_data["block_m"].toInt(),
                                  ctx->saved_data["block_n"].toInt(), scale,
                                  ctx->saved_data["causal"].toBool(),
-                                 ctx->saved_data["deterministic"].toBool(),
+                                 ctx->saved_data["bwd_mode"].toStringRef(),
                                  ctx->saved_data["softcap"].toDouble());
     return {dq,           dk,           dv,           at::Tensor(), at::Tensor(),
             at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
@@ -284,27 +294,29 @@ std::tuple<at::Tensor, at::Tensor> block_sparse_attn_autograd(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& kv_num_blocks, const at::Tensor& kv_indices,
     const at::Tensor& q_num_blocks, const at::Tensor& q_indices, int64_t block_m,
-    int64_t block_n, std::optional<double> softmax_scale, bool causal, bool deterministic,
-    double softcap) {
-  // Shapes of the transposed index are checked now, not first in backward.
+    int64_t block_n, std::optional<double> softmax_scale, bool causal,
+    c10::string_view bwd_mode, double softcap) {
+  // Shapes of the transposed index and bwd_mode are checked now, not first in backward.
   check_block_sparse_inputs(q, k, v, {kv_num_blocks, kv_indices, q_num_blocks, q_indices},
                             block_m, block_n);
+  parse_bwd_mode(bwd_mode);
   auto res = BlockSparseAttnFunction::apply(q, k, v, kv_num_blocks, kv_indices, q_num_blocks,
                                             q_indices, block_m, block_n, softmax_scale, causal,
-                                            deterministic, softcap);
+                                            bwd_mode, softcap);
   return {res[0], res[1]};
 }
 
 // Below autograd (inference mode, or backends reached past the Autograd key): the transposed
-// index is not needed, but its shapes are checked as on the autograd path.
+// index and bwd_mode are not needed, but they are checked as on the autograd path.
 std::tuple<at::Tensor, at::Tensor> block_sparse_attn_no_grad(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& kv_num_blocks, const at::Tensor& kv_indices,
     const at::Tensor& q_num_blocks, const at::Tensor& q_indices, int64_t block_m,
     int64_t block_n, std::optional<double> softmax_scale, bool causal,
-    bool /*deterministic: backward only*/, double softcap) {
+    c10::string_view bwd_mode, double softcap) {
   check_block_sparse_inputs(q, k, v, {kv_num_blocks, kv_indices, q_num_blocks, q_indices},
                             block_m, block_n);
+  parse_bwd_mode(bwd_mode);
   return block_sparse_fwd_op().call(q, k, v, kv_num_blocks, kv_indices, block_m, block_n,
                                     softmax_scale, causal, softcap);
 }
@@ -315,7 +327,7 @@ TORCH_LIBRARY_FRAGMENT(adaattn, m) {
   m.def(
       "block_sparse_attn(Tensor q, Tensor k, Tensor v, Tensor kv_num_blocks, Tensor kv_indices, "
       "Tensor q_num_blocks, Tensor q_indices, int block_m=128, int block_n=128, "
-      "float? softmax_scale=None, bool causal=False, bool deterministic=False, "
+      "float? softmax_scale=None, bool causal=False, str bwd_mode=\"atomic\", "
       "float softcap=0.0) -> (Tensor out, Tensor lse)");
   m.def(
       "block_sparse_fwd(Tensor q, Tensor k, Tensor v, Tensor kv_num_blocks, Tensor kv_indices, "
@@ -324,7 +336,7 @@ TORCH_LIBRARY_FRAGMENT(adaattn, m) {
   m.def(
       "block_sparse_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
       "Tensor kv_num_blocks, Tensor kv_indices, Tensor q_num_blocks, Tensor q_indices, "
-      "int block_m, int block_n, float? softmax_scale, bool causal, bool deterministic=False, "
+      "int block_m, int block_n, float? softmax_scale, bool causal, str bwd_mode=\"atomic\", "
       "float softcap=0.0) -> (Tensor grad_q, Tensor grad_k, Tensor grad_v)");
 }
 

@@ -34,7 +34,8 @@ std::tuple<at::Tensor, at::Tensor> block_sparse_fwd_cuda_op(
   BlockSparseMaskTensors mask{kv_num_blocks, kv_indices, {}, {}};
   check_block_sparse_inputs(q_in, k_in, v_in, mask, block_m, block_n);
   // Resolved on the caller's q: the default scale is D^-1/2 of the caller's D, not the padded.
-  const FlashOptions opt = block_sparse_options(q_in, softmax_scale, causal, true, softcap);
+  const FlashOptions opt =
+      block_sparse_options(q_in, softmax_scale, causal, BwdMode::kTwoPass, softcap);
   const VariantId variant = softmax_variant(opt);
   const TcLayout layout = tc_layout(q_in, v_in, variant);
   check_cuda_block_size(q_in, block_m, block_n);
@@ -61,14 +62,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_sparse_bwd_cuda_op(
     const at::Tensor& v_in, const at::Tensor& out_in, const at::Tensor& lse,
     const at::Tensor& kv_num_blocks, const at::Tensor& kv_indices,
     const at::Tensor& q_num_blocks, const at::Tensor& q_indices, int64_t block_m,
-    int64_t block_n, std::optional<double> softmax_scale, bool causal, bool deterministic,
-    double softcap) {
+    int64_t block_n, std::optional<double> softmax_scale, bool causal,
+    c10::string_view bwd_mode, double softcap) {
   BlockSparseMaskTensors mask{kv_num_blocks, kv_indices, q_num_blocks, q_indices};
   check_block_sparse_inputs(q_in, k_in, v_in, mask, block_m, block_n);
   check_flash_bwd_inputs(dout_in, q_in, v_in, out_in, lse, /*packed=*/false);
-  // deterministic = false: dQ may be accumulated with atomics.
-  const FlashOptions opt =
-      block_sparse_options(q_in, softmax_scale, causal, deterministic, softcap);
+  const FlashOptions opt = block_sparse_options(q_in, softmax_scale, causal,
+                                                parse_bwd_mode(bwd_mode), softcap);
   const VariantId variant = softmax_variant(opt);
   const TcLayout layout = tc_layout(q_in, v_in, variant);
   check_cuda_block_size(q_in, block_m, block_n);

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <c10/util/string_view.h>
 
 #include <optional>
 
@@ -35,9 +36,13 @@ void check_block_sparse_mask_values(const BlockSparseMaskTensors& mask);
 // Contiguous copies where needed: the kernels read each list's entries with unit stride.
 BlockSparseMaskTensors contiguous_mask(const BlockSparseMaskTensors& mask);
 
+// The op's bwd_mode argument: "atomic" or "two_pass" (adaattn.block_sparse_attn resolves its
+// "auto" before calling the op); the error names the argument.
+BwdMode parse_bwd_mode(c10::string_view bwd_mode);
+
 // The options of a block-sparse call: causal as window (-1, 0), no other window.
 FlashOptions block_sparse_options(const at::Tensor& q, std::optional<double> softmax_scale,
-                                  bool causal, bool deterministic, double softcap);
+                                  bool causal, BwdMode bwd_mode, double softcap);
 
 // Sets the flash fields (make_params, no seqlens) and the block-sparse section from contiguous
 // mask tensors (undefined q_* leave the transposed pointers null).

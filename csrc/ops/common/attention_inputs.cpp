@@ -127,7 +127,7 @@ void check_flash_bwd_inputs(const at::Tensor& dout, const at::Tensor& q, const a
 
 FlashOptions resolve_flash_options(const at::Tensor& q, std::optional<double> softmax_scale,
                                    bool causal, int64_t window_left, int64_t window_right,
-                                   bool deterministic, double softcap) {
+                                   BwdMode bwd_mode, double softcap) {
   TORCH_CHECK(window_left >= -1 && window_right >= -1,
               "adaattn: window must be (left, right) with each >= 0 or -1 (unbounded), got (",
               window_left, ", ", window_right, ")");
@@ -144,7 +144,7 @@ FlashOptions resolve_flash_options(const at::Tensor& q, std::optional<double> so
               "adaattn: softcap must be 0 (off) or a positive finite float32 value, got ",
               softcap);
   return {scale, static_cast<int>(window_left), causal ? 0 : static_cast<int>(window_right),
-          deterministic, softcap};
+          bwd_mode, softcap};
 }
 
 namespace {
@@ -183,7 +183,7 @@ AttnParams make_params(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   p.window_right = opt.window_right;
   p.scale = opt.scale;
   p.scale_log2 = static_cast<float>(opt.scale * M_LOG2E);
-  p.deterministic = opt.deterministic;
+  p.bwd_mode = opt.bwd_mode;
   p.softcap = opt.softcap;
   return p;
 }

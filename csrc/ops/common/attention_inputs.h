@@ -20,7 +20,7 @@ struct FlashOptions {
   double scale;
   int window_left;
   int window_right;
-  bool deterministic;
+  BwdMode bwd_mode;  // the backward's dQ form (params.h); flash_attn: deterministic -> kTwoPass
   double softcap;  // score modifier s <- softcap * tanh(s / softcap); 0 = off
 };
 
@@ -28,7 +28,12 @@ struct FlashOptions {
 // argument).
 FlashOptions resolve_flash_options(const at::Tensor& q, std::optional<double> softmax_scale,
                                    bool causal, int64_t window_left, int64_t window_right,
-                                   bool deterministic, double softcap);
+                                   BwdMode bwd_mode, double softcap);
+
+// flash_attn's deterministic flag: the two-pass backward, else atomic dQ where the kernels have it.
+inline BwdMode flash_bwd_mode(bool deterministic) {
+  return deterministic ? BwdMode::kTwoPass : BwdMode::kAtomic;
+}
 
 // The softmax-family variant (variants/table.h) that the options select.
 inline VariantId softmax_variant(const FlashOptions& opt) { return softmax_variant(opt.softcap); }

@@ -219,7 +219,7 @@ std::tuple<at::Tensor, at::Tensor> flash_kvcache_cpu_op(
   TORCH_CHECK(num_splits >= 0, "adaattn: num_splits must be >= 0 (0 = automatic), got ",
               num_splits);
   const FlashOptions opt = resolve_flash_options(q, softmax_scale, causal, window_left,
-                                                 window_right, false, softcap);
+                                                 window_right, BwdMode::kAtomic, softcap);
   return kvcache_attn_cpu(q, k_cache, v_cache, k, v, cache_seqlens, block_table, shape, opt,
                           softmax_variant(opt), nullptr, nullptr);
 }

@@ -23,7 +23,7 @@ std::tuple<at::Tensor, at::Tensor> flash_fwd_cpu_op(
     const std::optional<at::Tensor>& cu_seqlens_k, double softcap) {
   check_flash_inputs(q_in, k_in, v_in, seqlens, cu_seqlens_q, cu_seqlens_k);
   const FlashOptions opt = resolve_flash_options(q_in, softmax_scale, causal, window_left,
-                                                 window_right, false, softcap);
+                                                 window_right, BwdMode::kAtomic, softcap);
   const at::Tensor q = cpu_compute(q_in), k = cpu_compute(k_in), v = cpu_compute(v_in);
   const bool packed = cu_seqlens_q.has_value();
   at::Tensor out = at::empty(out_shape(q, v), q.options());
@@ -49,7 +49,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_bwd_cpu_op(
   check_flash_inputs(q_in, k_in, v_in, seqlens, cu_seqlens_q, cu_seqlens_k);
   check_flash_bwd_inputs(dout_in, q_in, v_in, out_in, lse, cu_seqlens_q.has_value());
   const FlashOptions opt = resolve_flash_options(q_in, softmax_scale, causal, window_left,
-                                                 window_right, deterministic, softcap);
+                                                 window_right, flash_bwd_mode(deterministic),
+                                                 softcap);
   const at::Tensor q = cpu_compute(q_in), k = cpu_compute(k_in), v = cpu_compute(v_in);
   const at::Tensor out = cpu_compute(out_in), dout = cpu_compute(dout_in);
   at::Tensor dq = at::empty(q.sizes(), q.options());

@@ -26,7 +26,7 @@ std::tuple<at::Tensor, at::Tensor> flash_fwd_cuda_op(const at::Tensor& q_in,
   check_flash_inputs(q_in, k_in, v_in, seqlens, cu_seqlens_q, cu_seqlens_k);
   // Resolved on the caller's q: the default scale is D^-1/2 of the caller's D, not the padded.
   const FlashOptions opt = resolve_flash_options(q_in, softmax_scale, causal, window_left,
-                                                 window_right, false, softcap);
+                                                 window_right, BwdMode::kAtomic, softcap);
   const VariantId variant = softmax_variant(opt);
   const TcLayout layout = tc_layout(q_in, v_in, variant);
   const at::Tensor q = layout.qk(q_in);
@@ -60,7 +60,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_bwd_cuda_op(
   check_flash_inputs(q_in, k_in, v_in, seqlens, cu_seqlens_q, cu_seqlens_k);
   check_flash_bwd_inputs(dout_in, q_in, v_in, out_in, lse, cu_seqlens_q.has_value());
   const FlashOptions opt = resolve_flash_options(q_in, softmax_scale, causal, window_left,
-                                                 window_right, deterministic, softcap);
+                                                 window_right, flash_bwd_mode(deterministic),
+                                                 softcap);
   const VariantId variant = softmax_variant(opt);
   const TcLayout layout = tc_layout(q_in, v_in, variant);
   const at::Tensor q = layout.qk(q_in);

@@ -58,7 +58,7 @@ void check_lazy_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tenso
 FlashOptions lazy_options(const at::Tensor& q, std::optional<double> softmax_scale) {
   // Causal, bottom-right aligned: window (-1, 0). The kernels are deterministic by construction.
   return resolve_flash_options(q, softmax_scale, /*causal=*/true, /*window_left=*/-1,
-                               /*window_right=*/0, /*deterministic=*/true, /*softcap=*/0.0);
+                               /*window_right=*/0, BwdMode::kTwoPass, /*softcap=*/0.0);
 }
 
 AttnParams make_lazy_params(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
