@@ -3,12 +3,14 @@ from . import nn, reference
 from ._ops import ops
 from .block_sparse import BlockSparseMask, block_sparse_attn
 from .flash import flash_attn, flash_attn_varlen
+from .kvcache import KVCache
 from .lazy import LazyStats, lazy_attn, lazy_attn_varlen
 from .linear import linear_attn
 from .rank import (RankPlan, adaptive_rank_attn, low_rank_attn, rank_error_bound,
                    rank_plan)
 
-__all__ = ["BlockSparseMask", "LazyStats", "RankPlan", "adaptive_rank_attn", "block_sparse_attn",
-           "flash_attn", "flash_attn_varlen", "lazy_attn", "lazy_attn_varlen", "linear_attn",
-           "low_rank_attn", "nn", "ops", "rank_error_bound", "rank_plan", "reference"]
+__all__ = ["BlockSparseMask", "KVCache", "LazyStats", "RankPlan", "adaptive_rank_attn",
+           "block_sparse_attn", "flash_attn", "flash_attn_varlen", "lazy_attn", "lazy_attn_varlen",
+           "linear_attn", "low_rank_attn", "nn", "ops", "rank_error_bound", "rank_plan",
+           "reference"]
 __version__ = "0.1.0"
