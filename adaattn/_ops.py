@@ -119,3 +119,16 @@ def _shifted_cholesky_info_fake(a, rel_shift):
 def _sym_eig_top_fake(a, energy, min_rank, multiple):
     return (a.new_empty(a.shape[:2]), torch.empty_like(a, memory_format=torch.contiguous_format),
             a.new_empty(a.shape[:1], dtype=torch.int32))
+
+
+@torch.library.register_fake("adaattn::flash_attn_with_kvcache")
+def _flash_kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, block_table=None,
+                        softmax_scale=None, causal=True, window_left=-1, window_right=-1,
+                        softcap=0.0, num_splits=0):
+    return _out_fake(q, v_cache), _lse_fake(q, False)
+
+
+@torch.library.register_fake("adaattn::lazy_attn_with_kvcache")
+def _lazy_kvcache_fake(q, k_cache, v_cache, k, v, tau, bias, cache_seqlens, block_table=None,
+                       softmax_scale=None, num_splits=0):
+    return _out_fake(q, v_cache), _lse_fake(q, False)

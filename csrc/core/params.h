@@ -107,6 +107,23 @@ struct VariantParams {
   int64_t* stats;
 };
 
-struct AttnParams : QkvParams, MaskParams, FwdParams, BwdParams, VariantParams {};
+// Attention against a KV cache (decode): q's Lq rows are the newest tokens of each sequence.
+// Entry b attends keys [0, cache_seqlens[b] + cache_appended) of k/v (len_k = the cache
+// capacity Lmax), and query row r sits at position cache_seqlens[b] + cache_appended - Lq + r
+// (bottom-right aligned, seq.h). Null cache_seqlens: not a decode call.
+struct KvCacheParams {
+  const int* cache_seqlens;  // [B] int32: tokens in the cache before this call's appends
+  int cache_appended;        // tokens this call appended (Lq, or 0 when it appended none)
+  // Paged cache (read by the decode kernel only; the other kernels get a gathered copy): k/v are
+  // [num_pages, Hkv, page_size, D] (k/v batch strides are page strides) and key j of entry b
+  // lives in page block_table[b * block_table_stride + j / page_size], slot j % page_size.
+  // Null: k/v are [B, Hkv, Lmax, D].
+  const int* block_table;
+  int64_t block_table_stride;
+  int page_size;
+  int num_pages;
+};
+
+struct AttnParams : QkvParams, MaskParams, FwdParams, BwdParams, VariantParams, KvCacheParams {};
 
 }  // namespace adaattn

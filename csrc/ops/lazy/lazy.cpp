@@ -14,6 +14,25 @@
 
 namespace adaattn {
 
+void check_lazy_params(const at::Tensor& q, const at::Tensor& tau, const at::Tensor& bias) {
+  const int64_t heads = q.size(1);
+  TORCH_CHECK(tau.scalar_type() == at::kFloat && tau.dim() == 1 && tau.size(0) == heads,
+              "adaattn: tau must be a float32 tensor of shape [Hq] = [", heads, "], got ",
+              tau.scalar_type(), " ", tau.sizes());
+  TORCH_CHECK(bias.scalar_type() == at::kFloat && bias.dim() == 2 && bias.size(0) == heads &&
+                  bias.size(1) >= 1,
+              "adaattn: bias must be a float32 tensor of shape [Hq, W] = [", heads,
+              ", W] with W >= 1, got ", bias.scalar_type(), " ", bias.sizes());
+  TORCH_CHECK(bias.size(1) <= std::numeric_limits<int>::max(),
+              "adaattn: the bias window W = bias.size(1) must fit in int32, got ", bias.size(1));
+  TORCH_CHECK(tau.is_contiguous(), "adaattn: tau must be contiguous; call .contiguous() on it");
+  TORCH_CHECK(bias.is_contiguous(), "adaattn: bias must be contiguous; call .contiguous() on it");
+  TORCH_CHECK(tau.device() == q.device(), "adaattn: tau must be on q's device ", q.device(),
+              ", got ", tau.device());
+  TORCH_CHECK(bias.device() == q.device(), "adaattn: bias must be on q's device ", q.device(),
+              ", got ", bias.device());
+}
+
 void check_lazy_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                        const at::Tensor& tau, const at::Tensor& bias,
                        const std::optional<at::Tensor>& seqlens,
@@ -33,22 +52,13 @@ void check_lazy_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tenso
                 "adaattn: lazy attention needs Lq <= Lk (query row r sits at position r + Lk - "
                 "Lq), got Lq = q.size(2) = ", q.size(2), " > Lk = k.size(2) = ", k.size(2));
   }
-  const int64_t heads = q.size(1);
-  TORCH_CHECK(tau.scalar_type() == at::kFloat && tau.dim() == 1 && tau.size(0) == heads,
-              "adaattn: tau must be a float32 tensor of shape [Hq] = [", heads, "], got ",
-              tau.scalar_type(), " ", tau.sizes());
-  TORCH_CHECK(bias.scalar_type() == at::kFloat && bias.dim() == 2 && bias.size(0) == heads &&
-                  bias.size(1) >= 1,
-              "adaattn: bias must be a float32 tensor of shape [Hq, W] = [", heads,
-              ", W] with W >= 1, got ", bias.scalar_type(), " ", bias.sizes());
-  TORCH_CHECK(bias.size(1) <= std::numeric_limits<int>::max(),
-              "adaattn: the bias window W = bias.size(1) must fit in int32, got ", bias.size(1));
-  TORCH_CHECK(tau.is_contiguous(), "adaattn: tau must be contiguous; call .contiguous() on it");
-  TORCH_CHECK(bias.is_contiguous(), "adaattn: bias must be contiguous; call .contiguous() on it");
-  TORCH_CHECK(tau.device() == q.device(), "adaattn: tau must be on q's device ", q.device(),
-              ", got ", tau.device());
-  TORCH_CHECK(bias.device() == q.device(), "adaattn: bias must be on q's device ", q.device(),
-              ", got ", bias.device());
+  check_lazy_params(q, tau, bias);
+}
+
+FlashOptions lazy_options(const at::Tensor& q, std::optional<double> softmax_scale) {
+  // Causal, bottom-right aligned: window (-1, 0). The kernels are deterministic by construction.
+  return resolve_flash_options(q, softmax_scale, /*causal=*/true, /*window_left=*/-1,
+                               /*window_right=*/0, /*deterministic=*/true, /*softcap=*/0.0);
 }
 
 AttnParams make_lazy_params(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -56,11 +66,8 @@ AttnParams make_lazy_params(const at::Tensor& q, const at::Tensor& k, const at::
                             const std::optional<at::Tensor>& seqlens,
                             const std::optional<at::Tensor>& cu_seqlens,
                             std::optional<double> softmax_scale) {
-  // Causal, bottom-right aligned: window (-1, 0). The kernels are deterministic by construction.
-  const FlashOptions opt = resolve_flash_options(q, softmax_scale, /*causal=*/true,
-                                                 /*window_left=*/-1, /*window_right=*/0,
-                                                 /*deterministic=*/true, /*softcap=*/0.0);
-  AttnParams p = make_params(q, k, v, seqlens, cu_seqlens, cu_seqlens, opt);
+  AttnParams p = make_params(q, k, v, seqlens, cu_seqlens, cu_seqlens,
+                             lazy_options(q, softmax_scale));
   p.tau = tau.data_ptr<float>();
   p.bias = bias.data_ptr<float>();
   p.bias_window = static_cast<int>(bias.size(1));

@@ -1,0 +1,55 @@
+// Device-independent halves of the KV-cache (decode) ops: validation of the cache, its
+// sequence lengths and block table, and AttnParams construction. The CPU registration is
+// decode.cpp, the CUDA one decode_cuda.cpp.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+
+#include "../../core/params.h"
+#include "../common/attention_inputs.h"
+
+namespace adaattn {
+
+// The cache as the op was given it.
+struct KvCacheShape {
+  bool paged;
+  int64_t capacity;   // Lmax: positions a sequence may hold (paged: max_pages * page_size)
+  int64_t page_size;  // paged only
+  int64_t num_pages;  // paged only
+};
+
+// Validates q [B, Hq, Lq, D], the caches ([B, Hkv, Lmax, D|Dv], or paged [num_pages, Hkv,
+// page_size, D|Dv] with block_table int32 [B, max_pages]), cache_seqlens int32 [B], and the
+// optional new k [B, Hkv, Lq, D] / v [B, Hkv, Lq, Dv] (both or neither). Dtypes, devices,
+// shapes and contiguous last dims; errors name the argument. Values are not read here.
+KvCacheShape check_kvcache_inputs(const at::Tensor& q, const at::Tensor& k_cache,
+                                  const at::Tensor& v_cache, const std::optional<at::Tensor>& k,
+                                  const std::optional<at::Tensor>& v,
+                                  const at::Tensor& cache_seqlens,
+                                  const std::optional<at::Tensor>& block_table);
+
+// Values of cache_seqlens (>= 0, room for the `appended` new tokens) and of the block-table
+// entries that the sequences use (in [0, num_pages)). Reads them, so on CUDA it runs only with
+// ADAATTN_CHECK_INPUTS=1 (a device sync); the kernels clamp either way.
+void check_kvcache_values(const at::Tensor& cache_seqlens,
+                          const std::optional<at::Tensor>& block_table, const KvCacheShape& shape,
+                          int64_t appended);
+
+// Params for attending q against caches laid out as [B, Hkv, L, D] (contiguous, or a gathered
+// copy of a paged cache): the decode fields set, outputs unset.
+AttnParams make_kvcache_params(const at::Tensor& q, const at::Tensor& k_cache,
+                               const at::Tensor& v_cache, const at::Tensor& cache_seqlens,
+                               int64_t appended, const FlashOptions& opt);
+
+// The lazy op's own arguments: Dv == D, tau/bias (check_lazy_params), num_splits >= 0.
+void check_lazy_kvcache_args(const at::Tensor& q, const at::Tensor& v_cache,
+                             const at::Tensor& tau, const at::Tensor& bias, int64_t num_splits);
+
+// A paged cache [num_pages, Hkv, page_size, D] gathered into [B, Hkv, max_pages * page_size, D]
+// through block_table (entries clamped into range: positions past a sequence's length are never
+// attended, so what their pages hold does not matter).
+at::Tensor gather_pages(const at::Tensor& cache, const at::Tensor& block_table);
+
+}  // namespace adaattn
