@@ -354,11 +354,19 @@ FP32_CASES = [
 ]
 
 
-@pytest.mark.parametrize("lazy", [False, True], ids=["flash", "lazy"])
-@pytest.mark.parametrize("case", FP32_CASES, ids=str)
+def flash_only(case: Case) -> bool:
+    """Options lazy attention does not have: windows, softcap, non-causal."""
+    return case.window != (-1, -1) or bool(case.softcap) or not case.causal
+
+
+def with_variants(cases):
+    """(case, lazy) pairs: flash for every case, lazy where the case's options allow it."""
+    return [pytest.param(case, lazy, id=f"{case}-{'lazy' if lazy else 'flash'}")
+            for case in cases for lazy in (False, True) if not (lazy and flash_only(case))]
+
+
+@pytest.mark.parametrize("case,lazy", with_variants(FP32_CASES))
 def test_fp32(device, case, lazy):
-    if lazy and (case.window != (-1, -1) or case.softcap):
-        pytest.skip("window and softcap are flash-only")
     p = Problem(case, torch.float32, device)
     out, lse, k_cache, v_cache = p.run(lazy)
     ref = p.cast(torch.float64).run_reference(lazy)
@@ -419,12 +427,9 @@ def _low_precision_cuda_grid():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("lazy", [False, True], ids=["flash", "lazy"])
 @pytest.mark.parametrize("dtype", LOW_PRECISION, ids=str)
-@pytest.mark.parametrize("case", _low_precision_cuda_grid(), ids=str)
-def test_low_precision_cuda(case, dtype, lazy):
-    if lazy and (case.window != (-1, -1) or case.softcap or not case.causal):
-        pytest.skip("window and softcap are flash-only")
+@pytest.mark.parametrize("case,lazy", with_variants(_low_precision_cuda_grid()))
+def test_low_precision_cuda(case, lazy, dtype):
     _check_low_precision(case, dtype, "cuda", lazy)
 
 
@@ -449,12 +454,14 @@ def _poison_unused(p: Problem, cache: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("page_size", [None, 64])
 @pytest.mark.parametrize("lazy", [False, True], ids=["flash", "lazy"])
-@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("device,dtype", [
+    pytest.param("cpu", torch.float64, id="cpu-fp64"),
+    pytest.param("cuda", torch.float64, marks=pytest.mark.cuda, id="cuda-fp64"),
+    pytest.param("cuda", torch.bfloat16, marks=pytest.mark.cuda, id="cuda-bf16"),
+])
 def test_garbage_past_the_sequence_is_never_read(device, dtype, lazy, page_size):
     """Cache slots past each sequence (and pages no sequence owns) hold NaN, as freshly
     allocated or recycled pages may: the results must be those of a clean cache, bit for bit."""
-    if device == "cpu" and dtype == torch.bfloat16:
-        pytest.skip("the CPU computes bfloat16 in float32: covered by float64")
     case = Case(b=3, hq=8, hkv=2, lq=3, lmax=256, d=64, page_size=page_size,
                 seqlens=(0, 100, 253), w=32)
     p = Problem(case, dtype, device)
@@ -507,7 +514,7 @@ def _bad_call(kind):
         kw["block_table"] = table
     elif kind == "block_table_entry_negative":
         table = table.clone()
-        table[0, 1] = -1
+        table[1, 2] = -1  # a page batch 1 uses (positions 16..23)
         kw["block_table"] = table
     elif kind == "block_table_int64":
         kw["block_table"] = table.long()
@@ -598,8 +605,34 @@ def test_bad_input(kind):
 
 
 # --------------------------------------------------------------------------------------------
-# Registration: torch.compile of a decode step (CPU)
+# Registration: opcheck, torch.compile of a decode step (CPU)
 # --------------------------------------------------------------------------------------------
+
+OPCHECK_UTILS = ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")
+OPCHECK_CASES = [
+    Case(b=2, hq=4, hkv=2, lq=3, lmax=64, d=32, page_size=16, seqlens=(5, 61)),
+    Case(b=2, hq=4, hkv=4, lq=1, lmax=48, d=32, seqlens=(0, 30), window=(8, 0), softcap=2.0,
+         scale=0.2, transposed=True),
+    Case(b=2, hq=4, hkv=1, lq=3, lmax=48, d=32, seqlens=(3, 48), new_kv=False, page_size=16),
+]
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["flash", "lazy"])
+@pytest.mark.parametrize("case", OPCHECK_CASES, ids=str)
+def test_opcheck(case, lazy):
+    """The schemas declare the in-place cache writes; fake kernels and AOT dispatch agree with
+    the CPU kernel. No autograd test: the ops are inference-only."""
+    p = Problem(case, torch.float32, "cpu")
+    if lazy:
+        op = torch.ops.adaattn.lazy_attn_with_kvcache.default
+        args = (p.q, p.k_cache, p.v_cache, p.k, p.v, p.tau, p.bias, p.cache_seqlens,
+                p.block_table, case.scale, case.num_splits)
+    else:
+        op = torch.ops.adaattn.flash_attn_with_kvcache.default
+        args = (p.q, p.k_cache, p.v_cache, p.k, p.v, p.cache_seqlens, p.block_table, case.scale,
+                case.causal, case.window[0], case.window[1], case.softcap, case.num_splits)
+    torch.library.opcheck(op, args, test_utils=OPCHECK_UTILS)
+
 
 class DecodeStep(torch.nn.Module):
     """One attention layer's decode step: projections of the new tokens ``x [B, Lq, E]``, the
