@@ -130,7 +130,7 @@ class Problem:
         return pool
 
     def cast(self, dtype) -> "Problem":
-        """A copy with q, k, v and the caches in ``dtype`` (the indices and tau/bias as they are)."""
+        """A copy with q, k, v and the caches in ``dtype`` (indices, tau and bias unchanged)."""
         other = object.__new__(Problem)
         other.__dict__.update(self.__dict__)
         for name in ("q", "k", "v", "k_seq", "v_seq", "k_cache", "v_cache"):
@@ -205,6 +205,17 @@ class Problem:
         return out[:, :, -c.lq:], lse[:, :, -c.lq:]
 
 
+def flash_only(case: Case) -> bool:
+    """Options lazy attention does not have: windows, softcap, non-causal."""
+    return case.window != (-1, -1) or bool(case.softcap) or not case.causal
+
+
+def with_variants(cases):
+    """(case, lazy) pairs: flash for every case, lazy where the case's options allow it."""
+    return [pytest.param(case, lazy, id=f"{case}-{'lazy' if lazy else 'flash'}")
+            for case in cases for lazy in (False, True) if not (lazy and flash_only(case))]
+
+
 def assert_caches_equal(ours, expected):
     for name, a, e in zip(("k_cache", "v_cache"), ours, expected):
         assert torch.equal(a, e), (f"{name}: differs from reference.kvcache_append (wrong slots "
@@ -225,8 +236,7 @@ REFERENCE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("lazy", [False, True], ids=["flash", "lazy"])
-@pytest.mark.parametrize("case", REFERENCE_CASES, ids=str)
+@pytest.mark.parametrize("case,lazy", with_variants(REFERENCE_CASES))
 def test_reference_matches_full_sequence(case, lazy):
     p = Problem(case, torch.float64, "cpu")
     inputs = [t for t in (p.q, p.k, p.v, p.k_cache, p.v_cache) if t is not None]
@@ -333,14 +343,18 @@ def test_lazy_fp64_cpu(case):
     _check_fp64(case, lazy=True)
 
 
-def test_rows_without_keys():
+@pytest.mark.parametrize("lazy", [False, True], ids=["flash", "lazy"])
+def test_rows_without_keys(lazy):
     """k = None with fewer cached keys than query rows: the rows before position 0 (all of them
-    for an empty cache) give out 0 and lse -inf, exactly."""
+    for an empty cache) give out 0 and lse -inf, exactly, and the others the reference's."""
     p = Problem(Case(b=2, lq=3, lmax=16, new_kv=False, seqlens=(0, 1)), torch.float64, "cpu")
-    out, lse, _, _ = p.run(lazy=False)
+    out, lse, _, _ = p.run(lazy)
     empty = torch.tensor([[True, True, True], [True, True, False]])[:, None].expand_as(lse)
     assert (out[empty] == 0).all() and torch.isneginf(lse[empty]).all()
     assert torch.isfinite(out).all() and torch.isfinite(lse[~empty]).all()
+    ref = p.run_reference(lazy)
+    assert_rel_close("out", out, ref[0], FP64_RTOL)
+    assert_rel_close("lse", lse, ref[1], LSE_RTOL)
 
 
 # --------------------------------------------------------------------------------------------
@@ -352,17 +366,6 @@ FP32_CASES = [
     Case(b=2, hq=8, hkv=1, lq=16, lmax=320, d=128, page_size=64, seqlens=(304, 33)),
     Case(hq=4, hkv=4, lq=3, lmax=200, d=64, window=(32, 0), softcap=2.0, transposed=True),
 ]
-
-
-def flash_only(case: Case) -> bool:
-    """Options lazy attention does not have: windows, softcap, non-causal."""
-    return case.window != (-1, -1) or bool(case.softcap) or not case.causal
-
-
-def with_variants(cases):
-    """(case, lazy) pairs: flash for every case, lazy where the case's options allow it."""
-    return [pytest.param(case, lazy, id=f"{case}-{'lazy' if lazy else 'flash'}")
-            for case in cases for lazy in (False, True) if not (lazy and flash_only(case))]
 
 
 @pytest.mark.parametrize("case,lazy", with_variants(FP32_CASES))
