@@ -287,6 +287,121 @@ def lazy_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         q, k, v, cu_seqlens, cu_seqlens)
 
 
+def _page_table(k_cache: torch.Tensor, block_table: Optional[torch.Tensor]) -> torch.Tensor:
+    """int64 ``[B, max_pages]`` page indices of a cache: a contiguous cache ``[B, Hkv, Lmax, D]``
+    is read as B pages of Lmax slots, batch b owning page b."""
+    if block_table is not None:
+        return block_table.long()
+    batch = k_cache.shape[0]
+    return torch.arange(batch, device=k_cache.device).view(batch, 1)
+
+
+def kvcache_append(k_cache: torch.Tensor, v_cache: torch.Tensor, k: Optional[torch.Tensor],
+                   v: Optional[torch.Tensor], cache_seqlens: torch.Tensor,
+                   block_table: Optional[torch.Tensor] = None
+                   ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Copies of the caches with ``k, v [B, Hkv, Lq, D]`` written at key positions
+    ``cache_seqlens[b] + r`` (``r < Lq``) of each batch; the inputs are not modified.
+
+    Caches are ``[B, Hkv, Lmax, D]`` (v: ``Dv``), or paged ``[num_pages, Hkv, page_size, D]`` with
+    int32 ``block_table [B, max_pages]``: position j of batch b is slot ``j % page_size`` of page
+    ``block_table[b, j // page_size]``. ``k = v = None`` returns plain copies. A position past
+    the cache (or past ``max_pages`` pages) raises an index error.
+    """
+    k_new, v_new = k_cache.clone(), v_cache.clone()
+    if k is None:
+        return k_new, v_new
+    page_size = k_cache.shape[2]
+    pos = cache_seqlens.long().view(-1, 1) + torch.arange(k.shape[2], device=k_cache.device)
+    pages = _page_table(k_cache, block_table).gather(1, pos // page_size)  # [B, Lq]
+    slots = pos % page_size
+    k_new[pages, :, slots] = k.transpose(1, 2).to(k_new.dtype)  # [B, Lq, Hkv, D] rows
+    v_new[pages, :, slots] = v.transpose(1, 2).to(v_new.dtype)
+    return k_new, v_new
+
+
+def kvcache_gather(cache: torch.Tensor, block_table: Optional[torch.Tensor] = None
+                   ) -> torch.Tensor:
+    """A cache as dense ``[B, Hkv, L, D]`` keys (or values): itself when contiguous, else the
+    pages of ``block_table [B, max_pages]`` in order, ``L = max_pages * page_size``."""
+    if block_table is None:
+        return cache
+    pages = cache[block_table.long()]  # [B, max_pages, Hkv, page_size, D]
+    return pages.transpose(1, 2).flatten(2, 3)
+
+
+def _kvcache_per_batch(fn, q, k_cache, v_cache, k, v, cache_seqlens, block_table):
+    """Appends ``k, v``, then runs ``fn(q_b [1, Hq, Lq, D], k_b [1, Hkv, L_b, D], v_b)`` on the
+    ``L_b = cache_seqlens[b] (+ Lq when k is given)`` cached keys of every batch; returns
+    ``(out [B, Hq, Lq, Dv], lse [B, Hq, Lq] float32)``."""
+    k_full, v_full = kvcache_append(k_cache, v_cache, k, v, cache_seqlens, block_table)
+    keys = kvcache_gather(k_full, block_table)
+    values = kvcache_gather(v_full, block_table)
+    new = 0 if k is None else q.shape[2]
+    outs, lses = [], []
+    for b, length in enumerate(cache_seqlens.tolist()):
+        out, lse = fn(q[b:b + 1], keys[b:b + 1, :, :length + new],
+                      values[b:b + 1, :, :length + new])
+        outs.append(out)
+        lses.append(lse)
+    if not outs:
+        return (q.new_zeros((*q.shape[:3], v_cache.shape[-1])),
+                q.new_full(q.shape[:3], float("-inf"), dtype=torch.float32))
+    return torch.cat(outs), torch.cat(lses)
+
+
+def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            k: Optional[torch.Tensor] = None, v: Optional[torch.Tensor] = None,
+                            *, cache_seqlens: torch.Tensor,
+                            block_table: Optional[torch.Tensor] = None, causal: bool = True,
+                            window=(-1, -1), softmax_scale: Optional[float] = None,
+                            softcap: float = 0.0, return_lse: bool = False, num_splits: int = 0):
+    """Decoding against a KV cache (flash-attn's ``flash_attn_with_kvcache`` in the
+    ``[B, H, L, D]`` layout), as :func:`flash_attn` on each batch's cached keys; the inputs,
+    caches included, are not modified (the updated caches are :func:`kvcache_append`'s).
+
+    q ``[B, Hq, Lq, D]``; caches and ``block_table`` as in :func:`kvcache_append`;
+    ``cache_seqlens`` int32 ``[B]``. With ``k, v [B, Hkv, Lq, D]`` the keys of batch b are
+    positions ``[0, cache_seqlens[b] + Lq)`` after the append and query row r sits at position
+    ``cache_seqlens[b] + r``; with ``k = v = None`` they are ``[0, cache_seqlens[b])`` and row r
+    sits at ``cache_seqlens[b] - Lq + r`` (rows at negative positions see no key when causal).
+    ``causal``/``window`` are relative to that position (bottom-right aligned). ``num_splits``
+    only schedules the fused kernel; it is accepted here for the same signature.
+
+    Returns ``out [B, Hq, Lq, Dv]`` (q's dtype; computed in it), and ``lse [B, Hq, Lq]`` float32
+    when ``return_lse``.
+    """
+    del num_splits
+    out, lse = _kvcache_per_batch(
+        lambda qb, kb, vb: flash_attn(qb, kb, vb, causal=causal, softmax_scale=softmax_scale,
+                                      window=window, softcap=softcap),
+        q, k_cache, v_cache, k, v, cache_seqlens, block_table)
+    return (out, lse) if return_lse else out
+
+
+def lazy_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           k: Optional[torch.Tensor], v: Optional[torch.Tensor],
+                           tau: torch.Tensor, bias: torch.Tensor, *, cache_seqlens: torch.Tensor,
+                           block_table: Optional[torch.Tensor] = None,
+                           softmax_scale: Optional[float] = None, return_lse: bool = False,
+                           num_splits: int = 0, upcast: bool = True):
+    """Lazy attention of the new query rows against a KV cache, as :func:`lazy_attn` on each
+    batch's cached keys: row r at absolute position ``i = cache_seqlens[b] + r`` (with k) or
+    ``cache_seqlens[b] - Lq + r`` (k = v = None), the shift ``tau[h] / (i + 1)`` and bias
+    ``bias[h, i - j]`` of that position. Shapes and positions as :func:`flash_attn_with_kvcache`
+    (causal), tau float32 ``[Hq]``, bias float32 ``[Hq, W]``; ``upcast`` as in
+    :func:`lazy_attn`. The inputs are not modified.
+
+    Returns ``out [B, Hq, Lq, D]``, and ``lse [B, Hq, Lq]`` float32 when ``return_lse``.
+    """
+    del num_splits
+    out, lse = _kvcache_per_batch(
+        lambda qb, kb, vb: lazy_attn(qb, kb, vb, tau, bias, softmax_scale=softmax_scale,
+                                     upcast=upcast),
+        q, k_cache, v_cache, k, v, cache_seqlens, block_table)
+    return (out, lse) if return_lse else out
+
+
 def _linear_prepare(q, k, v, feature_map, normalize, initial_state):
     """phi(q), phi(k), [v | 1] and the initial state (zeros when absent) in q's dtype, for one
     dense batch ``[B, H, T, *]``."""

@@ -1,0 +1,194 @@
+"""A paged key/value cache for one attention layer, in the layout of the decode ops
+(:func:`adaattn.flash_attn_with_kvcache`, :func:`adaattn.lazy_attn_with_kvcache`)."""
+from typing import List, Optional, Sequence
+
+import torch
+
+
+class KVCache:
+    """Fixed pools of key and value pages plus a block table, with a host-side page allocator.
+
+    Storage: ``k_pages [num_pages, Hkv, page_size, D]`` and ``v_pages [num_pages, Hkv, page_size,
+    Dv]``. Sequences live in the ``max_batch`` rows of ``block_table`` (int32 ``[max_batch,
+    max_pages_per_seq]``): key position j of sequence s is slot ``j % page_size`` of page
+    ``block_table[s, j // page_size]``, and ``seqlens`` (int32 ``[max_batch]``) holds how many
+    positions each sequence has. Entries past a sequence's pages are 0 (a valid page that the
+    ops never read for it); free rows have length 0. The allocator's state (free pages, each
+    sequence's pages and length) stays on the host, so no call reads the device.
+
+    A decode step writes its new keys inside the attention op::
+
+        ids = [0, 2]                                   # the sequences of this step
+        cache.reserve(ids, lq)                         # pages for lq more positions
+        out = adaattn.flash_attn_with_kvcache(
+            q, cache.k_pages, cache.v_pages, k, v,     # k, v [len(ids), Hkv, lq, D]
+            cache_seqlens=cache.seqlens[ids], block_table=cache.block_table[ids])
+        cache.advance(ids, lq)                         # the op does not advance the lengths
+
+    and :meth:`append` writes keys without attending (prefill). Page contents past a
+    sequence's length are unspecified (the pools are allocated with ``torch.empty``).
+
+    Args:
+        num_pages: pages in each pool.
+        page_size: positions per page.
+        heads_kv: ``Hkv``.
+        head_dim: ``D``; ``head_dim_v`` is ``Dv`` (defaults to ``D``).
+        max_batch: rows of the block table (sequences alive at once).
+        max_pages_per_seq: columns of the block table (a sequence holds at most
+            ``max_pages_per_seq * page_size`` positions).
+        dtype, device: of the pools.
+    """
+
+    def __init__(self, num_pages: int, page_size: int, heads_kv: int, head_dim: int,
+                 head_dim_v: Optional[int] = None, *, max_batch: int, max_pages_per_seq: int,
+                 dtype: torch.dtype = torch.float32, device=None):
+        for name, value in (("num_pages", num_pages), ("page_size", page_size),
+                            ("heads_kv", heads_kv), ("head_dim", head_dim),
+                            ("max_batch", max_batch), ("max_pages_per_seq", max_pages_per_seq)):
+            if value < 1:
+                raise ValueError(f"{name} must be positive, got {value}")
+        head_dim_v = head_dim if head_dim_v is None else head_dim_v
+        self.page_size = page_size
+        self.k_pages = torch.empty(num_pages, heads_kv, page_size, head_dim, dtype=dtype,
+                                   device=device)
+        self.v_pages = torch.empty(num_pages, heads_kv, page_size, head_dim_v, dtype=dtype,
+                                   device=device)
+        self._block_table = torch.zeros(max_batch, max_pages_per_seq, dtype=torch.int32,
+                                        device=device)
+        self._seqlens = torch.zeros(max_batch, dtype=torch.int32, device=device)
+        # Popped from the end: the lowest page ids are handed out first.
+        self._free_pages: List[int] = list(range(num_pages - 1, -1, -1))
+        self._pages: List[Optional[List[int]]] = [None] * max_batch  # None: a free row
+        self._lengths = [0] * max_batch
+
+    @property
+    def block_table(self) -> torch.Tensor:
+        """int32 ``[max_batch, max_pages_per_seq]``: the pages of every row (index it with the
+        step's sequence ids for the ops' ``block_table``)."""
+        return self._block_table
+
+    @property
+    def seqlens(self) -> torch.Tensor:
+        """int32 ``[max_batch]``: positions held by each row (the ops' ``cache_seqlens``)."""
+        return self._seqlens
+
+    @property
+    def num_free_pages(self) -> int:
+        """Pages in the pool that no sequence holds."""
+        return len(self._free_pages)
+
+    def length(self, seq_id: int) -> int:
+        """Positions held by sequence ``seq_id`` (host value)."""
+        self._check_alive(seq_id)
+        return self._lengths[seq_id]
+
+    def allocate(self, seq_id: Optional[int] = None) -> int:
+        """Claims a free row (the first one, or ``seq_id``) for a new, empty sequence; returns
+        its id."""
+        if seq_id is None:
+            seq_id = next((s for s, pages in enumerate(self._pages) if pages is None), None)
+            if seq_id is None:
+                raise RuntimeError(f"KVCache: all {len(self._pages)} rows (max_batch) are in use")
+        elif not 0 <= seq_id < len(self._pages):
+            raise ValueError(f"KVCache: seq_id must be in [0, {len(self._pages)}), got {seq_id}")
+        elif self._pages[seq_id] is not None:
+            raise RuntimeError(f"KVCache: row {seq_id} is in use")
+        self._pages[seq_id] = []
+        self._lengths[seq_id] = 0
+        return seq_id
+
+    def free(self, seq_id: int) -> None:
+        """Returns the sequence's pages to the pool and its row to the free rows."""
+        self._check_alive(seq_id)
+        self._free_pages.extend(reversed(self._pages[seq_id]))
+        self._pages[seq_id] = None
+        self._lengths[seq_id] = 0
+        self._block_table[seq_id].zero_()
+        self._seqlens[seq_id] = 0
+
+    def reserve(self, seq_ids: Sequence[int], num_tokens: int) -> None:
+        """Gives every sequence of ``seq_ids`` the pages for ``num_tokens`` positions past its
+        length (``block_table`` updated, lengths unchanged). Raises ``RuntimeError`` when the
+        pool or a block-table row would run out; nothing is allocated then."""
+        needs = []
+        for seq_id in seq_ids:
+            self._check_alive(seq_id)
+            total = -(-(self._lengths[seq_id] + num_tokens) // self.page_size)
+            if total > self._block_table.shape[1]:
+                raise RuntimeError(
+                    f"KVCache: sequence {seq_id} would need {total} pages for "
+                    f"{self._lengths[seq_id] + num_tokens} positions, more than "
+                    f"max_pages_per_seq = {self._block_table.shape[1]}")
+            needs.append((seq_id, total - len(self._pages[seq_id])))
+        missing = sum(max(n, 0) for _, n in needs)
+        if missing > len(self._free_pages):
+            raise RuntimeError(f"KVCache: {missing} pages needed, {len(self._free_pages)} free")
+        for seq_id, count in needs:
+            if count <= 0:
+                continue
+            pages = self._pages[seq_id]
+            start = len(pages)
+            pages.extend(self._free_pages.pop() for _ in range(count))
+            self._block_table[seq_id, start:len(pages)] = torch.tensor(
+                pages[start:], dtype=torch.int32, device=self._block_table.device)
+
+    def advance(self, seq_ids: Sequence[int], num_tokens: int) -> None:
+        """Adds ``num_tokens`` to the lengths of ``seq_ids``, whose pages must be reserved
+        (after an op wrote their keys at the old lengths)."""
+        for seq_id in seq_ids:
+            self._check_alive(seq_id)
+            length = self._lengths[seq_id] + num_tokens
+            if length > len(self._pages[seq_id]) * self.page_size:
+                raise RuntimeError(f"KVCache: sequence {seq_id} has no pages reserved for "
+                                   f"{length} positions; call reserve first")
+            self._lengths[seq_id] = length
+        self._seqlens[list(seq_ids)] = torch.tensor(
+            [self._lengths[s] for s in seq_ids], dtype=torch.int32, device=self._seqlens.device)
+
+    def append(self, seq_ids: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
+        """Writes ``k [len(seq_ids), Hkv, L, D]`` and ``v [len(seq_ids), Hkv, L, Dv]`` at the
+        sequences' next L positions (reserving pages) and advances their lengths: the prefill
+        path, or any write without attention. One indexed copy per pool."""
+        if k.dim() != 4 or k.shape[0] != len(seq_ids) or v.shape[:3] != k.shape[:3]:
+            raise ValueError(f"k and v must be [len(seq_ids) = {len(seq_ids)}, Hkv, L, D], got "
+                             f"{tuple(k.shape)} and {tuple(v.shape)}")
+        self.reserve(seq_ids, k.shape[2])
+        rows = torch.tensor(list(seq_ids), dtype=torch.long, device=self._seqlens.device)
+        starts = torch.tensor([self._lengths[s] for s in seq_ids], dtype=torch.long,
+                              device=self._seqlens.device)
+        pos = starts.view(-1, 1) + torch.arange(k.shape[2], device=starts.device)  # [N, L]
+        pages = self._block_table[rows].long().gather(1, pos // self.page_size)
+        slots = pos % self.page_size
+        # Index pairs (page, slot) select [N, L, Hkv, D] rows of the pools.
+        self.k_pages[pages, :, slots] = k.transpose(1, 2).to(self.k_pages)
+        self.v_pages[pages, :, slots] = v.transpose(1, 2).to(self.v_pages)
+        self.advance(seq_ids, k.shape[2])
+
+    def fork(self, src: int, dst: Optional[int] = None) -> int:
+        """Makes ``dst`` a copy of sequence ``src`` (beam search) and returns its id: a new
+        sequence when ``dst`` is None, else that row (its pages are released first if it holds
+        a sequence). The pages holding ``src``'s positions are copied, not shared
+        (no copy-on-write), so either sequence can then grow independently."""
+        self._check_alive(src)
+        if dst == src:
+            return dst
+        if dst is not None and self._alive(dst):
+            self.free(dst)
+        dst = self.allocate(dst)
+        self.reserve([dst], self._lengths[src])
+        used = -(-self._lengths[src] // self.page_size)
+        src_pages = torch.tensor(self._pages[src][:used], dtype=torch.long,
+                                 device=self.k_pages.device)
+        dst_pages = torch.tensor(self._pages[dst][:used], dtype=torch.long,
+                                 device=self.k_pages.device)
+        self.k_pages[dst_pages] = self.k_pages[src_pages]
+        self.v_pages[dst_pages] = self.v_pages[src_pages]
+        self.advance([dst], self._lengths[src])
+        return dst
+
+    def _alive(self, seq_id: int) -> bool:
+        return 0 <= seq_id < len(self._pages) and self._pages[seq_id] is not None
+
+    def _check_alive(self, seq_id: int) -> None:
+        if not self._alive(seq_id):
+            raise ValueError(f"KVCache: no sequence {seq_id} (allocate it first)")

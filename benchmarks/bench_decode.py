@@ -1,0 +1,284 @@
+"""Benchmarks KV-cache decoding (adaattn.flash_attn_with_kvcache, lazy_attn_with_kvcache) on CUDA.
+
+Issue bars: bf16, D = 128, GQA Hq = 32 / Hkv = 8, (B, Lk) in {(32, 8192), (1, 131072), (128, 2048)}
+where Lk is the number of keys each new row attends (``cache_seqlens = Lk - Lq``; the op appends
+the Lq new keys and values in place, as in a real decode step). Rows, per shape: flash Lq = 1 on a
+contiguous cache and on a paged one (page 64, pages shuffled over the pool), flash Lq = 16
+(speculative decoding, causal) contiguous, and lazy attention Lq = 1 contiguous and paged
+(tau = -1, bias W = 512 ~ 0.1 N(0, 1), as bench_lazy.py).
+
+Peers, in the same run, on the same shapes with a contiguous ``[B, Hkv, Lk, D]`` cache (SDPA has
+no paged layout, so paged rows repeat the contiguous peers' times):
+``F.scaled_dot_product_attention`` pinned to each backend (cuDNN, flash, efficient) with
+``enable_gqa=True``, or with K/V expanded to Hq heads beforehand (outside the timing) where a
+backend refuses GQA (the row's note says which); Lq = 16 passes
+``causal_lower_right(16, Lk)``. Lazy rows also list adaattn's flash decode of the same layout.
+
+HBM: a device-to-device copy of a 2 GiB buffer measures the bandwidth (bytes read + written /
+time); each adaattn row reports its achieved bandwidth (K+V cache bytes attended + q + out over
+its time) and that as a fraction of the copy's. Times are medians of CUDA-event timings of single
+calls (every cache is far larger than L2).
+
+Writes benchmarks/results/decode.json (results_io format) and prints the table and the bars.
+
+    python benchmarks/bench_decode.py [--reps 200] [--num-splits 0] [--results-dir DIR]
+"""
+import argparse
+import os
+import sys
+import warnings
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_attention as ba  # noqa: E402  (also puts the in-place build on sys.path)
+import results_io  # noqa: E402
+
+adaattn = ba.adaattn  # None when the extension is not built (--help still works)
+
+DTYPE = torch.bfloat16
+HEADS_Q, HEADS_KV, HEAD_DIM = 32, 8, 128
+SHAPES = ((32, 8192), (1, 131072), (128, 2048))  # (B, Lk)
+PAGE_SIZE = 64
+WINDOW = 512
+TAU = -1.0
+COPY_BYTES = 2 << 30
+SDPA_BACKENDS = (("sdpa-cudnn", "CUDNN_ATTENTION"), ("sdpa-flash", "FLASH_ATTENTION"),
+                 ("sdpa-efficient", "EFFICIENT_ATTENTION"))
+# The issue's bars, checked in the printed summary.
+HBM_BAR, PAGED_BAR, LAZY_BAR, SPECULATIVE_BAR = 0.85, 1.05, 1.15, 1.3
+
+
+def time_ms(fn: Callable, warmup: int, reps: int) -> float:
+    """Median milliseconds of ``reps`` CUDA-event-timed calls, after ``warmup`` calls."""
+    return ba.event_bench(fn, [], warmup=warmup, reps=reps)
+
+
+def copy_bandwidth(warmup: int, reps: int) -> float:
+    """Device-to-device copy bandwidth in GB/s: (bytes read + bytes written) / time."""
+    src = torch.empty(COPY_BYTES // 2, dtype=DTYPE, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), warmup, reps)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * COPY_BYTES / (ms * 1e-3) / 1e9
+
+
+class Shape:
+    """The tensors of one (B, Lk) shape: a contiguous cache ``[B, Hkv, Lk, D]``, the same keys in
+    a shuffled paged pool ``[B * Lk / 64, Hkv, 64, D]`` with its block table, and the lazy
+    parameters."""
+
+    def __init__(self, batch: int, len_k: int):
+        self.batch, self.len_k = batch, len_k
+        shape = (batch, HEADS_KV, len_k, HEAD_DIM)
+        self.k_cache = torch.randn(shape, dtype=DTYPE, device="cuda")
+        self.v_cache = torch.randn(shape, dtype=DTYPE, device="cuda")
+        pages = len_k // PAGE_SIZE
+        perm = torch.randperm(batch * pages, device="cuda")
+        self.block_table = perm.view(batch, pages).to(torch.int32)
+        self.k_pages = torch.empty(batch * pages, HEADS_KV, PAGE_SIZE, HEAD_DIM, dtype=DTYPE,
+                                   device="cuda")
+        self.v_pages = torch.empty_like(self.k_pages)
+        for cache, pool in ((self.k_cache, self.k_pages), (self.v_cache, self.v_pages)):
+            pool[perm] = cache.unflatten(2, (pages, PAGE_SIZE)).transpose(1, 2).flatten(0, 1)
+        self.tau = torch.full((HEADS_Q,), TAU, device="cuda")
+        self.bias = 0.1 * torch.randn(HEADS_Q, WINDOW, device="cuda")
+
+    def inputs(self, len_q: int):
+        """q ``[B, Hq, Lq, D]``, new k, v ``[B, Hkv, Lq, D]`` and ``cache_seqlens = Lk - Lq``."""
+        q = torch.randn(self.batch, HEADS_Q, len_q, HEAD_DIM, dtype=DTYPE, device="cuda")
+        k, v = (torch.randn(self.batch, HEADS_KV, len_q, HEAD_DIM, dtype=DTYPE, device="cuda")
+                for _ in range(2))
+        seqlens = torch.full((self.batch,), self.len_k - len_q, dtype=torch.int32, device="cuda")
+        return q, k, v, seqlens
+
+    def bytes_moved(self, len_q: int) -> int:
+        """K+V cache bytes attended, plus q read and out written."""
+        kv = 2 * self.batch * HEADS_KV * self.len_k * HEAD_DIM * DTYPE.itemsize
+        return kv + 2 * self.batch * HEADS_Q * len_q * HEAD_DIM * DTYPE.itemsize
+
+
+def adaattn_decode(s: Shape, len_q: int, paged: bool, lazy: bool, num_splits: int) -> Callable:
+    q, k, v, seqlens = s.inputs(len_q)
+    k_cache, v_cache = (s.k_pages, s.v_pages) if paged else (s.k_cache, s.v_cache)
+    table = s.block_table if paged else None
+    if lazy:
+        return lambda: adaattn.lazy_attn_with_kvcache(
+            q, k_cache, v_cache, k, v, s.tau, s.bias, cache_seqlens=seqlens, block_table=table,
+            num_splits=num_splits)
+    return lambda: adaattn.flash_attn_with_kvcache(
+        q, k_cache, v_cache, k, v, cache_seqlens=seqlens, block_table=table, causal=True,
+        num_splits=num_splits)
+
+
+def sdpa_decode(s: Shape, len_q: int, backend_name: str) -> Tuple[Callable, str]:
+    """SDPA on the contiguous cache pinned to one backend: ``(call, how GQA is done)``. Tries
+    ``enable_gqa=True`` first, then K/V expanded to Hq heads; raises if both are refused."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+    backend = getattr(SDPBackend, backend_name)
+    q = torch.randn(s.batch, HEADS_Q, len_q, HEAD_DIM, dtype=DTYPE, device="cuda")
+    mask = causal_lower_right(len_q, s.len_k) if len_q > 1 else None
+    group = HEADS_Q // HEADS_KV
+    errors = []
+    for gqa in ("enable_gqa", "expanded k/v"):
+        if gqa == "enable_gqa":
+            k, v, kw = s.k_cache, s.v_cache, {"enable_gqa": True}
+        else:
+            k = s.k_cache.repeat_interleave(group, dim=1)
+            v = s.v_cache.repeat_interleave(group, dim=1)
+            kw = {}
+
+        def call(k=k, v=v, kw=kw):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kw)
+        try:
+            call()
+            torch.cuda.synchronize()
+            return call, gqa
+        except RuntimeError as e:
+            errors.append(f"{gqa}: {ba._short_error(e)}")
+    raise RuntimeError("; ".join(errors))
+
+
+def measure(fn_builder: Callable[[], Callable], args) -> Tuple[Optional[float], str]:
+    """``(median ms, note)``; a refusal gives ``(None, the error)``."""
+    try:
+        fn = fn_builder()
+        return time_ms(fn, args.warmup, args.reps), ""
+    except Exception as e:  # a peer refusing a shape must not end the run
+        return None, ba._short_error(e)
+    finally:
+        torch.cuda.synchronize()
+
+
+def ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    return None if a is None or b is None else round(a / b, 3)
+
+
+def bench_shape(batch: int, len_k: int, args, copy_gbps: float) -> List[dict]:
+    s = Shape(batch, len_k)
+    base = f"B={batch} Lk={len_k}"
+    config = {"b": batch, "lk": len_k, "hq": HEADS_Q, "hkv": HEADS_KV, "d": HEAD_DIM}
+    sdpa: Dict[int, Dict[str, Optional[float]]] = {}
+    sdpa_notes: Dict[int, List[str]] = {}
+    for len_q in (1, 16):
+        sdpa[len_q], sdpa_notes[len_q] = {}, []
+        for name, backend in SDPA_BACKENDS:
+            built = {}
+
+            def build(backend=backend, len_q=len_q, built=built):
+                fn, built["gqa"] = sdpa_decode(s, len_q, backend)
+                return fn
+            sdpa[len_q][name], note = measure(build, args)
+            sdpa_notes[len_q].append(f"{name}: {note or built['gqa']}")
+
+    rows, ours = [], {}
+    for variant, len_q, paged in (("flash", 1, False), ("flash", 1, True), ("flash", 16, False),
+                                  ("lazy", 1, False), ("lazy", 1, True)):
+        layout = f"paged{PAGE_SIZE}" if paged else "contiguous"
+        ms, note = measure(lambda: adaattn_decode(s, len_q, paged, variant == "lazy",
+                                                  args.num_splits), args)
+        ours[variant, len_q, paged] = ms
+        peers = dict(sdpa[len_q])
+        extra = {}
+        if variant == "lazy":
+            peers["adaattn-flash"] = ours["flash", 1, paged]
+            extra["vs_flash"] = ratio(ms, ours["flash", 1, paged])
+        if paged:
+            extra["vs_contiguous"] = ratio(ms, ours[variant, len_q, False])
+        if len_q == 16:
+            extra["vs_lq1"] = ratio(ms, ours[variant, 1, False])
+        gbps = None if ms is None else s.bytes_moved(len_q) / (ms * 1e-3) / 1e9
+        notes = ([f"adaattn: {note}"] if note else []) + sdpa_notes[len_q]
+        if paged:
+            notes.append("SDPA peers on the contiguous cache")
+        rows.append(results_io.row(
+            f"{variant} Lq={len_q} {layout} {base}", "fwd", {"adaattn": ms, **peers},
+            gbps=None if gbps is None else round(gbps, 1),
+            hbm_fraction=None if gbps is None else round(gbps / copy_gbps, 3),
+            note="; ".join(notes), config=dict(config, lq=len_q, paged=paged, variant=variant),
+            **extra))
+        print(f"{rows[-1]['case']:<40} adaattn {ba._fmt(ms, '.3f')} ms  "
+              f"{ba._fmt(gbps, '.0f')} GB/s  peers {rows[-1]['ms']}", flush=True)
+    del s
+    torch.cuda.empty_cache()
+    return rows
+
+
+def bars(rows: List[dict]) -> str:
+    """The issue's bars, one line per row: HBM fraction and speed against the fastest SDPA
+    backend (bars for flash Lq = 1; shown for the rest), and the row's own ratio bar (paged,
+    lazy, Lq = 16)."""
+    lines = ["| case | HBM fraction (>= 0.85) | vs fastest SDPA (>= 1.0x) | own ratio bar |",
+             "|:---|:---|:---|:---|"]
+    for r in rows:
+        ms = r["ms"]
+        sdpa = [t for name, t in ms.items() if name.startswith("sdpa") and t is not None]
+        speed = None if ms["adaattn"] is None or not sdpa else min(sdpa) / ms["adaattn"]
+        barred = r["config"]["variant"] == "flash" and r["config"]["lq"] == 1
+
+        def verdict(x, limit):
+            if x is None:
+                return "—"
+            return f"{x:.3f}" + ((" ok" if x >= limit else " MISS") if barred else "")
+        own = "—"
+        for key, limit in (("vs_contiguous", PAGED_BAR), ("vs_flash", LAZY_BAR),
+                           ("vs_lq1", SPECULATIVE_BAR)):
+            if r.get(key) is not None:
+                own = f"{key} {r[key]:.3f} {'ok' if r[key] <= limit else 'MISS'} (<= {limit})"
+        lines.append(f"| {r['case']} | {verdict(r.get('hbm_fraction'), HBM_BAR)} "
+                     f"| {verdict(speed, 1.0)} | {own} |")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = sys.argv if argv is None else argv
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--warmup", type=int, default=20, help="untimed calls per measurement")
+    parser.add_argument("--reps", type=int, default=200, help="timed calls per measurement")
+    parser.add_argument("--num-splits", type=int, default=0,
+                        help="adaattn's num_splits (0: its own choice)")
+    results_io.add_arguments(parser, "decode")
+    args = parser.parse_args(argv[1:])
+    if adaattn is None:
+        print(results_io.import_error_message("bench_decode.py", ba.IMPORT_ERROR),
+              file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        print("bench_decode.py needs a CUDA device", file=sys.stderr)
+        return 2
+    warnings.filterwarnings("ignore", category=UserWarning)
+    torch.manual_seed(0)
+
+    family = args.family or "decode"
+    title = (f"KV-cache decode: bf16, D = {HEAD_DIM}, GQA {HEADS_Q}/{HEADS_KV}, "
+             f"page {PAGE_SIZE}, lazy W = {WINDOW}, tau = {TAU}")
+    copy_gbps = copy_bandwidth(args.warmup, args.reps)
+    setup = ("Lk keys attended per row (cache_seqlens = Lk - Lq, new k/v appended in place); "
+             "time: median of CUDA-event timings of single calls; gbps: (K+V cache bytes "
+             "attended + q + out) / time; hbm_fraction: gbps / the device-to-device copy's "
+             f"({copy_gbps:.0f} GB/s, {COPY_BYTES >> 30} GiB buffer, read + write, same run); "
+             "vs_contiguous / vs_flash / vs_lq1: time over the contiguous / flash / Lq = 1 row's")
+    rows: List[dict] = []
+    for batch, len_k in SHAPES:
+        rows += bench_shape(batch, len_k, args, copy_gbps)
+        if not args.no_write:
+            path = results_io.write(family, rows, title=title, setup=setup, argv=argv,
+                                    notes=[f"device-to-device copy: {copy_gbps:.0f} GB/s"],
+                                    results_dir=args.results_dir)
+    print()
+    print("## " + title)
+    print(ba.run_metadata(argv).replace("- " + ba.TIMING, "- " + setup))
+    print()
+    print(bars(rows))
+    if not args.no_write:
+        print(f"\nwrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
