@@ -35,13 +35,11 @@ using WideCfg = tc::DecodeTraits<D, D, 4, 1, 64, 2>;
 // false when there is none.
 template <typename F>
 bool with_decode_kernel(VariantId variant, int d, int dv, c10::ScalarType dtype, int rw, F&& f) {
-  if (d != dv || (d != 64 && d != 128) || variant == VariantId::kLazy) return false;
+  if (d != dv || (d != 64 && d != 128)) return false;
   if (dtype != c10::kBFloat16 && dtype != c10::kHalf) return false;
   return with_variant(variant, [&](auto v) {
     using V = decltype(v);
-    if constexpr (!V::kNormalized || V::Mod::kPositional || V::Mod::kParamGrad) {
-      return false;
-    } else {
+    {
       auto by_dtype = [&](auto t) {
         using T = decltype(t);
         auto by_dim = [&](auto dim) {
@@ -148,8 +146,7 @@ void attention_decode_tc_cuda(VariantId variant, const AttnParams& p, int num_sp
     using T = decltype(t);
     using Traits = decltype(traits);
     constexpr int D = Traits::kChunksPerRow * 8;
-    constexpr auto kernel = tc::decode_kernel<T, Traits, decltype(v)>;
-    set_smem<kernel>(Traits::kSmemBytes);
+    using V = decltype(v);
     const int tiles = key_tiles<Traits>(p);
     const tc::DecodeSplits sp{o_part, lse_part, num_splits,
                               (tiles + num_splits - 1) / num_splits};
@@ -157,13 +154,26 @@ void attention_decode_tc_cuda(VariantId variant, const AttnParams& p, int num_sp
     const dim3 grid(static_cast<unsigned>(static_cast<int64_t>(p.batch) * p.heads_kv),
                     static_cast<unsigned>((rows + Traits::kRows - 1) / Traits::kRows),
                     static_cast<unsigned>(num_splits));
-    kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(p, sp);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    if (num_splits > 1) {
-      const int64_t all_rows = static_cast<int64_t>(p.batch) * p.heads_q * p.len_q;
-      tc::decode_combine_kernel<T, D>
-          <<<static_cast<unsigned>((all_rows + 3) / 4), 128, 0, stream>>>(p, sp);
+    const int64_t all_rows = static_cast<int64_t>(p.batch) * p.heads_q * p.len_q;
+    auto run = [&](auto pass) {
+      constexpr tc::DecodePass kPass = decltype(pass)::value;
+      constexpr auto kernel = tc::decode_kernel<T, Traits, V, kPass>;
+      set_smem<kernel>(Traits::kSmemBytes);
+      kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(p, sp);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
+      if (num_splits > 1) {
+        tc::decode_combine_kernel<T, D, kPass>
+            <<<static_cast<unsigned>((all_rows + 3) / 4), 128, 0, stream>>>(p, sp);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      }
+    };
+    using Pass = tc::DecodePass;
+    if constexpr (V::kNormalized) {
+      run(std::integral_constant<Pass, Pass::kOnline>{});
+    } else {
+      // The weight pass reads the lse that the lse pass (and its merge) left in p.lse.
+      run(std::integral_constant<Pass, Pass::kLse>{});
+      run(std::integral_constant<Pass, Pass::kWeights>{});
     }
   });
   TORCH_CHECK(found, "adaattn: no decode kernel for head dims (", p.head_dim, ", ",

@@ -1,15 +1,17 @@
 // Split-KV decode (flash-decoding) on mma.sync tensor cores, for SM80 and Hopper alike: decode
 // is bound by reading the KV cache, not by the products. One CTA per (sequence, kv head, row
 // block, key split). Its rows are the query rows of every query head of the kv head's GQA group
-// (group * Lq rows, head-major), so each K/V byte is read once per split. The four warps split
-// the rows 16 at a time (kRowWarps) and the keys of each tile between them (4 / kRowWarps),
-// each keeping its own online softmax; K/V tiles stream through a 3-stage cp.async pipeline,
-// rows fetched one by one so a paged cache costs only its block-table lookups. Warps merge
-// their states through shared memory; with several splits each writes a normalised partial
-// output and its lse, and decode_combine_kernel merges the splits through their lse.
+// (group * Lq rows, head-major), so each K/V byte is read once per split. The warps split the
+// rows 16 at a time (kRowWarps) and each tile's keys between them (kKeyWarps), each keeping its
+// own softmax state; K/V tiles stream through a cp.async pipeline, rows fetched one by one so a
+// paged cache costs only its block-table lookups. Warps merge their states through shared
+// memory; with several splits each writes a partial result and decode_combine_kernel merges them.
 //
-// The variant's score modifier must not depend on the head or the position (the rows of a warp
-// mix heads): normalised transforms with such modifiers only (static_assert).
+// A normalised transform runs one online pass (DecodePass::kOnline). Any other needs the row's
+// finished lse before its weights: an lse pass over K (kLse, merged over splits by their lse),
+// then a weight pass over K and V (kWeights, whose splits' partial outputs simply add up).
+// A positional score modifier is applied per score with each row's head and position (the rows
+// of a warp mix heads).
 #pragma once
 
 #include <climits>
@@ -23,9 +25,11 @@
 namespace adaattn {
 namespace tc {
 
+enum class DecodePass { kOnline, kLse, kWeights };
+
 // Partial results of the key splits (decode_combine_kernel merges them): o [splits, B, Hq, Lq,
-// Dv] normalised, lse [splits, B, Hq, Lq] natural log (-inf: the split saw no key of the row).
-// With one split the CTA writes out and lse itself.
+// Dv] (kOnline: normalised; kWeights: sums), lse [splits, B, Hq, Lq] natural log (-inf: the
+// split saw no key of the row). With one split the CTA writes out and lse itself.
 struct DecodeSplits {
   float* o_part;
   float* lse_part;
@@ -85,7 +89,7 @@ __device__ __forceinline__ int64_t cache_offset(const AttnParams& p, int block, 
   return block * batch_stride + h * head_stride + slot * row_stride;
 }
 
-template <typename T, typename Traits, typename Variant>
+template <typename T, typename Traits, typename Variant, DecodePass kPass>
 __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     decode_kernel(const AttnParams p, const DecodeSplits sp) {
   constexpr int D = Traits::kChunksPerRow * 8;
@@ -93,8 +97,10 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   constexpr int kThreads = Traits::kThreads;
   constexpr int kRowWarps = Traits::kRowWarps;
   using Mod = typename Variant::Mod;
-  static_assert(Variant::kNormalized && !Mod::kPositional && !Mod::kParamGrad,
-                "decode rows mix heads and positions");
+  using Transform = typename Variant::Transform;
+  static_assert(Variant::kNormalized == (kPass == DecodePass::kOnline),
+                "a normalised transform runs the online pass, any other the lse and weight passes");
+  constexpr bool kLoadV = kPass != DecodePass::kLse;
   constexpr int BN = Traits::kBlockN;
   constexpr int kRows = Traits::kRows;
   constexpr int kKeyWarps = Traits::kKeyWarps;
@@ -117,12 +123,24 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   const int row_warp = warp % kRowWarps, key_warp = warp / kRowWarps;
   const int warp_row0 = row_warp * 16;
   RowRanges<1> rr;
+  int row_head[2], row_pos[2];  // this thread's rows: query head and position
+  float row_term[2], lse2[2];   // kWeights: the transform's c_i and the log2-domain lse
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
     const int row = row0 + warp_row0 + g + 8 * hh;
-    const KeyRange r = row < rows ? key_range(p, lens, row % p.len_q) : KeyRange{0, 0};
+    const int q_row = row % p.len_q;
+    const KeyRange r = row < rows ? key_range(p, lens, q_row) : KeyRange{0, 0};
     rr.lo[0][hh] = r.lo;
     rr.hi[0][hh] = r.hi;
+    row_head[hh] = h_kv * group + (row < rows ? row / p.len_q : 0);
+    row_pos[hh] = row_position(lens, q_row);
+    if constexpr (kPass == DecodePass::kWeights) {
+      row_term[hh] = Transform::template row_term<float>(p, row_head[hh], row_pos[hh]);
+      const float lse = row < rows ? p.lse[(static_cast<int64_t>(b) * p.heads_q + row_head[hh]) *
+                                               p.len_q + q_row]
+                                   : -INFINITY;
+      lse2[hh] = lse == -INFINITY ? INFINITY : lse * float(M_LOG2E);
+    }
   }
 
   // Keys that every real row of the warp sees: a warp slice inside them needs no element mask
@@ -185,11 +203,13 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
                      cache_offset(p, block, p.k_batch_stride, p.k_head_stride,
                                   p.k_row_stride, h_kv, jj) + my_col,
                  valid);
-      cp_async16(sV + swz<DV>(r, my_col),
-                 static_cast<const T*>(p.v) +
-                     cache_offset(p, block, p.v_batch_stride, p.v_head_stride,
-                                  p.v_row_stride, h_kv, jj) + my_col,
-                 valid);
+      if constexpr (kLoadV) {
+        cp_async16(sV + swz<DV>(r, my_col),
+                   static_cast<const T*>(p.v) +
+                       cache_offset(p, block, p.v_batch_stride, p.v_head_stride,
+                                    p.v_row_stride, h_kv, jj) + my_col,
+                   valid);
+      }
     }
   };
 
@@ -231,6 +251,17 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     float scale = p.scale_log2;
     if constexpr (Mod::kFoldsScale) {
       scale = Mod::modify_raw_frag(s, p);
+    } else if constexpr (Mod::kPositional) {
+      const float x_scale = static_cast<float>(p.scale);
+#pragma unroll
+      for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int hh = e >> 1, j = n0 + ni * 8 + 2 * (lane & 3) + (e & 1);
+          s[0][ni][e] = Mod::apply(p, row_head[hh], row_pos[hh], j, s[0][ni][e] * x_scale) *
+                        float(M_LOG2E);
+        }
+      scale = 1.f;
     } else if (!Mod::kIdentity || !(scale > 0.f)) {
 #pragma unroll
       for (int ni = 0; ni < NT; ++ni)
@@ -240,26 +271,41 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
       scale = 1.f;
     }
     if (!(n0 >= all_lo && n0 + kWarpKeys <= all_hi)) mask_scores(s, rr, n0, lane);
+    if constexpr (kPass == DecodePass::kWeights) {
+      WeightStats unused;
+      const float lse2_frag[1][2] = {{lse2[0], lse2[1]}};
+      const float c_frag[1][2] = {{row_term[0], row_term[1]}};
+      const bool any =
+          transform_weights<Transform, 1, NT, false>(s, lse2_frag, c_frag, unused, scale).any;
+      if (any) {
+        uint32_t pa[1][NT / 2][4];
+        to_a_frags<1, NT, T>(s, pa);
+        warp_gemm_rs<1, DT, NT / 2, DV>(o, pa, sV, key_warp * kWarpKeys, lane);
+      }
+      continue;
+    }
     // The running max may stay up to kMaxSlack (log2 units) below the true one, so O is
     // rescaled only when it grows by more (as the Hopper forward, fwd_sm90.h).
     constexpr float kMaxSlack = 8.f;
     float corr[1][2];
     online_softmax<true>(s, row_max, row_sum, corr, scale, kMaxSlack);
-    if (__any_sync(0xffffffff, corr[0][0] != 1.f || corr[0][1] != 1.f)) {
+    if constexpr (kPass == DecodePass::kOnline) {
+      if (__any_sync(0xffffffff, corr[0][0] != 1.f || corr[0][1] != 1.f)) {
 #pragma unroll
-      for (int di = 0; di < DT; ++di)
+        for (int di = 0; di < DT; ++di)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) o[0][di][e] *= corr[0][e >> 1];
+          for (int e = 0; e < 4; ++e) o[0][di][e] *= corr[0][e >> 1];
+      }
+      uint32_t pa[1][NT / 2][4];
+      to_a_frags<1, NT, T>(s, pa);
+      warp_gemm_rs<1, DT, NT / 2, DV>(o, pa, sV, key_warp * kWarpKeys, lane);
     }
-    uint32_t pa[1][NT / 2][4];
-    to_a_frags<1, NT, T>(s, pa);
-    warp_gemm_rs<1, DT, NT / 2, DV>(o, pa, sV, key_warp * kWarpKeys, lane);
   }
   cp_async_wait_all();
   __syncthreads();  // Q and the stages become the merge buffers
 
   // Merge the key warps: per row the max M and sum L over warps; each warp's O rescaled by
-  // exp2(m_w - M) / L, then summed.
+  // exp2(m_w - M) / L (kWeights: as it is), then summed.
   float* sMax = reinterpret_cast<float*>(smem_raw);
   float* sSum = sMax + kKeyWarps * kRows;
   float* sO = sSum + kKeyWarps * kRows;
@@ -289,10 +335,13 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   };
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
+    if constexpr (kPass == DecodePass::kLse) break;
     const int r = warp_row0 + g + 8 * hh;
     float m, l;
     row_stats(r, m, l);
-    const float f = row_sum[0][hh] > 0.f ? exp2f(row_max[0][hh] - m) / l : 0.f;
+    const float f = kPass == DecodePass::kWeights ? 1.f
+                    : row_sum[0][hh] > 0.f        ? exp2f(row_max[0][hh] - m) / l
+                                                  : 0.f;
 #pragma unroll
     for (int di = 0; di < DT; ++di) {
       const int col = di * 8 + 2 * (lane & 3);
@@ -304,6 +353,22 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   __syncthreads();
 
   const int valid_rows = min(kRows, rows - row0);
+  if constexpr (kPass == DecodePass::kLse) {
+    for (int r = tid; r < valid_rows; r += kThreads) {
+      const int row = row0 + r;
+      const int h = h_kv * group + row / p.len_q, q_row = row % p.len_q;
+      const int64_t stat = (static_cast<int64_t>(b) * p.heads_q + h) * p.len_q + q_row;
+      float m, l;
+      row_stats(r, m, l);
+      const float lse = l > 0.f ? (m + log2f(l)) * float(M_LN2) : -INFINITY;
+      if (sp.num_splits == 1) {
+        p.lse[stat] = lse;
+      } else {
+        sp.lse_part[static_cast<int64_t>(split) * p.batch * p.heads_q * p.len_q + stat] = lse;
+      }
+    }
+    return;
+  }
   for (int idx = tid; idx < valid_rows * DV; idx += kThreads) {
     const int r = idx / DV, col = idx % DV;
     float acc = 0.f;
@@ -313,7 +378,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     const int h = h_kv * group + row / p.len_q, q_row = row % p.len_q;
     const int64_t stat = (static_cast<int64_t>(b) * p.heads_q + h) * p.len_q + q_row;
     float lse = 0.f;
-    if (col == 0) {
+    if (kPass == DecodePass::kOnline && col == 0) {
       float m, l;
       row_stats(r, m, l);
       lse = l > 0.f ? (m + log2f(l)) * float(M_LN2) : -INFINITY;
@@ -322,49 +387,55 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
       T* out = static_cast<T*>(p.out) + b * p.o_batch_stride + h * p.o_head_stride +
                q_row * p.o_row_stride;
       out[col] = from_float<T>(acc);
-      if (col == 0) p.lse[stat] = lse;
+      if (kPass == DecodePass::kOnline && col == 0) p.lse[stat] = lse;
     } else {
       const int64_t part = static_cast<int64_t>(split) * p.batch * p.heads_q * p.len_q + stat;
       sp.o_part[part * DV + col] = acc;
-      if (col == 0) sp.lse_part[part] = lse;
+      if (kPass == DecodePass::kOnline && col == 0) sp.lse_part[part] = lse;
     }
   }
 }
 
-// Merges the splits' partial outputs of every row (b, h, r) through their lse; one warp per
-// row. Splits that saw no key of the row (lse -inf) are skipped; a row no split saw gets out 0
-// and lse -inf.
-template <typename T, int DV>
+// Merges the splits' partial results of every row (b, h, r), one warp per row. kOnline: outputs
+// weighted by their lse (splits that saw no key of the row, lse -inf, are skipped; a row no
+// split saw gets out 0 and lse -inf). kLse: the lse alone. kWeights: outputs summed.
+template <typename T, int DV, DecodePass kPass>
 __global__ void __launch_bounds__(128) decode_combine_kernel(const AttnParams p,
                                                              const DecodeSplits sp) {
   const int64_t rows = static_cast<int64_t>(p.batch) * p.heads_q * p.len_q;
   const int64_t stat = static_cast<int64_t>(blockIdx.x) * 4 + threadIdx.x / 32;
   if (stat >= rows) return;
   const int lane = threadIdx.x % 32;
-  float m = -INFINITY;
-  for (int s = lane; s < sp.num_splits; s += 32) m = fmaxf(m, sp.lse_part[s * rows + stat]);
+  float lse = 0.f;
+  if constexpr (kPass != DecodePass::kWeights) {
+    float m = -INFINITY;
+    for (int s = lane; s < sp.num_splits; s += 32) m = fmaxf(m, sp.lse_part[s * rows + stat]);
 #pragma unroll
-  for (int off = 16; off > 0; off /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, off));
-  float sum = 0.f;
-  if (m != -INFINITY) {
-    for (int s = lane; s < sp.num_splits; s += 32) sum += expf(sp.lse_part[s * rows + stat] - m);
+    for (int off = 16; off > 0; off /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, off));
+    float sum = 0.f;
+    if (m != -INFINITY) {
+      for (int s = lane; s < sp.num_splits; s += 32) sum += expf(sp.lse_part[s * rows + stat] - m);
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffff, sum, off);
+    lse = sum > 0.f ? m + logf(sum) : -INFINITY;
+    if (lane == 0) p.lse[stat] = lse;
+    if constexpr (kPass == DecodePass::kLse) return;
   }
-#pragma unroll
-  for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffff, sum, off);
-  const float lse = sum > 0.f ? m + logf(sum) : -INFINITY;
 
   constexpr int kCols = (DV + 31) / 32;
   float acc[kCols] = {};
-  if (sum > 0.f) {
-    for (int s = 0; s < sp.num_splits; ++s) {
+  for (int s = 0; s < sp.num_splits; ++s) {
+    float w = 1.f;
+    if constexpr (kPass == DecodePass::kOnline) {
       const float ls = sp.lse_part[s * rows + stat];
       if (ls == -INFINITY) continue;
-      const float w = expf(ls - lse);
-      const float* o = sp.o_part + (s * rows + stat) * DV;
+      w = expf(ls - lse);
+    }
+    const float* o = sp.o_part + (s * rows + stat) * DV;
 #pragma unroll
-      for (int c = 0; c < kCols; ++c) {
-        if (lane + 32 * c < DV) acc[c] += w * o[lane + 32 * c];
-      }
+    for (int c = 0; c < kCols; ++c) {
+      if (lane + 32 * c < DV) acc[c] += w * o[lane + 32 * c];
     }
   }
   const int b = static_cast<int>(stat / (static_cast<int64_t>(p.heads_q) * p.len_q));
@@ -376,7 +447,6 @@ __global__ void __launch_bounds__(128) decode_combine_kernel(const AttnParams p,
   for (int c = 0; c < kCols; ++c) {
     if (lane + 32 * c < DV) out[lane + 32 * c] = from_float<T>(acc[c]);
   }
-  if (lane == 0) p.lse[stat] = lse;
 }
 
 }  // namespace tc

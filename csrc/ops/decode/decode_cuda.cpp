@@ -1,7 +1,7 @@
 // CUDA registration of the KV-cache ops. The new rows are appended by a kernel; fp16/bf16 at the
-// decode kernel's head dims (softmax variants) go to the split-KV kernel, reading a paged cache
-// through its block table. Everything else (lazy attention, float32/float64, other head dims)
-// runs the prefill kernels of the attention core on the cache (a paged one gathered first).
+// decode kernel's head dims (D == Dv in {64, 128}) go to the split-KV kernel, reading a paged
+// cache through its block table. Everything else (float32/float64, other head dims) runs the
+// prefill kernels of the attention core on the cache (a paged one gathered first).
 // Launches on the current stream; no host synchronisation, no allocation whose size depends on
 // values (CUDA-graph safe).
 #include <c10/cuda/CUDAGuard.h>
@@ -27,6 +27,14 @@ bool chunk_aligned(const at::Tensor& t) {
     if (t.stride(d) % 8 != 0) return false;
   }
   return true;
+}
+
+// The lazy variant's parameters (null tau: a softmax variant).
+void set_lazy_params(AttnParams& p, const at::Tensor* tau, const at::Tensor* bias) {
+  if (tau == nullptr) return;
+  p.tau = tau->data_ptr<float>();
+  p.bias = bias->data_ptr<float>();
+  p.bias_window = static_cast<int>(bias->size(1));
 }
 
 void set_cache_layout(AttnParams& p, const OptTensor& block_table, const KvCacheShape& shape) {
@@ -73,6 +81,7 @@ std::tuple<at::Tensor, at::Tensor> kvcache_attn_cuda(
     const at::Tensor q = tc_aligned(q_in);
     AttnParams p = make_kvcache_params(q, k_cache, v_cache, cache_seqlens, appended, opt);
     set_cache_layout(p, block_table, shape);
+    set_lazy_params(p, tau, bias);
     set_fwd_outputs(p, out, lse);
     const int splits = decode_num_splits(variant, p, q.scalar_type(), num_splits);
     at::Tensor o_part, lse_part;
@@ -94,11 +103,7 @@ std::tuple<at::Tensor, at::Tensor> kvcache_attn_cuda(
   at::Tensor kernel_out = at::empty(out_shape(q, vq), q.options());
   // opt's default scale is already the caller's D^-1/2, not the padded D's.
   AttnParams p = make_kvcache_params(q, kq, vq, cache_seqlens, appended, opt);
-  if (tau != nullptr) {
-    p.tau = tau->data_ptr<float>();
-    p.bias = bias->data_ptr<float>();
-    p.bias_window = static_cast<int>(bias->size(1));
-  }
+  set_lazy_params(p, tau, bias);
   set_fwd_outputs(p, kernel_out, lse);
   if (layout.tc) {
     attention_fwd_tc_cuda(variant, p, q.scalar_type());
