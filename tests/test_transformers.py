@@ -8,6 +8,7 @@ Bars: float64 relative error <= 1e-12, float32 <= 1e-5 (spec §4's fp32 rule); g
 identical. Lazy attention is checked against adaattn.lazy_attn on the module's own q/k/v and
 against cache-free decoding, and must train (loss falls) and save/load through state_dict.
 """
+import importlib.util
 import os
 import subprocess
 import sys
@@ -393,3 +394,27 @@ def test_lazy_state_dict_round_trip_and_very_negative_tau():
     fresh = hf.use_lazy_attention(_model("gemma"), window=8)
     fresh.load_state_dict(model.state_dict())
     assert torch.equal(_logits(fresh, hf.LAZY_ATTN_IMPLEMENTATION, ids), out)
+
+
+# ------------------------------------------------------------------- examples/hf_finetune.py
+
+def test_hf_finetune_example_runs(tmp_path, capsys):
+    """A few steps of the example: both phases train, the timings and generate() run, greedy
+    tokens of "adaattn" equal sdpa's, and the PNG is written when matplotlib is installed."""
+    path = os.path.join(ROOT, "examples", "hf_finetune.py")
+    spec = importlib.util.spec_from_file_location("hf_finetune", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    out = tmp_path / "hf.png"
+    threads = torch.get_num_threads()
+    try:
+        example.main(["--steps", "3", "--lazy-steps", "2", "--device", "cpu", "--out", str(out)])
+    finally:
+        torch.set_num_threads(threads)
+    printed = capsys.readouterr().out
+    assert "greedy adaattn tokens identical to sdpa" in printed
+    assert "training tokens/s: sdpa" in printed and "adaattn_lazy" in printed
+    if importlib.util.find_spec("matplotlib") is None:
+        assert "no PNG will be written" in printed
+    else:
+        assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
