@@ -8,6 +8,7 @@ Bars: float64 relative error <= 1e-12, float32 <= 1e-5 (spec §4's fp32 rule); g
 identical. Lazy attention is checked against adaattn.lazy_attn on the module's own q/k/v and
 against cache-free decoding, and must train (loss falls) and save/load through state_dict.
 """
+import copy
 import importlib.util
 import os
 import subprocess
@@ -22,7 +23,7 @@ import adaattn  # noqa: E402
 from adaattn import reference  # noqa: E402
 from adaattn.integrations import transformers as hf  # noqa: E402
 from adaattn.nn import LazyAttention  # noqa: E402
-from accuracy import FP32_RTOL, assert_rel_close  # noqa: E402
+from accuracy import FP32_RTOL, assert_low_precision_rule, assert_rel_close  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FP64_RTOL = 1e-12
@@ -235,6 +236,53 @@ def test_generate_matches_reference(name, padding):
     ref_tokens, ref_logits = _generate(model, _reference_impl(name), ids, mask, new_tokens=12)
     assert torch.equal(tokens, ref_tokens)
     assert_rel_close("logits", logits, ref_logits, rtol)
+
+
+def _bf16_copy(model, device):
+    return copy.deepcopy(model).to(device=device, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2"])
+def test_bfloat16_logits(name, device):
+    """bfloat16 (on CUDA the tensor-core kernels, head dim 64) for a plain, a left-padded and a
+    packed batch: flash-attn's rule against float64 (float32 for Gemma 2's eager reference,
+    whose float64 masks overflow in padded rows), the reference implementation run in bfloat16
+    on the same device setting the bar. Padding rows are left out."""
+    model = _model(name, torch.float32 if name == "gemma2" else torch.float64, head_dim=64)
+    low = _bf16_copy(model, device)
+    reference_impl = _reference_impl(name)
+    _, packed = _packed([5, 11, 3])
+    ids, mask = _ids(3, 19), _padding("left")
+    cases = {"plain": dict(input_ids=ids),
+             "left padded": dict(input_ids=ids, attention_mask=mask),
+             "packed": dict(input_ids=packed["input_ids"], position_ids=packed["position_ids"])}
+    for case, inputs in cases.items():
+        keep = inputs.get("attention_mask", torch.ones_like(inputs["input_ids"])).bool()
+        on_device = {key: value.to(device) for key, value in inputs.items()}
+        truth = _logits(model, reference_impl, **inputs)[keep]
+        ours = _logits(low, "adaattn", **on_device)[keep.to(device)]
+        ref_low = _logits(low, reference_impl, **on_device)[keep.to(device)]
+        assert_low_precision_rule(f"{case} logits", ours, ref_low, truth)
+
+
+@pytest.mark.parametrize("padding", ["none", "left"])
+def test_bfloat16_generate_decode_steps(padding, device):
+    """bfloat16 generation (on CUDA the prefill and split-KV decode kernels): the logits of every
+    step obey flash-attn's rule against float64 full forwards over the generated tokens (teacher
+    forcing; positions as generate() derives them from the mask), sdpa's bfloat16 full forwards
+    setting the bar."""
+    model = _model("llama", torch.float64, head_dim=64)
+    low = _bf16_copy(model, device)
+    ids, mask = _ids(3, 19), _padding(padding)
+    tokens, logits = _generate(low, "adaattn", ids.to(device), mask.to(device), new_tokens=8)
+    full = torch.cat([ids, tokens.cpu()], 1)
+    full_mask = torch.cat([mask, torch.ones_like(tokens.cpu())], 1)
+    positions = (full_mask.cumsum(-1) - 1).masked_fill(full_mask == 0, 1)
+    steps = slice(ids.shape[1] - 1, -1)
+    truth = _logits(model, "sdpa", full, attention_mask=full_mask, position_ids=positions)
+    ref_low = _logits(low, "sdpa", full.to(device), attention_mask=full_mask.to(device),
+                      position_ids=positions.to(device))
+    assert_low_precision_rule("logits", logits, ref_low[:, steps], truth[:, steps])
 
 
 def test_mask_function_rejects_overlays_and_masked_queries():
