@@ -285,9 +285,12 @@ def test_bfloat16_generate_decode_steps(padding, device):
     assert_low_precision_rule("logits", logits, ref_low[:, steps], truth[:, steps])
 
 
-def test_mask_function_rejects_overlays_and_masked_queries():
+def test_mask_function_rejects_overlays_chunks_and_masked_queries():
     with pytest.raises(NotImplementedError, match="or_mask_function"):
         hf.adaattn_mask(batch_size=1, q_length=4, kv_length=4, use_vmap=True)
+    chunked = transformers.PretrainedConfig(layer_types=["chunked_attention", "full_attention"])
+    with pytest.raises(NotImplementedError, match="chunked attention"):
+        hf.adaattn_mask(batch_size=1, q_length=4, kv_length=4, config=chunked)
     mask = torch.ones(2, 6, dtype=torch.bool)
     mask[1, -1] = False
     with pytest.raises(ValueError, match="new query tokens"):
@@ -303,6 +306,10 @@ def test_unsupported_calls_raise():
     k = v = torch.randn(1, 2, 5, 16)
     with pytest.raises(NotImplementedError, match="s_aux"):
         hf.adaattn_attention_forward(_Module(), q, k, v, None, s_aux=torch.zeros(4))
+    with_sinks = _Module()
+    with_sinks.sinks = torch.nn.Parameter(torch.zeros(4))
+    with pytest.raises(NotImplementedError, match="sinks"):
+        hf.lazy_attention_forward(with_sinks, q, k, v, None)
     with pytest.raises(NotImplementedError, match="dropout"):
         hf.adaattn_attention_forward(_Module(), q, k, v, None, dropout=0.1)
     with pytest.raises(NotImplementedError, match="4D"):

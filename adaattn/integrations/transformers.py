@@ -29,12 +29,13 @@ them; causal limits are bottom-right aligned, so a cache's ``Lq < Lk`` needs no 
   unmasked tokens, as ``generate()``'s ``position_ids`` and flash-attn's unpadding do. Query rows
   that are padding give 0.
 - with cached keys (``Lq < Lk``) the mask must leave every new query token unmasked (as
-  ``generate()`` does), and a masked call against a cache has no gradient.
+  ``generate()`` does), and gradients through a padded call against a cache are refused.
 
 Not supported (a clear error rather than a wrong answer): attention sinks (``s_aux``, e.g.
-GPT-OSS), attention dropout, prepared 4D masks, and mask overlays (``or_mask_function`` /
-``and_mask_function``, e.g. image tokens attending bidirectionally). Chunked attention (Llama 4)
-and cross-attention are outside this integration (the 2D mask is read as self-attention padding).
+GPT-OSS), attention dropout, prepared 4D masks, mask overlays (``or_mask_function`` /
+``and_mask_function``, e.g. image tokens attending bidirectionally) and chunked attention layers
+(Llama 4). Cross-attention is outside this integration (a 2D mask is read as self-attention
+padding).
 """
 import warnings
 from typing import Optional, Tuple
@@ -59,7 +60,7 @@ __all__ = ["ATTN_IMPLEMENTATION", "LAZY_ATTN_IMPLEMENTATION", "LAZY_MODEL_TYPES"
 
 def adaattn_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0,
                  mask_function=None, attention_mask: Optional[torch.Tensor] = None,
-                 use_vmap: bool = False, **kwargs) -> Optional[torch.Tensor]:
+                 use_vmap: bool = False, config=None, **kwargs) -> Optional[torch.Tensor]:
     """The ``AttentionMaskInterface`` entry: turns transformers' 2D padding mask into what
     :func:`adaattn_attention_forward` consumes, once per forward (one host sync for a padded
     batch, none without padding).
@@ -74,6 +75,7 @@ def adaattn_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
         attention_mask: bool ``[B, >= Lk]`` (True = token), or None.
         use_vmap: set by transformers when the model overlays ``or_mask_function`` /
             ``and_mask_function``, which adaattn cannot express.
+        config: the model config; chunked attention layers (``layer_types``) are refused.
 
     Returns:
         None (no padding), int32 ``seqlens [B]`` (right padding with ``Lq == Lk``: token counts)
@@ -85,6 +87,10 @@ def adaattn_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
             "adaattn: this model overlays or_mask_function/and_mask_function on its attention "
             "mask (e.g. image tokens attending bidirectionally), which attn_implementation="
             "'adaattn' cannot express; use attn_implementation='sdpa' for it")
+    if "chunked_attention" in (getattr(config, "layer_types", None) or ()):
+        raise NotImplementedError(
+            "adaattn: chunked attention layers (config.layer_types, e.g. Llama 4) are not "
+            "supported; use attn_implementation='sdpa' for this model")
     if attention_mask is None:
         return None
     mask = attention_mask[:, -kv_length:].bool()
@@ -227,8 +233,8 @@ def _attend(kernel, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         return kernel.decode(query, key, value, seqlens).transpose(1, 2)
 
 
-def _check_call(dropout: float, s_aux: Optional[torch.Tensor]) -> None:
-    if s_aux is not None:
+def _check_call(module: nn.Module, dropout: float, s_aux: Optional[torch.Tensor]) -> None:
+    if s_aux is not None or getattr(module, "sinks", None) is not None:
         raise NotImplementedError(
             "adaattn: attention sinks (s_aux, e.g. GPT-OSS) are not supported yet")
     if dropout:
@@ -268,7 +274,7 @@ def adaattn_attention_forward(module: nn.Module, query: torch.Tensor, key: torch
     Returns:
         ``(out [B, Lq, Hq, Dv], None)`` (no attention weights).
     """
-    _check_call(dropout, s_aux)
+    _check_call(module, dropout, s_aux)
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     window = (-1, -1)
     if sliding_window:
@@ -294,7 +300,7 @@ def lazy_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Te
     always causal, no softcap; a model's ``sliding_window`` is not applied (lazy attention sees
     the whole prefix, with its own bias table over the last ``W`` distances).
     """
-    _check_call(dropout, s_aux)
+    _check_call(module, dropout, s_aux)
     lazy = getattr(module, "lazy_attention", None)
     if not isinstance(lazy, LazyAttention):
         raise ValueError(
