@@ -1,7 +1,8 @@
 """Small fwd+bwd calls of the CUDA kernels for compute-sanitizer (memcheck, racecheck): flash
 (D 64 and 128, GQA, causal, window, seqlens, Lq != Lk; atomic and two-pass backward; with
 softcap), block-sparse (an empty row of blocks included; atomic and two-pass backward), lazy
-and low-rank, bf16; and shifted_cholesky_info (D 33 and 128, pivots failing and not).
+and low-rank, bf16; shifted_cholesky_info (D 33 and 128, pivots failing and not); and the
+KV-cache decode ops (decode()).
 
     compute-sanitizer --tool memcheck python benchmarks/sanitize_ops.py
 """
@@ -52,8 +53,41 @@ def main():
         gram = x.mT @ x
         for rel_shift in (1e-3, 0.5):
             torch.ops.adaattn.shifted_cholesky_info(gram, rel_shift)
+    decode()
     torch.cuda.synchronize()
     print("sanitize_ops: done")
+
+
+def decode():
+    """KV-cache decode: contiguous and paged (pages of 16 and 64), one and several splits, Lq 1
+    and 16, lazy; cache_seqlens past the capacity and block-table entries out of range, which the
+    kernels must clamp without reading or writing outside the caches."""
+    dt = torch.bfloat16
+    for d, lq in ((128, 1), (64, 16)):
+        q = torch.randn(3, 8, lq, d, device="cuda", dtype=dt)
+        k = torch.randn(3, 2, lq, d, device="cuda", dtype=dt)
+        v = torch.randn(3, 2, lq, d, device="cuda", dtype=dt)
+        lens = torch.tensor([0, 200, 1024 - lq], dtype=torch.int32, device="cuda")
+        cache_k = torch.randn(3, 2, 1024, d, device="cuda", dtype=dt)
+        cache_v = torch.randn_like(cache_k)
+        for splits in (0, 1, 5):
+            adaattn.flash_attn_with_kvcache(q, cache_k, cache_v, k, v, cache_seqlens=lens,
+                                            num_splits=splits, softcap=5.0 if splits else 0)
+        for page in (16, 64):
+            pages = 1024 // page
+            pool_k = torch.randn(3 * pages + 1, 2, page, d, device="cuda", dtype=dt)
+            pool_v = torch.randn_like(pool_k)
+            table = torch.randperm(3 * pages, device="cuda").int().view(3, pages)
+            adaattn.flash_attn_with_kvcache(q, pool_k, pool_v, k, v, cache_seqlens=lens,
+                                            block_table=table)
+            table[1, 3] = -5
+            table[2, 0] = 10 ** 6
+            bad = torch.tensor([-3, 2000, 1024], dtype=torch.int32, device="cuda")
+            adaattn.flash_attn_with_kvcache(q, pool_k, pool_v, k, v, cache_seqlens=bad,
+                                            block_table=table)
+        tau = torch.full((8,), -1.0, device="cuda")
+        bias = 0.1 * torch.randn(8, 64, device="cuda")
+        adaattn.lazy_attn_with_kvcache(q, cache_k, cache_v, k, v, tau, bias, cache_seqlens=lens)
 
 
 if __name__ == "__main__":

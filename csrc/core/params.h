@@ -128,6 +128,7 @@ struct KvCacheParams {
   const int* block_table;
   int64_t block_table_stride;
   int page_size;
+  int page_shift;  // log2(page_size) for a power of two, else -1
   int num_pages;
 };
 

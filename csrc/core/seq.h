@@ -58,10 +58,11 @@ ADAATTN_HD SeqLens seq_lens(const AttnParams& p, int b) {
   int q = p.len_q, k = p.len_k;
   if (p.cache_seqlens != nullptr) {
     // Decode: every query row is real; the keys end at the cache's new length (clamped to its
-    // capacity, so a bad cache_seqlens never reads outside it).
+    // capacity, so a bad cache_seqlens never reads outside it), and nothing past them is read:
+    // those slots may hold anything.
     const int cached = p.cache_seqlens[b] < 0 ? 0 : p.cache_seqlens[b];
     k = cached < p.len_k - p.cache_appended ? cached + p.cache_appended : p.len_k;
-    return {q, k, p.len_q, p.len_k, k - q, 0, 0};
+    return {q, k, p.len_q, k, k - q, 0, 0};
   }
   if (p.seqlens != nullptr) {
     const int s = p.seqlens[b] < 0 ? 0 : p.seqlens[b];

@@ -2,13 +2,14 @@
 // dtype, row warps), its split count, and the in-place append of the new keys and values.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <array>
+#include <atomic>
 #include <cstdint>
-#include <cstdlib>
-#include <type_traits>
 
 #include "../attention_api.h"
 #include "../core/seq.h"
@@ -21,13 +22,14 @@ namespace {
 // or 64 to four warps (row blocks past 64 rows re-read the cache).
 int row_warps(const AttnParams& p) { return p.heads_q / p.heads_kv * p.len_q > 16 ? 4 : 1; }
 
-int experiment_cfg() {
-  const char* v = std::getenv("ADAATTN_DECODE_CFG");
-  return v == nullptr ? 0 : std::atoi(v);
-}
-
-template <int D, int RW, int KW, int BN, int S>
-using Cfg = tc::DecodeTraits<D, D, RW, KW, BN, S>;
+// The tile configurations: 16 rows: four warps split each tile's keys; 64 rows: each warp owns
+// 16 rows of the whole tile. Two stages of 64 keys were as fast as or faster than 3-4 stages,
+// 8-warp CTAs, 32-key tiles at 3 CTAs per SM and occupancy floors, on every decode shape of
+// bench_decode.py (H200, docs/lab/decode.md).
+template <int D>
+using NarrowCfg = tc::DecodeTraits<D, D, 1, 4, 64, 2>;
+template <int D>
+using WideCfg = tc::DecodeTraits<D, D, 4, 1, 64, 2>;
 
 // Calls f(T{}, Traits{}, Variant{}) for the compiled decode kernel of the arguments; returns
 // false when there is none.
@@ -44,30 +46,10 @@ bool with_decode_kernel(VariantId variant, int d, int dv, c10::ScalarType dtype,
         using T = decltype(t);
         auto by_dim = [&](auto dim) {
           constexpr int D = decltype(dim)::value;
-          const int cfg = experiment_cfg();
-          if constexpr (D == 128 && std::is_same_v<T, __nv_bfloat16> && std::is_same_v<V, PlainVariant>) {
-            if (rw == 1) {
-              switch (cfg) {
-                case 1: return f(T{}, Cfg<D, 1, 4, 64, 4>{}, V{});
-                case 2: return f(T{}, Cfg<D, 1, 8, 128, 2>{}, V{});
-                case 3: return f(T{}, Cfg<D, 1, 4, 64, 2>{}, V{});
-                case 4: return f(T{}, Cfg<D, 1, 2, 32, 4>{}, V{});
-                default: break;
-              }
-            } else {
-              switch (cfg) {
-                case 1: return f(T{}, Cfg<D, 4, 2, 64, 3>{}, V{});
-                case 2: return f(T{}, Cfg<D, 4, 2, 64, 4>{}, V{});
-                case 3: return f(T{}, Cfg<D, 4, 1, 64, 2>{}, V{});
-                case 4: return f(T{}, Cfg<D, 2, 2, 64, 3>{}, V{});
-                default: break;
-              }
-            }
-          }
           if (rw == 1) {
-            f(T{}, Cfg<D, 1, 4, 64, 3>{}, V{});
+            f(T{}, NarrowCfg<D>{}, V{});
           } else {
-            f(T{}, Cfg<D, 4, 1, 64, 3>{}, V{});
+            f(T{}, WideCfg<D>{}, V{});
           }
         };
         if (d == 64) {
@@ -84,6 +66,19 @@ bool with_decode_kernel(VariantId variant, int d, int dv, c10::ScalarType dtype,
       return true;
     }
   });
+}
+
+// Dynamic shared memory beyond the default 48 KB, and the largest carveout so that several
+// CTAs share an SM. Set once per kernel and device (the driver calls cost host time per step).
+template <auto kernel>
+void set_smem(int bytes) {
+  static std::array<std::atomic<bool>, 64> done{};
+  const int device = c10::cuda::current_device();
+  if (device < static_cast<int>(done.size()) && done[device].load()) return;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                      cudaSharedmemCarveoutMaxShared));
+  if (device < static_cast<int>(done.size())) done[device].store(true);
 }
 
 template <typename Traits>
@@ -125,8 +120,7 @@ int decode_num_splits(VariantId variant, const AttnParams& p, c10::ScalarType dt
                       int64_t requested) {
   int splits = 1;
   with_decode_kernel(variant, p.head_dim, p.head_dim_v, dtype, row_warps(p),
-                     [&](auto t, auto traits, auto v) {
-    using T = decltype(t);
+                     [&](auto, auto traits, auto) {
     using Traits = decltype(traits);
     const int tiles = key_tiles<Traits>(p);
     const int most = std::min(tiles, 128);
@@ -134,25 +128,14 @@ int decode_num_splits(VariantId variant, const AttnParams& p, c10::ScalarType dt
       splits = static_cast<int>(std::min<int64_t>(requested, most));
       return;
     }
-    // Enough CTAs for the SMs: the first count whose last wave is at least 85% full, or that
-    // reaches two waves (a split costs a partial write and the merge).
-    const auto kernel = tc::decode_kernel<T, Traits, decltype(v)>;
-    int per_sm = 0;
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        Traits::kSmemBytes));
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, Traits::kThreads,
-                                                                 Traits::kSmemBytes));
-    const int64_t slots =
-        static_cast<int64_t>(std::max(per_sm, 1)) * at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+    // About two CTAs per SM, each with as many key tiles as that leaves: two were enough to
+    // stream the cache at full speed, and more splits only add partial writes and merging
+    // (H200, B = 1, Lk = 128k, 8 kv heads: 33 splits 0.158 ms, 66 0.19-0.22, 132 0.21).
     const int64_t rows = static_cast<int64_t>(p.heads_q / p.heads_kv) * p.len_q;
     const int64_t ctas = static_cast<int64_t>(p.batch) * p.heads_kv *
                          ((rows + Traits::kRows - 1) / Traits::kRows);
-    for (splits = 1; splits < most; ++splits) {
-      const int64_t total = ctas * splits;
-      if (total >= 2 * slots) break;
-      const int64_t tail = total % slots;
-      if (total >= slots && (tail == 0 || tail * 100 >= 85 * slots)) break;
-    }
+    const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+    splits = static_cast<int>(std::clamp<int64_t>(2 * sms / ctas, 1, most));
   });
   return splits;
 }
@@ -165,9 +148,8 @@ void attention_decode_tc_cuda(VariantId variant, const AttnParams& p, int num_sp
     using T = decltype(t);
     using Traits = decltype(traits);
     constexpr int D = Traits::kChunksPerRow * 8;
-    const auto kernel = tc::decode_kernel<T, Traits, decltype(v)>;
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        Traits::kSmemBytes));
+    constexpr auto kernel = tc::decode_kernel<T, Traits, decltype(v)>;
+    set_smem<kernel>(Traits::kSmemBytes);
     const int tiles = key_tiles<Traits>(p);
     const tc::DecodeSplits sp{o_part, lse_part, num_splits,
                               (tiles + num_splits - 1) / num_splits};

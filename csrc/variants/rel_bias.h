@@ -12,6 +12,7 @@ struct RelBiasMod {
   static constexpr bool kUnitGrad = true;
   static constexpr bool kParamGrad = true;
   static constexpr bool kPositional = true;
+  static constexpr bool kFoldsScale = false;
 
   template <typename T>
   ADAATTN_HD static T apply(const AttnParams& p, int h, int i, int j, T x) {

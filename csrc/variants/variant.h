@@ -25,6 +25,9 @@
 //                  [Hq, param_count] float32 gradient) and param_slots(p) (how many leading
 //                  slots param_slot can return in this problem: partial tables need no more)
 //   kPositional    it reads the positions (i, j), not only x
+//   kFoldsScale    on the tensor cores it takes raw scores q.k and returns the factor that takes
+//                  its output to log2 units (modify_raw_frag(s, p)), which the exponent's FMA
+//                  then applies: the softmax scale never costs a pass of its own
 //   apply(p, h, i, j, x) -> s, grad(p, x, s) -> ds/dx, param_slot(p, i, j) -> table index or -1
 //   wants_param_grad(p)   the caller asked for the table's gradient
 // and, for the tensor-core kernels, the same on accumulator fragments: tile_active(p, lens,
@@ -60,6 +63,7 @@ struct NoScoreMod {
   static constexpr bool kUnitGrad = true;
   static constexpr bool kParamGrad = false;
   static constexpr bool kPositional = false;
+  static constexpr bool kFoldsScale = false;
 
   template <typename T>
   ADAATTN_HD static T apply(const AttnParams&, int, int, int, T x) {

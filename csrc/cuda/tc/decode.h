@@ -12,6 +12,7 @@
 // mix heads): normalised transforms with such modifiers only (static_assert).
 #pragma once
 
+#include <climits>
 #include <cmath>
 
 #include "../../core/mask.h"
@@ -32,8 +33,10 @@ struct DecodeSplits {
   int tiles_per_split;  // key tiles (kBlockN keys) per split
 };
 
-template <int D, int DV, int kRowWarps_, int kKeyWarps_, int kBlockN_, int kStages_>
+template <int D, int DV, int kRowWarps_, int kKeyWarps_, int kBlockN_, int kStages_,
+          int kMinBlocks_ = 1>
 struct DecodeTraits {
+  static constexpr int kMinBlocks = kMinBlocks_;
   static constexpr int kRowWarps = kRowWarps_;
   static constexpr int kKeyWarps = kKeyWarps_;
   static constexpr int kThreads = 32 * kRowWarps * kKeyWarps;
@@ -47,32 +50,43 @@ struct DecodeTraits {
   static constexpr int kChunksPerRow = D / 8;
   static constexpr int kRowsPerThread = kBlockN * kChunksPerRow / kThreads;
   static_assert(kBlockN * kChunksPerRow % kThreads == 0, "tile chunks divide among threads");
-  // Q, then the K/V stages; after the mainloop the stages hold the warps' merge buffers.
+  // Q, then the K/V stages; after the mainloop they hold the warps' merge buffers.
   static constexpr int kQBytes = kRows * D * 2;
   static constexpr int kStageElems = kBlockN * (D + DV);
   static constexpr int kStagesBytes = kStages * kStageElems * 2;
   static constexpr int kMergeBytes = kKeyWarps * kRows * (DV + 2) * 4;
-  static_assert(kMergeBytes <= kStagesBytes, "merge buffers fit in the K/V stages");
   static constexpr int kSmemBytes = kQBytes + kStagesBytes;
+  static_assert(kMergeBytes <= kSmemBytes, "merge buffers fit in shared memory");
 };
 
-// Where key j of entry b lives: its page (paged cache, clamped into the pool) or b.
-__device__ __forceinline__ int cache_block(const AttnParams& p, int b, int j) {
+// Where key j of entry b lives: its page as the block table says (paged cache; may be out of
+// range, see clamp_block) or b.
+__device__ __forceinline__ int cache_block_raw(const AttnParams& p, int b, int j) {
   if (p.block_table == nullptr) return b;
-  const int page = p.block_table[b * p.block_table_stride + j / p.page_size];
-  return page < 0 ? 0 : (page >= p.num_pages ? p.num_pages - 1 : page);
+  const int index = p.page_shift >= 0 ? j >> p.page_shift : j / p.page_size;
+  return p.block_table[b * p.block_table_stride + index];
+}
+// A block of cache_block_raw clamped into the page pool.
+__device__ __forceinline__ int clamp_block(const AttnParams& p, int block) {
+  if (p.block_table == nullptr) return block;
+  return block < 0 ? 0 : (block >= p.num_pages ? p.num_pages - 1 : block);
+}
+__device__ __forceinline__ int cache_block(const AttnParams& p, int b, int j) {
+  return clamp_block(p, cache_block_raw(p, b, j));
 }
 
 // Element offset of key j of kv head h in block `block` (cache_block) of a cache operand.
 __device__ __forceinline__ int64_t cache_offset(const AttnParams& p, int block, int64_t batch_stride,
                                                 int64_t head_stride, int64_t row_stride, int h,
                                                 int j) {
-  const int slot = p.block_table == nullptr ? j : j % p.page_size;
+  const int slot = p.block_table == nullptr ? j
+                   : p.page_shift >= 0      ? j & (p.page_size - 1)
+                                            : j % p.page_size;
   return block * batch_stride + h * head_stride + slot * row_stride;
 }
 
 template <typename T, typename Traits, typename Variant>
-__global__ void __launch_bounds__(Traits::kThreads)
+__global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     decode_kernel(const AttnParams p, const DecodeSplits sp) {
   constexpr int D = Traits::kChunksPerRow * 8;
   constexpr int DV = D;
@@ -111,6 +125,22 @@ __global__ void __launch_bounds__(Traits::kThreads)
     rr.hi[0][hh] = r.hi;
   }
 
+  // Keys that every real row of the warp sees: a warp slice inside them needs no element mask
+  // (padding rows of the last 16-row group are never written, whatever they compute).
+  int all_lo = 0, all_hi = INT_MAX;
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    if (row0 + warp_row0 + g + 8 * hh < rows) {
+      all_lo = max(all_lo, rr.lo[0][hh]);
+      all_hi = min(all_hi, rr.hi[0][hh]);
+    }
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) {
+    all_lo = max(all_lo, __shfl_xor_sync(0xffffffff, all_lo, off));
+    all_hi = min(all_hi, __shfl_xor_sync(0xffffffff, all_hi, off));
+  }
+
   // This split's key tiles: of the tiles the query rows' ranges cover (every head of the
   // group shares them), the split's share.
   const KeyRange keys = tile_key_range(p, lens, 0, p.len_q);
@@ -119,16 +149,25 @@ __global__ void __launch_bounds__(Traits::kThreads)
   const int last = min(first + sp.tiles_per_split, end_tile);
 
   // Each thread copies the same kRowsPerThread rows of every K and V tile; their blocks (pages)
-  // are looked up one tile ahead, so the lookups' latency hides behind a tile's compute.
+  // are looked up one tile ahead and first used (clamped) when that tile is loaded, so the
+  // lookups' latency hides behind a tile's compute.
   constexpr int kPerThread = Traits::kRowsPerThread;
   constexpr int kRowStep = kThreads / Traits::kChunksPerRow;
   const int my_row = tid / Traits::kChunksPerRow, my_col = (tid % Traits::kChunksPerRow) * 8;
   int blocks[kPerThread];
+  // A page of BN keys or more (a power of two) holds whole tiles: one lookup per tile.
+  const bool tile_pages = p.block_table == nullptr || (p.page_shift >= 0 && p.page_size >= BN);
   auto lookup = [&](int tile) {
+    if (tile_pages) {
+      const int block = cache_block_raw(p, b, tile * BN < lens.k ? tile * BN : 0);
+#pragma unroll
+      for (int i = 0; i < kPerThread; ++i) blocks[i] = block;
+      return;
+    }
 #pragma unroll
     for (int i = 0; i < kPerThread; ++i) {
       const int j = tile * BN + my_row + i * kRowStep;
-      blocks[i] = cache_block(p, b, j < lens.k ? j : 0);
+      blocks[i] = cache_block_raw(p, b, j < lens.k ? j : 0);
     }
   };
   auto load_stage = [&](int tile, int stage) {
@@ -140,14 +179,15 @@ __global__ void __launch_bounds__(Traits::kThreads)
       const int j = tile * BN + r;
       const bool valid = j < lens.k;
       const int jj = valid ? j : 0;
+      const int block = clamp_block(p, blocks[i]);
       cp_async16(sK + swz<D>(r, my_col),
                  static_cast<const T*>(p.k) +
-                     cache_offset(p, blocks[i], p.k_batch_stride, p.k_head_stride,
+                     cache_offset(p, block, p.k_batch_stride, p.k_head_stride,
                                   p.k_row_stride, h_kv, jj) + my_col,
                  valid);
       cp_async16(sV + swz<DV>(r, my_col),
                  static_cast<const T*>(p.v) +
-                     cache_offset(p, blocks[i], p.v_batch_stride, p.v_head_stride,
+                     cache_offset(p, block, p.v_batch_stride, p.v_head_stride,
                                   p.v_row_stride, h_kv, jj) + my_col,
                  valid);
     }
@@ -189,7 +229,9 @@ __global__ void __launch_bounds__(Traits::kThreads)
     warp_gemm_nt<1, NT, D>(s, sQ, warp_row0, sK, key_warp * kWarpKeys, lane);
     const int n0 = tile * BN + key_warp * kWarpKeys;
     float scale = p.scale_log2;
-    if (!Mod::kIdentity || !(scale > 0.f)) {
+    if constexpr (Mod::kFoldsScale) {
+      scale = Mod::modify_raw_frag(s, p);
+    } else if (!Mod::kIdentity || !(scale > 0.f)) {
 #pragma unroll
       for (int ni = 0; ni < NT; ++ni)
 #pragma unroll
@@ -197,23 +239,28 @@ __global__ void __launch_bounds__(Traits::kThreads)
       modify_scores<Mod, false>(s, p, lens, h_kv * group, 0, n0, lane);
       scale = 1.f;
     }
-    mask_scores(s, rr, n0, lane);
+    if (!(n0 >= all_lo && n0 + kWarpKeys <= all_hi)) mask_scores(s, rr, n0, lane);
+    // The running max may stay up to kMaxSlack (log2 units) below the true one, so O is
+    // rescaled only when it grows by more (as the Hopper forward, fwd_sm90.h).
+    constexpr float kMaxSlack = 8.f;
     float corr[1][2];
-    online_softmax<true>(s, row_max, row_sum, corr, scale);
+    online_softmax<true>(s, row_max, row_sum, corr, scale, kMaxSlack);
+    if (__any_sync(0xffffffff, corr[0][0] != 1.f || corr[0][1] != 1.f)) {
 #pragma unroll
-    for (int di = 0; di < DT; ++di)
+      for (int di = 0; di < DT; ++di)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) o[0][di][e] *= corr[0][e >> 1];
+        for (int e = 0; e < 4; ++e) o[0][di][e] *= corr[0][e >> 1];
+    }
     uint32_t pa[1][NT / 2][4];
     to_a_frags<1, NT, T>(s, pa);
     warp_gemm_rs<1, DT, NT / 2, DV>(o, pa, sV, key_warp * kWarpKeys, lane);
   }
   cp_async_wait_all();
-  __syncthreads();  // the stages become the merge buffers
+  __syncthreads();  // Q and the stages become the merge buffers
 
   // Merge the key warps: per row the max M and sum L over warps; each warp's O rescaled by
   // exp2(m_w - M) / L, then summed.
-  float* sMax = reinterpret_cast<float*>(sStages);
+  float* sMax = reinterpret_cast<float*>(smem_raw);
   float* sSum = sMax + kKeyWarps * kRows;
   float* sO = sSum + kKeyWarps * kRows;
 #pragma unroll

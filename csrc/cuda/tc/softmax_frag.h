@@ -41,10 +41,6 @@ __device__ __forceinline__ void mask_scores(float (&s)[MI][NT][4], const RowRang
       }
 }
 
-// Elastic (lazy attention) scores of a warp's 16 * MI rows from r0 against key tile n0: the
-// distance bias added (in log2 units) and the mask applied. Returns the scale that takes them
-// to log2 units: the softmax scale when the tile meets no bias (it then goes into the
-// exponent's FMA), else 1 (the scores were scaled here; also for a scale <= 0).
 // x[0] op ... op x[N - 1] as a pairwise tree (depth log2 N).
 template <int N, typename Op>
 __device__ __forceinline__ float fold_pairwise(float (&x)[N], Op op) {
@@ -196,11 +192,18 @@ __device__ __forceinline__ float raw_score_grad(float ds, float prob, float lse2
 // Scores of a warp's 16 * MI rows from r0 against key tile n0 (NT * 8 keys) prepared for an
 // exponent with the scale folded in: the modifier applied (scaled first) and the mask. Returns
 // the scale that takes them to log2 units: the softmax scale when nothing was applied (it then
-// goes into the exponent's FMA), else 1 (also for a scale <= 0).
+// goes into the exponent's FMA), the modifier's factor when it folds the scale itself
+// (kFoldsScale), else 1 (also for a scale <= 0).
 template <typename Mod, int MI, int NT>
 __device__ __forceinline__ float fold_scores(float (&s)[MI][NT][4], const AttnParams& p,
                                              const SeqLens& lens, const RowRanges<MI>& rr,
                                              int h, int r0, int n0, int lane) {
+  const bool full = tile_is_full(p, lens, r0, r0 + 16 * MI, n0, n0 + NT * 8);
+  if constexpr (Mod::kFoldsScale) {
+    const float scale = Mod::modify_raw_frag(s, p);
+    if (!full) mask_scores(s, rr, n0, lane);
+    return scale;
+  }
   float scale = p.scale_log2;
   const bool modified = !Mod::kIdentity && Mod::tile_active(p, lens, r0, n0 + NT * 8 - 1);
   if (modified || !(scale > 0.f)) {
@@ -213,7 +216,7 @@ __device__ __forceinline__ float fold_scores(float (&s)[MI][NT][4], const AttnPa
     if (modified) modify_scores<Mod, false>(s, p, lens, h, r0, n0, lane);
     scale = 1.f;
   }
-  if (!tile_is_full(p, lens, r0, r0 + 16 * MI, n0, n0 + NT * 8)) mask_scores(s, rr, n0, lane);
+  if (!full) mask_scores(s, rr, n0, lane);
   return scale;
 }
 

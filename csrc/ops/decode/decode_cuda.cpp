@@ -34,6 +34,9 @@ void set_cache_layout(AttnParams& p, const OptTensor& block_table, const KvCache
   p.block_table = block_table->data_ptr<int>();
   p.block_table_stride = block_table->size(1);
   p.page_size = static_cast<int>(shape.page_size);
+  p.page_shift = (shape.page_size & (shape.page_size - 1)) == 0
+                     ? __builtin_ctzll(static_cast<unsigned long long>(shape.page_size))
+                     : -1;
   p.num_pages = static_cast<int>(shape.num_pages);
   p.len_k = static_cast<int>(shape.capacity);
 }
