@@ -23,46 +23,45 @@ namespace {
 int row_warps(const AttnParams& p) { return p.heads_q / p.heads_kv * p.len_q > 16 ? 4 : 1; }
 
 // The tile configurations: 16 rows: four warps split each tile's keys; 64 rows: each warp owns
-// 16 rows of the whole tile. Two stages of 64 keys were as fast as or faster than 3-4 stages,
-// 8-warp CTAs, 32-key tiles at 3 CTAs per SM and occupancy floors, on every decode shape of
-// bench_decode.py (H200, docs/lab/decode.md).
+// 16 rows of the whole tile. Tiles of 64 keys in two stages, or three for the online pass over a
+// contiguous cache (3-6% faster there, up to 15% slower paged); 4 stages, 8-warp CTAs, 32-key
+// tiles and occupancy floors were slower on the decode shapes of bench_decode.py (H200,
+// docs/lab/decode.md).
 template <int D>
 using NarrowCfg = tc::DecodeTraits<D, D, 1, 4, 64, 2>;
+template <int D>
+using DeepNarrowCfg = tc::DecodeTraits<D, D, 1, 4, 64, 3>;
 template <int D>
 using WideCfg = tc::DecodeTraits<D, D, 4, 1, 64, 2>;
 
 // Calls f(T{}, Traits{}, Variant{}) for the compiled decode kernel of the arguments; returns
 // false when there is none.
 template <typename F>
-bool with_decode_kernel(VariantId variant, int d, int dv, c10::ScalarType dtype, int rw, F&& f) {
+bool with_decode_kernel(VariantId variant, int d, int dv, c10::ScalarType dtype, int rw,
+                        bool paged, F&& f) {
   if (d != dv || (d != 64 && d != 128)) return false;
   if (dtype != c10::kBFloat16 && dtype != c10::kHalf) return false;
   return with_variant(variant, [&](auto v) {
     using V = decltype(v);
-    {
-      auto by_dtype = [&](auto t) {
-        using T = decltype(t);
-        auto by_dim = [&](auto dim) {
-          constexpr int D = decltype(dim)::value;
-          if (rw == 1) {
-            f(T{}, NarrowCfg<D>{}, V{});
-          } else {
-            f(T{}, WideCfg<D>{}, V{});
-          }
-        };
-        if (d == 64) {
-          by_dim(std::integral_constant<int, 64>{});
-        } else {
-          by_dim(std::integral_constant<int, 128>{});
+    auto by_dtype = [&](auto t) {
+      using T = decltype(t);
+      auto by_dim = [&](auto dim) {
+        constexpr int D = decltype(dim)::value;
+        if constexpr (V::kNormalized) {
+          if (rw == 1 && !paged) return f(T{}, DeepNarrowCfg<D>{}, V{});
         }
+        if (rw == 1) return f(T{}, NarrowCfg<D>{}, V{});
+        return f(T{}, WideCfg<D>{}, V{});
       };
-      if (dtype == c10::kBFloat16) {
-        by_dtype(__nv_bfloat16{});
-      } else {
-        by_dtype(__half{});
-      }
-      return true;
+      if (d == 64) return by_dim(std::integral_constant<int, 64>{});
+      return by_dim(std::integral_constant<int, 128>{});
+    };
+    if (dtype == c10::kBFloat16) {
+      by_dtype(__nv_bfloat16{});
+    } else {
+      by_dtype(__half{});
     }
+    return true;
   });
 }
 
@@ -110,7 +109,7 @@ __global__ void append_kernel(const AttnParams p, const KvAppendParams a) {
 }  // namespace
 
 bool decode_tc_supported(VariantId variant, int head_dim, int head_dim_v) {
-  return with_decode_kernel(variant, head_dim, head_dim_v, c10::kBFloat16, 1,
+  return with_decode_kernel(variant, head_dim, head_dim_v, c10::kBFloat16, 1, false,
                             [](auto, auto, auto) {});
 }
 
@@ -118,7 +117,7 @@ int decode_num_splits(VariantId variant, const AttnParams& p, c10::ScalarType dt
                       int64_t requested) {
   int splits = 1;
   with_decode_kernel(variant, p.head_dim, p.head_dim_v, dtype, row_warps(p),
-                     [&](auto, auto traits, auto) {
+                     p.block_table != nullptr, [&](auto, auto traits, auto) {
     using Traits = decltype(traits);
     const int tiles = key_tiles<Traits>(p);
     const int most = std::min(tiles, 128);
@@ -142,6 +141,7 @@ void attention_decode_tc_cuda(VariantId variant, const AttnParams& p, int num_sp
                               float* o_part, float* lse_part, c10::ScalarType dtype) {
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const bool found = with_decode_kernel(variant, p.head_dim, p.head_dim_v, dtype, row_warps(p),
+                                        p.block_table != nullptr,
                                         [&](auto t, auto traits, auto v) {
     using T = decltype(t);
     using Traits = decltype(traits);
