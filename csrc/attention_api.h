@@ -43,8 +43,13 @@ bool decode_tc_supported(VariantId variant, int head_dim, int head_dim_v);
 // grid the shapes give and the SMs and occupancy of the current device.
 int decode_num_splits(VariantId variant, const AttnParams& p, c10::ScalarType dtype,
                       int64_t requested);
+// A non-normalised variant's lse pass may cache its scores for the weight pass (instead of
+// reading K again) where they take fewer bytes: the row stride of that float32 scratch
+// [B, Hkv, Hq / Hkv * Lq, stride], or 0 when it is not used.
+int64_t decode_score_cache_stride(VariantId variant, const AttnParams& p, c10::ScalarType dtype);
 void attention_decode_tc_cuda(VariantId variant, const AttnParams& p, int num_splits,
-                              float* o_part, float* lse_part, c10::ScalarType dtype);
+                              float* o_part, float* lse_part, float* scores,
+                              int64_t scores_stride, c10::ScalarType dtype);
 
 // Writes the new rows k [B, Hkv, Lq, D] and v [B, Hkv, Lq, Dv] into the cache of p (contiguous
 // or paged) at positions cache_seqlens[b] + r; rows that fall outside the cache are dropped.

@@ -137,8 +137,24 @@ int decode_num_splits(VariantId variant, const AttnParams& p, c10::ScalarType dt
   return splits;
 }
 
+int64_t decode_score_cache_stride(VariantId variant, const AttnParams& p,
+                                  c10::ScalarType dtype) {
+  int64_t stride = 0;
+  with_decode_kernel(variant, p.head_dim, p.head_dim_v, dtype, row_warps(p),
+                     p.block_table != nullptr, [&](auto, auto traits, auto v) {
+    using Traits = decltype(traits);
+    const int64_t rows = static_cast<int64_t>(p.heads_q / p.heads_kv) * p.len_q;
+    // Written and read once: 8 bytes per row and key, against a K row of 2 * D bytes.
+    if (!decltype(v)::kNormalized && Traits::kCanCacheScores && 8 * rows < 2 * p.head_dim) {
+      stride = static_cast<int64_t>(key_tiles<Traits>(p)) * Traits::kBlockN;
+    }
+  });
+  return stride;
+}
+
 void attention_decode_tc_cuda(VariantId variant, const AttnParams& p, int num_splits,
-                              float* o_part, float* lse_part, c10::ScalarType dtype) {
+                              float* o_part, float* lse_part, float* scores,
+                              int64_t scores_stride, c10::ScalarType dtype) {
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const bool found = with_decode_kernel(variant, p.head_dim, p.head_dim_v, dtype, row_warps(p),
                                         p.block_table != nullptr,
@@ -149,7 +165,7 @@ void attention_decode_tc_cuda(VariantId variant, const AttnParams& p, int num_sp
     using V = decltype(v);
     const int tiles = key_tiles<Traits>(p);
     const tc::DecodeSplits sp{o_part, lse_part, num_splits,
-                              (tiles + num_splits - 1) / num_splits};
+                              (tiles + num_splits - 1) / num_splits, scores, scores_stride};
     const int64_t rows = static_cast<int64_t>(p.heads_q / p.heads_kv) * p.len_q;
     const dim3 grid(static_cast<unsigned>(static_cast<int64_t>(p.batch) * p.heads_kv),
                     static_cast<unsigned>((rows + Traits::kRows - 1) / Traits::kRows),

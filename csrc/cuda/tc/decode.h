@@ -35,6 +35,11 @@ struct DecodeSplits {
   float* lse_part;
   int num_splits;
   int tiles_per_split;  // key tiles (kBlockN keys) per split
+  // Scores of the lse pass (log2 units, modified, masked), which the weight pass then reads
+  // instead of K, or null: [B, Hkv, group * Lq, scores_stride] float32 (scores_stride: Lmax
+  // rounded up to whole tiles). Pays where a key's scores take fewer bytes than its K row.
+  float* scores;
+  int64_t scores_stride;
 };
 
 template <int D, int DV, int kRowWarps_, int kKeyWarps_, int kBlockN_, int kStages_,
@@ -54,6 +59,10 @@ struct DecodeTraits {
   static constexpr int kChunksPerRow = D / 8;
   static constexpr int kRowsPerThread = kBlockN * kChunksPerRow / kThreads;
   static_assert(kBlockN * kChunksPerRow % kThreads == 0, "tile chunks divide among threads");
+  // Cached scores of a tile, [kRows][kScoreStride] float32 in a stage's K area (the weight
+  // pass, decode_kernel); the padding keeps 64-bit reads of a half-warp conflict-free.
+  static constexpr int kScoreStride = kBlockN + 8;
+  static constexpr bool kCanCacheScores = kRows * kScoreStride * 4 <= kBlockN * D * 2;
   // Q, then the K/V stages; after the mainloop they hold the warps' merge buffers.
   static constexpr int kQBytes = kRows * D * 2;
   static constexpr int kStageElems = kBlockN * (D + DV);
@@ -188,9 +197,27 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
       blocks[i] = cache_block_raw(p, b, j < lens.k ? j : 0);
     }
   };
+  // The weight pass over cached scores loads them (into the K area) instead of K.
+  constexpr bool kScoreCache = kPass != DecodePass::kOnline && Traits::kCanCacheScores;
+  const bool cached = kScoreCache && sp.scores != nullptr;
+  const bool read_scores = kPass == DecodePass::kWeights && cached;
+  const int64_t scores_row0 =
+      ((static_cast<int64_t>(b) * p.heads_kv + h_kv) * rows + row0) * sp.scores_stride;
   auto load_stage = [&](int tile, int stage) {
     T* sK = sStages + stage * Traits::kStageElems;
     T* sV = sK + BN * D;
+    if (read_scores) {
+      float* sS = reinterpret_cast<float*>(sK);
+      constexpr int kChunks = kRows * BN / 4;
+#pragma unroll
+      for (int c = tid; c < kChunks; c += kThreads) {
+        const int r = c / (BN / 4), col = (c % (BN / 4)) * 4;
+        const bool valid = row0 + r < rows;
+        cp_async16(sS + r * Traits::kScoreStride + col,
+                   sp.scores + scores_row0 + (valid ? r * sp.scores_stride : 0) + tile * BN + col,
+                   valid);
+      }
+    }
 #pragma unroll
     for (int i = 0; i < kPerThread; ++i) {
       const int r = my_row + i * kRowStep;
@@ -198,11 +225,13 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
       const bool valid = j < lens.k;
       const int jj = valid ? j : 0;
       const int block = clamp_block(p, blocks[i]);
-      cp_async16(sK + swz<D>(r, my_col),
-                 static_cast<const T*>(p.k) +
-                     cache_offset(p, block, p.k_batch_stride, p.k_head_stride,
-                                  p.k_row_stride, h_kv, jj) + my_col,
-                 valid);
+      if (!read_scores) {
+        cp_async16(sK + swz<D>(r, my_col),
+                   static_cast<const T*>(p.k) +
+                       cache_offset(p, block, p.k_batch_stride, p.k_head_stride,
+                                    p.k_row_stride, h_kv, jj) + my_col,
+                   valid);
+      }
       if constexpr (kLoadV) {
         cp_async16(sV + swz<DV>(r, my_col),
                    static_cast<const T*>(p.v) +
@@ -245,32 +274,60 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     const T* sV = sK + BN * D;
 
     float s[1][NT][4];
-    zero(s);
-    warp_gemm_nt<1, NT, D>(s, sQ, warp_row0, sK, key_warp * kWarpKeys, lane);
     const int n0 = tile * BN + key_warp * kWarpKeys;
     float scale = p.scale_log2;
-    if constexpr (Mod::kFoldsScale) {
-      scale = Mod::modify_raw_frag(s, p);
-    } else if constexpr (Mod::kPositional) {
-      const float x_scale = static_cast<float>(p.scale);
+    if (read_scores) {
+      const float* sS = reinterpret_cast<const float*>(sK);
 #pragma unroll
       for (int ni = 0; ni < NT; ++ni)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int hh = e >> 1, j = n0 + ni * 8 + 2 * (lane & 3) + (e & 1);
-          s[0][ni][e] = Mod::apply(p, row_head[hh], row_pos[hh], j, s[0][ni][e] * x_scale) *
-                        float(M_LOG2E);
+        for (int hh = 0; hh < 2; ++hh) {
+          const float2 v = *reinterpret_cast<const float2*>(
+              sS + (warp_row0 + g + 8 * hh) * Traits::kScoreStride + key_warp * kWarpKeys +
+              ni * 8 + 2 * (lane & 3));
+          s[0][ni][2 * hh] = v.x;
+          s[0][ni][2 * hh + 1] = v.y;
         }
       scale = 1.f;
-    } else if (!Mod::kIdentity || !(scale > 0.f)) {
+    } else {
+      zero(s);
+      warp_gemm_nt<1, NT, D>(s, sQ, warp_row0, sK, key_warp * kWarpKeys, lane);
+      if constexpr (Mod::kFoldsScale) {
+        scale = Mod::modify_raw_frag(s, p);
+      } else if constexpr (Mod::kPositional) {
+        const float x_scale = static_cast<float>(p.scale);
 #pragma unroll
-      for (int ni = 0; ni < NT; ++ni)
+        for (int ni = 0; ni < NT; ++ni)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) s[0][ni][e] *= scale;
-      modify_scores<Mod, false>(s, p, lens, h_kv * group, 0, n0, lane);
-      scale = 1.f;
+          for (int e = 0; e < 4; ++e) {
+            const int hh = e >> 1, j = n0 + ni * 8 + 2 * (lane & 3) + (e & 1);
+            s[0][ni][e] = Mod::apply(p, row_head[hh], row_pos[hh], j, s[0][ni][e] * x_scale) *
+                          float(M_LOG2E);
+          }
+        scale = 1.f;
+      } else if (!Mod::kIdentity || !(scale > 0.f)) {
+#pragma unroll
+        for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[0][ni][e] *= scale;
+        modify_scores<Mod, false>(s, p, lens, h_kv * group, 0, n0, lane);
+        scale = 1.f;
+      }
+      if (!(n0 >= all_lo && n0 + kWarpKeys <= all_hi)) mask_scores(s, rr, n0, lane);
+      if (kPass == DecodePass::kLse && cached) {
+#pragma unroll
+        for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh) {
+            const int r = warp_row0 + g + 8 * hh;
+            if (row0 + r < rows) {
+              *reinterpret_cast<float2*>(sp.scores + scores_row0 + r * sp.scores_stride + n0 +
+                                         ni * 8 + 2 * (lane & 3)) =
+                  make_float2(s[0][ni][2 * hh] * scale, s[0][ni][2 * hh + 1] * scale);
+            }
+          }
+      }
     }
-    if (!(n0 >= all_lo && n0 + kWarpKeys <= all_hi)) mask_scores(s, rr, n0, lane);
     if constexpr (kPass == DecodePass::kWeights) {
       WeightStats unused;
       const float lse2_frag[1][2] = {{lse2[0], lse2[1]}};

@@ -89,9 +89,17 @@ std::tuple<at::Tensor, at::Tensor> kvcache_attn_cuda(
       o_part = at::empty({splits, q.size(0), q.size(1), q.size(2), v_cache.size(-1)}, lse_options);
       lse_part = at::empty({splits, q.size(0), q.size(1), q.size(2)}, lse_options);
     }
+    const int64_t scores_stride = decode_score_cache_stride(variant, p, q.scalar_type());
+    at::Tensor scores;
+    if (scores_stride > 0) {
+      scores = at::empty({q.size(0), k_cache.size(1), q.size(1) / k_cache.size(1) * q.size(2),
+                          scores_stride},
+                         lse_options);
+    }
     attention_decode_tc_cuda(variant, p, splits, splits > 1 ? o_part.data_ptr<float>() : nullptr,
                              splits > 1 ? lse_part.data_ptr<float>() : nullptr,
-                             q.scalar_type());
+                             scores_stride > 0 ? scores.data_ptr<float>() : nullptr,
+                             scores_stride, q.scalar_type());
     return {out, lse};
   }
 
