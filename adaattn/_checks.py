@@ -49,6 +49,11 @@ def _float32(x: float) -> float:
         return math.copysign(math.inf, x)
 
 
+def type_name(value) -> str:
+    """The type of an argument as a message names it (a tensor of any subclass is a Tensor)."""
+    return "Tensor" if isinstance(value, torch.Tensor) else type(value).__name__
+
+
 def fail(cls, op: str, *parts) -> None:
     raise cls(f"adaattn.{op}: " + "".join(str(p) for p in parts))
 
@@ -63,32 +68,32 @@ def check(cond, cls, op: str, *parts) -> None:
 def boolean(op: str, name: str, value) -> bool:
     """A flag: a bool, nothing else (no truthiness: causal="no" is an error)."""
     check(isinstance(value, bool), TypeError, op, name, " must be a bool, got ",
-          type(value).__name__, " ", repr(value))
+          type_name(value), " ", repr(value))
     return value
 
 
 def optional_float(op: str, name: str, value):
     check(value is None or (isinstance(value, numbers.Real) and not isinstance(value, bool)),
-          TypeError, op, name, " must be a float or None, got ", type(value).__name__, " ",
+          TypeError, op, name, " must be a float or None, got ", type_name(value), " ",
           repr(value))
     return None if value is None else float(value)
 
 
 def real(op: str, name: str, value) -> float:
     check(isinstance(value, numbers.Real) and not isinstance(value, bool), TypeError, op, name,
-          " must be a float, got ", type(value).__name__, " ", repr(value))
+          " must be a float, got ", type_name(value), " ", repr(value))
     return float(value)
 
 
 def integer(op: str, name: str, value) -> int:
     check(isinstance(value, int) and not isinstance(value, bool), TypeError, op, name,
-          " must be an int, got ", type(value).__name__, " ", repr(value))
+          " must be an int, got ", type_name(value), " ", repr(value))
     return value
 
 
 def tensor(op: str, name: str, value, optional: bool = False):
     check(isinstance(value, torch.Tensor) or (optional and value is None), TypeError, op, name,
-          " must be a tensor", " or None" if optional else "", ", got ", type(value).__name__)
+          " must be a tensor", " or None" if optional else "", ", got ", type_name(value))
     return value
 
 

@@ -86,8 +86,9 @@ class BlockSparseMask:
     the mask's device with torch ops (no host sync) the first time it is needed, then cached.
     So is the mean number of listed keys per query row, which picks the backward's kernels
     (see ``block_sparse_attn``); it is copied to the host asynchronously, without a sync.
-    Values are checked by the op on CPU tensors; on CUDA, counts are clamped and out-of-range
-    indices are skipped, and duplicate indices are the caller's responsibility.
+    Values are checked by the op on CPU tensors, and on CUDA with ``ADAATTN_CHECK_INPUTS=1``
+    (a host sync); otherwise CUDA clamps counts and skips out-of-range indices, and duplicate
+    indices are the caller's responsibility.
     """
 
     def __init__(self, kv_num_blocks: torch.Tensor, kv_indices: torch.Tensor,
@@ -146,7 +147,7 @@ class BlockSparseMask:
         op = "BlockSparseMask.from_flex"
         C.check(isinstance(block_mask, BlockMask), TypeError, op,
                 "block_mask must be a torch.nn.attention.flex_attention.BlockMask, got ",
-                type(block_mask).__name__)
+                C.type_name(block_mask))
         bm, bn = _block_size_pair(op, tuple(block_mask.BLOCK_SIZE), "the BlockMask's BLOCK_SIZE")
         len_q, len_k = block_mask.seq_lengths
         nq, nkv = math.ceil(len_q / bm), math.ceil(len_k / bn)
@@ -287,7 +288,7 @@ def _bwd_mode(bwd_mode, deterministic, block_mask: BlockSparseMask) -> str:
     arguments."""
     op = "block_sparse_attn"
     C.check(isinstance(bwd_mode, str), TypeError, op, "bwd_mode must be a str, got ",
-            type(bwd_mode).__name__)
+            C.type_name(bwd_mode))
     C.check(bwd_mode in BWD_MODES, ValueError, op, "bwd_mode must be one of ",
             ", ".join(map(repr, BWD_MODES)), ", got ", repr(bwd_mode))
     C.check(not (bwd_mode == "atomic" and deterministic), ValueError, op,
@@ -357,7 +358,7 @@ def block_sparse_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     op = "block_sparse_attn"
     C.tensors(op, q=q, k=k, v=v)
     C.check(isinstance(block_mask, BlockSparseMask), TypeError, op,
-            "block_mask must be an adaattn.BlockSparseMask, got ", type(block_mask).__name__)
+            "block_mask must be an adaattn.BlockSparseMask, got ", C.type_name(block_mask))
     causal = C.boolean(op, "causal", causal)
     return_lse = C.boolean(op, "return_lse", return_lse)
     deterministic = C.boolean(op, "deterministic", deterministic)

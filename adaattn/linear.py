@@ -66,7 +66,7 @@ def linear_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, feature_ma
     C.optional_tensors(op, cu_seqlens=cu_seqlens, initial_state=initial_state)
     return_state = C.boolean(op, "return_state", return_state)
     C.check(isinstance(feature_map, str), TypeError, op, "feature_map must be a str, got ",
-            type(feature_map).__name__)
+            C.type_name(feature_map))
     out, state = ops.linear_attn(q, k, v, initial_state, cu_seqlens, feature_map,
                                  C.boolean(op, "causal", causal),
                                  C.boolean(op, "normalize", normalize))

@@ -202,7 +202,7 @@ class LinearAttention(nn.Module):
         super().__init__()
         op = "nn.LinearAttention"
         C.check(isinstance(feature_map, str), TypeError, op, "feature_map must be a str, got ",
-                type(feature_map).__name__)
+                C.type_name(feature_map))
         C.check(feature_map in self.FEATURE_MAPS, ValueError, op, "feature_map must be one of ",
                 self.FEATURE_MAPS, ", got ", repr(feature_map))
         C.boolean(op, "causal", causal)

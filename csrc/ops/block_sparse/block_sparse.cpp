@@ -107,7 +107,11 @@ void check_block_sparse_inputs(const at::Tensor& q, const at::Tensor& k, const a
   }
 }
 
-void check_block_sparse_mask_values(const BlockSparseMaskTensors& mask) {
+void check_block_sparse_mask_values(const BlockSparseMaskTensors& given) {
+  if (!check_values_of(given.kv_num_blocks)) return;
+  auto host = [](const at::Tensor& t) { return t.defined() ? t.cpu().contiguous() : t; };
+  const BlockSparseMaskTensors mask{host(given.kv_num_blocks), host(given.kv_indices),
+                                    host(given.q_num_blocks), host(given.q_indices)};
   std::vector<uint8_t> forward, transposed;
   check_list_values(mask.kv_num_blocks, mask.kv_indices, "kv_num_blocks", "kv_indices", forward);
   if (!mask.q_num_blocks.defined()) return;

@@ -1,8 +1,9 @@
 // CUDA registration of the block-sparse ops: fp16/bf16 go to the flash tensor-core
 // kernels, which walk the mask's block lists (tc/tiles.h); fp32/fp64 to the exact kernels, which
-// walk them per row (core/block_sparse.h). Mask values are not checked here (that would need a
-// host sync): the kernels clamp counts and skip out-of-range indices, so a malformed mask never
-// reads out of bounds. Current stream, no host synchronisation.
+// walk them per row (core/block_sparse.h). Mask values are checked only with
+// ADAATTN_CHECK_INPUTS=1 (a host sync); otherwise the kernels clamp counts and skip
+// out-of-range indices, so a malformed mask never reads out of bounds. Current stream, no host
+// synchronisation.
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
@@ -40,6 +41,7 @@ std::tuple<at::Tensor, at::Tensor> block_sparse_fwd_cuda_op(
   const TcLayout layout = tc_layout("block_sparse_attn", q_in, v_in, variant);
   check_cuda_block_size(q_in, block_m, block_n);
   mask = contiguous_mask(mask);
+  check_block_sparse_mask_values(mask);
   const at::Tensor q = layout.qk(q_in);
   const at::Tensor k = layout.qk(k_in);
   const at::Tensor v = layout.vo(v_in);
@@ -73,6 +75,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_sparse_bwd_cuda_op(
   const TcLayout layout = tc_layout("block_sparse_attn", q_in, v_in, variant);
   check_cuda_block_size(q_in, block_m, block_n);
   mask = contiguous_mask(mask);
+  check_block_sparse_mask_values(mask);
   const at::Tensor q = layout.qk(q_in);
   const at::Tensor k = layout.qk(k_in);
   const at::Tensor v = layout.vo(v_in);
