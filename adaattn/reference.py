@@ -38,12 +38,15 @@ def _softcap(scores: torch.Tensor, softcap: float) -> torch.Tensor:
 def _softmax(scores: torch.Tensor, mask: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(lse, probs)`` of ``scores [..., Lk]`` over the keys where ``mask`` is True.
 
-    A row that sees no key (or whose every visible score is ``-inf``) gives ``lse = -inf`` and
-    zero probabilities. A NaN or ``+inf`` score leaves the row's softmax undefined: its lse and
-    every visible probability are NaN (as SDPA's softmax gives), never a silent zero row.
+    A row that sees no key (or whose every visible score is ``-inf``) gives ``lse = -inf``, zero
+    probabilities and zero gradients (logsumexp's own gradient there would be
+    ``exp(-inf + inf) = NaN``). A NaN or ``+inf`` score leaves the row's softmax undefined: its
+    lse and every visible probability are NaN (as SDPA's softmax gives), never a silent zero row.
     """
     scores = scores.masked_fill(~mask, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
+    empty = (scores == float("-inf")).all(-1)
+    lse = torch.logsumexp(scores.masked_fill(empty.unsqueeze(-1), 0.0), dim=-1)
+    lse = lse.masked_fill(empty, float("-inf"))
     lse = torch.where(lse == float("inf"), float("nan"), lse)
     probs = torch.exp(scores - torch.where(lse == float("-inf"), 0.0, lse).unsqueeze(-1))
     return lse, probs.masked_fill(~mask, 0.0)

@@ -31,9 +31,11 @@ HQ, HKV = 4, 2  # GQA: kv head 0 serves query heads 0 and 1
 BAD_ROW = 3  # the query row / key that holds the bad value (inside every problem)
 
 
-def _mask(device):
-    return adaattn.BlockSparseMask.from_dense(torch.ones(1, 1, 1, 1, dtype=torch.bool),
-                                              block_size=(128, 128)).to(device)
+def _mask(q, k):
+    """Every block listed (128 x 128, as the tensor cores take) for q's and k's lengths."""
+    blocks = (1, 1, -(-q.shape[2] // 128), -(-k.shape[2] // 128))
+    return adaattn.BlockSparseMask.from_dense(torch.ones(blocks, dtype=torch.bool,
+                                                         device=q.device))
 
 
 class Op:
@@ -70,8 +72,8 @@ OPS = {
                    lambda q, k, v, x: reference.low_rank_attn(q, k, v, x["basis"], causal=True),
                    _basis),
     "block_sparse": Op(lambda q, k, v, c, x: adaattn.block_sparse_attn(
-                           q, k, v, _mask(q.device), causal=c, return_lse=True),
-                       lambda q, k, v, x: reference.block_sparse_attn(q, k, v, _mask(q.device),
+                           q, k, v, _mask(q, k), causal=c, return_lse=True),
+                       lambda q, k, v, x: reference.block_sparse_attn(q, k, v, _mask(q, k),
                                                                       causal=True)),
 }
 
