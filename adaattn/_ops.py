@@ -1,11 +1,15 @@
 """Loads the op library and registers the fake (meta) kernels used by torch.compile/export.
 
 Loading the library registers the ops in `torch.ops.adaattn`; it does not initialise CUDA.
+Every fake kernel first runs the checks of its real kernels (``_checks.py``: the same exception
+and message), so a bad argument fails at trace time, and on meta tensors, as it would at run time.
 """
 import glob
 import os
 
 import torch
+
+from . import _checks as C
 
 _LIB_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -37,6 +41,9 @@ def _out_fake(q, v):
 @torch.library.register_fake("adaattn::flash_fwd")
 def _flash_fwd_fake(q, k, v, seqlens, softmax_scale, causal, window_left, window_right,
                     cu_seqlens_q=None, cu_seqlens_k=None, softcap=0.0):
+    op = C.flash_op_name(cu_seqlens_q, cu_seqlens_k)
+    C.check_flash_inputs(op, q, k, v, seqlens, cu_seqlens_q, cu_seqlens_k)
+    C.check_flash_options(op, softmax_scale, window_left, window_right, softcap)
     out = _out_fake(q, v)
     return out, _lse_fake(q, cu_seqlens_q is not None)
 
@@ -45,6 +52,10 @@ def _flash_fwd_fake(q, k, v, seqlens, softmax_scale, causal, window_left, window
 def _flash_bwd_fake(grad_out, q, k, v, out, lse, seqlens, softmax_scale, causal, window_left,
                     window_right, deterministic, cu_seqlens_q=None, cu_seqlens_k=None,
                     softcap=0.0):
+    op = C.flash_op_name(cu_seqlens_q, cu_seqlens_k)
+    C.check_flash_inputs(op, q, k, v, seqlens, cu_seqlens_q, cu_seqlens_k)
+    C.check_flash_bwd_inputs(op, grad_out, q, v, out, lse, cu_seqlens_q is not None)
+    C.check_flash_options(op, softmax_scale, window_left, window_right, softcap)
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             torch.empty_like(k, memory_format=torch.contiguous_format),
             torch.empty_like(v, memory_format=torch.contiguous_format))
@@ -52,6 +63,8 @@ def _flash_bwd_fake(grad_out, q, k, v, out, lse, seqlens, softmax_scale, causal,
 
 @torch.library.register_fake("adaattn::lazy_fwd")
 def _lazy_fwd_fake(q, k, v, tau, bias, seqlens, softmax_scale, return_stats, cu_seqlens=None):
+    C.check_lazy_inputs(C.lazy_op_name(cu_seqlens), q, k, v, tau, bias, seqlens, cu_seqlens,
+                        softmax_scale)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     stats = q.new_empty((4 if return_stats else 0,), dtype=torch.int64)
     return out, _lse_fake(q, cu_seqlens is not None), stats
@@ -60,6 +73,9 @@ def _lazy_fwd_fake(q, k, v, tau, bias, seqlens, softmax_scale, return_stats, cu_
 @torch.library.register_fake("adaattn::lazy_bwd")
 def _lazy_bwd_fake(grad_out, q, k, v, tau, bias, out, lse, seqlens, softmax_scale, param_grads,
                    cu_seqlens=None):
+    op = C.lazy_op_name(cu_seqlens)
+    C.check_lazy_inputs(op, q, k, v, tau, bias, seqlens, cu_seqlens, softmax_scale)
+    C.check_flash_bwd_inputs(op, grad_out, q, v, out, lse, cu_seqlens is not None)
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             torch.empty_like(k, memory_format=torch.contiguous_format),
             torch.empty_like(v, memory_format=torch.contiguous_format),
@@ -68,13 +84,13 @@ def _lazy_bwd_fake(grad_out, q, k, v, tau, bias, out, lse, seqlens, softmax_scal
 
 
 def _linear_state_fake(q, v, cu_seqlens, normalize):
-    seqs = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    return q.new_empty((seqs, q.shape[1], q.shape[-1], v.shape[-1] + int(normalize)), dtype=dtype)
+    return q.new_empty(C.linear_state_shape(q, v, cu_seqlens, normalize), dtype=dtype)
 
 
 @torch.library.register_fake("adaattn::linear_fwd")
 def _linear_fwd_fake(q, k, v, initial_state, cu_seqlens, feature_map, causal, normalize):
+    C.check_linear_inputs(q, k, v, initial_state, cu_seqlens, feature_map, normalize)
     out = torch.empty_like(v, memory_format=torch.contiguous_format)
     return out, _linear_state_fake(q, v, cu_seqlens, normalize)
 
@@ -82,6 +98,8 @@ def _linear_fwd_fake(q, k, v, initial_state, cu_seqlens, feature_map, causal, no
 @torch.library.register_fake("adaattn::linear_bwd")
 def _linear_bwd_fake(grad_out, grad_state, q, k, v, initial_state, cu_seqlens, feature_map, causal,
                      normalize):
+    C.check_linear_inputs(q, k, v, initial_state, cu_seqlens, feature_map, normalize)
+    C.check_linear_grads(grad_out, grad_state, q, v, cu_seqlens, normalize)
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             torch.empty_like(k, memory_format=torch.contiguous_format),
             torch.empty_like(v, memory_format=torch.contiguous_format),
@@ -91,6 +109,8 @@ def _linear_bwd_fake(grad_out, grad_state, q, k, v, initial_state, cu_seqlens, f
 @torch.library.register_fake("adaattn::block_sparse_fwd")
 def _block_sparse_fwd_fake(q, k, v, kv_num_blocks, kv_indices, block_m, block_n, softmax_scale,
                            causal, softcap=0.0):
+    C.check_block_sparse_inputs(q, k, v, kv_num_blocks, kv_indices, None, None, block_m, block_n)
+    C.check_flash_options(C.BLOCK_SPARSE, softmax_scale, -1, -1, softcap)
     out = _out_fake(q, v)
     lse = q.new_empty(q.shape[:3], dtype=torch.float32)
     return out, lse
@@ -100,6 +120,11 @@ def _block_sparse_fwd_fake(q, k, v, kv_num_blocks, kv_indices, block_m, block_n,
 def _block_sparse_bwd_fake(grad_out, q, k, v, out, lse, kv_num_blocks, kv_indices, q_num_blocks,
                            q_indices, block_m, block_n, softmax_scale, causal,
                            bwd_mode="atomic", softcap=0.0):
+    C.check_block_sparse_inputs(q, k, v, kv_num_blocks, kv_indices, q_num_blocks, q_indices,
+                                block_m, block_n)
+    C.check_bwd_mode(bwd_mode)
+    C.check_flash_options(C.BLOCK_SPARSE, softmax_scale, -1, -1, softcap)
+    C.check_flash_bwd_inputs(C.BLOCK_SPARSE, grad_out, q, v, out, lse, False)
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             torch.empty_like(k, memory_format=torch.contiguous_format),
             torch.empty_like(v, memory_format=torch.contiguous_format))
@@ -107,16 +132,20 @@ def _block_sparse_bwd_fake(grad_out, q, k, v, out, lse, kv_num_blocks, kv_indice
 
 @torch.library.register_fake("adaattn::sym_eig")
 def _sym_eig_fake(a):
+    C.check_sym_eig_input("sym_eig", a)
     return a.new_empty(a.shape[:2]), torch.empty_like(a, memory_format=torch.contiguous_format)
 
 
 @torch.library.register_fake("adaattn::shifted_cholesky_info")
 def _shifted_cholesky_info_fake(a, rel_shift):
+    C.check_shifted_cholesky_input(a, rel_shift)
     return a.new_empty(a.shape[:1], dtype=torch.int32)
 
 
 @torch.library.register_fake("adaattn::sym_eig_top")
 def _sym_eig_top_fake(a, energy, min_rank, multiple):
+    C.check_sym_eig_input("sym_eig_top", a)
+    C.check_sym_eig_top_args(energy, min_rank, multiple)
     return (a.new_empty(a.shape[:2]), torch.empty_like(a, memory_format=torch.contiguous_format),
             a.new_empty(a.shape[:1], dtype=torch.int32))
 
@@ -125,10 +154,17 @@ def _sym_eig_top_fake(a, energy, min_rank, multiple):
 def _flash_kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, block_table=None,
                         softmax_scale=None, causal=True, window_left=-1, window_right=-1,
                         softcap=0.0, num_splits=0):
+    op = "flash_attn_with_kvcache"
+    C.check_kvcache_inputs(op, q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits)
+    C.check_flash_options(op, softmax_scale, window_left, window_right, softcap)
     return _out_fake(q, v_cache), _lse_fake(q, False)
 
 
 @torch.library.register_fake("adaattn::lazy_attn_with_kvcache")
 def _lazy_kvcache_fake(q, k_cache, v_cache, k, v, tau, bias, cache_seqlens, block_table=None,
                        softmax_scale=None, num_splits=0):
+    op = "lazy_attn_with_kvcache"
+    C.check_kvcache_inputs(op, q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits)
+    C.check_lazy_kvcache_args(op, q, v_cache, tau, bias)
+    C.check_flash_options(op, softmax_scale, -1, 0, 0.0)
     return _out_fake(q, v_cache), _lse_fake(q, False)

@@ -4,8 +4,8 @@ from typing import Optional, Tuple, Union
 
 import torch
 
+from . import _checks as C
 from ._ops import ops
-from .flash import _softcap_value
 
 # Mean listed keys per query row up to which bwd_mode="auto" takes the two-pass (dQ-pass)
 # kernels; above it the atomic-dQ kernel is faster. On the H100 the two-pass was faster at 2.7
@@ -17,17 +17,19 @@ BLOCK_SIZES = (64, 128)
 BWD_MODES = ("auto", "atomic", "two_pass")
 
 
-def _block_size_pair(block_size, name="block_size") -> Tuple[int, int]:
-    if isinstance(block_size, int) and not isinstance(block_size, bool):
-        pair = (block_size, block_size)
-    elif (isinstance(block_size, (tuple, list)) and len(block_size) == 2
-          and all(isinstance(b, int) and not isinstance(b, bool) for b in block_size)):
-        pair = tuple(block_size)
-    else:
-        raise ValueError(f"adaattn: {name} must be an int or a pair of ints (BM, BN), "
-                         f"got {block_size!r}")
-    if any(b not in BLOCK_SIZES for b in pair):
-        raise ValueError(f"adaattn: {name} entries must be 64 or 128, got {pair}")
+def _block_size_pair(op, block_size, name="block_size") -> Tuple[int, int]:
+    def is_int(b):
+        return isinstance(b, int) and not isinstance(b, bool)
+
+    C.check(is_int(block_size) or (isinstance(block_size, (tuple, list))
+                                   and all(is_int(b) for b in block_size)),
+            TypeError, op, name, " must be an int or a pair of ints (BM, BN), got ",
+            repr(block_size))
+    pair = (block_size, block_size) if is_int(block_size) else tuple(block_size)
+    C.check(len(pair) == 2, ValueError, op, name,
+            " must be an int or a pair of ints (BM, BN), got ", repr(block_size))
+    C.check(all(b in BLOCK_SIZES for b in pair), ValueError, op, name,
+            " entries must be 64 or 128, got ", pair)
     return pair
 
 
@@ -54,13 +56,11 @@ def _lists_to_dense(counts: torch.Tensor, indices: torch.Tensor) -> torch.Tensor
 
 
 def _check_index(t, name, dims, what):
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"adaattn: {name} must be a tensor, got {type(t).__name__}")
-    if t.dtype != torch.int32:
-        raise ValueError(f"adaattn: {name} must be int32, got {t.dtype}")
-    if t.dim() != dims:
-        raise ValueError(f"adaattn: {name} must have {dims} dims {what}, got shape "
-                         f"{tuple(t.shape)}")
+    op = "BlockSparseMask"
+    C.tensor(op, name, t)
+    C.check(t.dtype == torch.int32, TypeError, op, name, " must be int32, got ", t.dtype)
+    C.check(t.dim() == dims, ValueError, op, name, " must have ", dims, " dims ", what,
+            ", got shape ", tuple(t.shape))
 
 
 class BlockSparseMask:
@@ -86,25 +86,26 @@ class BlockSparseMask:
     the mask's device with torch ops (no host sync) the first time it is needed, then cached.
     So is the mean number of listed keys per query row, which picks the backward's kernels
     (see ``block_sparse_attn``); it is copied to the host asynchronously, without a sync.
-    Values are checked by the op on CPU tensors; on CUDA, counts are clamped and out-of-range
-    indices are skipped, and duplicate indices are the caller's responsibility.
+    Values are checked by the op on CPU tensors, and on CUDA with ``ADAATTN_CHECK_INPUTS=1``
+    (a host sync); otherwise CUDA clamps counts and skips out-of-range indices, and duplicate
+    indices are the caller's responsibility.
     """
 
     def __init__(self, kv_num_blocks: torch.Tensor, kv_indices: torch.Tensor,
                  block_size: Union[int, Tuple[int, int]] = 128, *, causal: bool = False):
         _check_index(kv_num_blocks, "kv_num_blocks", 3, "[B|1, H|1, nQ]")
         _check_index(kv_indices, "kv_indices", 4, "[B|1, H|1, nQ, nKV]")
-        if kv_indices.shape[:3] != kv_num_blocks.shape:
-            raise ValueError(
-                f"adaattn: kv_indices [B|1, H|1, nQ, nKV] must start with kv_num_blocks' shape "
-                f"{tuple(kv_num_blocks.shape)}, got {tuple(kv_indices.shape)}")
-        if kv_indices.device != kv_num_blocks.device:
-            raise ValueError(f"adaattn: kv_indices must be on kv_num_blocks' device "
-                             f"{kv_num_blocks.device}, got {kv_indices.device}")
+        op = "BlockSparseMask"
+        C.check(kv_indices.shape[:3] == kv_num_blocks.shape, ValueError, op,
+                "kv_indices [B|1, H|1, nQ, nKV] must start with kv_num_blocks' shape ",
+                tuple(kv_num_blocks.shape), ", got ", tuple(kv_indices.shape))
+        C.check(kv_indices.device == kv_num_blocks.device, RuntimeError, op,
+                "kv_indices must be on kv_num_blocks' device ", kv_num_blocks.device, ", got ",
+                kv_indices.device)
         self.kv_num_blocks = kv_num_blocks
         self.kv_indices = kv_indices
-        self.block_size = _block_size_pair(block_size)
-        self.causal = bool(causal)
+        self.block_size = _block_size_pair(op, block_size)
+        self.causal = C.boolean(op, "causal", causal)
         self._transposed: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
         self._keys_per_row: Optional[float] = None
         self._keys_probe: Optional[Tuple[torch.Tensor, torch.cuda.Event]] = None
@@ -117,13 +118,12 @@ class BlockSparseMask:
         ``block_size`` is ``BM = BN`` or ``(BM, BN)``, each 64 or 128. Runs on the layout's
         device without a host sync.
         """
-        if not isinstance(layout, torch.Tensor) or layout.dtype != torch.bool:
-            raise ValueError("adaattn: layout must be a bool tensor [B|1, H|1, nQ, nKV], got "
-                             + (str(layout.dtype) if isinstance(layout, torch.Tensor)
-                                else type(layout).__name__))
-        if layout.dim() != 4:
-            raise ValueError(f"adaattn: layout must have 4 dims [B|1, H|1, nQ, nKV], got shape "
-                             f"{tuple(layout.shape)}")
+        op = "BlockSparseMask.from_dense"
+        C.tensor(op, "layout", layout)
+        C.check(layout.dtype == torch.bool, TypeError, op,
+                "layout must be a bool tensor [B|1, H|1, nQ, nKV], got ", layout.dtype)
+        C.check(layout.dim() == 4, ValueError, op,
+                "layout must have 4 dims [B|1, H|1, nQ, nKV], got shape ", tuple(layout.shape))
         counts, indices = _dense_to_lists(layout)
         return cls(counts, indices, block_size)
 
@@ -144,17 +144,17 @@ class BlockSparseMask:
         """
         from torch.nn.attention.flex_attention import BlockMask
 
-        if not isinstance(block_mask, BlockMask):
-            raise ValueError(f"adaattn: from_flex takes a torch.nn.attention.flex_attention."
-                             f"BlockMask, got {type(block_mask).__name__}")
-        bm, bn = _block_size_pair(tuple(block_mask.BLOCK_SIZE), "the BlockMask's BLOCK_SIZE")
+        op = "BlockSparseMask.from_flex"
+        C.check(isinstance(block_mask, BlockMask), TypeError, op,
+                "block_mask must be a torch.nn.attention.flex_attention.BlockMask, got ",
+                C.type_name(block_mask))
+        bm, bn = _block_size_pair(op, tuple(block_mask.BLOCK_SIZE), "the BlockMask's BLOCK_SIZE")
         len_q, len_k = block_mask.seq_lengths
         nq, nkv = math.ceil(len_q / bm), math.ceil(len_k / bn)
         grid = tuple(block_mask.kv_indices.shape[-2:])
-        if grid != (nq, nkv):
-            raise ValueError(f"adaattn: the BlockMask has {grid[0]} x {grid[1]} blocks, but its "
-                             f"seq_lengths {(len_q, len_k)} and BLOCK_SIZE {(bm, bn)} need "
-                             f"{nq} x {nkv}")
+        C.check(grid == (nq, nkv), ValueError, op, "the BlockMask has ", grid[0], " x ", grid[1],
+                " blocks, but its seq_lengths ", (len_q, len_k), " and BLOCK_SIZE ", (bm, bn),
+                " need ", nq, " x ", nkv)
         partial = _lists_to_dense(block_mask.kv_num_blocks, block_mask.kv_indices)
         full = torch.zeros_like(partial)
         if block_mask.full_kv_num_blocks is not None:
@@ -206,11 +206,11 @@ class BlockSparseMask:
             bad = full_blocks[~full_ok][0].tolist()
             what = ("is a full block outside the causal region, while other partial blocks "
                     "need the causal rule")
-        raise ValueError(
-            f"adaattn: BlockSparseMask.from_flex: the conversion would not be exact: block "
-            f"(b={bad[0]}, h={bad[1]}, query block {bad[2]}, key block {bad[3]}) {what}; "
-            f"block-sparse attention supports block-level masks, optionally combined with the "
-            f"bottom-right aligned causal rule")
+        C.fail(ValueError, op,
+               f"the conversion would not be exact: block (b={bad[0]}, h={bad[1]}, query block "
+               f"{bad[2]}, key block {bad[3]}) {what}; block-sparse attention supports "
+               f"block-level masks, optionally combined with the bottom-right aligned causal "
+               f"rule")
 
     def to_dense(self) -> torch.Tensor:
         """Boolean block layout ``[B|1, H|1, nQ, nKV]`` (entries past a row's count and
@@ -286,13 +286,14 @@ class BlockSparseMask:
 def _bwd_mode(bwd_mode, deterministic, block_mask: BlockSparseMask) -> str:
     """The op's ``bwd_mode``, ``"atomic"`` or ``"two_pass"``, from ``block_sparse_attn``'s
     arguments."""
-    if not isinstance(bwd_mode, str) or bwd_mode not in BWD_MODES:
-        raise ValueError(f"adaattn: bwd_mode must be one of {', '.join(map(repr, BWD_MODES))}, "
-                         f"got {bwd_mode!r}")
-    if bwd_mode == "atomic" and deterministic:
-        raise ValueError("adaattn: deterministic=True contradicts bwd_mode='atomic' (atomic dq "
-                         "accumulation is not bit-reproducible); pass bwd_mode='two_pass' or "
-                         "'auto'")
+    op = "block_sparse_attn"
+    C.check(isinstance(bwd_mode, str), TypeError, op, "bwd_mode must be a str, got ",
+            C.type_name(bwd_mode))
+    C.check(bwd_mode in BWD_MODES, ValueError, op, "bwd_mode must be one of ",
+            ", ".join(map(repr, BWD_MODES)), ", got ", repr(bwd_mode))
+    C.check(not (bwd_mode == "atomic" and deterministic), ValueError, op,
+            "deterministic=True contradicts bwd_mode='atomic' (atomic dq accumulation is not "
+            "bit-reproducible); pass bwd_mode='two_pass' or 'auto'")
     if bwd_mode != "auto":
         return bwd_mode
     return "two_pass" if deterministic or block_mask.prefers_two_pass() else "atomic"
@@ -343,25 +344,38 @@ def block_sparse_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     Returns:
         ``out [B, Hq, Lq, D]`` (dtype of q), and ``lse`` when ``return_lse``. A row that sees no
         key gives ``out = 0``, ``lse = -inf`` and zero gradients.
+
+    Raises:
+        TypeError: block_mask not a ``BlockSparseMask``, a flag that is not a bool, bwd_mode not
+            a str; q, k, v not floating or not of one dtype.
+        ValueError: a wrong shape or value (as :func:`flash_attn`; a mask whose block grid does
+            not fit ``Lq``/``Lk``; an unknown bwd_mode or one that contradicts
+            ``deterministic``; on the CPU, mask counts or indices out of range or repeated).
+        RuntimeError: tensors on different devices; on CUDA fp16/bf16, blocks other than
+            128 x 128 or an unsupported head dim.
+        Every message starts ``adaattn.block_sparse_attn:`` and names the argument.
     """
-    if not isinstance(block_mask, BlockSparseMask):
-        raise ValueError(f"adaattn: block_mask must be an adaattn.BlockSparseMask, got "
-                         f"{type(block_mask).__name__}")
+    op = "block_sparse_attn"
+    C.tensors(op, q=q, k=k, v=v)
+    C.check(isinstance(block_mask, BlockSparseMask), TypeError, op,
+            "block_mask must be an adaattn.BlockSparseMask, got ", C.type_name(block_mask))
+    causal = C.boolean(op, "causal", causal)
+    return_lse = C.boolean(op, "return_lse", return_lse)
+    deterministic = C.boolean(op, "deterministic", deterministic)
     bm, bn = block_mask.block_size
     # Eager only: dynamo cannot trace this message with symbolic lengths; compiled code gets the
     # op's own check of the same shapes (naming kv_num_blocks / kv_indices) while tracing.
     if q.dim() == 4 and k.dim() == 4 and not torch.compiler.is_compiling():
         need = (math.ceil(q.shape[2] / bm), math.ceil(k.shape[2] / bn))
-        if tuple(block_mask.num_blocks) != need:
-            raise ValueError(
-                f"adaattn: block_mask has {block_mask.num_blocks[0]} x "
-                f"{block_mask.num_blocks[1]} blocks of {bm}x{bn}, but Lq = {q.shape[2]} and "
-                f"Lk = {k.shape[2]} need ceil(Lq / {bm}) x ceil(Lk / {bn}) = "
-                f"{need[0]} x {need[1]}")
+        C.check(tuple(block_mask.num_blocks) == need, ValueError, op,
+                f"block_mask has {block_mask.num_blocks[0]} x {block_mask.num_blocks[1]} "
+                f"blocks of {bm}x{bn}, but Lq = {q.shape[2]} and Lk = {k.shape[2]} need "
+                f"ceil(Lq / {bm}) x ceil(Lk / {bn}) = {need[0]} x {need[1]}")
     q_num_blocks, q_indices = block_mask.transposed()
     out, lse = ops.block_sparse_attn(q, k, v, block_mask.kv_num_blocks, block_mask.kv_indices,
-                                     q_num_blocks, q_indices, bm, bn, softmax_scale,
-                                     bool(causal) or block_mask.causal,
+                                     q_num_blocks, q_indices, bm, bn,
+                                     C.optional_float(op, "softmax_scale", softmax_scale),
+                                     causal or block_mask.causal,
                                      _bwd_mode(bwd_mode, deterministic, block_mask),
-                                     _softcap_value(softcap))
+                                     C.softcap_value(op, softcap))
     return (out, lse) if return_lse else out

@@ -4,15 +4,8 @@ from typing import Optional, Tuple, Union
 
 import torch
 
+from . import _checks as C
 from ._ops import ops
-from .flash import _softcap_value, _window_pair
-
-
-def _num_splits(num_splits) -> int:
-    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
-        raise ValueError(
-            f"adaattn: num_splits must be an int >= 0 (0 = automatic), got {num_splits!r}")
-    return num_splits
 
 
 def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -56,11 +49,27 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
     Returns:
         ``out [B, Hq, Lq, Dv]`` (q's dtype), or ``(out, lse)`` with ``return_lse``.
+
+    Raises:
+        TypeError: a flag that is not a bool, num_splits not an int, window not a pair of ints;
+            q not floating, caches or k/v not of q's dtype, cache_seqlens or block_table not
+            int32.
+        ValueError: a wrong shape, layout or value (ranks, ``Hq % Hkv``, head dims, cache and
+            k/v shapes, window entries, num_splits < 0; cache_seqlens or block_table entries
+            out of range (CPU; CUDA with ``ADAATTN_CHECK_INPUTS=1``, which otherwise clamps)).
+        RuntimeError: tensors on different devices.
+        Every message starts ``adaattn.flash_attn_with_kvcache:`` and names the argument.
     """
-    left, right = _window_pair(window)
+    op = "flash_attn_with_kvcache"
+    C.tensors(op, q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens)
+    C.optional_tensors(op, k=k, v=v, block_table=block_table)
+    return_lse = C.boolean(op, "return_lse", return_lse)
+    left, right = C.window_pair(op, window)
     out, lse = ops.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
-                                           softmax_scale, bool(causal), left, right,
-                                           _softcap_value(softcap), _num_splits(num_splits))
+                                           C.optional_float(op, "softmax_scale", softmax_scale),
+                                           C.boolean(op, "causal", causal), left, right,
+                                           C.softcap_value(op, softcap),
+                                           C.num_splits_value(op, num_splits))
     return (out, lse) if return_lse else out
 
 
@@ -90,7 +99,19 @@ def lazy_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
     Returns:
         ``out [B, Hq, Lq, D]``, or ``(out, lse)`` with ``return_lse``.
+
+    Raises:
+        TypeError, ValueError, RuntimeError: as :func:`flash_attn_with_kvcache` (and for
+            tau/bias as :func:`lazy_attn`), the message starting
+            ``adaattn.lazy_attn_with_kvcache:``.
     """
+    op = "lazy_attn_with_kvcache"
+    C.tensors(op, q=q, k_cache=k_cache, v_cache=v_cache, tau=tau, bias=bias,
+              cache_seqlens=cache_seqlens)
+    C.optional_tensors(op, k=k, v=v, block_table=block_table)
+    return_lse = C.boolean(op, "return_lse", return_lse)
     out, lse = ops.lazy_attn_with_kvcache(q, k_cache, v_cache, k, v, tau, bias, cache_seqlens,
-                                          block_table, softmax_scale, _num_splits(num_splits))
+                                          block_table,
+                                          C.optional_float(op, "softmax_scale", softmax_scale),
+                                          C.num_splits_value(op, num_splits))
     return (out, lse) if return_lse else out

@@ -1,32 +1,15 @@
 """Exact softmax attention (flash attention), forward and backward on CPU and CUDA."""
-import numbers
 from typing import Optional, Tuple, Union
 
 import torch
 
+from . import _checks as C
 from ._ops import ops
 
 Window = Tuple[int, int]
 
-
-def _window_pair(window) -> Window:
-    if (not isinstance(window, (tuple, list)) or len(window) != 2
-            or not all(isinstance(w, int) and not isinstance(w, bool) for w in window)):
-        raise ValueError(f"adaattn: window must be a pair of ints (left, right), got {window!r}")
-    left, right = window
-    if left < -1 or right < -1:
-        raise ValueError(
-            f"adaattn: window entries must be >= 0 or -1 (unbounded), got {tuple(window)}")
-    return left, right
-
-
 # The softcap defaults are the int 0 (off): torch.compile(dynamic=True) turns a float default into
 # a graph input and then restarts its analysis to specialise it; an int default stays a constant.
-def _softcap_value(softcap) -> float:
-    """softcap as a float (the op checks that it is finite and >= 0)."""
-    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
-        raise ValueError(f"adaattn: softcap must be a float >= 0 (0 = off), got {softcap!r}")
-    return float(softcap)
 
 
 def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
@@ -63,10 +46,30 @@ def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: boo
 
     Returns:
         ``out [B, Hq, Lq, Dv]`` (dtype of q), and ``lse`` when ``return_lse``.
+
+    Non-finite inputs propagate as in ``adaattn.reference``: a NaN or ``+inf`` score makes its
+    row's ``out`` and ``lse`` NaN, a ``-inf`` score weighs 0 (docs/ops.md).
+
+    Raises:
+        TypeError: an argument of the wrong type (a flag that is not a bool, a window that is not
+            a pair of ints) or a tensor of the wrong dtype (q, k, v not floating or not of one
+            dtype, seqlens not int32).
+        ValueError: a wrong shape, layout or value (ranks, ``Hq % Hkv``, head dims, window
+            entries, softmax_scale not finite, softcap < 0, seqlens outside ``[0, max(Lq, Lk)]``
+            (checked on the CPU, and on CUDA with ``ADAATTN_CHECK_INPUTS=1``)).
+        RuntimeError: tensors on different devices; a head dim the CUDA fp16/bf16 kernels do not
+            support.
+        Every message starts ``adaattn.flash_attn:`` and names the argument.
     """
-    left, right = _window_pair(window)
-    out, lse = ops.flash_attn(q, k, v, seqlens, softmax_scale, bool(causal), left, right,
-                              bool(deterministic), None, None, _softcap_value(softcap))
+    op = "flash_attn"
+    C.tensors(op, q=q, k=k, v=v)
+    C.optional_tensors(op, seqlens=seqlens)
+    return_lse = C.boolean(op, "return_lse", return_lse)
+    left, right = C.window_pair(op, window)
+    scale = C.optional_float(op, "softmax_scale", softmax_scale)
+    out, lse = ops.flash_attn(q, k, v, seqlens, scale, C.boolean(op, "causal", causal), left, right,
+                              C.boolean(op, "deterministic", deterministic), None, None,
+                              C.softcap_value(op, softcap))
     return (out, lse) if return_lse else out
 
 
@@ -104,10 +107,19 @@ def flash_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     Returns:
         ``out [Tq, Hq, Dv]``, and ``lse [Hq, Tq]`` when ``return_lse``.
+
+    Raises:
+        TypeError, ValueError, RuntimeError: as :func:`flash_attn` (and for cu_seqlens: not
+            int32; not ``[N + 1]``, not starting at 0, decreasing or not ending at ``T``), the
+            message starting ``adaattn.flash_attn_varlen:``.
     """
     del max_seqlen_q, max_seqlen_k
-    left, right = _window_pair(window)
-    out, lse = ops.flash_attn(q, k, v, None, softmax_scale, bool(causal), left, right,
-                              bool(deterministic), cu_seqlens_q, cu_seqlens_k,
-                              _softcap_value(softcap))
+    op = "flash_attn_varlen"
+    C.tensors(op, q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    return_lse = C.boolean(op, "return_lse", return_lse)
+    left, right = C.window_pair(op, window)
+    scale = C.optional_float(op, "softmax_scale", softmax_scale)
+    out, lse = ops.flash_attn(q, k, v, None, scale, C.boolean(op, "causal", causal), left, right,
+                              C.boolean(op, "deterministic", deterministic), cu_seqlens_q,
+                              cu_seqlens_k, C.softcap_value(op, softcap))
     return (out, lse) if return_lse else out

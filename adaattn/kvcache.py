@@ -4,6 +4,8 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from . import _checks as C
+
 
 class KVCache:
     """Fixed pools of key and value pages plus a block table, with a host-side page allocator.
@@ -45,8 +47,8 @@ class KVCache:
         for name, value in (("num_pages", num_pages), ("page_size", page_size),
                             ("heads_kv", heads_kv), ("head_dim", head_dim),
                             ("max_batch", max_batch), ("max_pages_per_seq", max_pages_per_seq)):
-            if value < 1:
-                raise ValueError(f"{name} must be positive, got {value}")
+            C.integer("KVCache", name, value)
+            C.check(value >= 1, ValueError, "KVCache", name, " must be positive, got ", value)
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         self.page_size = page_size
         self.k_pages = torch.empty(num_pages, heads_kv, page_size, head_dim, dtype=dtype,
@@ -88,11 +90,13 @@ class KVCache:
         if seq_id is None:
             seq_id = next((s for s, pages in enumerate(self._pages) if pages is None), None)
             if seq_id is None:
-                raise RuntimeError(f"KVCache: all {len(self._pages)} rows (max_batch) are in use")
+                raise RuntimeError(
+                    f"adaattn.KVCache: all {len(self._pages)} rows (max_batch) are in use")
         elif not 0 <= seq_id < len(self._pages):
-            raise ValueError(f"KVCache: seq_id must be in [0, {len(self._pages)}), got {seq_id}")
+            raise ValueError(
+                f"adaattn.KVCache: seq_id must be in [0, {len(self._pages)}), got {seq_id}")
         elif self._pages[seq_id] is not None:
-            raise RuntimeError(f"KVCache: row {seq_id} is in use")
+            raise RuntimeError(f"adaattn.KVCache: row {seq_id} is in use")
         self._pages[seq_id] = []
         self._lengths[seq_id] = 0
         return seq_id
@@ -116,13 +120,14 @@ class KVCache:
             total = -(-(self._lengths[seq_id] + num_tokens) // self.page_size)
             if total > self._block_table.shape[1]:
                 raise RuntimeError(
-                    f"KVCache: sequence {seq_id} would need {total} pages for "
+                    f"adaattn.KVCache: sequence {seq_id} would need {total} pages for "
                     f"{self._lengths[seq_id] + num_tokens} positions, more than "
                     f"max_pages_per_seq = {self._block_table.shape[1]}")
             needs.append((seq_id, total - len(self._pages[seq_id])))
         missing = sum(max(n, 0) for _, n in needs)
         if missing > len(self._free_pages):
-            raise RuntimeError(f"KVCache: {missing} pages needed, {len(self._free_pages)} free")
+            raise RuntimeError(
+                f"adaattn.KVCache: {missing} pages needed, {len(self._free_pages)} free")
         for seq_id, count in needs:
             if count <= 0:
                 continue
@@ -139,7 +144,7 @@ class KVCache:
             self._check_alive(seq_id)
             length = self._lengths[seq_id] + num_tokens
             if length > len(self._pages[seq_id]) * self.page_size:
-                raise RuntimeError(f"KVCache: sequence {seq_id} has no pages reserved for "
+                raise RuntimeError(f"adaattn.KVCache: sequence {seq_id} has no pages reserved for "
                                    f"{length} positions; call reserve first")
             self._lengths[seq_id] = length
         self._seqlens[list(seq_ids)] = torch.tensor(
@@ -150,7 +155,8 @@ class KVCache:
         sequences' next L positions (reserving pages) and advances their lengths: the prefill
         path, or any write without attention. One indexed copy per pool."""
         if k.dim() != 4 or k.shape[0] != len(seq_ids) or v.shape[:3] != k.shape[:3]:
-            raise ValueError(f"k and v must be [len(seq_ids) = {len(seq_ids)}, Hkv, L, D], got "
+            raise ValueError(f"adaattn.KVCache: k and v must be [len(seq_ids) = {len(seq_ids)}, "
+                             f"Hkv, L, D], got "
                              f"{tuple(k.shape)} and {tuple(v.shape)}")
         self.reserve(seq_ids, k.shape[2])
         rows = torch.tensor(list(seq_ids), dtype=torch.long, device=self._seqlens.device)
@@ -191,4 +197,4 @@ class KVCache:
 
     def _check_alive(self, seq_id: int) -> None:
         if not self._alive(seq_id):
-            raise ValueError(f"KVCache: no sequence {seq_id} (allocate it first)")
+            raise ValueError(f"adaattn.KVCache: no sequence {seq_id} (allocate it first)")

@@ -4,6 +4,7 @@ from typing import NamedTuple, Optional, Tuple, Union
 
 import torch
 
+from . import _checks as C
 from ._ops import ops
 
 
@@ -66,9 +67,24 @@ def lazy_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tau: torch.Tens
         ``return_lse`` or ``return_stats`` is set. Gradients flow to q, k, v, tau and bias
         (``tau``/``bias`` gradients are float32; the kernels skip that work when neither
         requires grad).
+
+    Raises:
+        TypeError: a flag that is not a bool; q, k, v not floating or not of one dtype, tau or
+            bias not float32, seqlens not int32.
+        ValueError: a wrong shape, layout or value (ranks, ``Hq % Hkv``, ``Dv != D``,
+            ``Lq > Lk``, tau/bias shapes, non-contiguous tau/bias, softmax_scale not finite,
+            seqlens outside ``[0, Lk]`` (CPU; CUDA with ``ADAATTN_CHECK_INPUTS=1``)).
+        RuntimeError: tensors on different devices; a head dim the CUDA fp16/bf16 kernels do not
+            support.
+        Every message starts ``adaattn.lazy_attn:`` and names the argument.
     """
-    out, lse, counts = ops.lazy_attn(q, k, v, tau, bias, seqlens, softmax_scale,
-                                     bool(return_stats))
+    op = "lazy_attn"
+    C.tensors(op, q=q, k=k, v=v, tau=tau, bias=bias)
+    C.optional_tensors(op, seqlens=seqlens)
+    return_lse = C.boolean(op, "return_lse", return_lse)
+    out, lse, counts = ops.lazy_attn(q, k, v, tau, bias, seqlens,
+                                     C.optional_float(op, "softmax_scale", softmax_scale),
+                                     C.boolean(op, "return_stats", return_stats))
     return _results(out, lse, counts, return_lse, return_stats)
 
 
@@ -97,10 +113,18 @@ def lazy_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     Returns:
         ``out [T, Hq, D]`` alone, or ``(out[, lse][, stats])``. Gradients flow to q, k, v, tau
         and bias.
+
+    Raises:
+        TypeError, ValueError, RuntimeError: as :func:`lazy_attn` (and for cu_seqlens, as
+            :func:`flash_attn_varlen`), the message starting ``adaattn.lazy_attn_varlen:``.
     """
     del max_seqlen
-    out, lse, counts = ops.lazy_attn(q, k, v, tau, bias, None, softmax_scale, bool(return_stats),
-                                     cu_seqlens)
+    op = "lazy_attn_varlen"
+    C.tensors(op, q=q, k=k, v=v, cu_seqlens=cu_seqlens, tau=tau, bias=bias)
+    return_lse = C.boolean(op, "return_lse", return_lse)
+    out, lse, counts = ops.lazy_attn(q, k, v, tau, bias, None,
+                                     C.optional_float(op, "softmax_scale", softmax_scale),
+                                     C.boolean(op, "return_stats", return_stats), cu_seqlens)
     return _results(out, lse, counts, return_lse, return_stats)
 
 

@@ -4,6 +4,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
+from . import _checks as C
 from ._ops import ops
 
 
@@ -49,7 +50,24 @@ def linear_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, feature_ma
     Returns:
         ``out`` (v's shape, q's dtype), or ``(out, state)`` when ``return_state``; gradients flow
         from both to q, k, v and ``initial_state``.
+
+    Raises:
+        TypeError: a flag that is not a bool, feature_map not a str; q, k, v not floating or not
+            of one dtype, cu_seqlens not int32, initial_state not of the state dtype.
+        ValueError: a wrong shape, layout or value (ranks, k not of q's shape, head dims,
+            unknown feature_map, initial_state's shape, cu_seqlens not ``[N + 1]``, not starting
+            at 0, decreasing or not ending at ``T`` (values: CPU; CUDA with
+            ``ADAATTN_CHECK_INPUTS=1``)).
+        RuntimeError: tensors on different devices.
+        Every message starts ``adaattn.linear_attn:`` and names the argument.
     """
-    out, state = ops.linear_attn(q, k, v, initial_state, cu_seqlens, feature_map, bool(causal),
-                                 bool(normalize))
+    op = "linear_attn"
+    C.tensors(op, q=q, k=k, v=v)
+    C.optional_tensors(op, cu_seqlens=cu_seqlens, initial_state=initial_state)
+    return_state = C.boolean(op, "return_state", return_state)
+    C.check(isinstance(feature_map, str), TypeError, op, "feature_map must be a str, got ",
+            C.type_name(feature_map))
+    out, state = ops.linear_attn(q, k, v, initial_state, cu_seqlens, feature_map,
+                                 C.boolean(op, "causal", causal),
+                                 C.boolean(op, "normalize", normalize))
     return (out, state) if return_state else out

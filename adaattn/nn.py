@@ -4,6 +4,7 @@ from typing import Optional, Tuple
 import torch
 from torch import nn
 
+from . import _checks as C
 from .flash import flash_attn, flash_attn_varlen
 
 
@@ -20,17 +21,32 @@ class FlashSelfAttention(nn.Module):
         num_heads: query heads ``Hq`` (``E % Hq == 0``, ``D = E // Hq``).
         num_kv_heads: key/value heads ``Hkv`` (defaults to ``Hq``; must divide ``Hq``).
         causal, window: as in :func:`adaattn.flash_attn`.
+
+    Raises:
+        TypeError: a size that is not an int, a flag that is not a bool, window not a pair of
+            ints.
+        ValueError: sizes that do not divide (``E % Hq``, ``Hq % Hkv``) or are not positive;
+            in forward, a packed call without x ``[T, E]``; and what
+            :func:`adaattn.flash_attn` raises. Messages start
+            ``adaattn.nn.FlashSelfAttention:``.
     """
 
     def __init__(self, embed_dim: int, num_heads: int, num_kv_heads: Optional[int] = None, *,
                  causal: bool = False, window: Tuple[int, int] = (-1, -1), bias: bool = False):
         super().__init__()
+        op = "nn.FlashSelfAttention"
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        if embed_dim % num_heads != 0:
-            raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
-        if num_heads % num_kv_heads != 0:
-            raise ValueError(
-                f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        for name, value in (("embed_dim", embed_dim), ("num_heads", num_heads),
+                            ("num_kv_heads", num_kv_heads)):
+            C.integer(op, name, value)
+            C.check(value > 0, ValueError, op, name, " must be positive, got ", value)
+        C.check(embed_dim % num_heads == 0, ValueError, op, "embed_dim (", embed_dim,
+                ") must be divisible by num_heads (", num_heads, ")")
+        C.check(num_heads % num_kv_heads == 0, ValueError, op, "num_heads (", num_heads,
+                ") must be a multiple of num_kv_heads (", num_kv_heads, ")")
+        C.boolean(op, "causal", causal)
+        C.boolean(op, "bias", bias)
+        C.window_pair(op, window)
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = embed_dim // num_heads
@@ -46,9 +62,9 @@ class FlashSelfAttention(nn.Module):
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         q, k, v = self.qkv(x).split([hq * d, hkv * d, hkv * d], dim=-1)
         if cu_seqlens is not None:
-            if x.dim() != 2 or seqlens is not None:
-                raise ValueError("packed input is x [T, E] with cu_seqlens and no seqlens, got "
-                                 f"x of shape {tuple(x.shape)}")
+            C.check(x.dim() == 2 and seqlens is None, ValueError, "nn.FlashSelfAttention",
+                    "packed input is x [T, E] with cu_seqlens and no seqlens, got x of shape ",
+                    tuple(x.shape))
             total = x.shape[0]
             out = flash_attn_varlen(q.view(total, hq, d), k.view(total, hkv, d),
                                     v.view(total, hkv, d), cu_seqlens, cu_seqlens,
@@ -89,15 +105,23 @@ class LazyAttention(nn.Module):
             back get bias 0 but are still attended.
         tau_init: initial value of every head's ``tau``.
         softmax_scale: multiplies ``q @ k^T``; defaults to ``D ** -0.5``.
+
+    Raises:
+        TypeError: num_heads or window not an int, tau_init or softmax_scale not a float.
+        ValueError: num_heads or window < 1; in forward, q not ``[B, num_heads, Lq, D]``
+            (packed ``[T, num_heads, D]``), seqlens with cu_seqlens; and what
+            :func:`adaattn.lazy_attn` raises. Messages start ``adaattn.nn.LazyAttention:``.
     """
 
     def __init__(self, num_heads: int, window: int = 512, tau_init: float = -1.0, *,
                  softmax_scale: Optional[float] = None):
         super().__init__()
-        if num_heads < 1:
-            raise ValueError(f"num_heads must be positive, got {num_heads}")
-        if window < 1:
-            raise ValueError(f"window must be positive, got {window}")
+        op = "nn.LazyAttention"
+        for name, value in (("num_heads", num_heads), ("window", window)):
+            C.integer(op, name, value)
+            C.check(value >= 1, ValueError, op, name, " must be positive, got ", value)
+        C.real(op, "tau_init", tau_init)
+        C.optional_float(op, "softmax_scale", softmax_scale)
         self.num_heads = num_heads
         self.window = window
         self.tau_init = tau_init
@@ -123,11 +147,15 @@ class LazyAttention(nn.Module):
         # Looked up at call time: adaattn/__init__.py imports this module before the op.
         import adaattn
 
+        op = "nn.LazyAttention"
         packed = cu_seqlens is not None
-        if q.dim() != (3 if packed else 4) or q.shape[1] != self.num_heads:
-            layout = "[T, {h}, D] (packed)" if packed else "[B, {h}, Lq, D]"
-            raise ValueError(f"q must be {layout.format(h=self.num_heads)} (num_heads="
-                             f"{self.num_heads}), got shape {tuple(q.shape)}")
+        C.tensor(op, "q", q)
+        layout = "[T, {h}, D] (packed)" if packed else "[B, {h}, Lq, D]"
+        C.check(q.dim() == (3 if packed else 4) and q.shape[1] == self.num_heads, ValueError, op,
+                f"q must be {layout.format(h=self.num_heads)} (num_heads={self.num_heads}), got "
+                f"shape {tuple(q.shape)}")
+        C.check(not (packed and seqlens is not None), ValueError, op,
+                "seqlens (padding) and cu_seqlens (packing) exclude each other")
         device_type = q.device.type
         if torch.is_autocast_enabled(device_type):
             dtype = torch.get_autocast_dtype(device_type)
@@ -137,9 +165,6 @@ class LazyAttention(nn.Module):
         # cast with .to(bfloat16) working (a no-op for float32 parameters).
         with torch.autocast(device_type, enabled=False):
             if packed:
-                if seqlens is not None:
-                    raise ValueError(
-                        "seqlens (padding) and cu_seqlens (packing) exclude each other")
                 return adaattn.lazy_attn_varlen(q, k, v, cu_seqlens, self.tau.float(),
                                                 self.bias.float(),
                                                 softmax_scale=self.softmax_scale)
@@ -164,14 +189,24 @@ class LinearAttention(nn.Module):
         feature_map: ``"elu"`` (``elu(x) + 1``), ``"relu"`` or ``"identity"``.
         causal: causal (default) or full attention.
         normalize: divide by ``phi(q_t) . z_t`` (default).
+
+    Raises:
+        TypeError: feature_map not a str, a flag that is not a bool.
+        ValueError: an unknown feature_map; in forward, what :func:`adaattn.linear_attn`
+            raises. Messages start ``adaattn.nn.LinearAttention:``.
     """
 
     FEATURE_MAPS = ("elu", "relu", "identity")
 
     def __init__(self, feature_map: str = "elu", *, causal: bool = True, normalize: bool = True):
         super().__init__()
-        if feature_map not in self.FEATURE_MAPS:
-            raise ValueError(f"feature_map must be one of {self.FEATURE_MAPS}, got {feature_map!r}")
+        op = "nn.LinearAttention"
+        C.check(isinstance(feature_map, str), TypeError, op, "feature_map must be a str, got ",
+                C.type_name(feature_map))
+        C.check(feature_map in self.FEATURE_MAPS, ValueError, op, "feature_map must be one of ",
+                self.FEATURE_MAPS, ", got ", repr(feature_map))
+        C.boolean(op, "causal", causal)
+        C.boolean(op, "normalize", normalize)
         self.feature_map = feature_map
         self.causal = causal
         self.normalize = normalize

@@ -9,6 +9,7 @@ from typing import NamedTuple, Optional, Tuple, Union
 
 import torch
 
+from . import _checks as C
 from .flash import flash_attn
 
 
@@ -45,18 +46,17 @@ def _gram(q: torch.Tensor, k: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return gram(q) + gram(k)
 
 
-def _check_qk(q: torch.Tensor, k: torch.Tensor) -> int:
-    if q.dim() != 4 or k.dim() != 4:
-        raise ValueError(f"adaattn: q and k must be [B, H, L, D], got q {tuple(q.shape)}, "
-                         f"k {tuple(k.shape)}")
-    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
-        raise ValueError(f"adaattn: q and k must share B and D, got q {tuple(q.shape)}, "
-                         f"k {tuple(k.shape)}")
-    if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
-        raise ValueError(f"adaattn: q's heads ({q.shape[1]}) must be a multiple of k's "
-                         f"({k.shape[1]})")
-    if q.device != k.device:
-        raise ValueError(f"adaattn: q and k must be on one device, got {q.device} and {k.device}")
+def _check_qk(op: str, q: torch.Tensor, k: torch.Tensor) -> int:
+    C.tensor(op, "q", q)
+    C.tensor(op, "k", k)
+    C.check(q.dim() == 4 and k.dim() == 4, ValueError, op, "q and k must be [B, H, L, D], got q ",
+            tuple(q.shape), ", k ", tuple(k.shape))
+    C.check(q.shape[0] == k.shape[0] and q.shape[3] == k.shape[3], ValueError, op,
+            "q and k must share B and D, got q ", tuple(q.shape), ", k ", tuple(k.shape))
+    C.check(k.shape[1] > 0 and q.shape[1] % k.shape[1] == 0, ValueError, op,
+            "q's heads (", q.shape[1], ") must be a multiple of k's (", k.shape[1], ")")
+    C.check(q.device == k.device, RuntimeError, op, "q and k must be on one device, got ",
+            q.device, " and ", k.device)
     return q.shape[1] // k.shape[1]
 
 
@@ -84,20 +84,35 @@ def rank_plan(q: torch.Tensor, k: torch.Tensor, *, energy: float = 0.99, min_ran
 
     Returns:
         :class:`RankPlan` ``(basis [B, Hkv, D, R], ranks [B, Hkv], eigenvalues [B, Hkv, D])``.
+
+    Raises:
+        TypeError: q or k not a tensor, energy not a float, min_rank or multiple not an int.
+        ValueError: q, k not ``[B, H, L, D]`` of one B and D, ``Hq % Hkv != 0``, energy outside
+            ``(0, 1]``, min_rank or multiple < 1; q or k not finite (a NaN or inf in the Gram
+            matrix would make the plan meaningless).
+        RuntimeError: q and k on different devices.
+        Every message starts ``adaattn.rank_plan:`` and names the argument.
     """
-    group = _check_plan_args(q, k, energy, min_rank, multiple)
-    return _plan_from_gram(*_plan_gram(q, k, group), energy, min_rank, multiple)
+    op = "rank_plan"
+    group = _check_plan_args(op, q, k, energy, min_rank, multiple)
+    return _plan_from_gram(op, *_plan_gram(q, k, group), energy, min_rank, multiple)
 
 
-def _check_plan_args(q: torch.Tensor, k: torch.Tensor, energy: float, min_rank: int,
+def _check_plan_args(op: str, q: torch.Tensor, k: torch.Tensor, energy: float, min_rank: int,
                      multiple: int) -> int:
-    group = _check_qk(q, k)
-    if not 0.0 < energy <= 1.0:
-        raise ValueError(f"adaattn: energy must be in (0, 1], got {energy}")
-    if min_rank < 1 or multiple < 1:
-        raise ValueError(f"adaattn: min_rank and multiple must be positive, got {min_rank}, "
-                         f"{multiple}")
+    group = _check_qk(op, q, k)
+    energy = C.real(op, "energy", energy)
+    C.check(0.0 < energy <= 1.0, ValueError, op, "energy must be in (0, 1], got ", energy)
+    C.integer(op, "min_rank", min_rank)
+    C.integer(op, "multiple", multiple)
+    C.check(min_rank >= 1 and multiple >= 1, ValueError, op,
+            "min_rank and multiple must be positive, got ", min_rank, ", ", multiple)
     return group
+
+
+def _check_finite(op: str, finite: bool) -> None:
+    C.check(finite, ValueError, op, "q and k must be finite: their Gram matrix K^T K + Q^T Q has "
+            "NaN or inf entries")
 
 
 def _plan_gram(q: torch.Tensor, k: torch.Tensor, group: int) -> Tuple[torch.Tensor, bool]:
@@ -109,10 +124,13 @@ def _plan_gram(q: torch.Tensor, k: torch.Tensor, group: int) -> Tuple[torch.Tens
     return gram.reshape(b, hkv, dim, dim), exact
 
 
-def _plan_from_gram(gram: torch.Tensor, exact: bool, energy: float, min_rank: int,
+def _plan_from_gram(op: str, gram: torch.Tensor, exact: bool, energy: float, min_rank: int,
                     multiple: int) -> RankPlan:
     b, hkv, dim = gram.shape[:3]
+    finite = torch.isfinite(gram).all()
     if exact:
+        # eigh fails on a non-finite matrix: checked first (an extra host read on this path).
+        _check_finite(op, bool(finite))
         values, vectors = torch.linalg.eigh(gram)  # ascending
         values, vectors = values.flip(-1).float(), vectors.flip(-1).float()
         values = values.clamp(min=0)
@@ -134,7 +152,11 @@ def _plan_from_gram(gram: torch.Tensor, exact: bool, energy: float, min_rank: in
                                                                 energy, min_rank, multiple)
         values = values.reshape(b, hkv, dim).clamp(min=0)
         vectors, ranks = vectors.reshape(b, hkv, dim, dim), ranks.reshape(b, hkv)
-    width = int(ranks.max().item()) if ranks.numel() else 0
+    width, is_finite = 0, True
+    if ranks.numel():
+        # One host read: the basis width, and whether G was finite (the solver ran on it anyway).
+        width, is_finite = torch.stack([ranks.max().long(), finite.long()]).tolist()
+    _check_finite(op, bool(is_finite))
     return RankPlan(vectors[..., :width].contiguous(), ranks, values)
 
 
@@ -199,12 +221,19 @@ def rank_error_bound(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, basis: t
 
     Returns:
         float32 ``[B, Hq]`` (computed in float64 when any input is float64).
+
+    Raises:
+        TypeError, ValueError, RuntimeError: as :func:`rank_plan` for q and k, and a basis that
+            is not ``[B, Hkv, D, R]``, the message starting ``adaattn.rank_error_bound:``.
     """
-    group = _check_qk(q, k)
+    op = "rank_error_bound"
+    group = _check_qk(op, q, k)
+    C.tensor(op, "v", v)
+    C.tensor(op, "basis", basis)
     b, hkv, _, dim = k.shape
-    if basis.dim() != 4 or tuple(basis.shape[:3]) != (b, hkv, dim):
-        raise ValueError(f"adaattn: basis must be [B, Hkv, D, R] = [{b}, {hkv}, {dim}, R], got "
-                         f"{tuple(basis.shape)}")
+    C.check(basis.dim() == 4 and tuple(basis.shape[:3]) == (b, hkv, dim), ValueError, op,
+            f"basis must be [B, Hkv, D, R] = [{b}, {hkv}, {dim}, R], got {tuple(basis.shape)}")
+    softmax_scale = C.optional_float(op, "softmax_scale", softmax_scale)
     scale = dim ** -0.5 if softmax_scale is None else softmax_scale
     # float64 when any input is: the bound assumes P is a projector, which a float32 basis is
     # only to float32 rounding.
@@ -243,9 +272,22 @@ def low_rank_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, basis: torc
 
     Returns:
         ``out [B, Hq, Lq, Dv]`` (q's dtype), and ``lse`` when ``return_lse``.
+
+    Raises:
+        TypeError: a flag that is not a bool; q, k, v as :func:`flash_attn`; a basis neither
+            float32 nor q's dtype.
+        ValueError: as :func:`flash_attn` for q, k, v; a basis that is not ``[B, Hkv, D, R]``
+            with ``R >= 1``.
+        RuntimeError: tensors on different devices; on CUDA fp16/bf16 a rank or Dv without a
+            kernel.
+        Every message starts ``adaattn.low_rank_attn:`` and names the argument.
     """
-    out, lse = torch.ops.adaattn.low_rank_attn(q, k, v, basis, causal=causal,
-                                               softmax_scale=softmax_scale)
+    op = "low_rank_attn"
+    C.tensors(op, q=q, k=k, v=v, basis=basis)
+    return_lse = C.boolean(op, "return_lse", return_lse)
+    out, lse = torch.ops.adaattn.low_rank_attn(
+        q, k, v, basis, causal=C.boolean(op, "causal", causal),
+        softmax_scale=C.optional_float(op, "softmax_scale", softmax_scale))
     return (out, lse) if return_lse else out
 
 
@@ -273,9 +315,23 @@ def adaptive_rank_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
 
     Returns:
         ``out [B, Hq, Lq, Dv]``, and the plan when ``return_plan``.
+
+    Raises:
+        TypeError, ValueError, RuntimeError: as :func:`rank_plan` and :func:`flash_attn`, the
+            message starting ``adaattn.adaptive_rank_attn:``. Non-finite q or k raise whenever
+            the ranks depend on them; where every plan keeps all D directions (``energy = 1``,
+            or ``min_rank`` above the last multiple below D) this is :func:`flash_attn`, whose
+            output then carries the NaN.
     """
+    op = "adaptive_rank_attn"
+    causal = C.boolean(op, "causal", causal)
+    return_plan = C.boolean(op, "return_plan", return_plan)
+    softmax_scale = C.optional_float(op, "softmax_scale", softmax_scale)
     with torch.no_grad():
-        group = _check_plan_args(q, k, energy, min_rank, multiple)
+        group = _check_plan_args(op, q, k, energy, min_rank, multiple)
+        C.tensor(op, "v", v)
+        C.check_flash_inputs(op, q, k, v)
+        C.check_flash_options(op, softmax_scale, -1, -1, 0.0)
         gram, exact = _plan_gram(q.detach(), k.detach(), group)
         full = None if return_plan else _full_rank_flag(gram, energy, min_rank, multiple)
     if not return_plan:
@@ -288,7 +344,7 @@ def adaptive_rank_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         elif bool(full):
             return flash_attn(q, k, v, causal=causal, softmax_scale=softmax_scale)
     with torch.no_grad():
-        plan = _plan_from_gram(gram, exact, energy, min_rank, multiple)
+        plan = _plan_from_gram(op, gram, exact, energy, min_rank, multiple)
     if plan.basis.shape[-1] == q.shape[-1]:
         out = flash_attn(q, k, v, causal=causal, softmax_scale=softmax_scale)
     else:

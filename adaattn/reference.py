@@ -35,6 +35,23 @@ def _softcap(scores: torch.Tensor, softcap: float) -> torch.Tensor:
     return softcap * torch.tanh(scores / softcap) if softcap > 0 else scores
 
 
+def _softmax(scores: torch.Tensor, mask: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(lse, probs)`` of ``scores [..., Lk]`` over the keys where ``mask`` is True.
+
+    A row that sees no key (or whose every visible score is ``-inf``) gives ``lse = -inf``, zero
+    probabilities and zero gradients (logsumexp's own gradient there would be
+    ``exp(-inf + inf) = NaN``). A NaN or ``+inf`` score leaves the row's softmax undefined: its
+    lse and every visible probability are NaN (as SDPA's softmax gives), never a silent zero row.
+    """
+    scores = scores.masked_fill(~mask, float("-inf"))
+    empty = (scores == float("-inf")).all(-1)
+    lse = torch.logsumexp(scores.masked_fill(empty.unsqueeze(-1), 0.0), dim=-1)
+    lse = lse.masked_fill(empty, float("-inf"))
+    lse = torch.where(lse == float("inf"), float("nan"), lse)
+    probs = torch.exp(scores - torch.where(lse == float("-inf"), 0.0, lse).unsqueeze(-1))
+    return lse, probs.masked_fill(~mask, 0.0)
+
+
 def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
                softmax_scale: Optional[float] = None, window=(-1, -1),
                seqlens: Optional[torch.Tensor] = None,
@@ -54,11 +71,7 @@ def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: boo
     scores = _softcap(torch.matmul(q, k.transpose(-1, -2)) * scale, softcap)
     mask = flash_key_mask(len_q, len_k, causal=causal, window=window, seqlens=seqlens,
                           batch=batch, device=q.device)
-    scores = scores.masked_fill(~mask, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    seen = torch.isfinite(lse)
-    probs = torch.exp(scores - torch.where(seen, lse, torch.zeros_like(lse)).unsqueeze(-1))
-    probs = probs.masked_fill(~mask, 0.0)
+    lse, probs = _softmax(scores, mask)
     out = torch.matmul(probs, v)
     return out, lse.float()
 
@@ -111,11 +124,7 @@ def block_sparse_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_m
     v = v.repeat_interleave(group, dim=1)
     scores = _softcap(torch.matmul(q, k.transpose(-1, -2)) * scale, softcap)
     mask = block_sparse_key_mask(block_mask, len_q, len_k, causal=causal).to(q.device)
-    scores = scores.masked_fill(~mask, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    seen = torch.isfinite(lse)
-    probs = torch.exp(scores - torch.where(seen, lse, torch.zeros_like(lse)).unsqueeze(-1))
-    probs = probs.masked_fill(~mask, 0.0)
+    lse, probs = _softmax(scores, mask)
     return torch.matmul(probs, v), lse.float()
 
 
@@ -137,11 +146,7 @@ def _lazy_parts(q, k, v, tau, bias, softmax_scale, seqlens):
     mask = flash_key_mask(len_q, len_k, causal=True, seqlens=seqlens, batch=batch,
                           device=q.device)
     scores = torch.matmul(qc, kc.transpose(-1, -2)) * scale + bias_ij
-    scores = scores.masked_fill(~mask, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    seen = torch.isfinite(lse)
-    probs = torch.exp(scores - torch.where(seen, lse, torch.zeros_like(lse)).unsqueeze(-1))
-    probs = probs.masked_fill(~mask, 0.0)
+    lse, probs = _softmax(scores, mask)
     shift = (tau.to(compute).view(1, -1, 1, 1) / (pos + 1).to(compute).view(1, 1, -1, 1))
     return qc, kc, vc, scale, mask, lse, probs, shift, dist, in_table
 

@@ -413,15 +413,19 @@ def test_two_pass_bitwise_reproducible(dtype):
 def test_bad_bwd_mode(device, bwd_mode):
     q, k, v = _qkv(device)
     mask = BlockSparseMask.from_dense(_layout(device), 64)
-    with pytest.raises(ValueError, match=r"bwd_mode must be one of 'auto', 'atomic', "
-                                         r"'two_pass', got"):
+    if isinstance(bwd_mode, str):
+        error, message = ValueError, r"bwd_mode must be one of 'auto', 'atomic', 'two_pass', got"
+    else:
+        error, message = TypeError, r"bwd_mode must be a str, got"
+    with pytest.raises(error, match=r"^adaattn\.block_sparse_attn: " + message):
         adaattn.block_sparse_attn(q, k, v, mask, bwd_mode=bwd_mode)
 
 
 def test_deterministic_contradicts_atomic(device):
     q, k, v = _qkv(device)
     mask = BlockSparseMask.from_dense(_layout(device), 64)
-    with pytest.raises(ValueError, match=r"deterministic=True contradicts bwd_mode='atomic'"):
+    with pytest.raises(ValueError, match=r"^adaattn\.block_sparse_attn: deterministic=True "
+                                         r"contradicts bwd_mode='atomic'"):
         adaattn.block_sparse_attn(q, k, v, mask, deterministic=True, bwd_mode="atomic")
 
 
@@ -562,7 +566,8 @@ def test_from_flex_refuses_inexact(mask_mod, lq, lk, reason):
     flex = _flex()
     block_mask = flex.create_block_mask(mask_mod, None, None, lq, lk, device="cpu",
                                         BLOCK_SIZE=64)
-    with pytest.raises(ValueError, match=rf"not be exact.*{reason}"):
+    with pytest.raises(ValueError,
+                       match=rf"^adaattn\.BlockSparseMask\.from_flex: .*not be exact.*{reason}"):
         BlockSparseMask.from_flex(block_mask)
 
 
@@ -642,35 +647,42 @@ def _bad_call(kind, device):
     raise AssertionError(kind)
 
 
+BSA = "block_sparse_attn"
+# kind -> (exception, the op its message starts with "adaattn.<op>: ", regex the message must
+# match: it names the argument and what was expected).
 BAD_INPUTS = {
-    "layout_rows": r"block_mask has 2 x 4 blocks.*ceil\(Lq / 64\) x ceil\(Lk / 64\) = 3 x 4",
-    "layout_cols": r"block_mask has 3 x 5 blocks.*= 3 x 4",
-    "layout_block_size": r"block_mask.*ceil\(Lq / 128\) x ceil\(Lk / 128\) = 2 x 2",
-    "op_rows": r"kv_num_blocks.*shape.*nQ = ceil\(Lq / block_m\)",
-    "op_cols": r"kv_indices.*shape.*nKV = ceil\(Lk / block_n\)",
-    "mask_batch": r"kv_num_blocks.*shape.*\[B or 1",
-    "mask_heads": r"kv_num_blocks.*shape.*Hq or 1",
-    "layout_dtype": r"layout.*bool",
-    "layout_rank": r"layout.*4 dims",
-    "num_dtype": r"kv_num_blocks.*int32",
-    "indices_dtype": r"kv_indices.*int32",
-    "indices_shape": r"kv_indices.*kv_num_blocks",
-    "op_num_dtype": r"kv_num_blocks.*int32",
-    "op_indices_dtype": r"kv_indices.*int32",
-    "block_size": r"block_size.*64 or 128",
-    "op_block_size": r"block_m.*64 or 128",
-    "not_a_mask": r"block_mask.*BlockSparseMask",
-    "q_rank": r"\bq\b.*4 dims",
-    "dtype_mix": r"\bk\b.*dtype|dtype.*\bk\b",
-    "bwd_transposed_shape": r"q_num_blocks.*shape",
-    "op_bwd_mode": r"bwd_mode must be 'atomic' or 'two_pass', got 'auto'",
-    "bwd_op_bwd_mode": r"bwd_mode must be 'atomic' or 'two_pass', got 'deterministic'",
+    "layout_rows": (ValueError, BSA,
+                    r"block_mask has 2 x 4 blocks.*ceil\(Lq / 64\) x ceil\(Lk / 64\) = 3 x 4"),
+    "layout_cols": (ValueError, BSA, r"block_mask has 3 x 5 blocks.*= 3 x 4"),
+    "layout_block_size": (ValueError, BSA,
+                          r"block_mask.*ceil\(Lq / 128\) x ceil\(Lk / 128\) = 2 x 2"),
+    "op_rows": (ValueError, BSA, r"kv_num_blocks.*shape.*nQ = ceil\(Lq / block_m\)"),
+    "op_cols": (ValueError, BSA, r"kv_indices.*shape.*nKV = ceil\(Lk / block_n\)"),
+    "mask_batch": (ValueError, BSA, r"kv_num_blocks.*shape.*\[B or 1"),
+    "mask_heads": (ValueError, BSA, r"kv_num_blocks.*shape.*Hq or 1"),
+    "layout_dtype": (TypeError, "BlockSparseMask.from_dense", r"layout.*bool"),
+    "layout_rank": (ValueError, "BlockSparseMask.from_dense", r"layout.*4 dims"),
+    "num_dtype": (TypeError, "BlockSparseMask", r"kv_num_blocks.*int32"),
+    "indices_dtype": (TypeError, "BlockSparseMask", r"kv_indices.*int32"),
+    "indices_shape": (ValueError, "BlockSparseMask", r"kv_indices.*kv_num_blocks"),
+    "op_num_dtype": (TypeError, BSA, r"kv_num_blocks.*int32"),
+    "op_indices_dtype": (TypeError, BSA, r"kv_indices.*int32"),
+    "block_size": (ValueError, "BlockSparseMask", r"block_size.*64 or 128"),
+    "op_block_size": (ValueError, BSA, r"block_m.*64 or 128"),
+    "not_a_mask": (TypeError, BSA, r"block_mask.*BlockSparseMask"),
+    "q_rank": (ValueError, BSA, r"\bq\b.*4 dims"),
+    "dtype_mix": (TypeError, BSA, r"\bk\b.*dtype|dtype.*\bk\b"),
+    "bwd_transposed_shape": (ValueError, BSA, r"q_num_blocks.*shape"),
+    "op_bwd_mode": (ValueError, BSA, r"bwd_mode must be 'atomic' or 'two_pass', got 'auto'"),
+    "bwd_op_bwd_mode": (ValueError, BSA,
+                        r"bwd_mode must be 'atomic' or 'two_pass', got 'deterministic'"),
 }
 
 
 @pytest.mark.parametrize("kind", list(BAD_INPUTS))
 def test_bad_input(device, kind):
-    with pytest.raises((RuntimeError, ValueError), match=BAD_INPUTS[kind]):
+    error, op, message = BAD_INPUTS[kind]
+    with pytest.raises(error, match=rf"^adaattn\.{op}: .*(" + message + ")"):
         _bad_call(kind, device)
 
 
@@ -720,7 +732,7 @@ def test_bad_mask_values_cpu(kind):
             torch.ones_like(out), q, k, v, out, lse, num, idx, q_num, q_idx, 64, 64, None, False)
     else:
         call = lambda: _op_fwd(q, k, v, num, idx)  # noqa: E731
-    with pytest.raises(RuntimeError, match=BAD_VALUES[kind]):
+    with pytest.raises(ValueError, match=r"^adaattn\.block_sparse_attn: " + BAD_VALUES[kind]):
         call()
 
 
@@ -750,7 +762,8 @@ def test_cuda_tensor_cores_refuse_64_blocks(dtype):
     q = torch.randn(2, 4, 130, 64, device="cuda", dtype=dtype)
     k = v = torch.randn(2, 2, 200, 64, device="cuda", dtype=dtype)
     mask = BlockSparseMask.from_dense(_layout("cuda"), 64)
-    with pytest.raises(RuntimeError, match="takes 128x128 blocks, got block_m = 64"):
+    with pytest.raises(RuntimeError, match=r"^adaattn\.block_sparse_attn: .*takes 128x128 "
+                                           r"blocks, got block_m = 64"):
         adaattn.block_sparse_attn(q, k, v, mask)
 
 
@@ -764,7 +777,8 @@ def test_bad_input_device_mix(which):
         num = num.cpu()
     else:
         idx = idx.cpu()
-    with pytest.raises((RuntimeError, ValueError), match=rf"\b{which}\b.*(device|cuda|cpu)"):
+    with pytest.raises(RuntimeError,
+                       match=rf"^adaattn\.block_sparse_attn: \b{which}\b.*(device|cuda|cpu)"):
         _op_fwd(q, k, v, num, idx)
 
 

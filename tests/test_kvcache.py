@@ -566,44 +566,48 @@ def _bad_call(kind):
     return adaattn.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, **kw)
 
 
-# kind -> regex the message must match: it names the argument (and what was expected).
+# kind -> (exception, regex the message must match: it names the argument and what was
+# expected). Messages start "adaattn.flash_attn_with_kvcache: " (lazy_* kinds:
+# "adaattn.lazy_attn_with_kvcache: ").
 BAD_INPUTS = {
-    "seqlens_past_cache": r"cache_seqlens",
-    "seqlens_past_pages": r"cache_seqlens",
-    "lazy_seqlens_past_cache": r"cache_seqlens",
-    "seqlens_past_cache_without_new_keys": r"cache_seqlens",
-    "seqlens_negative": r"cache_seqlens",
-    "seqlens_int64": r"cache_seqlens.*int32",
-    "seqlens_float": r"cache_seqlens.*int32",
-    "seqlens_shape": r"cache_seqlens",
-    "block_table_entry_past_pool": r"block_table",
-    "block_table_entry_negative": r"block_table",
-    "block_table_int64": r"block_table.*int32",
-    "block_table_rank": r"block_table",
-    "block_table_batch": r"block_table",
-    "page_pools_differ": r"v_cache",
-    "k_cache_dtype": r"k_cache",
-    "v_cache_dtype": r"v_cache",
-    "k_dtype": r"\bk\b",
-    "k_cache_rank": r"k_cache",
-    "k_cache_strided_last_dim": r"k_cache.*contiguous",
-    "v_cache_heads": r"v_cache",
-    "v_cache_length": r"v_cache",
-    "k_cache_batch": r"k_cache|batch",
-    "head_dim_mismatch": r"head dim",
-    "heads_not_multiple": r"heads.*multiple|multiple.*heads",
-    "k_without_v": r"\bv\b",
-    "k_length": r"\bk\b",
-    "k_heads": r"\bk\b",
-    "window": r"window",
-    "lazy_tau_shape": r"\btau\b",
-    "lazy_bias_dtype": r"\bbias\b",
+    "seqlens_past_cache": (ValueError, r"cache_seqlens"),
+    "seqlens_past_pages": (ValueError, r"cache_seqlens"),
+    "lazy_seqlens_past_cache": (ValueError, r"cache_seqlens"),
+    "seqlens_past_cache_without_new_keys": (ValueError, r"cache_seqlens"),
+    "seqlens_negative": (ValueError, r"cache_seqlens"),
+    "seqlens_int64": (TypeError, r"cache_seqlens.*int32"),
+    "seqlens_float": (TypeError, r"cache_seqlens.*int32"),
+    "seqlens_shape": (ValueError, r"cache_seqlens"),
+    "block_table_entry_past_pool": (ValueError, r"block_table"),
+    "block_table_entry_negative": (ValueError, r"block_table"),
+    "block_table_int64": (TypeError, r"block_table.*int32"),
+    "block_table_rank": (ValueError, r"block_table"),
+    "block_table_batch": (ValueError, r"block_table"),
+    "page_pools_differ": (ValueError, r"v_cache"),
+    "k_cache_dtype": (TypeError, r"k_cache"),
+    "v_cache_dtype": (TypeError, r"v_cache"),
+    "k_dtype": (TypeError, r"\bk\b"),
+    "k_cache_rank": (ValueError, r"k_cache"),
+    "k_cache_strided_last_dim": (ValueError, r"k_cache.*contiguous"),
+    "v_cache_heads": (ValueError, r"v_cache"),
+    "v_cache_length": (ValueError, r"v_cache"),
+    "k_cache_batch": (ValueError, r"k_cache|batch"),
+    "head_dim_mismatch": (ValueError, r"head dim"),
+    "heads_not_multiple": (ValueError, r"heads.*multiple|multiple.*heads"),
+    "k_without_v": (ValueError, r"\bv\b"),
+    "k_length": (ValueError, r"\bk\b"),
+    "k_heads": (ValueError, r"\bk\b"),
+    "window": (ValueError, r"window"),
+    "lazy_tau_shape": (ValueError, r"\btau\b"),
+    "lazy_bias_dtype": (TypeError, r"\bbias\b"),
 }
 
 
 @pytest.mark.parametrize("kind", list(BAD_INPUTS))
 def test_bad_input(kind):
-    with pytest.raises((RuntimeError, ValueError), match=BAD_INPUTS[kind]):
+    error, message = BAD_INPUTS[kind]
+    op = "lazy_attn_with_kvcache" if kind.startswith("lazy") else "flash_attn_with_kvcache"
+    with pytest.raises(error, match=rf"^adaattn\.{op}: .*(" + message + ")"):
         _bad_call(kind)
 
 

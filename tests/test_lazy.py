@@ -629,30 +629,32 @@ def _bad_call(kind, device):
     raise AssertionError(kind)
 
 
-# kind -> regex the message must match (it names the argument and what was expected).
+# kind -> (exception, regex the message must match: it names the argument and what was
+# expected). Errors of the op start "adaattn.lazy_attn: ".
 BAD_INPUTS = {
-    "q_rank": r"\bq\b.*4 dims",
-    "lq_gt_lk": r"Lq <= Lk.*Lq = q.size\(2\) = 9 > Lk = k.size\(2\) = 8",
-    "tau_shape": r"\btau\b.*float32.*\[Hq\] = \[2\]",
-    "tau_rank": r"\btau\b.*\[Hq\] = \[2\]",
-    "tau_float64": r"\btau\b.*float32.*Double",
-    "tau_integer": r"\btau\b.*float32.*Long",
-    "tau_strided": r"\btau\b.*(contiguous|\[Hq\])",
-    "bias_rank": r"\bbias\b.*float32.*\[Hq, W\]",
-    "bias_heads": r"\bbias\b.*\[Hq, W\] = \[2, W\]",
-    "bias_empty_window": r"\bbias\b.*W >= 1",
-    "bias_bfloat16": r"\bbias\b.*float32.*BFloat16",
-    "bias_integer": r"\bbias\b.*float32.*Int",
-    "bias_strided": r"\bbias\b.*contiguous",
-    "seqlens_dtype": r"seqlens.*int32",
-    "bwd_grad_out_shape": r"grad_out",
-    "bwd_tau_shape": r"\btau\b",
+    "q_rank": (ValueError, r"\bq\b.*4 dims"),
+    "lq_gt_lk": (ValueError, r"Lq <= Lk.*Lq = q.size\(2\) = 9 > Lk = k.size\(2\) = 8"),
+    "tau_shape": (ValueError, r"\btau\b.*\[Hq\] = \[2\], got \[1\]"),
+    "tau_rank": (ValueError, r"\btau\b.*\[Hq\] = \[2\], got \[2, 1\]"),
+    "tau_float64": (TypeError, r"\btau\b.*float32.*Double"),
+    "tau_integer": (TypeError, r"\btau\b.*float32.*Long"),
+    "tau_strided": (ValueError, r"\btau\b.*(contiguous|\[Hq\])"),
+    "bias_rank": (ValueError, r"\bbias\b.*\[Hq, W\]"),
+    "bias_heads": (ValueError, r"\bbias\b.*\[Hq, W\] = \[2, W\]"),
+    "bias_empty_window": (ValueError, r"\bbias\b.*W >= 1"),
+    "bias_bfloat16": (TypeError, r"\bbias\b.*float32.*BFloat16"),
+    "bias_integer": (TypeError, r"\bbias\b.*float32.*Int"),
+    "bias_strided": (ValueError, r"\bbias\b.*contiguous"),
+    "seqlens_dtype": (TypeError, r"seqlens.*int32"),
+    "bwd_grad_out_shape": (ValueError, r"grad_out"),
+    "bwd_tau_shape": (ValueError, r"\btau\b"),
 }
 
 
 @pytest.mark.parametrize("kind", list(BAD_INPUTS))
 def test_bad_input(device, kind):
-    with pytest.raises((RuntimeError, ValueError), match=BAD_INPUTS[kind]):
+    error, message = BAD_INPUTS[kind]
+    with pytest.raises(error, match=r"^adaattn\.lazy_attn: .*(" + message + ")"):
         _bad_call(kind, device)
 
 
@@ -669,7 +671,8 @@ def test_bad_input_device_mix(which):
         bias = bias.cpu()
     else:
         seqlens = seqlens.cpu()
-    with pytest.raises((RuntimeError, ValueError), match=rf"\b{which}\b.*(device|cuda|cpu)"):
+    with pytest.raises(RuntimeError,
+                       match=rf"^adaattn\.lazy_attn: .*\b{which}\b.*(device|cuda|cpu)"):
         adaattn.lazy_attn(q, k, v, tau, bias, seqlens=seqlens)
 
 

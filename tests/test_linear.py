@@ -539,27 +539,29 @@ def _bad_call(kind, device):
     raise AssertionError(kind)
 
 
-# kind -> regex the message must match (it names the argument and what was expected).
+# kind -> (exception, regex the message must match: it names the argument and what was
+# expected). Errors of the op start "adaattn.linear_attn: ".
 BAD_INPUTS = {
-    "feature_map": r"feature_map must be one of 'elu', 'relu', 'identity', got 'softmax'",
-    "q_rank": r"\bq\b must have 4 dims \[B, H, T, \*\]",
-    "packed_rank": r"\bq\b must have 3 dims \[T, H, \*\].*cu_seqlens",
-    "k_shape": r"\bk\b must have q's shape",
-    "v_shape": r"\bv\b must have q's shape except for its last dim",
-    "dtype_mix": r"q, k and v must have the same dtype",
-    "integer_q": r"\bq\b must be a floating tensor",
-    "strided_q": r"\bq\b must have a contiguous last dim",
-    "head_dim": r"head dim D = q.size\(-1\) must be in \[1, 256\], got 257",
-    "cu_seqlens_dtype": r"cu_seqlens must be int32",
-    "cu_seqlens_shape": r"cu_seqlens must have shape \[N \+ 1\]",
-    "cu_seqlens_values": r"cu_seqlens must be non-decreasing",
-    "cu_seqlens_end": r"cu_seqlens must end at T = q.size\(0\) = 8, got 7",
-    "initial_state_shape": r"initial_state must be a Float tensor of shape \[N, H, D, Dv \+ 1\] "
-                           r"= \[1, 2, 4, 4\]",
-    "initial_state_dtype": r"initial_state must be a Float tensor.*got Double",
-    "initial_state_packed": r"initial_state must be .*\[2, 2, 4, 5\]",
-    "bwd_grad_state": r"grad_state must be",
-    "bwd_grad_out": r"grad_out must have out's shape",
+    "feature_map": (ValueError,
+                    r"feature_map must be one of 'elu', 'relu', 'identity', got 'softmax'"),
+    "q_rank": (ValueError, r"\bq\b must have 4 dims \[B, H, T, \*\]"),
+    "packed_rank": (ValueError, r"\bq\b must have 3 dims \[T, H, \*\].*cu_seqlens"),
+    "k_shape": (ValueError, r"\bk\b must have q's shape"),
+    "v_shape": (ValueError, r"\bv\b must have q's shape except for its last dim"),
+    "dtype_mix": (TypeError, r"q, k and v must have the same dtype"),
+    "integer_q": (TypeError, r"\bq\b must be a floating tensor"),
+    "strided_q": (ValueError, r"\bq\b must have a contiguous last dim"),
+    "head_dim": (ValueError, r"head dim D = q.size\(-1\) must be in \[1, 256\], got 257"),
+    "cu_seqlens_dtype": (TypeError, r"cu_seqlens must be int32"),
+    "cu_seqlens_shape": (ValueError, r"cu_seqlens must have shape \[N \+ 1\]"),
+    "cu_seqlens_values": (ValueError, r"cu_seqlens must be non-decreasing"),
+    "cu_seqlens_end": (ValueError, r"cu_seqlens must end at T = q.size\(0\) = 8, got 7"),
+    "initial_state_shape": (ValueError, r"initial_state must be a Float tensor of shape "
+                                        r"\[N, H, D, Dv \+ 1\] = \[1, 2, 4, 4\]"),
+    "initial_state_dtype": (TypeError, r"initial_state must be a Float tensor.*got Double"),
+    "initial_state_packed": (ValueError, r"initial_state must be .*\[2, 2, 4, 5\]"),
+    "bwd_grad_state": (ValueError, r"grad_state must be"),
+    "bwd_grad_out": (ValueError, r"grad_out must have out's shape"),
 }
 CPU_ONLY_BAD = ("cu_seqlens_values", "cu_seqlens_end")  # CUDA clamps instead (no host sync)
 
@@ -568,7 +570,8 @@ CPU_ONLY_BAD = ("cu_seqlens_values", "cu_seqlens_end")  # CUDA clamps instead (n
 def test_bad_input(device, kind):
     if device == "cuda" and kind in CPU_ONLY_BAD:
         pytest.skip("cu_seqlens values are only checked on the CPU")
-    with pytest.raises((RuntimeError, ValueError), match=BAD_INPUTS[kind]):
+    error, message = BAD_INPUTS[kind]
+    with pytest.raises(error, match=r"^adaattn\.linear_attn: .*(" + message + ")"):
         _bad_call(kind, device)
 
 
@@ -580,7 +583,8 @@ def test_bad_input_device_mix(which):
     s0 = torch.zeros(2, 2, 4, 5, device="cpu" if which == "initial_state" else "cuda")
     cu = torch.tensor([0, 3, 8], dtype=torch.int32,
                       device="cpu" if which == "cu_seqlens" else "cuda")
-    with pytest.raises((RuntimeError, ValueError), match=rf"\b{which}\b.*(device|cuda|cpu)"):
+    with pytest.raises(RuntimeError,
+                       match=rf"^adaattn\.linear_attn: .*\b{which}\b.*(device|cuda|cpu)"):
         adaattn.linear_attn(q, k, q, cu_seqlens=cu, initial_state=s0)
 
 

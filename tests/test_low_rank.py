@@ -144,7 +144,7 @@ def test_adaptive_rank_full_rank_shortcut(device):
             scale = torch.exp(-decay * torch.arange(64, dtype=torch.float32))
             q = (torch.randn(2, 4, 256, 64) * scale).to(device)
             k = (torch.randn(2, 2, 256, 64) * scale).to(device)
-            gram, exact = _plan_gram(q, k, _check_plan_args(q, k, energy, 16, 16))
+            gram, exact = _plan_gram(q, k, _check_plan_args("rank_plan", q, k, energy, 16, 16))
             flag = _full_rank_flag(gram, energy, 16, 16)
             certified = flag is None or bool(flag)
             plan = adaattn.rank_plan(q, k, energy=energy)
@@ -196,7 +196,8 @@ def test_low_rank_torch_compile_fullgraph(device, dtype):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("shape", [(0, 8), (1, 0)], ids=["empty-batch", "zero-length"])
 def test_low_rank_empty_inputs(device, shape):
-    """Empty batches and L = 0 give empty results; a rank-0 basis attends uniformly."""
+    """Empty batches and L = 0 give empty results; a rank-0 basis is refused (its scores would
+    all be 0: uniform attention whatever q and k)."""
     b, length = shape
     q = torch.randn(b, 4, length, 64, device=device)
     k = torch.randn(b, 2, length, 64, device=device)
@@ -206,18 +207,22 @@ def test_low_rank_empty_inputs(device, shape):
     assert adaattn.adaptive_rank_attn(q, k, v).shape == (b, 4, length, 32)
     q, k = torch.randn(1, 2, 5, 64, device=device), torch.randn(1, 2, 7, 64, device=device)
     v = torch.randn(1, 2, 7, 64, device=device)
-    out = adaattn.low_rank_attn(q, k, v, torch.zeros(1, 2, 64, 0, device=device))
-    torch.testing.assert_close(out, v.mean(2, keepdim=True).expand_as(out))
+    with pytest.raises(ValueError, match=r"^adaattn\.low_rank_attn: basis must have rank "
+                                         r"R = basis.size\(3\) >= 1, got 0"):
+        adaattn.low_rank_attn(q, k, v, torch.zeros(1, 2, 64, 0, device=device))
 
 
 def test_low_rank_bad_input():
     q = torch.randn(1, 4, 8, 16)
     k = torch.randn(1, 2, 8, 16)
-    with pytest.raises(RuntimeError, match=r"basis must be \[B, Hkv, D, R\]"):
+    with pytest.raises(ValueError, match=r"^adaattn\.low_rank_attn: basis must be "
+                                         r"\[B, Hkv, D, R\]"):
         adaattn.low_rank_attn(q, k, k, torch.zeros(1, 4, 16, 4))
-    with pytest.raises(RuntimeError, match="basis must be float32 or q's dtype"):
+    with pytest.raises(TypeError, match=r"^adaattn\.low_rank_attn: basis must be float32 or "
+                                        r"q's dtype"):
         adaattn.low_rank_attn(q, k, k, torch.zeros(1, 2, 16, 4, dtype=torch.float64))
-    with pytest.raises(RuntimeError, match="multiple of the number of kv heads"):
+    with pytest.raises(ValueError, match=r"^adaattn\.low_rank_attn: .*multiple of the number "
+                                         r"of kv heads"):
         adaattn.low_rank_attn(q, torch.randn(1, 3, 8, 16), torch.randn(1, 3, 8, 16),
                               torch.zeros(1, 3, 16, 4))
 
@@ -267,5 +272,5 @@ def test_flash_unsupported_value_dim_on_tensor_cores(device):
 def test_lazy_rejects_value_dim():
     q = torch.randn(1, 2, 8, 16)
     v = torch.randn(1, 2, 8, 32)
-    with pytest.raises(RuntimeError, match=r"Dv == D"):
+    with pytest.raises(ValueError, match=r"^adaattn\.lazy_attn: .*Dv == D"):
         adaattn.lazy_attn(q, q, v, torch.zeros(2), torch.zeros(2, 4))

@@ -1,46 +1,296 @@
-"""NaN inputs reach the output as the reference's do: a NaN in q, k or v gives NaN in every
-output row (and its gradients) that attends it, never a silent zero row. CPU kernels; the CUDA
-kernels' finalisation still maps a NaN row sum to zero (see the open issue on NaN/Inf)."""
+"""NaN and Inf inputs reach the outputs as the reference's do, on every softmax op and path.
+
+The semantics: a NaN or +inf score makes its row's softmax undefined, so the row's out and lse
+are NaN and every gradient that depends on the row is non-finite; a -inf score weighs 0, like a
+masked key (a row whose every visible score is -inf gives out 0 and lse -inf, as a row with
+nothing to attend); a non-finite value reaches the rows that attend it; rows that never see a
+bad value are unaffected, and so is anything read past a sequence's end (padding, unlisted
+blocks, the cache past ``cache_seqlens``).
+
+The expectation is ``adaattn.reference`` run row by row over each row's visible keys: the dense
+reference computes ``P V`` (and its gradients) over masked entries too, where a zero weight times
+a NaN value is NaN. CPU and the exact CUDA kernels (float32/float64) must equal it: the same NaN
+and inf entries of out and lse, the same non-finite entries of every gradient, the finite entries
+close. The tensor cores multiply whole tiles, so there a non-finite q or v entry also reaches the
+masked neighbours of its tile (0 * NaN in the MMA, as in flash-attn and the dense reference): the
+non-finite entries lie between the row-wise reference's and the dense reference's.
+"""
+import itertools
+
 import pytest
 import torch
 
 import adaattn
 from adaattn import reference
 
-CASES = {
-    "flash": (lambda q, k, v, c: adaattn.flash_attn(q, k, v, causal=c),
-              lambda q, k, v, c: reference.flash_attn(q, k, v, causal=c)),
-    "softcap": (lambda q, k, v, c: adaattn.flash_attn(q, k, v, causal=c, softcap=5.0),
-                lambda q, k, v, c: reference.flash_attn(q, k, v, causal=c, softcap=5.0)),
+from conftest import DEVICES
+
+INF, NAN = float("inf"), float("nan")
+VALUES = {"nan": NAN, "inf": INF, "-inf": -INF}
+HQ, HKV = 4, 2  # GQA: kv head 0 serves query heads 0 and 1
+BAD_ROW = 3  # the query row / key that holds the bad value (inside every problem)
+
+
+def _mask(q, k):
+    """Every block listed (128 x 128, as the tensor cores take) for q's and k's lengths."""
+    blocks = (1, 1, -(-q.shape[2] // 128), -(-k.shape[2] // 128))
+    return adaattn.BlockSparseMask.from_dense(torch.ones(blocks, dtype=torch.bool,
+                                                         device=q.device))
+
+
+class Op:
+    """ours(q, k, v, causal, extra) -> (out, lse); ref(q, k, v, extra) -> (out, lse) on a
+    problem whose rows see every key (the last row's keys when causal: bottom-right aligned);
+    extra(device) -> dict of the op's other inputs (learnable ones get gradients)."""
+
+    def __init__(self, ours, ref, extra=lambda device: {}, causal_only=False):
+        self.ours, self.ref, self.extra, self.causal_only = ours, ref, extra, causal_only
+
+
+def _basis(device):
+    return {"basis": torch.linalg.qr(torch.randn(1, HKV, 64, 64, dtype=torch.float64))[0]
+            .to(device)}
+
+
+def _lazy_params(device):
+    return {"tau": torch.tensor([-0.5, 0.3, -0.1, 0.2], device=device),
+            "bias": (0.1 * torch.randn(HQ, 5)).to(device)}
+
+
+OPS = {
+    "flash": Op(lambda q, k, v, c, x: adaattn.flash_attn(q, k, v, causal=c, return_lse=True),
+                lambda q, k, v, x: reference.flash_attn(q, k, v, causal=True)),
+    "softcap": Op(lambda q, k, v, c, x: adaattn.flash_attn(q, k, v, causal=c, softcap=3.0,
+                                                           return_lse=True),
+                  lambda q, k, v, x: reference.flash_attn(q, k, v, causal=True, softcap=3.0)),
+    "lazy": Op(lambda q, k, v, c, x: adaattn.lazy_attn(q, k, v, x["tau"], x["bias"],
+                                                       return_lse=True),
+               lambda q, k, v, x: reference.lazy_attn(q, k, v, x["tau"], x["bias"]),
+               _lazy_params, causal_only=True),
+    "low_rank": Op(lambda q, k, v, c, x: adaattn.low_rank_attn(
+                       q, k, v, x["basis"].to(q.dtype), causal=c, return_lse=True),
+                   lambda q, k, v, x: reference.low_rank_attn(q, k, v, x["basis"], causal=True),
+                   _basis),
+    "block_sparse": Op(lambda q, k, v, c, x: adaattn.block_sparse_attn(
+                           q, k, v, _mask(q, k), causal=c, return_lse=True),
+                       lambda q, k, v, x: reference.block_sparse_attn(q, k, v, _mask(q, k),
+                                                                      causal=True)),
 }
 
 
-def _first(x):
-    return x[0] if isinstance(x, tuple) else x
+def _rowwise(op, q, k, v, causal, extra):
+    """The reference on each row's visible keys (rows r of q, keys [0, r] when causal with
+    Lq = Lk, else all), as one differentiable (out, lse)."""
+    outs, lses = [], []
+    for r in range(q.shape[2]):
+        keys = r + 1 if causal else k.shape[2]
+        out, lse = op.ref(q[:, :, r:r + 1], k[:, :, :keys], v[:, :, :keys], extra)
+        outs.append(out)
+        lses.append(lse)
+    return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
 
 
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("where", ["q", "k", "v"])
-@pytest.mark.parametrize("case", list(CASES))
-def test_nan_input_propagates_cpu(case, where, causal):
-    ours_fn, ref_fn = CASES[case]
-    torch.manual_seed(0)
-    q, k, v = (torch.randn(1, 2, 7, 16, dtype=torch.float64, requires_grad=True)
-               for _ in range(3))
-    with torch.no_grad():
-        dict(q=q, k=k, v=v)[where][0, 0, 3, 5] = float("nan")
-    out = ours_fn(q, k, v, causal)
-    ref = _first(ref_fn(q.detach(), k.detach(), v.detach(), causal))
-    ours_rows = torch.isnan(out).any(-1)
-    ref_rows = torch.isnan(ref).any(-1)
-    if where == "v" and causal:
-        # The eager reference multiplies masked (zero) weights by the NaN value too; the rows
-        # that attend key 3 are the ones the NaN must reach.
-        attends = torch.zeros_like(ours_rows)
-        attends[0, 0, 3:] = True
-        assert torch.equal(ours_rows, attends)
+def _lazy_value_reach(op, q, k, v, extra, out):
+    """Lazy attention drops a key whose clipped weight is 0 (the kernels skip it, exactly for
+    finite values), so a bad value reaches only the rows that give its key a non-zero weight:
+    ``out`` (the row-wise reference) there, the reference with the bad value zeroed elsewhere."""
+    q, k, v = (t.detach().double() for t in (q, k, v))
+    extra = {n: t.detach() for n, t in extra.items()}
+    probe = torch.zeros_like(v)
+    probe[0, 0, BAD_ROW] = 1
+    weight = _rowwise(op, q, k, probe, True, extra)[0][..., :1]
+    clean = _rowwise(op, q, k, torch.nan_to_num(v, nan=0.0, posinf=0.0, neginf=0.0), True,
+                     extra)[0]
+    return torch.where(weight != 0, out, clean)
+
+
+def _run(fn, tensors, extra):
+    """(out, lse, grads...) of fn with out.sum() back-propagated to q, k, v and the extras that
+    are float32 learnable parameters (lazy's tau and bias)."""
+    leaves = [t.detach().clone().requires_grad_(True) for t in tensors]
+    params = {n: (t.detach().clone().requires_grad_(True) if n in ("tau", "bias") else t)
+              for n, t in extra.items()}
+    out, lse = fn(*leaves, params)
+    out.float().sum().backward()
+    grads = [t.grad for t in leaves] + [params[n].grad for n in ("tau", "bias") if n in params]
+    return [out.detach(), lse.detach()] + grads
+
+
+def _kind(x):
+    """0 finite, 1 +-inf, 2 NaN, per element."""
+    return torch.where(torch.isnan(x), 2, torch.where(torch.isinf(x), 1, 0))
+
+
+def _inputs(device, dtype, length, where, value, spread):
+    q, k, v = (torch.randn(1, HQ if n == "q" else HKV, length, 64, dtype=torch.float64)
+               for n in "qkv")
+    bad = dict(q=q, k=k, v=v)[where]
+    if spread == "element":
+        bad[0, 0, BAD_ROW, 5] = value
     else:
-        assert torch.equal(ours_rows, ref_rows)
-    assert ours_rows.any()
-    out.sum().backward()
-    assert torch.isnan(q.grad[0, 0]).any(-1)[ours_rows[0, 0]].all(), "NaN rows' dq must be NaN"
+        bad[0, 0, BAD_ROW, :] = value
+    return [t.to(device=device, dtype=dtype) for t in (q, k, v)]
+
+
+TOL = {torch.float64: 1e-7, torch.float32: 1e-4}
+NAMES = ["out", "lse", "dq", "dk", "dv", "dtau", "dbias"]
+
+
+def _check(op_name, device, dtype, length, where, value, spread, causal):
+    op = OPS[op_name]
+    q, k, v = _inputs(device, dtype, length, where, VALUES[value], spread)
+    extra = op.extra(device)
+    ours = _run(lambda q, k, v, x: op.ours(q, k, v, causal, x), (q, k, v), extra)
+    ref64 = {n: (t.double() if n == "basis" else t) for n, t in extra.items()}
+    expected = _run(lambda q, k, v, x: _rowwise(op, q, k, v, causal, x),
+                    [t.double() for t in (q, k, v)], ref64)
+    if value == "nan":
+        assert torch.isnan(ours[0]).any()
+    if op_name == "lazy" and where == "v":
+        expected[0] = _lazy_value_reach(op, q, k, v, extra, expected[0])
+    exact = dtype in TOL
+    if not exact:
+        dense = _run(lambda q, k, v, x: op.ref(q, k, v, x) if causal else
+                     _rowwise(op, q, k, v, False, x), [t.double() for t in (q, k, v)], ref64)
+    for name, a, b in zip(NAMES, ours, expected):
+        a, b = a.double(), b.double()
+        # Gradients of a non-finite row mix inf and NaN in path-dependent ways: only
+        # finiteness is compared there.
+        kind_a, kind_b = _kind(a), _kind(b)
+        if name not in ("out", "lse") or not exact:
+            kind_a, kind_b = kind_a.clamp(max=1), kind_b.clamp(max=1)
+        if exact:
+            assert torch.equal(kind_a, kind_b), f"{name}: non-finite entries differ"
+            finite = kind_a == 0
+            # lse, dtau and dbias are float32 whatever the dtype.
+            tol = TOL[dtype] if name in ("out", "dq", "dk", "dv") else max(TOL[dtype], 1e-6)
+            torch.testing.assert_close(a[finite], b[finite], rtol=tol, atol=tol,
+                                       msg=lambda m: f"{name}: {m}")
+        else:
+            allowed = _kind(dense[NAMES.index(name)].double()).clamp(max=1)
+            assert bool((kind_a >= kind_b).all()), f"{name}: a non-finite entry became finite"
+            assert bool((kind_a <= allowed).all()), f"{name}: a non-finite entry leaked further"
+
+
+GRID = [(op, where, value, spread, causal)
+        for op, where, value, spread, causal in itertools.product(
+            OPS, "qkv", VALUES, ("element", "row"), (False, True))
+        if causal or not OPS[op].causal_only]
+
+
+def _id(case):
+    op, where, value, spread, causal = case
+    return f"{op}-{where}-{value}-{spread}-{'causal' if causal else 'full'}"
+
+
+@pytest.mark.parametrize("case", GRID, ids=_id)
+def test_nonfinite_input_cpu(case):
+    _check(*case[:1], "cpu", torch.float64, 9, *case[1:])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", GRID, ids=_id)
+def test_nonfinite_input_cuda(case, dtype):
+    # 150 rows: several tensor-core tiles, so rows of other tiles must stay finite.
+    _check(*case[:1], "cuda", dtype, 150, *case[1:])
+
+
+# ---- Garbage that no row reads --------------------------------------------------------------
+
+# (device, dtype): the CPU kernel, the exact CUDA kernel, the tensor cores.
+PATHS = [pytest.param("cpu", torch.float64, id="cpu"),
+         pytest.param("cuda", torch.float32, id="cuda-fp32", marks=pytest.mark.cuda),
+         pytest.param("cuda", torch.bfloat16, id="cuda-bf16", marks=pytest.mark.cuda)]
+
+
+@pytest.mark.parametrize("device, dtype", PATHS)
+def test_nan_past_seqlens_is_never_read(device, dtype):
+    """Padding rows and keys (at or past seqlens[b]) may hold anything: the other rows do not
+    change and padding rows give 0 / -inf; on the exact paths the gradients of real entries do
+    not change either (the tensor-core backward still loads padding rows into its tiles, where
+    their zero P multiplies what they hold)."""
+    length, valid = 150, 70
+    seqlens = torch.tensor([valid, length], dtype=torch.int32, device=device)
+    clean = [torch.randn(2, 2, length, 64, dtype=dtype, device=device) for _ in range(3)]
+    dirty = [t.clone() for t in clean]
+    for t in dirty:
+        t[0, :, valid:] = NAN
+    dout = torch.randn(2, 2, length, 64, dtype=dtype, device=device)
+    dout[0, :, valid:] = 0
+    results = []
+    for tensors in (clean, dirty):
+        leaves = [t.clone().requires_grad_(True) for t in tensors]
+        out, lse = adaattn.flash_attn(*leaves, causal=True, seqlens=seqlens, return_lse=True,
+                                      deterministic=True)
+        results.append([out, lse])
+        if dtype in TOL:
+            out.backward(dout)
+            results[-1] += ([t.grad[0, :, :valid] for t in leaves] +
+                            [t.grad[1] for t in leaves])
+    for name, a, b in zip(["out", "lse"] + ["dq", "dk", "dv"] * 2, *results):
+        assert torch.equal(a, b), f"{name} changed with NaN padding"
+    out, lse = results[1][:2]
+    assert torch.equal(out[0, :, valid:], torch.zeros_like(out[0, :, valid:]))
+    assert bool((lse[0, :, valid:] == -INF).all())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_nan_in_unlisted_block_is_never_read(device):
+    """A NaN key and value in a block the layout does not list reach no row."""
+    length = 256
+    layout = torch.tensor([[True, False], [True, True]]).view(1, 1, 2, 2)
+    mask = adaattn.BlockSparseMask.from_dense(layout, block_size=(128, 128)).to(device)
+    q, k, v = (torch.randn(1, 2, length, 64, device=device) for _ in range(3))
+    k[0, :, 200] = NAN
+    v[0, :, 200] = NAN
+    out = adaattn.block_sparse_attn(q, k, v, mask)
+    assert torch.isfinite(out[0, :, :128]).all()
+    assert torch.isnan(out[0, :, 128:]).all(-1).all()
+
+
+# ---- Decode ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("value", list(VALUES))
+@pytest.mark.parametrize("where", ["q", "k_cache", "v_cache", "k", "v", "past"])
+@pytest.mark.parametrize("lazy", [False, True], ids=["flash", "lazy"])
+@pytest.mark.parametrize("device, dtype", PATHS)
+def test_nonfinite_decode(device, dtype, lazy, where, value):
+    """One decode step (Lq = 1, new k/v appended) of two sequences, the bad value in sequence
+    0: the reference's rows; ``past`` puts it in the cache past the sequence, where no row
+    reads. Several splits on CUDA, so the split merge must carry the NaN too."""
+    lmax, cached = 512, torch.tensor([300, 400], dtype=torch.int32)
+    q = torch.randn(2, HQ, 1, 64)
+    k_cache, v_cache = torch.randn(2, HKV, lmax, 64), torch.randn(2, HKV, lmax, 64)
+    k_new, v_new = torch.randn(2, HKV, 1, 64), torch.randn(2, HKV, 1, 64)
+    val = VALUES[value]
+    if where == "q":
+        q[0, 0, 0, 5] = val
+    elif where in ("k_cache", "v_cache"):
+        dict(k_cache=k_cache, v_cache=v_cache)[where][0, 0, 100, 5] = val
+    elif where in ("k", "v"):
+        dict(k=k_new, v=v_new)[where][0, 0, 0, 5] = val
+    else:
+        k_cache[0, 0, 350:] = NAN
+        v_cache[0, 0, 350:] = NAN
+    args = [t.to(device=device, dtype=dtype) for t in (q, k_cache, v_cache, k_new, v_new)]
+    params = _lazy_params(device)
+    kwargs = dict(cache_seqlens=cached.to(device), return_lse=True)
+    if lazy:
+        out, lse = adaattn.lazy_attn_with_kvcache(*args, params["tau"], params["bias"],
+                                                  num_splits=4 if device == "cuda" else 0,
+                                                  **kwargs)
+        ref_out, ref_lse = reference.lazy_attn_with_kvcache(
+            *[t.double() for t in args], params["tau"], params["bias"], **kwargs)
+    else:
+        out, lse = adaattn.flash_attn_with_kvcache(*args, num_splits=4 if device == "cuda" else 0,
+                                                   **kwargs)
+        ref_out, ref_lse = reference.flash_attn_with_kvcache(
+            *[t.double() for t in args], **kwargs)
+    for name, a, b in (("out", out, ref_out), ("lse", lse, ref_lse)):
+        assert torch.equal(_kind(a.double()).clamp(max=1), _kind(b.double()).clamp(max=1)), name
+        if name == "lse" or dtype in TOL:
+            assert torch.equal(torch.isnan(a), torch.isnan(b)), f"{name}: NaN entries differ"
+        finite = torch.isfinite(b)
+        tol = TOL.get(dtype, 3e-2)
+        torch.testing.assert_close(a.double()[finite], b.double()[finite], rtol=tol, atol=tol)

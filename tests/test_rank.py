@@ -106,14 +106,16 @@ def test_error_bound_holds(device, kind, energy, causal):
 
 def test_bad_input():
     q = torch.randn(1, 4, 8, 16)
-    with pytest.raises(ValueError, match="multiple of k's"):
+    with pytest.raises(ValueError, match=r"^adaattn\.rank_plan: .*multiple of k's"):
         adaattn.rank_plan(q, torch.randn(1, 3, 8, 16))
-    with pytest.raises(ValueError, match=r"energy must be in \(0, 1\]"):
+    with pytest.raises(ValueError, match=r"^adaattn\.rank_plan: energy must be in \(0, 1\]"):
         adaattn.rank_plan(q, q, energy=0.0)
-    with pytest.raises(ValueError, match="must be \\[B, H, L, D\\]"):
+    with pytest.raises(ValueError, match=r"^adaattn\.rank_plan: .*must be \[B, H, L, D\]"):
         adaattn.rank_plan(q[0], q[0])
-    with pytest.raises(ValueError, match="basis must be"):
+    with pytest.raises(ValueError, match=r"^adaattn\.rank_error_bound: basis must be"):
         adaattn.rank_error_bound(q, q, q, torch.zeros(1, 4, 15, 4))
+    with pytest.raises(ValueError, match=r"^adaattn\.rank_plan: q and k must be finite"):
+        adaattn.rank_plan(q * float("nan"), q)
 
 
 def with_spectrum(values, device):
@@ -149,13 +151,14 @@ def test_shifted_cholesky_info(device, dim):
 
 def test_shifted_cholesky_info_bad_input(device):
     a = torch.eye(4, device=device).expand(2, 4, 4)
-    with pytest.raises(RuntimeError, match="a must be float32"):
+    prefix = r"^adaattn\.shifted_cholesky_info: "
+    with pytest.raises(TypeError, match=prefix + "a must be float32"):
         torch.ops.adaattn.shifted_cholesky_info(a.double(), 0.1)
-    with pytest.raises(RuntimeError, match=r"a must be \[N, D, D\]"):
+    with pytest.raises(ValueError, match=prefix + r"a must be \[N, D, D\]"):
         torch.ops.adaattn.shifted_cholesky_info(a[:, :3], 0.1)
-    with pytest.raises(RuntimeError, match="a must be contiguous"):
+    with pytest.raises(ValueError, match=prefix + "a must be contiguous"):
         torch.ops.adaattn.shifted_cholesky_info(a, 0.1)
-    with pytest.raises(RuntimeError, match="rel_shift must be finite"):
+    with pytest.raises(ValueError, match=prefix + "rel_shift must be finite"):
         torch.ops.adaattn.shifted_cholesky_info(a.contiguous(), float("inf"))
 
 

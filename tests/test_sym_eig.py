@@ -208,17 +208,19 @@ def test_cuda_matches_cpu(dim):
 
 
 def test_bad_input():
-    with pytest.raises(RuntimeError, match="sym_eig: a must be float32"):
+    with pytest.raises(TypeError, match=r"^adaattn\.sym_eig: a must be float32"):
         sym_eig(torch.eye(4, dtype=torch.float64)[None])
-    with pytest.raises(RuntimeError, match=r"sym_eig: a must have 3 dims \[N, D, D\]"):
+    with pytest.raises(ValueError, match=r"^adaattn\.sym_eig: a must have 3 dims \[N, D, D\]"):
         sym_eig(torch.eye(4))
-    with pytest.raises(RuntimeError, match="sym_eig: a must be square"):
+    with pytest.raises(ValueError, match=r"^adaattn\.sym_eig: a must be square"):
         sym_eig(torch.zeros(2, 4, 5))
-    with pytest.raises(RuntimeError, match=r"sym_eig: D = a.size\(1\) must be in \[1, 256\]"):
+    with pytest.raises(ValueError,
+                       match=r"^adaattn\.sym_eig: D = a.size\(1\) must be in \[1, 256\]"):
         sym_eig(torch.zeros(2, 0, 0))
-    with pytest.raises(RuntimeError, match=r"sym_eig: D = a.size\(1\) must be in \[1, 256\]"):
+    with pytest.raises(ValueError,
+                       match=r"^adaattn\.sym_eig: D = a.size\(1\) must be in \[1, 256\]"):
         sym_eig(torch.zeros(1, 257, 257))
-    with pytest.raises(RuntimeError, match="sym_eig: a must be contiguous"):
+    with pytest.raises(ValueError, match=r"^adaattn\.sym_eig: a must be contiguous"):
         sym_eig(torch.zeros(2, 4, 4).mT)
 
 
@@ -311,13 +313,14 @@ def test_top_cuda_matches_cpu(dim):
 
 def test_top_bad_input():
     a = torch.eye(4)[None]
-    with pytest.raises(RuntimeError, match=r"sym_eig_top: energy must be in \(0, 1\]"):
+    with pytest.raises(ValueError, match=r"^adaattn\.sym_eig_top: energy must be in \(0, 1\]"):
         sym_eig_top(a, 0.0)
-    with pytest.raises(RuntimeError, match=r"sym_eig_top: energy must be in \(0, 1\]"):
+    with pytest.raises(ValueError, match=r"^adaattn\.sym_eig_top: energy must be in \(0, 1\]"):
         sym_eig_top(a, 1.5)
-    with pytest.raises(RuntimeError, match="sym_eig_top: min_rank and multiple must be positive"):
+    with pytest.raises(ValueError,
+                       match=r"^adaattn\.sym_eig_top: min_rank and multiple must be positive"):
         sym_eig_top(a, 0.9, 0, 16)
-    with pytest.raises(RuntimeError, match="sym_eig: a must be float32"):
+    with pytest.raises(TypeError, match=r"^adaattn\.sym_eig_top: a must be float32"):
         sym_eig_top(a.double(), 0.9)
 
 

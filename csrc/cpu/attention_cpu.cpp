@@ -183,8 +183,11 @@ void attention_fwd(const AttnParams& p) {
         for (int r = 0; r < rows; ++r) {
           const bool seen = row_saw_keys(row_sum[r]);
           lse[r] = seen ? row_max[r] + std::log(row_sum[r]) : neg_inf<T>();
+          // A row without a finite score keeps its sum of 0 * v_j: 0, or NaN where a value is
+          // non-finite (as the reference's P V).
+          if (!seen) continue;
           T* acc_row = acc.data() + static_cast<size_t>(r) * dim_v;
-          for (int d = 0; d < dim_v; ++d) acc_row[d] = seen ? acc_row[d] / row_sum[r] : T(0);
+          for (int d = 0; d < dim_v; ++d) acc_row[d] /= row_sum[r];
         }
       } else {
         x.row_lse(b, h, m0, rows, ranges.data(), key_tile.data(), scores.data(), lse.data());
@@ -199,7 +202,7 @@ void attention_fwd(const AttnParams& p) {
             x.scores(b, h, m0 + r, n0, cc.lo, cc.hi, key_tile.data(), scores.data());
             T* __restrict__ w = weights.data() + static_cast<size_t>(r) * kBlockN;
             for (int c = cc.lo; c < cc.hi; ++c) {
-              w[c] = Transform::weight(std::exp(scores[c] - lse[r]), term[r]);
+              w[c] = Transform::weight(prob_from_lse(scores[c], lse[r]), term[r]);
               const bool zero = w[c] == T(0);
               zero_weights += zero;
               any_weight |= !zero;
@@ -324,7 +327,10 @@ void attention_bwd(const AttnParams& p) {
           lse[r] = seen ? row_max[r] + std::log(row_sum[r]) : neg_inf<T>();
           T* dq_row = dq.row(b, h, m0 + r);
           const T* acc_row = dq_acc.data() + static_cast<size_t>(r) * dim;
-          for (int d = 0; d < dim; ++d) dq_row[d] = seen ? acc_row[d] / row_sum[r] * scale : T(0);
+          // Unseen: the sum of 0 * k_j, as in the forward.
+          for (int d = 0; d < dim; ++d) {
+            dq_row[d] = (seen ? acc_row[d] / row_sum[r] : acc_row[d]) * scale;
+          }
         }
       } else {
         if constexpr (std::is_same_v<T, float>) {
@@ -350,7 +356,7 @@ void attention_bwd(const AttnParams& p) {
             T* x_row = dq_acc.data() + static_cast<size_t>(r) * dim;
             T* y_row = y_acc.data() + static_cast<size_t>(r) * dim;
             for (int c = cc.lo; c < cc.hi; ++c) {
-              const T prob = std::exp(scores[c] - lse[r]);
+              const T prob = prob_from_lse(scores[c], lse[r]);
               const T sg = x.score_grad(xs, scores.data(), c);
               const T* k_row = x.k.row(b, g, n0 + c);
               axpy(prob * sg, k_row, y_row, dim);
@@ -438,15 +444,16 @@ void attention_bwd(const AttnParams& p) {
                 x.scores(b, h, i, n0, cc.lo, cc.hi, key_tile.data(), scores.data(), xs);
                 dot_tile(dout_row, value_tile.data(), dim_v, cc.lo, cc.hi, dprobs.data());
                 for (int c = cc.lo; c < cc.hi; ++c) {
-                  const T prob = std::exp(scores[c] - row_lse);
+                  const T prob = prob_from_lse(scores[c], row_lse);
                   const bool live = Transform::live(prob, term);
                   const T ds = prob * ((live ? dprobs[c] : T(0)) - delta) *
                                x.score_grad(xs, scores.data(), c);
                   axpy(ds, q_row, dk_acc.data() + static_cast<size_t>(c) * dim, dim);
-                  // Zero weights add nothing to dv: skipping them is exact.
-                  if (live) {
-                    axpy(Transform::weight(prob, term), dout_row,
-                         dv_acc.data() + static_cast<size_t>(c) * dim_v, dim_v);
+                  // A clipped (zero) weight drops its key, as in the forward: skipping it is
+                  // exact. A NaN weight is not zero and reaches dv.
+                  const T weight = Transform::weight(prob, term);
+                  if (Transform::kNormalized || weight != T(0)) {
+                    axpy(weight, dout_row, dv_acc.data() + static_cast<size_t>(c) * dim_v, dim_v);
                   }
                   if constexpr (Mod::kParamGrad) {
                     if (partial != nullptr) {

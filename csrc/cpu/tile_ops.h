@@ -102,31 +102,42 @@ inline KeyRange tile_columns(KeyRange range, int n0, int cols) {
   return {std::max(range.lo, n0) - n0, std::min(range.hi, n0 + cols) - n0};
 }
 
-// One online-softmax step of a row over tile columns [c0, c1) (all inside the row's key range)
-// of its final scores: raises the running max, rescales the row's accumulator and running sum,
-// and passes each column's unnormalised weight exp(s - max) to add(c, weight).
-// Whether a row's softmax sum counts attended keys: it is at least 1 once any key is attended
-// (the max's own term), exactly 0 when none is. A NaN sum (NaN or inf inputs) counts, so the
-// NaN reaches out and lse instead of turning into a zero row.
+// Whether a row's softmax sum counts attended keys: it is at least 1 once a key with a finite
+// score is attended (the max's own term), exactly 0 when none is. A NaN sum (a NaN or +inf
+// score) counts, so the NaN reaches out and lse instead of turning into a zero row.
 template <typename T>
 inline bool row_saw_keys(T row_sum) {
   return row_sum != T(0);
 }
 
+// exp(s - lse), a probability from its row's finished lse. A row whose every score is -inf (an
+// Inf in q or k) has lse -inf and probabilities 0, as masked keys have, not exp(-inf + inf).
+template <typename T>
+inline T prob_from_lse(T s, T lse) {
+  return std::exp(s - (lse == neg_inf<T>() ? -lse : lse));
+}
+
+// One online-softmax step of a row over tile columns [c0, c1) (all inside the row's key range)
+// of its final scores: raises the running max, rescales the row's accumulator and running sum,
+// and passes each column's unnormalised weight exp(s - max) to add(c, weight). std::max skips a
+// NaN score, whose weight exp(NaN) then makes the sum NaN; a +inf score gives exp(inf - inf).
 template <typename T, typename Add>
 inline void online_softmax_step(const T* __restrict__ scores, int c0, int c1, T& row_max,
                                 T& row_sum, T* acc_row, int dim, Add&& add) {
   T tile_max = neg_inf<T>();
   for (int c = c0; c < c1; ++c) tile_max = std::max(tile_max, scores[c]);
   const T new_max = std::max(row_max, tile_max);
-  // exp(-inf) = 0 on a row's first tile: the zero accumulator stays zero.
-  const T rescale = std::exp(row_max - new_max);
+  // Scores that are all -inf so far (an Inf in q or k) weigh exp(-inf) = 0, as masked keys do,
+  // not exp(-inf + inf) = NaN. exp(-inf) = 0 also rescales a row's first tile: the zero
+  // accumulator stays zero.
+  const T base = new_max == neg_inf<T>() ? T(0) : new_max;
+  const T rescale = std::exp(row_max - base);
   if (rescale != T(1)) {
     for (int d = 0; d < dim; ++d) acc_row[d] *= rescale;
   }
   T sum = row_sum * rescale;
   for (int c = c0; c < c1; ++c) {
-    const T weight = std::exp(scores[c] - new_max);
+    const T weight = std::exp(scores[c] - base);
     sum += weight;
     add(c, weight);
   }

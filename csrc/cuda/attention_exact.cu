@@ -77,12 +77,13 @@ __device__ T row_logsumexp(const AttnParams& p, int b, int h, int row, KeyRange 
       const T s = scores(n0, count);
       const T chunk_max = warp_max(s);
       const T new_max = chunk_max > row_max ? chunk_max : row_max;
-      row_sum = row_sum * exact_exp(row_max - new_max) +
-                warp_sum(lane < count ? exact_exp(s - new_max) : T(0));
+      const T base = softmax_base(new_max);
+      row_sum = row_sum * exact_exp(row_max - base) +
+                warp_sum(lane < count ? exact_exp(s - base) : T(0));
       row_max = new_max;
     }
   });
-  return row_sum > T(0) ? static_cast<T>(row_lse(row_max, row_sum)) : kNegInf<T>;
+  return row_saw_keys(row_sum) ? static_cast<T>(row_lse(row_max, row_sum)) : kNegInf<T>;
 }
 
 // Whether key j lies in a key block listed for query row `row` (always without block lists).
@@ -133,8 +134,9 @@ __global__ void __launch_bounds__(kThreads) attention_fwd_exact_kernel(const Att
           const T my_score = scores(n0, count);
           const T chunk_max = warp_max(my_score);
           const T new_max = chunk_max > row_max ? chunk_max : row_max;
-          const T rescale = exact_exp(row_max - new_max);  // 0 on the first chunk
-          const T my_weight = lane < count ? exact_exp(my_score - new_max) : T(0);
+          const T base = softmax_base(new_max);
+          const T rescale = exact_exp(row_max - base);  // 0 on the first chunk
+          const T my_weight = lane < count ? exact_exp(my_score - base) : T(0);
           row_sum = row_sum * rescale + warp_sum(my_weight);
           slice_scale(rescale, acc);
           for (int t = 0; t < count; ++t) {
@@ -144,9 +146,11 @@ __global__ void __launch_bounds__(kThreads) attention_fwd_exact_kernel(const Att
           row_max = new_max;
         }
       });
-      const bool seen = row_sum > T(0);
+      // A row without a finite score keeps its sum of 0 * v_j: 0, or NaN where a value is
+      // non-finite (as the reference's P V).
+      const bool seen = row_saw_keys(row_sum);
 #pragma unroll
-      for (int s = 0; s < kSlots; ++s) acc[s] = seen ? acc[s] / row_sum : T(0);
+      for (int s = 0; s < kSlots; ++s) acc[s] = seen ? acc[s] / row_sum : acc[s];
       lse = seen ? static_cast<T>(row_lse(row_max, row_sum)) : kNegInf<T>;
     } else {
       lse = row_logsumexp<T>(p, b, h, r, range, lane, scores);
@@ -157,18 +161,20 @@ __global__ void __launch_bounds__(kThreads) attention_fwd_exact_kernel(const Att
         for (int n0 = lo; n0 < hi; n0 += kWarp) {
           const int count = min(kWarp, hi - n0);
           const T s = scores(n0, count);
-          const T weight = lane < count ? Transform::weight(exact_exp(s - lse), c) : T(0);
+          const T weight = lane < count ? Transform::weight(prob_from_lse(s, lse), c) : T(0);
           if constexpr (Transform::kCountsZeros) {
             zeros += __popc(__ballot_sync(kFullMask, lane < count && weight == T(0)));
             ++tiles;
           }
-          // A zero weight adds nothing: skipping the chunk's A V is exact.
+          // A zero weight drops its key: skipping it (and the chunk's A V when all are zero)
+          // is exact, and a non-finite value that no row weighs reaches no row.
           if (!__any_sync(kFullMask, weight != T(0))) {
             ++skipped;
             continue;
           }
           for (int t = 0; t < count; ++t) {
-            slice_axpy(__shfl_sync(kFullMask, weight, t), values[n0 + t], values.dim, lane, acc);
+            const T w = __shfl_sync(kFullMask, weight, t);
+            if (w != T(0)) slice_axpy(w, values[n0 + t], values.dim, lane, acc);
           }
         }
       });
@@ -239,8 +245,9 @@ __global__ void __launch_bounds__(kThreads)
           chunk(n0, count, my_score, my_dweight, my_ds_dx);
           const T chunk_max = warp_max(my_score);
           const T new_max = chunk_max > row_max ? chunk_max : row_max;
-          const T rescale = exact_exp(row_max - new_max);
-          const T my_weight = lane < count ? exact_exp(my_score - new_max) : T(0);
+          const T base = softmax_base(new_max);
+          const T rescale = exact_exp(row_max - base);
+          const T my_weight = lane < count ? exact_exp(my_score - base) : T(0);
           T my_dscore = my_weight * (my_dweight - delta);
           if constexpr (!Mod::kUnitGrad) my_dscore *= my_ds_dx;
           row_sum = row_sum * rescale + warp_sum(my_weight);
@@ -252,9 +259,10 @@ __global__ void __launch_bounds__(kThreads)
           row_max = new_max;
         }
       });
-      const bool seen = row_sum > T(0);
+      // Unseen: the sum of 0 * k_j, as in the forward.
+      const bool seen = row_saw_keys(row_sum);
 #pragma unroll
-      for (int s = 0; s < kSlots; ++s) dq_acc[s] = seen ? dq_acc[s] / row_sum * scale : T(0);
+      for (int s = 0; s < kSlots; ++s) dq_acc[s] = (seen ? dq_acc[s] / row_sum : dq_acc[s]) * scale;
       lse = seen ? static_cast<T>(row_lse(row_max, row_sum)) : kNegInf<T>;
     } else {
       lse = row_logsumexp<T>(p, b, h, r, range, lane, [&](int n0, int count) {
@@ -269,7 +277,7 @@ __global__ void __launch_bounds__(kThreads)
           const int count = min(kWarp, hi - n0);
           T s, d_weight, ds_dx;
           chunk(n0, count, s, d_weight, ds_dx);
-          const T prob = exact_exp(s - lse);
+          const T prob = prob_from_lse(s, lse);
           if (lane < count && Transform::live(prob, c)) {
             if constexpr (Transform::kRowParamGrad) g_part += d_weight;
             delta_part += prob * d_weight;
@@ -285,7 +293,7 @@ __global__ void __launch_bounds__(kThreads)
           chunk(n0, count, s, d_weight, ds_dx);
           T d_score = 0;
           if (lane < count) {
-            const T prob = exact_exp(s - lse);
+            const T prob = prob_from_lse(s, lse);
             d_score = prob * ((Transform::live(prob, c) ? d_weight : T(0)) - delta);
             if constexpr (!Mod::kUnitGrad) d_score *= ds_dx;
           }
@@ -347,7 +355,7 @@ __global__ void __launch_bounds__(kThreads)
                 T ds_dx = 1;
                 const T s = modified_score<Mod>(p, h, pos, j, my_x, ds_dx);
                 const T* stats = head_stats + kRowStats<V> * i;
-                const T prob = exact_exp(s - stats[0]);
+                const T prob = prob_from_lse(s, stats[0]);
                 const T c = Transform::template row_term<T>(p, h, pos);
                 my_weight = Transform::weight(prob, c);
                 my_dscore = prob * ((Transform::live(prob, c) ? my_dweight : T(0)) - stats[1]);
@@ -406,7 +414,7 @@ __global__ void __launch_bounds__(kThreads)
         T unused;
         const T s = modified_score<Mod>(p, h, pos, j, dot * scale, unused);
         const T* stats = head_stats + kRowStats<V> * r;
-        const T prob = exact_exp(s - stats[0]);
+        const T prob = prob_from_lse(s, stats[0]);
         const T c = Transform::template row_term<T>(p, h, pos);
         acc += prob * ((Transform::live(prob, c) ? d_weight : T(0)) - stats[1]);
       }

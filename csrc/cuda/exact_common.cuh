@@ -35,6 +35,29 @@ __device__ __forceinline__ double row_lse(T row_max, T row_sum) {
   return static_cast<double>(row_max) + log(static_cast<double>(row_sum));
 }
 
+// What an online softmax subtracts from the scores: the running max, or 0 while every score is
+// -inf (an Inf in q or k), whose weights are then exp(-inf) = 0 as masked keys' are, not
+// exp(-inf + inf) = NaN. A NaN score is skipped by the max and makes the sum NaN through its
+// own weight; a +inf one gives exp(inf - inf) = NaN.
+template <typename T>
+__device__ __forceinline__ T softmax_base(T row_max) {
+  return row_max == kNegInf<T> ? T(0) : row_max;
+}
+
+// Whether a row's softmax sum counts attended keys: at least 1 once a finite score is
+// attended, exactly 0 when none is; a NaN sum counts, so the NaN reaches out and lse.
+template <typename T>
+__device__ __forceinline__ bool row_saw_keys(T row_sum) {
+  return row_sum != T(0);
+}
+
+// exp(s - lse), a probability from its row's finished lse; 0 for a row whose every score is
+// -inf (lse -inf), as for masked keys, not exp(-inf + inf) = NaN.
+template <typename T>
+__device__ __forceinline__ T prob_from_lse(T s, T lse) {
+  return exact_exp(s - (lse == kNegInf<T> ? -lse : lse));
+}
+
 template <typename T>
 __device__ __forceinline__ T warp_sum(T x) {
 #pragma unroll

@@ -46,7 +46,7 @@ std::tuple<at::Tensor, at::Tensor> sym_eig_eigh(const at::Tensor& a) {
 }
 
 std::tuple<at::Tensor, at::Tensor> sym_eig_cuda(const at::Tensor& a) {
-  check_sym_eig_input(a);
+  check_sym_eig_input("sym_eig", a);
   const c10::cuda::CUDAGuard guard(a.device());
   const int dim = static_cast<int>(a.size(1));
   if (dim > kMaxSmemDim && a.size(0) > 0) return sym_eig_eigh(a);
@@ -59,7 +59,7 @@ std::tuple<at::Tensor, at::Tensor> sym_eig_cuda(const at::Tensor& a) {
 std::tuple<at::Tensor, at::Tensor, at::Tensor> sym_eig_top_cuda(const at::Tensor& a,
                                                                 double energy, int64_t min_rank,
                                                                 int64_t multiple) {
-  check_sym_eig_input(a);
+  check_sym_eig_input("sym_eig_top", a);
   check_sym_eig_top_args(energy, min_rank, multiple);
   const c10::cuda::CUDAGuard guard(a.device());
   const int64_t batch = a.size(0), dim = a.size(1);

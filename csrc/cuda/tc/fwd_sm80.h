@@ -120,9 +120,11 @@ __global__ void __launch_bounds__(Traits::kThreads)
       load_tile_async<BN, DK, kThreads>(dst, k + static_cast<int64_t>(tile) * BN * p.k_row_stride,
                                         p.k_row_stride, lens.rows_k - tile * BN, tid);
     };
+    // Values past the attended keys (padding) are zero-filled: their weights are 0, and 0 times
+    // whatever the padding holds (NaN) must not reach the rows.
     auto load_v = [&](int tile) {
       load_tile_async<BN, DV, kThreads>(sV, v + static_cast<int64_t>(tile) * BN * p.v_row_stride,
-                                        p.v_row_stride, lens.rows_k - tile * BN, tid);
+                                        p.v_row_stride, lens.k - tile * BN, tid);
     };
     if (tiles.count > 0) {
       load_tile_async<kBlockM, DK, kThreads>(sQ, q, p.q_row_stride, valid_q, tid);
@@ -153,7 +155,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
             l += __shfl_xor_sync(0xffffffff, l, 1);
             l += __shfl_xor_sync(0xffffffff, l, 2);
             row_sum[mi][hh] = l;
-            if (l > 0.f) lse2[mi][hh] = row_max[mi][hh] + log2f(l);
+            if (row_saw_keys(l)) lse2[mi][hh] = row_max[mi][hh] + log2f(l);
           }
         __syncthreads();  // every warp is done with sK/sV before pass 2 refills them
         load_k(sK, tiles.at(0));
@@ -224,10 +226,10 @@ __global__ void __launch_bounds__(Traits::kThreads)
         l += __shfl_xor_sync(0xffffffff, l, 1);
         l += __shfl_xor_sync(0xffffffff, l, 2);
       }
-      inv[mi][hh] = kLsePass ? 1.f : (l > 0.f ? 1.f / l : 0.f);
+      inv[mi][hh] = kLsePass ? 1.f : (row_saw_keys(l) ? 1.f / l : 0.f);
       const int row = m0 + warp_row0 + mi * 16 + g + 8 * hh;
       if ((lane & 3) == 0 && row < lens.rows_q) {
-        lse[row] = l > 0.f ? (row_max[mi][hh] + log2f(l)) * float(M_LN2) : -INFINITY;
+        lse[row] = row_saw_keys(l) ? (row_max[mi][hh] + log2f(l)) * float(M_LN2) : -INFINITY;
       }
     }
   if (kLsePass && Transform::kCountsZeros && p.stats != nullptr) flush_stats(p.stats, stats);

@@ -113,10 +113,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_sm90_kernel(const Att
                                         k + static_cast<int64_t>(n) * BN * p.k_row_stride,
                                         p.k_row_stride, lens.rows_k - n * BN, ptid);
     };
+    // Values past the attended keys (padding) are zero-filled: their weights are 0, and 0 times
+    // whatever the padding holds (NaN) must not reach the rows.
     auto load_v = [&](int stage, int n) {
       sm90::load_tile_gmma<BN, DV, 128>(sV + stage * Traits::kVElems,
                                         v + static_cast<int64_t>(n) * BN * p.v_row_stride,
-                                        p.v_row_stride, lens.rows_k - n * BN, ptid);
+                                        p.v_row_stride, lens.k - n * BN, ptid);
     };
     with_tiles([&](const auto& tiles) {
       // No key tiles: the consumers write zeros over sQ without waiting, so nothing may load.
@@ -288,7 +290,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_sm90_kernel(const Att
         l += __shfl_xor_sync(0xffffffff, l, 1);
         l += __shfl_xor_sync(0xffffffff, l, 2);
         row_sum[0][hh] = l;
-        if (l > 0.f) lse2[0][hh] = row_max[0][hh] + log2f(l);
+        if (row_saw_keys(l)) lse2[0][hh] = row_max[0][hh] + log2f(l);
       }
       for (int i = 0; i < n; ++i) {
         const int j = n + i;
@@ -342,10 +344,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_sm90_kernel(const Att
         l += __shfl_xor_sync(0xffffffff, l, 1);
         l += __shfl_xor_sync(0xffffffff, l, 2);
       }
-      inv[0][hh] = kLsePass ? 1.f : (l > 0.f ? 1.f / l : 0.f);
+      inv[0][hh] = kLsePass ? 1.f : (row_saw_keys(l) ? 1.f / l : 0.f);
       const int row = m0 + warp_row0 + g + 8 * hh;
       if ((lane & 3) == 0 && row < lens.rows_q) {
-        lse[row] = l > 0.f ? (row_max[0][hh] + log2f(l)) * float(M_LN2) : -INFINITY;
+        lse[row] = row_saw_keys(l) ? (row_max[0][hh] + log2f(l)) * float(M_LN2) : -INFINITY;
       }
     }
     if (kStats) flush_stats(p.stats, stats);

@@ -117,6 +117,12 @@ __device__ __forceinline__ void online_softmax(float (&s)[MI][NT][4], float (&ro
     }
 }
 
+// Whether a row's softmax sum counts attended keys: at least 1 once a finite score is attended,
+// exactly 0 when none is (masked and -inf scores weigh exp2(-inf) = 0). A NaN sum counts, so the
+// NaN reaches out and lse instead of a zero row: online_softmax's fmaxf skips a NaN score, whose
+// own exp2 is NaN, and a +inf score makes the max +inf and its exp2(inf - inf) NaN.
+__device__ __forceinline__ bool row_saw_keys(float row_sum) { return row_sum != 0.f; }
+
 // log2-domain lse for recomputing P = exp2(s * scale_log2 - lse2); rows that saw nothing (and
 // rows past the tensor) get +inf so that P = 0 exactly.
 __device__ __forceinline__ float lse_log2(const float* lse, int row, int len) {

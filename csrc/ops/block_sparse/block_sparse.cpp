@@ -19,17 +19,19 @@ namespace adaattn {
 
 namespace {
 
+// Every check of this family names the op the user calls.
+constexpr const char* op = "block_sparse_attn";
+
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 void check_block_size(int64_t size, const char* name) {
-  TORCH_CHECK(size == 64 || size == 128, "adaattn: ", name, " must be 64 or 128, got ", size);
+  ADAATTN_CHECK_VALUE(size == 64 || size == 128, name, " must be 64 or 128, got ", size);
 }
 
 void check_index_tensor(const at::Tensor& t, const char* name, const at::Tensor& q) {
-  TORCH_CHECK(t.scalar_type() == at::kInt, "adaattn: ", name, " must be int32, got ",
-              t.scalar_type());
-  TORCH_CHECK(t.device() == q.device(), "adaattn: ", name, " must be on q's device ", q.device(),
-              ", got ", t.device());
+  ADAATTN_CHECK_TYPE(t.scalar_type() == at::kInt, name, " must be int32, got ", t.scalar_type());
+  ADAATTN_CHECK_DEVICE(t.device() == q.device(), name, " must be on q's device ", q.device(),
+                       ", got ", t.device());
 }
 
 // num [Bm, Hm, rows] and idx [Bm, Hm, rows, cols] with Bm in {1, B}, Hm in {1, Hq}.
@@ -39,15 +41,15 @@ void check_index_pair(const at::Tensor& num, const at::Tensor& idx, const char* 
   check_index_tensor(num, num_name, q);
   check_index_tensor(idx, idx_name, q);
   const int64_t batch = q.size(0), heads = q.size(1);
-  TORCH_CHECK(num.dim() == 3 && (num.size(0) == 1 || num.size(0) == batch) &&
-                  (num.size(1) == 1 || num.size(1) == heads) && num.size(2) == rows,
-              "adaattn: ", num_name, " must have shape [B or 1, Hq or 1, ", rows_text, "] = [",
-              batch, " or 1, ", heads, " or 1, ", rows, "], got ", num.sizes());
-  TORCH_CHECK(idx.dim() == 4 && idx.size(0) == num.size(0) && idx.size(1) == num.size(1) &&
-                  idx.size(2) == rows && idx.size(3) == cols,
-              "adaattn: ", idx_name, " must have shape [", num.size(0), ", ", num.size(1), ", ",
-              rows_text, ", ", cols_text, "] = [", num.size(0), ", ", num.size(1), ", ", rows,
-              ", ", cols, "] (", num_name, "'s leading dims), got ", idx.sizes());
+  ADAATTN_CHECK_VALUE(num.dim() == 3 && (num.size(0) == 1 || num.size(0) == batch) &&
+                          (num.size(1) == 1 || num.size(1) == heads) && num.size(2) == rows,
+                      num_name, " must have shape [B or 1, Hq or 1, ", rows_text, "] = [", batch,
+                      " or 1, ", heads, " or 1, ", rows, "], got ", num.sizes());
+  ADAATTN_CHECK_VALUE(idx.dim() == 4 && idx.size(0) == num.size(0) &&
+                          idx.size(1) == num.size(1) && idx.size(2) == rows && idx.size(3) == cols,
+                      idx_name, " must have shape [", num.size(0), ", ", num.size(1), ", ",
+                      rows_text, ", ", cols_text, "] = [", num.size(0), ", ", num.size(1), ", ",
+                      rows, ", ", cols, "] (", num_name, "'s leading dims), got ", idx.sizes());
 }
 
 // Checks one contiguous (num, idx) pair's values; marks the listed blocks in `listed`
@@ -62,16 +64,17 @@ void check_list_values(const at::Tensor& num, const at::Tensor& idx, const char*
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t list = s * rows + r;
       const int count = n[list];
-      TORCH_CHECK(count >= 0 && count <= cols, "adaattn: ", num_name, "[", s / num.size(1), ", ",
-                  s % num.size(1), ", ", r, "] = ", count, " is out of range [0, ", cols, "]");
+      ADAATTN_CHECK_VALUE(count >= 0 && count <= cols, num_name, "[", s / num.size(1), ", ",
+                          s % num.size(1), ", ", r, "] = ", count, " is out of range [0, ", cols,
+                          "]");
       uint8_t* seen = listed.data() + list * cols;
       for (int e = 0; e < count; ++e) {
         const int block = x[list * cols + e];
-        TORCH_CHECK(block >= 0 && block < cols, "adaattn: ", idx_name, "[", s / num.size(1), ", ",
-                    s % num.size(1), ", ", r, ", ", e, "] = ", block, " is out of range [0, ",
-                    cols, ")");
-        TORCH_CHECK(!seen[block], "adaattn: ", idx_name, "[", s / num.size(1), ", ",
-                    s % num.size(1), ", ", r, "] lists block ", block, " twice");
+        ADAATTN_CHECK_VALUE(block >= 0 && block < cols, idx_name, "[", s / num.size(1), ", ",
+                            s % num.size(1), ", ", r, ", ", e, "] = ", block,
+                            " is out of range [0, ", cols, ")");
+        ADAATTN_CHECK_VALUE(!seen[block], idx_name, "[", s / num.size(1), ", ", s % num.size(1),
+                            ", ", r, "] lists block ", block, " twice");
         seen[block] = 1;
       }
     }
@@ -87,7 +90,7 @@ int64_t broadcast_stride(const at::Tensor& t, int64_t dim) {
 void check_block_sparse_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                const BlockSparseMaskTensors& mask, int64_t block_m,
                                int64_t block_n) {
-  check_flash_inputs(q, k, v, std::nullopt, std::nullopt, std::nullopt);
+  check_flash_inputs(op, q, k, v, std::nullopt, std::nullopt, std::nullopt);
   check_block_size(block_m, "block_m");
   check_block_size(block_n, "block_n");
   const int64_t nq = ceil_div(q.size(2), block_m), nkv = ceil_div(k.size(2), block_n);
@@ -96,15 +99,19 @@ void check_block_sparse_inputs(const at::Tensor& q, const at::Tensor& k, const a
   if (mask.q_num_blocks.defined()) {
     check_index_pair(mask.q_num_blocks, mask.q_indices, "q_num_blocks", "q_indices", q, nkv, nq,
                      "nKV = ceil(Lk / block_n)", "nQ = ceil(Lq / block_m)");
-    TORCH_CHECK(mask.q_num_blocks.size(0) == mask.kv_num_blocks.size(0) &&
-                    mask.q_num_blocks.size(1) == mask.kv_num_blocks.size(1),
-                "adaattn: q_num_blocks must have kv_num_blocks' leading dims [",
-                mask.kv_num_blocks.size(0), ", ", mask.kv_num_blocks.size(1), "], got ",
-                mask.q_num_blocks.sizes());
+    ADAATTN_CHECK_VALUE(mask.q_num_blocks.size(0) == mask.kv_num_blocks.size(0) &&
+                            mask.q_num_blocks.size(1) == mask.kv_num_blocks.size(1),
+                        "q_num_blocks must have kv_num_blocks' leading dims [",
+                        mask.kv_num_blocks.size(0), ", ", mask.kv_num_blocks.size(1), "], got ",
+                        mask.q_num_blocks.sizes());
   }
 }
 
-void check_block_sparse_mask_values(const BlockSparseMaskTensors& mask) {
+void check_block_sparse_mask_values(const BlockSparseMaskTensors& given) {
+  if (!check_values_of(given.kv_num_blocks)) return;
+  auto host = [](const at::Tensor& t) { return t.defined() ? t.cpu().contiguous() : t; };
+  const BlockSparseMaskTensors mask{host(given.kv_num_blocks), host(given.kv_indices),
+                                    host(given.q_num_blocks), host(given.q_indices)};
   std::vector<uint8_t> forward, transposed;
   check_list_values(mask.kv_num_blocks, mask.kv_indices, "kv_num_blocks", "kv_indices", forward);
   if (!mask.q_num_blocks.defined()) return;
@@ -114,12 +121,12 @@ void check_block_sparse_mask_values(const BlockSparseMaskTensors& mask) {
   for (int64_t s = 0; s < slots; ++s) {
     for (int64_t mb = 0; mb < nq; ++mb) {
       for (int64_t nb = 0; nb < nkv; ++nb) {
-        TORCH_CHECK(forward[(s * nq + mb) * nkv + nb] == transposed[(s * nkv + nb) * nq + mb],
-                    "adaattn: q_num_blocks/q_indices are not the transpose of "
-                    "kv_num_blocks/kv_indices: block (query ", mb, ", key ", nb, ") of mask slot [",
-                    s / mask.kv_num_blocks.size(1), ", ", s % mask.kv_num_blocks.size(1),
-                    "] is listed in only one of them; build the transposed index from the "
-                    "forward one (BlockSparseMask does)");
+        ADAATTN_CHECK_VALUE(
+            forward[(s * nq + mb) * nkv + nb] == transposed[(s * nkv + nb) * nq + mb],
+            "q_num_blocks/q_indices are not the transpose of kv_num_blocks/kv_indices: block "
+            "(query ", mb, ", key ", nb, ") of mask slot [", s / mask.kv_num_blocks.size(1), ", ",
+            s % mask.kv_num_blocks.size(1), "] is listed in only one of them; build the "
+            "transposed index from the forward one (BlockSparseMask does)");
       }
     }
   }
@@ -133,13 +140,13 @@ BlockSparseMaskTensors contiguous_mask(const BlockSparseMaskTensors& mask) {
 BwdMode parse_bwd_mode(c10::string_view bwd_mode) {
   if (bwd_mode == "atomic") return BwdMode::kAtomic;
   if (bwd_mode == "two_pass") return BwdMode::kTwoPass;
-  TORCH_CHECK(false, "adaattn: bwd_mode must be 'atomic' or 'two_pass', got '", bwd_mode, "'");
+  ADAATTN_CHECK_VALUE(false, "bwd_mode must be 'atomic' or 'two_pass', got '", bwd_mode, "'");
 }
 
 FlashOptions block_sparse_options(const at::Tensor& q, std::optional<double> softmax_scale,
                                   bool causal, BwdMode bwd_mode, double softcap) {
-  return resolve_flash_options(q, softmax_scale, causal, /*window_left=*/-1, /*window_right=*/-1,
-                               bwd_mode, softcap);
+  return resolve_flash_options(op, q, softmax_scale, causal, /*window_left=*/-1,
+                               /*window_right=*/-1, bwd_mode, softcap);
 }
 
 AttnParams make_block_sparse_params(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -203,7 +210,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_sparse_bwd_cpu_op(
   // The CPU kernels are deterministic in either mode.
   const FlashOptions opt = block_sparse_options(q_in, softmax_scale, causal,
                                                 parse_bwd_mode(bwd_mode), softcap);
-  check_flash_bwd_inputs(dout_in, q_in, v_in, out_in, lse, /*packed=*/false);
+  check_flash_bwd_inputs(op, dout_in, q_in, v_in, out_in, lse, /*packed=*/false);
   mask = contiguous_mask(mask);
   check_block_sparse_mask_values(mask);
   const at::Tensor q = cpu_compute(q_in), k = cpu_compute(k_in), v = cpu_compute(v_in);

@@ -1,8 +1,9 @@
 // CUDA registration of the block-sparse ops: fp16/bf16 go to the flash tensor-core
 // kernels, which walk the mask's block lists (tc/tiles.h); fp32/fp64 to the exact kernels, which
-// walk them per row (core/block_sparse.h). Mask values are not checked here (that would need a
-// host sync): the kernels clamp counts and skip out-of-range indices, so a malformed mask never
-// reads out of bounds. Current stream, no host synchronisation.
+// walk them per row (core/block_sparse.h). Mask values are checked only with
+// ADAATTN_CHECK_INPUTS=1 (a host sync); otherwise the kernels clamp counts and skip
+// out-of-range indices, so a malformed mask never reads out of bounds. Current stream, no host
+// synchronisation.
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
@@ -21,7 +22,7 @@ constexpr int64_t kTcBlock = 128;
 void check_cuda_block_size(const at::Tensor& q, int64_t block_m, int64_t block_n) {
   if (use_tensor_cores(q.scalar_type())) {
     TORCH_CHECK(block_m == kTcBlock && block_n == kTcBlock,
-                "adaattn: block_sparse_attn on CUDA in ", q.scalar_type(), " takes ", kTcBlock,
+                "adaattn.block_sparse_attn: on CUDA in ", q.scalar_type(), " takes ", kTcBlock,
                 "x", kTcBlock, " blocks, got block_m = ", block_m, ", block_n = ", block_n,
                 " (float32/float64 and the CPU also take 64)");
   }
@@ -37,9 +38,10 @@ std::tuple<at::Tensor, at::Tensor> block_sparse_fwd_cuda_op(
   const FlashOptions opt =
       block_sparse_options(q_in, softmax_scale, causal, BwdMode::kTwoPass, softcap);
   const VariantId variant = softmax_variant(opt);
-  const TcLayout layout = tc_layout(q_in, v_in, variant);
+  const TcLayout layout = tc_layout("block_sparse_attn", q_in, v_in, variant);
   check_cuda_block_size(q_in, block_m, block_n);
   mask = contiguous_mask(mask);
+  check_block_sparse_mask_values(mask);
   const at::Tensor q = layout.qk(q_in);
   const at::Tensor k = layout.qk(k_in);
   const at::Tensor v = layout.vo(v_in);
@@ -66,13 +68,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_sparse_bwd_cuda_op(
     c10::string_view bwd_mode, double softcap) {
   BlockSparseMaskTensors mask{kv_num_blocks, kv_indices, q_num_blocks, q_indices};
   check_block_sparse_inputs(q_in, k_in, v_in, mask, block_m, block_n);
-  check_flash_bwd_inputs(dout_in, q_in, v_in, out_in, lse, /*packed=*/false);
+  check_flash_bwd_inputs("block_sparse_attn", dout_in, q_in, v_in, out_in, lse, /*packed=*/false);
   const FlashOptions opt = block_sparse_options(q_in, softmax_scale, causal,
                                                 parse_bwd_mode(bwd_mode), softcap);
   const VariantId variant = softmax_variant(opt);
-  const TcLayout layout = tc_layout(q_in, v_in, variant);
+  const TcLayout layout = tc_layout("block_sparse_attn", q_in, v_in, variant);
   check_cuda_block_size(q_in, block_m, block_n);
   mask = contiguous_mask(mask);
+  check_block_sparse_mask_values(mask);
   const at::Tensor q = layout.qk(q_in);
   const at::Tensor k = layout.qk(k_in);
   const at::Tensor v = layout.vo(v_in);

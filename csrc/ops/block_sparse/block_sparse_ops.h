@@ -28,9 +28,10 @@ void check_block_sparse_inputs(const at::Tensor& q, const at::Tensor& k, const a
                                const BlockSparseMaskTensors& mask, int64_t block_m,
                                int64_t block_n);
 
-// Checks the values of CPU mask tensors (a GPU check would need a host sync): counts in
-// [0, row length], listed indices in range and distinct within a list, and, when the transposed
-// index is given, that it lists exactly the blocks of the forward index.
+// Checks the values of the mask tensors where check_values_of (CPU; CUDA with
+// ADAATTN_CHECK_INPUTS=1: a host sync): counts in [0, row length], listed indices in range and
+// distinct within a list, and, when the transposed index is given, that it lists exactly the
+// blocks of the forward index.
 void check_block_sparse_mask_values(const BlockSparseMaskTensors& mask);
 
 // Contiguous copies where needed: the kernels read each list's entries with unit stride.

@@ -24,11 +24,20 @@ struct FlashOptions {
   double softcap;  // score modifier s <- softcap * tanh(s / softcap); 0 = off
 };
 
-// Validates window, scale (default D^-1/2 of q's D) and softcap (finite, >= 0; errors name the
-// argument).
-FlashOptions resolve_flash_options(const at::Tensor& q, std::optional<double> softmax_scale,
-                                   bool causal, int64_t window_left, int64_t window_right,
-                                   BwdMode bwd_mode, double softcap);
+// Validates window, scale (default D^-1/2 of q's D) and softcap (finite, >= 0). Every check
+// here raises as common/checks.h says, naming `op` (the public name of the op called) and the
+// argument.
+FlashOptions resolve_flash_options(const char* op, const at::Tensor& q,
+                                   std::optional<double> softmax_scale, bool causal,
+                                   int64_t window_left, int64_t window_right, BwdMode bwd_mode,
+                                   double softcap);
+
+// The public name of a flash call, for errors: packed calls are flash_attn_varlen's.
+inline const char* flash_op_name(const std::optional<at::Tensor>& cu_seqlens_q,
+                                 const std::optional<at::Tensor>& cu_seqlens_k) {
+  return cu_seqlens_q.has_value() || cu_seqlens_k.has_value() ? "flash_attn_varlen"
+                                                              : "flash_attn";
+}
 
 // flash_attn's deterministic flag: the two-pass backward, else atomic dQ where the kernels have it.
 inline BwdMode flash_bwd_mode(bool deterministic) {
@@ -41,12 +50,16 @@ inline VariantId softmax_variant(const FlashOptions& opt) { return softmax_varia
 // Validates q, k, v, seqlens and the packed layout's cu_seqlens (names the offending argument on
 // failure). Dense q/k/v are [B, H, L, D]; with cu_seqlens_q/k they are packed [T, H, D].
 // v may have its own head dim Dv (out then has it too).
-// cu_seqlens values are checked on the CPU, and on CUDA only with ADAATTN_CHECK_INPUTS=1 (it
-// costs a device sync); the kernels clamp them so a bad one never reads out of bounds.
-void check_flash_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                        const std::optional<at::Tensor>& seqlens,
+// The values of seqlens (in [0, max(Lq, Lk)]) and cu_seqlens are checked on the CPU, and on
+// CUDA only with ADAATTN_CHECK_INPUTS=1 (it costs a device sync); the kernels clamp them so a
+// bad one never reads out of bounds. cu_name_q/k: the cu_seqlens arguments as the op calls
+// them (lazy attention's one cu_seqlens is both).
+void check_flash_inputs(const char* op, const at::Tensor& q, const at::Tensor& k,
+                        const at::Tensor& v, const std::optional<at::Tensor>& seqlens,
                         const std::optional<at::Tensor>& cu_seqlens_q,
-                        const std::optional<at::Tensor>& cu_seqlens_k);
+                        const std::optional<at::Tensor>& cu_seqlens_k,
+                        const char* cu_name_q = "cu_seqlens_q",
+                        const char* cu_name_k = "cu_seqlens_k");
 
 // Nothing for a kernel to do: no query rows, or a packed batch of zero sequences.
 inline bool no_rows(const at::Tensor& q, const std::optional<at::Tensor>& cu_seqlens_q) {
@@ -60,8 +73,9 @@ std::vector<int64_t> out_shape(const at::Tensor& q, const at::Tensor& v);
 std::vector<int64_t> lse_shape(const at::Tensor& q, bool packed);
 
 // Validates dout/out/lse against q and v for the backward op.
-void check_flash_bwd_inputs(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& v,
-                            const at::Tensor& out, const at::Tensor& lse, bool packed);
+void check_flash_bwd_inputs(const char* op, const at::Tensor& dout, const at::Tensor& q,
+                            const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
+                            bool packed);
 
 // Fills sizes, strides, pointers and mask/math fields shared by forward and backward.
 AttnParams make_params(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

@@ -5,6 +5,16 @@
 
 #include <cstdint>
 
+// The exception policy of the argument checks (the fake kernels, adaattn/_checks.py, raise the
+// same): the message starts "adaattn.<op>: ", op being the public name of the op called (a
+// `const char* op` in scope), and names the argument.
+//   ADAATTN_CHECK_TYPE    TypeError     a wrong dtype
+//   ADAATTN_CHECK_VALUE   ValueError    a wrong value, shape or layout
+//   ADAATTN_CHECK_DEVICE  RuntimeError  a device mismatch
+#define ADAATTN_CHECK_TYPE(cond, ...) TORCH_CHECK_TYPE(cond, "adaattn.", op, ": ", __VA_ARGS__)
+#define ADAATTN_CHECK_VALUE(cond, ...) TORCH_CHECK_VALUE(cond, "adaattn.", op, ": ", __VA_ARGS__)
+#define ADAATTN_CHECK_DEVICE(cond, ...) TORCH_CHECK(cond, "adaattn.", op, ": ", __VA_ARGS__)
+
 namespace adaattn {
 
 inline bool is_low_precision(at::ScalarType t) { return t == at::kHalf || t == at::kBFloat16; }
@@ -14,13 +24,18 @@ inline at::Tensor cpu_compute(const at::Tensor& t) {
   return is_low_precision(t.scalar_type()) ? t.to(at::kFloat) : t;
 }
 
-// A cu_seqlens tensor's form: int32 [N + 1] (N >= 0), contiguous, on q's device. Errors name it.
-void check_cu_seqlens_tensor(const at::Tensor& cu, const char* name, const at::Tensor& q);
+// Whether the values of `t` are checked: always on the CPU; on CUDA (reading costs a device
+// sync) only with ADAATTN_CHECK_INPUTS=1, the kernels clamping them otherwise. Never on a
+// meta tensor, which has none.
+bool check_values_of(const at::Tensor& t);
 
-// Values of a cu_seqlens tensor: starts at 0, non-decreasing, ends at `total` (the error says
-// "must end at <total_desc><total>"). Reading a CUDA one synchronises, so it is checked there
-// only on request (ADAATTN_CHECK_INPUTS=1). The kernels clamp it either way.
-void check_cu_seqlens_values(const at::Tensor& cu, const char* name, int64_t total,
-                             const char* total_desc);
+// A cu_seqlens tensor's form: int32 [N + 1] (N >= 0), contiguous, on q's device. Errors name it.
+void check_cu_seqlens_tensor(const char* op, const at::Tensor& cu, const char* name,
+                             const at::Tensor& q);
+
+// Values of a cu_seqlens tensor (where check_values_of): starts at 0, non-decreasing, ends at
+// `total` (the error says "must end at <total_desc><total>").
+void check_cu_seqlens_values(const char* op, const at::Tensor& cu, const char* name,
+                             int64_t total, const char* total_desc);
 
 }  // namespace adaattn

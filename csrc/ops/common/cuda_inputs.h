@@ -63,15 +63,16 @@ struct TcLayout {
   }
 };
 
-// Refuses fp16/bf16 head dims that no compiled pair of `variant` covers (naming the supported
-// set), then chooses the layout.
-inline TcLayout tc_layout(const at::Tensor& q, const at::Tensor& v, VariantId variant) {
+// Refuses fp16/bf16 head dims that no compiled pair of `variant` covers (naming the op and the
+// supported set: a RuntimeError, a limit of this device's kernels), then chooses the layout.
+inline TcLayout tc_layout(const char* op, const at::Tensor& q, const at::Tensor& v,
+                          VariantId variant) {
   const int64_t d = q.size(-1), dv = v.size(-1);
   if (!use_tensor_cores(q.scalar_type())) return {false, d, dv, d, dv};
   const std::pair<int, int> kernel =
       d > 0 && dv > 0 ? tc_kernel_head_dims(variant, static_cast<int>(d), static_cast<int>(dv))
                       : std::pair<int, int>{0, 0};
-  TORCH_CHECK(kernel.first > 0, "adaattn: head dims D = q.size(-1) = ", d,
+  TORCH_CHECK(kernel.first > 0, "adaattn.", op, ": head dims D = q.size(-1) = ", d,
               ", Dv = v.size(-1) = ", dv, " are not supported for ", q.scalar_type(),
               " on CUDA; supported (D, Dv): ", tc_head_dims(variant),
               " (float32/float64 accept any D, Dv <= 256)");

@@ -16,119 +16,128 @@ namespace adaattn {
 
 namespace {
 
-void check_cache_operand(const at::Tensor& t, const char* name, const at::Tensor& q) {
-  TORCH_CHECK(t.dim() == 4, "adaattn: ", name,
-              " must have 4 dims ([B, Hkv, L, D], or paged [num_pages, Hkv, page_size, D]), got ",
-              t.dim(), " dims (shape ", t.sizes(), ")");
-  TORCH_CHECK(t.scalar_type() == q.scalar_type(), "adaattn: ", name, " must have q's dtype ",
-              q.scalar_type(), ", got ", t.scalar_type());
-  TORCH_CHECK(t.device() == q.device(), "adaattn: ", name, " must be on q's device ", q.device(),
-              ", got ", t.device());
-  TORCH_CHECK(t.size(-1) == 0 || t.stride(-1) == 1, "adaattn: ", name,
-              " must have a contiguous last dim (stride(-1) == 1), got strides ", t.strides());
+void check_cache_operand(const char* op, const at::Tensor& t, const char* name,
+                         const at::Tensor& q) {
+  ADAATTN_CHECK_VALUE(t.dim() == 4, name,
+                      " must have 4 dims ([B, Hkv, L, D], or paged [num_pages, Hkv, page_size, D])"
+                      ", got ", t.dim(), " dims (shape ", t.sizes(), ")");
+  ADAATTN_CHECK_TYPE(t.scalar_type() == q.scalar_type(), name, " must have q's dtype ",
+                     q.scalar_type(), ", got ", t.scalar_type());
+  ADAATTN_CHECK_DEVICE(t.device() == q.device(), name, " must be on q's device ", q.device(),
+                       ", got ", t.device());
+  ADAATTN_CHECK_VALUE(t.size(-1) == 0 || t.stride(-1) == 1, name,
+                      " must have a contiguous last dim (stride(-1) == 1), got strides ",
+                      t.strides());
 }
 
-void check_index_tensor(const at::Tensor& t, const char* name, const char* shape,
+void check_index_tensor(const char* op, const at::Tensor& t, const char* name, const char* shape,
                         const at::Tensor& q) {
-  TORCH_CHECK(t.scalar_type() == at::kInt, "adaattn: ", name, " must be int32, got ",
-              t.scalar_type());
-  TORCH_CHECK(t.device() == q.device(), "adaattn: ", name, " must be on q's device ",
-              q.device(), ", got ", t.device());
-  TORCH_CHECK(t.is_contiguous(), "adaattn: ", name, " ", shape,
-              " must be contiguous; call .contiguous() on it");
+  ADAATTN_CHECK_TYPE(t.scalar_type() == at::kInt, name, " must be int32, got ", t.scalar_type());
+  ADAATTN_CHECK_DEVICE(t.device() == q.device(), name, " must be on q's device ", q.device(),
+                       ", got ", t.device());
+  ADAATTN_CHECK_VALUE(t.is_contiguous(), name, " ", shape,
+                      " must be contiguous; call .contiguous() on it");
 }
 
 }  // namespace
 
-KvCacheShape check_kvcache_inputs(const at::Tensor& q, const at::Tensor& k_cache,
+KvCacheShape check_kvcache_inputs(const char* op, const at::Tensor& q, const at::Tensor& k_cache,
                                   const at::Tensor& v_cache, const std::optional<at::Tensor>& k,
                                   const std::optional<at::Tensor>& v,
                                   const at::Tensor& cache_seqlens,
-                                  const std::optional<at::Tensor>& block_table) {
-  TORCH_CHECK(q.dim() == 4, "adaattn: q must have 4 dims [B, Hq, Lq, D], got ", q.dim(),
-              " dims (shape ", q.sizes(), ")");
-  TORCH_CHECK(at::isFloatingType(q.scalar_type()),
-              "adaattn: q must be a floating tensor (float16, bfloat16, float32, float64), got ",
-              q.scalar_type());
-  TORCH_CHECK(q.size(-1) == 0 || q.stride(-1) == 1,
-              "adaattn: q must have a contiguous last dim (stride(-1) == 1), got strides ",
-              q.strides());
-  check_cache_operand(k_cache, "k_cache", q);
-  check_cache_operand(v_cache, "v_cache", q);
-  TORCH_CHECK(k_cache.sizes().slice(0, 3) == v_cache.sizes().slice(0, 3),
-              "adaattn: k_cache and v_cache must agree in all but the last dim, got k_cache ",
-              k_cache.sizes(), ", v_cache ", v_cache.sizes());
+                                  const std::optional<at::Tensor>& block_table,
+                                  int64_t num_splits) {
+  ADAATTN_CHECK_VALUE(q.dim() == 4, "q must have 4 dims [B, Hq, Lq, D], got ", q.dim(),
+                      " dims (shape ", q.sizes(), ")");
+  ADAATTN_CHECK_TYPE(at::isFloatingType(q.scalar_type()),
+                     "q must be a floating tensor (float16, bfloat16, float32, float64), got ",
+                     q.scalar_type());
+  ADAATTN_CHECK_VALUE(q.size(-1) == 0 || q.stride(-1) == 1,
+                      "q must have a contiguous last dim (stride(-1) == 1), got strides ",
+                      q.strides());
+  check_cache_operand(op, k_cache, "k_cache", q);
+  check_cache_operand(op, v_cache, "v_cache", q);
+  ADAATTN_CHECK_VALUE(k_cache.sizes().slice(0, 3) == v_cache.sizes().slice(0, 3),
+                      "k_cache and v_cache must agree in all but the last dim, got k_cache ",
+                      k_cache.sizes(), ", v_cache ", v_cache.sizes());
   const int64_t batch = q.size(0), heads_kv = k_cache.size(1), len_q = q.size(2);
-  TORCH_CHECK(heads_kv > 0 && q.size(1) % heads_kv == 0,
-              "adaattn: the number of query heads (q.size(1) = ", q.size(1),
-              ") must be a multiple of the number of kv heads (k_cache.size(1) = ", heads_kv, ")");
-  TORCH_CHECK(k_cache.size(3) == q.size(3), "adaattn: head dim mismatch: q has D = ", q.size(3),
-              ", k_cache has D = ", k_cache.size(3));
-  TORCH_CHECK(q.size(3) > 0 && q.size(3) <= 256, "adaattn: head dim D must be in [1, 256], got ",
-              q.size(3));
-  TORCH_CHECK(v_cache.size(3) > 0 && v_cache.size(3) <= 256,
-              "adaattn: v_cache's head dim Dv must be in [1, 256], got ", v_cache.size(3));
+  ADAATTN_CHECK_VALUE(heads_kv > 0 && q.size(1) % heads_kv == 0,
+                      "the number of query heads (q.size(1) = ", q.size(1),
+                      ") must be a multiple of the number of kv heads (k_cache.size(1) = ",
+                      heads_kv, ")");
+  ADAATTN_CHECK_VALUE(k_cache.size(3) == q.size(3), "head dim mismatch: q has D = ", q.size(3),
+                      ", k_cache has D = ", k_cache.size(3));
+  ADAATTN_CHECK_VALUE(q.size(3) > 0 && q.size(3) <= 256,
+                      "head dim D = q.size(-1) must be in [1, 256], got ", q.size(3));
+  ADAATTN_CHECK_VALUE(v_cache.size(3) > 0 && v_cache.size(3) <= 256,
+                      "v_cache's head dim Dv must be in [1, 256], got ", v_cache.size(3));
 
-  check_index_tensor(cache_seqlens, "cache_seqlens", "[B]", q);
-  TORCH_CHECK(cache_seqlens.dim() == 1 && cache_seqlens.size(0) == batch,
-              "adaattn: cache_seqlens must have shape [B] = [", batch, "], got ",
-              cache_seqlens.sizes());
+  check_index_tensor(op, cache_seqlens, "cache_seqlens", "[B]", q);
+  ADAATTN_CHECK_VALUE(cache_seqlens.dim() == 1 && cache_seqlens.size(0) == batch,
+                      "cache_seqlens must have shape [B] = [", batch, "], got ",
+                      cache_seqlens.sizes());
 
   KvCacheShape shape{block_table.has_value(), k_cache.size(2), 0, 0};
   if (shape.paged) {
     const at::Tensor& bt = *block_table;
-    check_index_tensor(bt, "block_table", "[B, max_pages]", q);
-    TORCH_CHECK(bt.dim() == 2 && bt.size(0) == batch,
-                "adaattn: block_table must have shape [B, max_pages] with B = ", batch, ", got ",
-                bt.sizes());
+    check_index_tensor(op, bt, "block_table", "[B, max_pages]", q);
+    ADAATTN_CHECK_VALUE(bt.dim() == 2 && bt.size(0) == batch,
+                        "block_table must have shape [B, max_pages] with B = ", batch, ", got ",
+                        bt.sizes());
     shape.page_size = k_cache.size(2);
     shape.num_pages = k_cache.size(0);
     shape.capacity = bt.size(1) * shape.page_size;
-    TORCH_CHECK(shape.page_size > 0, "adaattn: k_cache's page_size (dim 2) must be positive");
+    ADAATTN_CHECK_VALUE(shape.page_size > 0, "k_cache's page_size (dim 2) must be positive");
   } else {
-    TORCH_CHECK(k_cache.size(0) == batch, "adaattn: k_cache must have q's batch size ", batch,
-                " in dim 0 (or pass block_table for a paged cache), got ", k_cache.sizes());
+    ADAATTN_CHECK_VALUE(k_cache.size(0) == batch, "k_cache must have q's batch size ", batch,
+                        " in dim 0 (or pass block_table for a paged cache), got ",
+                        k_cache.sizes());
   }
   const int64_t int_max = std::numeric_limits<int>::max();
-  TORCH_CHECK(shape.capacity <= int_max && len_q <= int_max && batch <= int_max &&
-                  shape.num_pages <= int_max,
-              "adaattn: cache sizes and lengths must fit in int32");
+  ADAATTN_CHECK_VALUE(shape.capacity <= int_max && len_q <= int_max && batch <= int_max &&
+                          shape.num_pages <= int_max,
+                      "cache sizes and lengths must fit in int32");
 
-  TORCH_CHECK(k.has_value() == v.has_value(),
-              "adaattn: the new keys k and values v must be given together (or neither)");
+  ADAATTN_CHECK_VALUE(k.has_value() == v.has_value(),
+                      "the new keys k and values v must be given together (or neither)");
   if (k.has_value()) {
     const std::vector<int64_t> k_shape = {batch, heads_kv, len_q, q.size(3)};
     const std::vector<int64_t> v_shape = {batch, heads_kv, len_q, v_cache.size(3)};
-    check_cache_operand(*k, "k", q);
-    check_cache_operand(*v, "v", q);
-    TORCH_CHECK(k->sizes() == at::IntArrayRef(k_shape),
-                "adaattn: k (new keys) must have shape [B, Hkv, Lq, D] = ",
-                at::IntArrayRef(k_shape), ", got ", k->sizes());
-    TORCH_CHECK(v->sizes() == at::IntArrayRef(v_shape),
-                "adaattn: v (new values) must have shape [B, Hkv, Lq, Dv] = ",
-                at::IntArrayRef(v_shape), ", got ", v->sizes());
+    check_cache_operand(op, *k, "k", q);
+    check_cache_operand(op, *v, "v", q);
+    ADAATTN_CHECK_VALUE(k->sizes() == at::IntArrayRef(k_shape),
+                        "k (new keys) must have shape [B, Hkv, Lq, D] = ",
+                        at::IntArrayRef(k_shape), ", got ", k->sizes());
+    ADAATTN_CHECK_VALUE(v->sizes() == at::IntArrayRef(v_shape),
+                        "v (new values) must have shape [B, Hkv, Lq, Dv] = ",
+                        at::IntArrayRef(v_shape), ", got ", v->sizes());
   }
+  ADAATTN_CHECK_VALUE(num_splits >= 0, "num_splits must be >= 0 (0 = automatic), got ",
+                      num_splits);
   return shape;
 }
 
-void check_kvcache_values(const at::Tensor& cache_seqlens,
+void check_kvcache_values(const char* op, const at::Tensor& cache_seqlens,
                           const std::optional<at::Tensor>& block_table, const KvCacheShape& shape,
                           int64_t appended) {
+  if (!check_values_of(cache_seqlens)) return;
   const at::Tensor lens = cache_seqlens.cpu();
   const int* len = lens.data_ptr<int>();
   at::Tensor table;
   if (shape.paged) table = block_table->cpu();
   for (int64_t b = 0; b < lens.size(0); ++b) {
-    TORCH_CHECK(len[b] >= 0 && len[b] + appended <= shape.capacity, "adaattn: cache_seqlens[", b,
-                "] = ", len[b], " leaves no room for the ", appended,
-                " new tokens: cache_seqlens + Lq must be in [0, ", shape.capacity,
-                "] (the cache's capacity", shape.paged ? ", max_pages * page_size)" : ")");
+    ADAATTN_CHECK_VALUE(len[b] >= 0 && len[b] + appended <= shape.capacity, "cache_seqlens[", b,
+                        "] = ", len[b], " leaves no room for the ", appended,
+                        " new tokens: cache_seqlens + Lq must be in [0, ", shape.capacity,
+                        "] (the cache's capacity",
+                        shape.paged ? ", max_pages * page_size)" : ")");
     if (!shape.paged) continue;
     const int64_t used = (len[b] + appended + shape.page_size - 1) / shape.page_size;
     const int* row = table.data_ptr<int>() + b * table.size(1);
     for (int64_t i = 0; i < used; ++i) {
-      TORCH_CHECK(row[i] >= 0 && row[i] < shape.num_pages, "adaattn: block_table[", b, ", ", i,
-                  "] = ", row[i], " is out of range [0, num_pages = ", shape.num_pages, ")");
+      ADAATTN_CHECK_VALUE(row[i] >= 0 && row[i] < shape.num_pages, "block_table[", b, ", ", i,
+                          "] = ", row[i], " is out of range [0, num_pages = ", shape.num_pages,
+                          ")");
     }
   }
 }
@@ -181,12 +190,12 @@ void append_cpu(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k,
 
 // Appends, then attends with `variant` (tau/bias set for the lazy one).
 std::tuple<at::Tensor, at::Tensor> kvcache_attn_cpu(
-    const at::Tensor& q_in, at::Tensor& k_cache, at::Tensor& v_cache, const OptTensor& k,
-    const OptTensor& v, const at::Tensor& cache_seqlens, const OptTensor& block_table,
-    const KvCacheShape& shape, const FlashOptions& opt, VariantId variant,
-    const at::Tensor* tau, const at::Tensor* bias) {
+    const char* op, const at::Tensor& q_in, at::Tensor& k_cache, at::Tensor& v_cache,
+    const OptTensor& k, const OptTensor& v, const at::Tensor& cache_seqlens,
+    const OptTensor& block_table, const KvCacheShape& shape, const FlashOptions& opt,
+    VariantId variant, const at::Tensor* tau, const at::Tensor* bias) {
   const int64_t appended = k.has_value() ? q_in.size(2) : 0;
-  check_kvcache_values(cache_seqlens, block_table, shape, appended);
+  check_kvcache_values(op, cache_seqlens, block_table, shape, appended);
   if (k.has_value()) append_cpu(k_cache, v_cache, *k, *v, cache_seqlens, block_table, shape);
   const at::Tensor q = cpu_compute(q_in);
   const at::Tensor kc = cpu_compute(shape.paged ? gather_pages(k_cache, *block_table) : k_cache);
@@ -214,13 +223,12 @@ std::tuple<at::Tensor, at::Tensor> flash_kvcache_cpu_op(
     const OptTensor& v, const at::Tensor& cache_seqlens, const OptTensor& block_table,
     std::optional<double> softmax_scale, bool causal, int64_t window_left, int64_t window_right,
     double softcap, int64_t num_splits) {
+  constexpr const char* op = "flash_attn_with_kvcache";
   const KvCacheShape shape =
-      check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table);
-  TORCH_CHECK(num_splits >= 0, "adaattn: num_splits must be >= 0 (0 = automatic), got ",
-              num_splits);
-  const FlashOptions opt = resolve_flash_options(q, softmax_scale, causal, window_left,
+      check_kvcache_inputs(op, q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits);
+  const FlashOptions opt = resolve_flash_options(op, q, softmax_scale, causal, window_left,
                                                  window_right, BwdMode::kAtomic, softcap);
-  return kvcache_attn_cpu(q, k_cache, v_cache, k, v, cache_seqlens, block_table, shape, opt,
+  return kvcache_attn_cpu(op, q, k_cache, v_cache, k, v, cache_seqlens, block_table, shape, opt,
                           softmax_variant(opt), nullptr, nullptr);
 }
 
@@ -229,24 +237,23 @@ std::tuple<at::Tensor, at::Tensor> lazy_kvcache_cpu_op(
     const OptTensor& v, const at::Tensor& tau, const at::Tensor& bias,
     const at::Tensor& cache_seqlens, const OptTensor& block_table,
     std::optional<double> softmax_scale, int64_t num_splits) {
+  constexpr const char* op = "lazy_attn_with_kvcache";
   const KvCacheShape shape =
-      check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table);
-  check_lazy_kvcache_args(q, v_cache, tau, bias, num_splits);
-  const FlashOptions opt = lazy_options(q, softmax_scale);
-  return kvcache_attn_cpu(q, k_cache, v_cache, k, v, cache_seqlens, block_table, shape, opt,
+      check_kvcache_inputs(op, q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits);
+  check_lazy_kvcache_args(op, q, v_cache, tau, bias);
+  const FlashOptions opt = lazy_options(op, q, softmax_scale);
+  return kvcache_attn_cpu(op, q, k_cache, v_cache, k, v, cache_seqlens, block_table, shape, opt,
                           VariantId::kLazy, &tau, &bias);
 }
 
 }  // namespace
 
-void check_lazy_kvcache_args(const at::Tensor& q, const at::Tensor& v_cache,
-                             const at::Tensor& tau, const at::Tensor& bias, int64_t num_splits) {
-  TORCH_CHECK(v_cache.size(-1) == q.size(-1),
-              "adaattn: lazy attention needs v_cache with q's head dim (Dv == D), got ",
-              v_cache.size(-1), " and ", q.size(-1));
-  check_lazy_params(q, tau, bias);
-  TORCH_CHECK(num_splits >= 0, "adaattn: num_splits must be >= 0 (0 = automatic), got ",
-              num_splits);
+void check_lazy_kvcache_args(const char* op, const at::Tensor& q, const at::Tensor& v_cache,
+                             const at::Tensor& tau, const at::Tensor& bias) {
+  ADAATTN_CHECK_VALUE(v_cache.size(-1) == q.size(-1),
+                      "lazy attention needs v_cache with q's head dim (Dv == D), got ",
+                      v_cache.size(-1), " and ", q.size(-1));
+  check_lazy_params(op, q, tau, bias);
 }
 
 TORCH_LIBRARY_FRAGMENT(adaattn, m) {

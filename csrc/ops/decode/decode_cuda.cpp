@@ -10,7 +10,6 @@
 #include <limits>
 
 #include "../../attention_api.h"
-#include "../../core/env.h"
 #include "../common/cuda_inputs.h"
 #include "../lazy/lazy_ops.h"
 #include "decode_ops.h"
@@ -50,13 +49,13 @@ void set_cache_layout(AttnParams& p, const OptTensor& block_table, const KvCache
 }
 
 std::tuple<at::Tensor, at::Tensor> kvcache_attn_cuda(
-    const at::Tensor& q_in, at::Tensor& k_cache, at::Tensor& v_cache, const OptTensor& k,
-    const OptTensor& v, const at::Tensor& cache_seqlens, const OptTensor& block_table,
-    const KvCacheShape& shape, const FlashOptions& opt, VariantId variant, int64_t num_splits,
-    const at::Tensor* tau, const at::Tensor* bias) {
+    const char* op, const at::Tensor& q_in, at::Tensor& k_cache, at::Tensor& v_cache,
+    const OptTensor& k, const OptTensor& v, const at::Tensor& cache_seqlens,
+    const OptTensor& block_table, const KvCacheShape& shape, const FlashOptions& opt,
+    VariantId variant, int64_t num_splits, const at::Tensor* tau, const at::Tensor* bias) {
   const c10::cuda::CUDAGuard guard(q_in.device());
   const int64_t appended = k.has_value() ? q_in.size(2) : 0;
-  if (env::check_inputs()) check_kvcache_values(cache_seqlens, block_table, shape, appended);
+  check_kvcache_values(op, cache_seqlens, block_table, shape, appended);
   if (k.has_value() && k->numel() > 0 && shape.capacity > 0) {
     // The cache operands as the decode kernel reads them: cache_row() for paged caches.
     AttnParams a = make_kvcache_params(q_in, k_cache, v_cache, cache_seqlens, appended, opt);
@@ -104,7 +103,7 @@ std::tuple<at::Tensor, at::Tensor> kvcache_attn_cuda(
   }
 
   // The prefill kernels on a [B, Hkv, L, D] cache (head dims padded where fp16/bf16 need it).
-  const TcLayout layout = tc_layout(q_in, v_cache, variant);
+  const TcLayout layout = tc_layout(op, q_in, v_cache, variant);
   const at::Tensor kc = shape.paged ? gather_pages(k_cache, *block_table) : k_cache;
   const at::Tensor vc = shape.paged ? gather_pages(v_cache, *block_table) : v_cache;
   const at::Tensor q = layout.qk(q_in), kq = layout.qk(kc), vq = layout.vo(vc);
@@ -126,13 +125,12 @@ std::tuple<at::Tensor, at::Tensor> flash_kvcache_cuda_op(
     const OptTensor& v, const at::Tensor& cache_seqlens, const OptTensor& block_table,
     std::optional<double> softmax_scale, bool causal, int64_t window_left, int64_t window_right,
     double softcap, int64_t num_splits) {
+  constexpr const char* op = "flash_attn_with_kvcache";
   const KvCacheShape shape =
-      check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table);
-  TORCH_CHECK(num_splits >= 0, "adaattn: num_splits must be >= 0 (0 = automatic), got ",
-              num_splits);
-  const FlashOptions opt = resolve_flash_options(q, softmax_scale, causal, window_left,
+      check_kvcache_inputs(op, q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits);
+  const FlashOptions opt = resolve_flash_options(op, q, softmax_scale, causal, window_left,
                                                  window_right, BwdMode::kAtomic, softcap);
-  return kvcache_attn_cuda(q, k_cache, v_cache, k, v, cache_seqlens, block_table, shape, opt,
+  return kvcache_attn_cuda(op, q, k_cache, v_cache, k, v, cache_seqlens, block_table, shape, opt,
                            softmax_variant(opt), num_splits, nullptr, nullptr);
 }
 
@@ -141,11 +139,12 @@ std::tuple<at::Tensor, at::Tensor> lazy_kvcache_cuda_op(
     const OptTensor& v, const at::Tensor& tau, const at::Tensor& bias,
     const at::Tensor& cache_seqlens, const OptTensor& block_table,
     std::optional<double> softmax_scale, int64_t num_splits) {
+  constexpr const char* op = "lazy_attn_with_kvcache";
   const KvCacheShape shape =
-      check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table);
-  check_lazy_kvcache_args(q, v_cache, tau, bias, num_splits);
-  return kvcache_attn_cuda(q, k_cache, v_cache, k, v, cache_seqlens, block_table, shape,
-                           lazy_options(q, softmax_scale), VariantId::kLazy, num_splits, &tau,
+      check_kvcache_inputs(op, q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits);
+  check_lazy_kvcache_args(op, q, v_cache, tau, bias);
+  return kvcache_attn_cuda(op, q, k_cache, v_cache, k, v, cache_seqlens, block_table, shape,
+                           lazy_options(op, q, softmax_scale), VariantId::kLazy, num_splits, &tau,
                            &bias);
 }
 

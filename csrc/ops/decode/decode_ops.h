@@ -22,18 +22,20 @@ struct KvCacheShape {
 
 // Validates q [B, Hq, Lq, D], the caches ([B, Hkv, Lmax, D|Dv], or paged [num_pages, Hkv,
 // page_size, D|Dv] with block_table int32 [B, max_pages]), cache_seqlens int32 [B], and the
-// optional new k [B, Hkv, Lq, D] / v [B, Hkv, Lq, Dv] (both or neither). Dtypes, devices,
-// shapes and contiguous last dims; errors name the argument. Values are not read here.
-KvCacheShape check_kvcache_inputs(const at::Tensor& q, const at::Tensor& k_cache,
+// optional new k [B, Hkv, Lq, D] / v [B, Hkv, Lq, Dv] (both or neither), and num_splits >= 0.
+// Dtypes, devices, shapes and contiguous last dims; errors name `op` and the argument
+// (common/checks.h). Values are not read here.
+KvCacheShape check_kvcache_inputs(const char* op, const at::Tensor& q, const at::Tensor& k_cache,
                                   const at::Tensor& v_cache, const std::optional<at::Tensor>& k,
                                   const std::optional<at::Tensor>& v,
                                   const at::Tensor& cache_seqlens,
-                                  const std::optional<at::Tensor>& block_table);
+                                  const std::optional<at::Tensor>& block_table,
+                                  int64_t num_splits);
 
 // Values of cache_seqlens (>= 0, room for the `appended` new tokens) and of the block-table
 // entries that the sequences use (in [0, num_pages)). Reads them, so on CUDA it runs only with
-// ADAATTN_CHECK_INPUTS=1 (a device sync); the kernels clamp either way.
-void check_kvcache_values(const at::Tensor& cache_seqlens,
+// ADAATTN_CHECK_INPUTS=1 (a device sync, check_values_of); the kernels clamp either way.
+void check_kvcache_values(const char* op, const at::Tensor& cache_seqlens,
                           const std::optional<at::Tensor>& block_table, const KvCacheShape& shape,
                           int64_t appended);
 
@@ -43,9 +45,9 @@ AttnParams make_kvcache_params(const at::Tensor& q, const at::Tensor& k_cache,
                                const at::Tensor& v_cache, const at::Tensor& cache_seqlens,
                                int64_t appended, const FlashOptions& opt);
 
-// The lazy op's own arguments: Dv == D, tau/bias (check_lazy_params), num_splits >= 0.
-void check_lazy_kvcache_args(const at::Tensor& q, const at::Tensor& v_cache,
-                             const at::Tensor& tau, const at::Tensor& bias, int64_t num_splits);
+// The lazy op's own arguments: Dv == D and tau/bias (check_lazy_params).
+void check_lazy_kvcache_args(const char* op, const at::Tensor& q, const at::Tensor& v_cache,
+                             const at::Tensor& tau, const at::Tensor& bias);
 
 // A paged cache [num_pages, Hkv, page_size, D] gathered into [B, Hkv, max_pages * page_size, D]
 // through block_table (entries clamped into range: positions past a sequence's length are never

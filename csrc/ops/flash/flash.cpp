@@ -21,8 +21,9 @@ std::tuple<at::Tensor, at::Tensor> flash_fwd_cpu_op(
     const std::optional<at::Tensor>& seqlens, std::optional<double> softmax_scale, bool causal,
     int64_t window_left, int64_t window_right, const std::optional<at::Tensor>& cu_seqlens_q,
     const std::optional<at::Tensor>& cu_seqlens_k, double softcap) {
-  check_flash_inputs(q_in, k_in, v_in, seqlens, cu_seqlens_q, cu_seqlens_k);
-  const FlashOptions opt = resolve_flash_options(q_in, softmax_scale, causal, window_left,
+  const char* op = flash_op_name(cu_seqlens_q, cu_seqlens_k);
+  check_flash_inputs(op, q_in, k_in, v_in, seqlens, cu_seqlens_q, cu_seqlens_k);
+  const FlashOptions opt = resolve_flash_options(op, q_in, softmax_scale, causal, window_left,
                                                  window_right, BwdMode::kAtomic, softcap);
   const at::Tensor q = cpu_compute(q_in), k = cpu_compute(k_in), v = cpu_compute(v_in);
   const bool packed = cu_seqlens_q.has_value();
@@ -46,9 +47,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_bwd_cpu_op(
     int64_t window_left, int64_t window_right, bool deterministic,
     const std::optional<at::Tensor>& cu_seqlens_q, const std::optional<at::Tensor>& cu_seqlens_k,
     double softcap) {
-  check_flash_inputs(q_in, k_in, v_in, seqlens, cu_seqlens_q, cu_seqlens_k);
-  check_flash_bwd_inputs(dout_in, q_in, v_in, out_in, lse, cu_seqlens_q.has_value());
-  const FlashOptions opt = resolve_flash_options(q_in, softmax_scale, causal, window_left,
+  const char* op = flash_op_name(cu_seqlens_q, cu_seqlens_k);
+  check_flash_inputs(op, q_in, k_in, v_in, seqlens, cu_seqlens_q, cu_seqlens_k);
+  check_flash_bwd_inputs(op, dout_in, q_in, v_in, out_in, lse, cu_seqlens_q.has_value());
+  const FlashOptions opt = resolve_flash_options(op, q_in, softmax_scale, causal, window_left,
                                                  window_right, flash_bwd_mode(deterministic),
                                                  softcap);
   const at::Tensor q = cpu_compute(q_in), k = cpu_compute(k_in), v = cpu_compute(v_in);

@@ -23,12 +23,13 @@ std::tuple<at::Tensor, at::Tensor> flash_fwd_cuda_op(const at::Tensor& q_in,
                                                      const std::optional<at::Tensor>& cu_seqlens_q,
                                                      const std::optional<at::Tensor>& cu_seqlens_k,
                                                      double softcap) {
-  check_flash_inputs(q_in, k_in, v_in, seqlens, cu_seqlens_q, cu_seqlens_k);
+  const char* op = flash_op_name(cu_seqlens_q, cu_seqlens_k);
+  check_flash_inputs(op, q_in, k_in, v_in, seqlens, cu_seqlens_q, cu_seqlens_k);
   // Resolved on the caller's q: the default scale is D^-1/2 of the caller's D, not the padded.
-  const FlashOptions opt = resolve_flash_options(q_in, softmax_scale, causal, window_left,
+  const FlashOptions opt = resolve_flash_options(op, q_in, softmax_scale, causal, window_left,
                                                  window_right, BwdMode::kAtomic, softcap);
   const VariantId variant = softmax_variant(opt);
-  const TcLayout layout = tc_layout(q_in, v_in, variant);
+  const TcLayout layout = tc_layout(op, q_in, v_in, variant);
   const at::Tensor q = layout.qk(q_in);
   const at::Tensor k = layout.qk(k_in);
   const at::Tensor v = layout.vo(v_in);
@@ -57,13 +58,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_bwd_cuda_op(
     int64_t window_left, int64_t window_right, bool deterministic,
     const std::optional<at::Tensor>& cu_seqlens_q, const std::optional<at::Tensor>& cu_seqlens_k,
     double softcap) {
-  check_flash_inputs(q_in, k_in, v_in, seqlens, cu_seqlens_q, cu_seqlens_k);
-  check_flash_bwd_inputs(dout_in, q_in, v_in, out_in, lse, cu_seqlens_q.has_value());
-  const FlashOptions opt = resolve_flash_options(q_in, softmax_scale, causal, window_left,
+  const char* op = flash_op_name(cu_seqlens_q, cu_seqlens_k);
+  check_flash_inputs(op, q_in, k_in, v_in, seqlens, cu_seqlens_q, cu_seqlens_k);
+  check_flash_bwd_inputs(op, dout_in, q_in, v_in, out_in, lse, cu_seqlens_q.has_value());
+  const FlashOptions opt = resolve_flash_options(op, q_in, softmax_scale, causal, window_left,
                                                  window_right, flash_bwd_mode(deterministic),
                                                  softcap);
   const VariantId variant = softmax_variant(opt);
-  const TcLayout layout = tc_layout(q_in, v_in, variant);
+  const TcLayout layout = tc_layout(op, q_in, v_in, variant);
   const at::Tensor q = layout.qk(q_in);
   const at::Tensor k = layout.qk(k_in);
   const at::Tensor v = layout.vo(v_in);

@@ -14,60 +14,67 @@
 
 namespace adaattn {
 
-void check_lazy_params(const at::Tensor& q, const at::Tensor& tau, const at::Tensor& bias) {
+void check_lazy_params(const char* op, const at::Tensor& q, const at::Tensor& tau,
+                       const at::Tensor& bias) {
   const int64_t heads = q.size(1);
-  TORCH_CHECK(tau.scalar_type() == at::kFloat && tau.dim() == 1 && tau.size(0) == heads,
-              "adaattn: tau must be a float32 tensor of shape [Hq] = [", heads, "], got ",
-              tau.scalar_type(), " ", tau.sizes());
-  TORCH_CHECK(bias.scalar_type() == at::kFloat && bias.dim() == 2 && bias.size(0) == heads &&
-                  bias.size(1) >= 1,
-              "adaattn: bias must be a float32 tensor of shape [Hq, W] = [", heads,
-              ", W] with W >= 1, got ", bias.scalar_type(), " ", bias.sizes());
-  TORCH_CHECK(bias.size(1) <= std::numeric_limits<int>::max(),
-              "adaattn: the bias window W = bias.size(1) must fit in int32, got ", bias.size(1));
-  TORCH_CHECK(tau.is_contiguous(), "adaattn: tau must be contiguous; call .contiguous() on it");
-  TORCH_CHECK(bias.is_contiguous(), "adaattn: bias must be contiguous; call .contiguous() on it");
-  TORCH_CHECK(tau.device() == q.device(), "adaattn: tau must be on q's device ", q.device(),
-              ", got ", tau.device());
-  TORCH_CHECK(bias.device() == q.device(), "adaattn: bias must be on q's device ", q.device(),
-              ", got ", bias.device());
+  ADAATTN_CHECK_TYPE(tau.scalar_type() == at::kFloat, "tau must be float32, got ",
+                     tau.scalar_type());
+  ADAATTN_CHECK_VALUE(tau.dim() == 1 && tau.size(0) == heads, "tau must have shape [Hq] = [",
+                      heads, "], got ", tau.sizes());
+  ADAATTN_CHECK_TYPE(bias.scalar_type() == at::kFloat, "bias must be float32, got ",
+                     bias.scalar_type());
+  ADAATTN_CHECK_VALUE(bias.dim() == 2 && bias.size(0) == heads && bias.size(1) >= 1,
+                      "bias must have shape [Hq, W] = [", heads, ", W] with W >= 1, got ",
+                      bias.sizes());
+  ADAATTN_CHECK_VALUE(bias.size(1) <= std::numeric_limits<int>::max(),
+                      "the bias window W = bias.size(1) must fit in int32, got ", bias.size(1));
+  ADAATTN_CHECK_VALUE(tau.is_contiguous(), "tau must be contiguous; call .contiguous() on it");
+  ADAATTN_CHECK_VALUE(bias.is_contiguous(), "bias must be contiguous; call .contiguous() on it");
+  ADAATTN_CHECK_DEVICE(tau.device() == q.device(), "tau must be on q's device ", q.device(),
+                       ", got ", tau.device());
+  ADAATTN_CHECK_DEVICE(bias.device() == q.device(), "bias must be on q's device ", q.device(),
+                       ", got ", bias.device());
 }
 
-void check_lazy_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                       const at::Tensor& tau, const at::Tensor& bias,
+void check_lazy_inputs(const char* op, const at::Tensor& q, const at::Tensor& k,
+                       const at::Tensor& v, const at::Tensor& tau, const at::Tensor& bias,
                        const std::optional<at::Tensor>& seqlens,
-                       const std::optional<at::Tensor>& cu_seqlens) {
+                       const std::optional<at::Tensor>& cu_seqlens,
+                       std::optional<double> softmax_scale) {
   if (cu_seqlens.has_value() && q.dim() == 3 && k.dim() == 3) {
-    TORCH_CHECK(q.size(0) == k.size(0),
-                "adaattn: packed lazy attention is self-attention over one cu_seqlens: q and k "
-                "must have the same number of rows T, got q.size(0) = ", q.size(0),
-                ", k.size(0) = ", k.size(0));
+    ADAATTN_CHECK_VALUE(q.size(0) == k.size(0),
+                        "packed lazy attention is self-attention over one cu_seqlens: q and k "
+                        "must have the same number of rows T, got q.size(0) = ", q.size(0),
+                        ", k.size(0) = ", k.size(0));
   }
-  check_flash_inputs(q, k, v, seqlens, cu_seqlens, cu_seqlens);
-  TORCH_CHECK(v.size(-1) == q.size(-1),
-              "adaattn: lazy attention needs v with q's head dim (Dv == D), got ", v.size(-1),
-              " and ", q.size(-1));
+  check_flash_inputs(op, q, k, v, seqlens, cu_seqlens, cu_seqlens, "cu_seqlens", "cu_seqlens");
+  ADAATTN_CHECK_VALUE(v.size(-1) == q.size(-1),
+                      "lazy attention needs v with q's head dim (Dv == D), got ", v.size(-1),
+                      " and ", q.size(-1));
   if (!cu_seqlens.has_value()) {
-    TORCH_CHECK(q.size(2) <= k.size(2),
-                "adaattn: lazy attention needs Lq <= Lk (query row r sits at position r + Lk - "
-                "Lq), got Lq = q.size(2) = ", q.size(2), " > Lk = k.size(2) = ", k.size(2));
+    ADAATTN_CHECK_VALUE(q.size(2) <= k.size(2),
+                        "lazy attention needs Lq <= Lk (query row r sits at position r + Lk - "
+                        "Lq), got Lq = q.size(2) = ", q.size(2), " > Lk = k.size(2) = ",
+                        k.size(2));
   }
-  check_lazy_params(q, tau, bias);
+  check_lazy_params(op, q, tau, bias);
+  lazy_options(op, q, softmax_scale);
 }
 
-FlashOptions lazy_options(const at::Tensor& q, std::optional<double> softmax_scale) {
+FlashOptions lazy_options(const char* op, const at::Tensor& q,
+                          std::optional<double> softmax_scale) {
   // Causal, bottom-right aligned: window (-1, 0). The kernels are deterministic by construction.
-  return resolve_flash_options(q, softmax_scale, /*causal=*/true, /*window_left=*/-1,
+  return resolve_flash_options(op, q, softmax_scale, /*causal=*/true, /*window_left=*/-1,
                                /*window_right=*/0, BwdMode::kTwoPass, /*softcap=*/0.0);
 }
 
-AttnParams make_lazy_params(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                            const at::Tensor& tau, const at::Tensor& bias,
+AttnParams make_lazy_params(const char* op, const at::Tensor& q, const at::Tensor& k,
+                            const at::Tensor& v, const at::Tensor& tau, const at::Tensor& bias,
                             const std::optional<at::Tensor>& seqlens,
                             const std::optional<at::Tensor>& cu_seqlens,
                             std::optional<double> softmax_scale) {
   AttnParams p = make_params(q, k, v, seqlens, cu_seqlens, cu_seqlens,
-                             lazy_options(q, softmax_scale));
+                             lazy_options(op, q, softmax_scale));
   p.tau = tau.data_ptr<float>();
   p.bias = bias.data_ptr<float>();
   p.bias_window = static_cast<int>(bias.size(1));
@@ -81,7 +88,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lazy_fwd_cpu_op(
     const at::Tensor& bias, const std::optional<at::Tensor>& seqlens,
     std::optional<double> softmax_scale, bool return_stats,
     const std::optional<at::Tensor>& cu_seqlens) {
-  check_lazy_inputs(q_in, k_in, v_in, tau, bias, seqlens, cu_seqlens);
+  const char* op = lazy_op_name(cu_seqlens);
+  check_lazy_inputs(op, q_in, k_in, v_in, tau, bias, seqlens, cu_seqlens, softmax_scale);
   const at::Tensor q = cpu_compute(q_in), k = cpu_compute(k_in), v = cpu_compute(v_in);
   at::Tensor out = at::empty(out_shape(q, v), q.options());
   at::Tensor lse = at::empty(lse_shape(q, cu_seqlens.has_value()), q.options().dtype(at::kFloat));
@@ -90,7 +98,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lazy_fwd_cpu_op(
     out.zero_();
     lse.fill_(-std::numeric_limits<float>::infinity());
   } else {
-    AttnParams p = make_lazy_params(q, k, v, tau, bias, seqlens, cu_seqlens, softmax_scale);
+    AttnParams p = make_lazy_params(op, q, k, v, tau, bias, seqlens, cu_seqlens, softmax_scale);
     set_fwd_outputs(p, out, lse);
     p.stats = return_stats ? stats.data_ptr<int64_t>() : nullptr;
     attention_fwd_cpu(VariantId::kLazy, p, q.scalar_type());
@@ -104,8 +112,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lazy_bwd_
     const at::Tensor& out_in, const at::Tensor& lse, const std::optional<at::Tensor>& seqlens,
     std::optional<double> softmax_scale, bool param_grads,
     const std::optional<at::Tensor>& cu_seqlens) {
-  check_lazy_inputs(q_in, k_in, v_in, tau, bias, seqlens, cu_seqlens);
-  check_flash_bwd_inputs(dout_in, q_in, v_in, out_in, lse, cu_seqlens.has_value());
+  const char* op = lazy_op_name(cu_seqlens);
+  check_lazy_inputs(op, q_in, k_in, v_in, tau, bias, seqlens, cu_seqlens, softmax_scale);
+  check_flash_bwd_inputs(op, dout_in, q_in, v_in, out_in, lse, cu_seqlens.has_value());
   const at::Tensor q = cpu_compute(q_in), k = cpu_compute(k_in), v = cpu_compute(v_in);
   const at::Tensor out = cpu_compute(out_in), dout = cpu_compute(dout_in);
   at::Tensor dq = at::empty(q.sizes(), q.options());
@@ -116,7 +125,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lazy_bwd_
   at::Tensor dtau = run && param_grads ? at::empty_like(tau) : at::zeros_like(tau);
   at::Tensor dbias = run && param_grads ? at::empty_like(bias) : at::zeros_like(bias);
   if (run) {
-    AttnParams p = make_lazy_params(q, k, v, tau, bias, seqlens, cu_seqlens, softmax_scale);
+    AttnParams p = make_lazy_params(op, q, k, v, tau, bias, seqlens, cu_seqlens, softmax_scale);
     // The CPU kernel keeps its row scratch in T (float32 is too coarse for fp64 gradients) and
     // reads neither p.delta nor p.row_g: an empty tensor stands in for the delta scratch.
     at::Tensor no_scratch = at::empty({0}, lse.options());

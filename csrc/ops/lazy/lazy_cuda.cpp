@@ -19,8 +19,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lazy_fwd_cuda_op(
     const at::Tensor& bias, const std::optional<at::Tensor>& seqlens,
     std::optional<double> softmax_scale, bool return_stats,
     const std::optional<at::Tensor>& cu_seqlens) {
-  check_lazy_inputs(q_in, k_in, v_in, tau, bias, seqlens, cu_seqlens);
-  const TcLayout layout = tc_layout(q_in, v_in, VariantId::kLazy);
+  const char* op = lazy_op_name(cu_seqlens);
+  check_lazy_inputs(op, q_in, k_in, v_in, tau, bias, seqlens, cu_seqlens, softmax_scale);
+  const TcLayout layout = tc_layout(op, q_in, v_in, VariantId::kLazy);
   const bool tc = layout.tc && q_in.numel() > 0 && k_in.numel() > 0;
   const at::Tensor q = layout.qk(q_in);
   const at::Tensor k = layout.qk(k_in);
@@ -35,7 +36,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lazy_fwd_cuda_op(
     lse.fill_(-std::numeric_limits<float>::infinity());
     return {layout.crop(out, layout.head_dim_v), lse, stats};
   }
-  AttnParams p = make_lazy_params(q, k, v, tau, bias, seqlens, cu_seqlens,
+  AttnParams p = make_lazy_params(op, q, k, v, tau, bias, seqlens, cu_seqlens,
                                    layout.scale(softmax_scale));
   set_fwd_outputs(p, out, lse);
   p.stats = return_stats ? stats.data_ptr<int64_t>() : nullptr;
@@ -53,9 +54,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lazy_bwd_
     const at::Tensor& out_in, const at::Tensor& lse, const std::optional<at::Tensor>& seqlens,
     std::optional<double> softmax_scale, bool param_grads,
     const std::optional<at::Tensor>& cu_seqlens) {
-  check_lazy_inputs(q_in, k_in, v_in, tau, bias, seqlens, cu_seqlens);
-  check_flash_bwd_inputs(dout_in, q_in, v_in, out_in, lse, cu_seqlens.has_value());
-  const TcLayout layout = tc_layout(q_in, v_in, VariantId::kLazy);
+  const char* op = lazy_op_name(cu_seqlens);
+  check_lazy_inputs(op, q_in, k_in, v_in, tau, bias, seqlens, cu_seqlens, softmax_scale);
+  check_flash_bwd_inputs(op, dout_in, q_in, v_in, out_in, lse, cu_seqlens.has_value());
+  const TcLayout layout = tc_layout(op, q_in, v_in, VariantId::kLazy);
   const bool tc = layout.tc && q_in.numel() > 0 && k_in.numel() > 0;
   const at::Tensor q = layout.qk(q_in);
   const at::Tensor k = layout.qk(k_in);
@@ -81,7 +83,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lazy_bwd_
   }
   at::Tensor delta = at::empty(lse.sizes(), lse.options());
   at::Tensor row_g = at::empty(lse.sizes(), lse.options());
-  AttnParams p = make_lazy_params(q, k, v, tau, bias, seqlens, cu_seqlens,
+  AttnParams p = make_lazy_params(op, q, k, v, tau, bias, seqlens, cu_seqlens,
                                    layout.scale(softmax_scale));
   set_bwd_tensors(p, dout, out, lse, dq, dk, dv, delta);
   p.row_g = row_g.data_ptr<float>();

@@ -16,29 +16,29 @@
 #include <vector>
 
 #include "../../core/sym_eig.h"
+#include "../common/checks.h"
 #include "sym_eig_checks.h"
 
 namespace adaattn {
 
-void check_sym_eig_input(const at::Tensor& a) {
-  TORCH_CHECK(a.scalar_type() == at::kFloat, "adaattn: sym_eig: a must be float32, got ",
-              a.scalar_type());
-  TORCH_CHECK(a.dim() == 3, "adaattn: sym_eig: a must have 3 dims [N, D, D], got ", a.dim(),
-              " dims (shape ", a.sizes(), ")");
-  TORCH_CHECK(a.size(1) == a.size(2), "adaattn: sym_eig: a must be square [N, D, D], got shape ",
-              a.sizes());
-  TORCH_CHECK(a.size(1) >= 1 && a.size(1) <= kSymEigMaxDim, "adaattn: sym_eig: D = a.size(1) must "
-              "be in [1, ", kSymEigMaxDim, "], got ", a.size(1));
-  TORCH_CHECK(a.size(0) <= std::numeric_limits<int>::max(),
-              "adaattn: sym_eig: the batch N = a.size(0) must fit in int32, got ", a.size(0));
-  TORCH_CHECK(a.is_contiguous(), "adaattn: sym_eig: a must be contiguous; call .contiguous() on it");
+void check_sym_eig_input(const char* op, const at::Tensor& a) {
+  ADAATTN_CHECK_TYPE(a.scalar_type() == at::kFloat, "a must be float32, got ", a.scalar_type());
+  ADAATTN_CHECK_VALUE(a.dim() == 3, "a must have 3 dims [N, D, D], got ", a.dim(),
+                      " dims (shape ", a.sizes(), ")");
+  ADAATTN_CHECK_VALUE(a.size(1) == a.size(2), "a must be square [N, D, D], got shape ",
+                      a.sizes());
+  ADAATTN_CHECK_VALUE(a.size(1) >= 1 && a.size(1) <= kSymEigMaxDim,
+                      "D = a.size(1) must be in [1, ", kSymEigMaxDim, "], got ", a.size(1));
+  ADAATTN_CHECK_VALUE(a.size(0) <= std::numeric_limits<int>::max(),
+                      "the batch N = a.size(0) must fit in int32, got ", a.size(0));
+  ADAATTN_CHECK_VALUE(a.is_contiguous(), "a must be contiguous; call .contiguous() on it");
 }
 
 void check_sym_eig_top_args(double energy, int64_t min_rank, int64_t multiple) {
-  TORCH_CHECK(energy > 0.0 && energy <= 1.0, "adaattn: sym_eig_top: energy must be in (0, 1], got ",
-              energy);
-  TORCH_CHECK(min_rank >= 1 && multiple >= 1, "adaattn: sym_eig_top: min_rank and multiple must "
-              "be positive, got ", min_rank, ", ", multiple);
+  constexpr const char* op = "sym_eig_top";
+  ADAATTN_CHECK_VALUE(energy > 0.0 && energy <= 1.0, "energy must be in (0, 1], got ", energy);
+  ADAATTN_CHECK_VALUE(min_rank >= 1 && multiple >= 1,
+                      "min_rank and multiple must be positive, got ", min_rank, ", ", multiple);
 }
 
 std::tuple<at::Tensor, at::Tensor> sym_eig_outputs(const at::Tensor& a) {
@@ -278,7 +278,7 @@ void sym_eig_batch(const at::Tensor& a, at::Tensor& w, at::Tensor& v, int* ranks
 }
 
 std::tuple<at::Tensor, at::Tensor> sym_eig_cpu(const at::Tensor& a) {
-  check_sym_eig_input(a);
+  check_sym_eig_input("sym_eig", a);
   auto [w, v] = sym_eig_outputs(a);
   sym_eig_batch(a, w, v, nullptr, 1.0, 1, 1);
   return {w, v};
@@ -287,7 +287,7 @@ std::tuple<at::Tensor, at::Tensor> sym_eig_cpu(const at::Tensor& a) {
 std::tuple<at::Tensor, at::Tensor, at::Tensor> sym_eig_top_cpu(const at::Tensor& a, double energy,
                                                                int64_t min_rank,
                                                                int64_t multiple) {
-  check_sym_eig_input(a);
+  check_sym_eig_input("sym_eig_top", a);
   check_sym_eig_top_args(energy, min_rank, multiple);
   auto [w, v] = sym_eig_outputs(a);
   at::Tensor ranks = at::empty({a.size(0)}, a.options().dtype(at::kInt));

@@ -10,8 +10,9 @@
 
 namespace adaattn {
 
-// a: float32 [N, D, D], contiguous, 1 <= D <= kSymEigMaxDim.
-void check_sym_eig_input(const at::Tensor& a);
+// a: float32 [N, D, D], contiguous, 1 <= D <= kSymEigMaxDim; errors name `op` (sym_eig or
+// sym_eig_top) and the argument (ops/common/checks.h).
+void check_sym_eig_input(const char* op, const at::Tensor& a);
 
 // sym_eig_top's energy in (0, 1], min_rank and multiple >= 1.
 void check_sym_eig_top_args(double energy, int64_t min_rank, int64_t multiple);

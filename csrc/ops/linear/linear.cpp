@@ -17,25 +17,28 @@ namespace adaattn {
 
 namespace {
 
+// Every check of this family names the op the user calls.
+constexpr const char* op = "linear_attn";
+
 FeatureMap parse_feature_map(const std::string& name) {
   if (name == "elu") return FeatureMap::kElu;
   if (name == "relu") return FeatureMap::kRelu;
   if (name == "identity") return FeatureMap::kIdentity;
-  TORCH_CHECK(false, "adaattn: feature_map must be one of 'elu', 'relu', 'identity', got '", name,
-              "'");
+  ADAATTN_CHECK_VALUE(false, "feature_map must be one of 'elu', 'relu', 'identity', got '", name,
+                      "'");
 }
 
 void check_linear_tensor(const at::Tensor& t, const char* name, bool packed) {
-  TORCH_CHECK(t.dim() == (packed ? 3 : 4), "adaattn: ", name, " must have ",
-              packed ? "3 dims [T, H, *] (packed, with cu_seqlens)"
-                     : "4 dims [B, H, T, *] (dense, without cu_seqlens)",
-              ", got ", t.dim(), " dims (shape ", t.sizes(), ")");
-  TORCH_CHECK(at::isFloatingType(t.scalar_type()), "adaattn: ", name,
-              " must be a floating tensor (float16, bfloat16, float32, float64), got ",
-              t.scalar_type());
-  TORCH_CHECK(t.numel() == 0 || t.stride(-1) == 1, "adaattn: ", name,
-              " must have a contiguous last dim (stride(-1) == 1), got strides ", t.strides(),
-              "; call .contiguous() on it");
+  ADAATTN_CHECK_VALUE(t.dim() == (packed ? 3 : 4), name, " must have ",
+                      packed ? "3 dims [T, H, *] (packed, with cu_seqlens)"
+                             : "4 dims [B, H, T, *] (dense, without cu_seqlens)",
+                      ", got ", t.dim(), " dims (shape ", t.sizes(), ")");
+  ADAATTN_CHECK_TYPE(at::isFloatingType(t.scalar_type()), name,
+                     " must be a floating tensor (float16, bfloat16, float32, float64), got ",
+                     t.scalar_type());
+  ADAATTN_CHECK_VALUE(t.numel() == 0 || t.stride(-1) == 1, name,
+                      " must have a contiguous last dim (stride(-1) == 1), got strides ",
+                      t.strides(), "; call .contiguous() on it");
 }
 
 // The state tensor's expected form, for error messages.
@@ -51,12 +54,14 @@ std::string state_description(const at::Tensor& q, const at::Tensor& v,
 
 void check_state(const at::Tensor& s, const char* name, const at::Tensor& q, const at::Tensor& v,
                  const std::optional<at::Tensor>& cu_seqlens, bool normalize) {
-  TORCH_CHECK(s.scalar_type() == linear_state_dtype(q) &&
-                  s.sizes() == at::IntArrayRef(linear_state_shape(q, v, cu_seqlens, normalize)),
-              "adaattn: ", name, " must be ", state_description(q, v, cu_seqlens, normalize),
-              ", got ", s.scalar_type(), " ", s.sizes());
-  TORCH_CHECK(s.device() == q.device(), "adaattn: ", name, " must be on q's device ", q.device(),
-              ", got ", s.device());
+  ADAATTN_CHECK_TYPE(s.scalar_type() == linear_state_dtype(q), name, " must be a ",
+                     linear_state_dtype(q), " tensor (the state dtype of ", q.scalar_type(),
+                     " inputs), got ", s.scalar_type());
+  const std::vector<int64_t> shape = linear_state_shape(q, v, cu_seqlens, normalize);
+  ADAATTN_CHECK_VALUE(s.sizes() == at::IntArrayRef(shape), name, " must be ",
+                      state_description(q, v, cu_seqlens, normalize), ", got ", s.sizes());
+  ADAATTN_CHECK_DEVICE(s.device() == q.device(), name, " must be on q's device ", q.device(),
+                       ", got ", s.device());
 }
 
 }  // namespace
@@ -79,46 +84,52 @@ FeatureMap check_linear_inputs(const at::Tensor& q, const at::Tensor& k, const a
                                const std::string& feature_map, bool normalize) {
   const FeatureMap fmap = parse_feature_map(feature_map);
   const bool packed = cu_seqlens.has_value();
-  if (packed) check_cu_seqlens_tensor(*cu_seqlens, "cu_seqlens", q);
+  if (packed) check_cu_seqlens_tensor(op, *cu_seqlens, "cu_seqlens", q);
   check_linear_tensor(q, "q", packed);
   check_linear_tensor(k, "k", packed);
   check_linear_tensor(v, "v", packed);
-  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
-              "adaattn: q, k and v must have the same dtype, got q ", q.scalar_type(), ", k ",
-              k.scalar_type(), ", v ", v.scalar_type());
-  TORCH_CHECK(k.device() == q.device() && v.device() == q.device(),
-              "adaattn: q, k and v must be on the same device, got q on ", q.device(), ", k on ",
-              k.device(), ", v on ", v.device());
-  TORCH_CHECK(k.sizes() == q.sizes(), "adaattn: k must have q's shape ", q.sizes(),
-              " (linear attention takes as many kv heads as query heads and keys of the "
-              "queries' length), got ", k.sizes());
-  TORCH_CHECK(v.sizes().slice(0, v.dim() - 1) == q.sizes().slice(0, q.dim() - 1),
-              "adaattn: v must have q's shape except for its last dim (Dv), got v ", v.sizes(),
-              " and q ", q.sizes());
-  TORCH_CHECK(q.size(-1) >= 1 && q.size(-1) <= 256, "adaattn: head dim D = q.size(-1) must be "
-              "in [1, 256], got ", q.size(-1));
-  TORCH_CHECK(v.size(-1) >= 1 && v.size(-1) <= 256, "adaattn: value dim Dv = v.size(-1) must be "
-              "in [1, 256], got ", v.size(-1));
+  ADAATTN_CHECK_TYPE(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
+                     "q, k and v must have the same dtype, got q ", q.scalar_type(), ", k ",
+                     k.scalar_type(), ", v ", v.scalar_type());
+  ADAATTN_CHECK_DEVICE(k.device() == q.device() && v.device() == q.device(),
+                       "q, k and v must be on the same device, got q on ", q.device(), ", k on ",
+                       k.device(), ", v on ", v.device());
+  ADAATTN_CHECK_VALUE(k.sizes() == q.sizes(), "k must have q's shape ", q.sizes(),
+                      " (linear attention takes as many kv heads as query heads and keys of the "
+                      "queries' length), got ", k.sizes());
+  ADAATTN_CHECK_VALUE(v.sizes().slice(0, v.dim() - 1) == q.sizes().slice(0, q.dim() - 1),
+                      "v must have q's shape except for its last dim (Dv), got v ", v.sizes(),
+                      " and q ", q.sizes());
+  ADAATTN_CHECK_VALUE(q.size(-1) >= 1 && q.size(-1) <= 256,
+                      "head dim D = q.size(-1) must be in [1, 256], got ", q.size(-1));
+  ADAATTN_CHECK_VALUE(v.size(-1) >= 1 && v.size(-1) <= 256,
+                      "value dim Dv = v.size(-1) must be in [1, 256], got ", v.size(-1));
   const int64_t int_max = std::numeric_limits<int>::max();
-  TORCH_CHECK(q.size(0) <= int_max && q.size(1) <= int_max && (packed || q.size(2) <= int_max),
-              "adaattn: batch, heads and sequence length must fit in int32");
-  TORCH_CHECK(!packed || cu_seqlens->size(0) - 1 <= int_max,
-              "adaattn: the number of sequences must fit in int32");
-  if (initial_state.has_value()) check_state(*initial_state, "initial_state", q, v, cu_seqlens,
-                                             normalize);
+  ADAATTN_CHECK_VALUE(
+      q.size(0) <= int_max && q.size(1) <= int_max && (packed || q.size(2) <= int_max),
+      "batch, heads and sequence length must fit in int32");
+  ADAATTN_CHECK_VALUE(!packed || cu_seqlens->size(0) - 1 <= int_max,
+                      "the number of sequences must fit in int32");
+  if (initial_state.has_value()) {
+    check_state(*initial_state, "initial_state", q, v, cu_seqlens, normalize);
+  }
+  if (packed) {
+    check_cu_seqlens_values(op, *cu_seqlens, "cu_seqlens", q.size(0), "T = q.size(0) = ");
+  }
   return fmap;
 }
 
 void check_linear_grads(const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_state,
                         const at::Tensor& q, const at::Tensor& v,
                         const std::optional<at::Tensor>& cu_seqlens, bool normalize) {
-  TORCH_CHECK(grad_out.sizes() == v.sizes() && grad_out.scalar_type() == q.scalar_type(),
-              "adaattn: grad_out must have out's shape ", v.sizes(), " and dtype ",
-              q.scalar_type(), ", got ", grad_out.scalar_type(), " ", grad_out.sizes());
-  TORCH_CHECK(grad_out.numel() == 0 || grad_out.stride(-1) == 1,
-              "adaattn: grad_out must have a contiguous last dim");
-  TORCH_CHECK(grad_out.device() == q.device(), "adaattn: grad_out must be on q's device ",
-              q.device(), ", got ", grad_out.device());
+  ADAATTN_CHECK_VALUE(grad_out.sizes() == v.sizes(), "grad_out must have out's shape ",
+                      v.sizes(), ", got ", grad_out.sizes());
+  ADAATTN_CHECK_TYPE(grad_out.scalar_type() == q.scalar_type(), "grad_out must have q's dtype ",
+                     q.scalar_type(), ", got ", grad_out.scalar_type());
+  ADAATTN_CHECK_VALUE(grad_out.numel() == 0 || grad_out.stride(-1) == 1,
+                      "grad_out must have a contiguous last dim");
+  ADAATTN_CHECK_DEVICE(grad_out.device() == q.device(), "grad_out must be on q's device ",
+                       q.device(), ", got ", grad_out.device());
   if (grad_state.has_value()) check_state(*grad_state, "grad_state", q, v, cu_seqlens, normalize);
 }
 
@@ -165,9 +176,6 @@ std::tuple<at::Tensor, at::Tensor> linear_fwd_cpu_op(
     c10::string_view feature_map, bool causal, bool normalize) {
   const FeatureMap fmap = check_linear_inputs(q_in, k_in, v_in, initial_state_in, cu_seqlens,
                                               std::string(feature_map), normalize);
-  if (cu_seqlens.has_value()) {
-    check_cu_seqlens_values(*cu_seqlens, "cu_seqlens", q_in.size(0), "T = q.size(0) = ");
-  }
   const at::Tensor q = cpu_compute(q_in), k = cpu_compute(k_in), v = cpu_compute(v_in);
   const auto initial_state = contiguous_opt(initial_state_in);
   at::Tensor out = at::empty(v.sizes(), v.options());
@@ -192,9 +200,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_bwd_cpu_op(
   const FeatureMap fmap = check_linear_inputs(q_in, k_in, v_in, initial_state_in, cu_seqlens,
                                               std::string(feature_map), normalize);
   check_linear_grads(dout_in, grad_state_in, q_in, v_in, cu_seqlens, normalize);
-  if (cu_seqlens.has_value()) {
-    check_cu_seqlens_values(*cu_seqlens, "cu_seqlens", q_in.size(0), "T = q.size(0) = ");
-  }
   const at::Tensor q = cpu_compute(q_in), k = cpu_compute(k_in), v = cpu_compute(v_in);
   const at::Tensor dout = cpu_compute(dout_in);
   const auto initial_state = contiguous_opt(initial_state_in);

@@ -11,13 +11,16 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
-#include <algorithm>
 #include <cmath>
 
 #include "../../attention_api.h"
+#include "../common/attention_inputs.h"
+#include "../common/checks.h"
 
 namespace adaattn {
 namespace {
+
+constexpr const char* op = "low_rank_attn";
 
 // Width R' >= rank of the projected scores for the kernel that will run.
 int64_t projected_width(const at::Tensor& q, int64_t rank, int64_t dim_v) {
@@ -29,35 +32,33 @@ int64_t projected_width(const at::Tensor& q, int64_t rank, int64_t dim_v) {
           tc_kernel_head_dims(VariantId::kPlain, width, static_cast<int>(dim_v)).first;
       if (width >= rank && kernel_width == width) return width;
     }
-    TORCH_CHECK(false, "adaattn: low_rank_attn has no tensor-core kernel for rank R = ", rank,
+    TORCH_CHECK(false, "adaattn.low_rank_attn: no tensor-core kernel for rank R = ", rank,
                 " with value head dim Dv = ", dim_v, "; supported (R padded, Dv): ",
                 tc_head_dims(VariantId::kPlain));
   }
 #endif
-  return std::max<int64_t>(rank, 1);  // R = 0: one zero column, every score is 0
+  return rank;
 }
 
 std::tuple<at::Tensor, at::Tensor> low_rank_attn(const at::Tensor& q, const at::Tensor& k,
                                                  const at::Tensor& v, const at::Tensor& basis,
                                                  bool causal,
                                                  std::optional<double> softmax_scale) {
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
-              "adaattn: low_rank_attn takes q, k, v as [B, H, L, D], got q ", q.sizes(), ", k ",
-              k.sizes(), ", v ", v.sizes());
+  // Validated here, so that errors name this op (the projected flash_attn call then passes).
+  check_flash_inputs(op, q, k, v, std::nullopt, std::nullopt, std::nullopt);
+  resolve_flash_options(op, q, softmax_scale, causal, -1, -1, BwdMode::kTwoPass, 0.0);
   const int64_t batch = q.size(0), heads_q = q.size(1), heads_kv = k.size(1), dim = q.size(3);
-  TORCH_CHECK(heads_kv > 0 && heads_q % heads_kv == 0,
-              "adaattn: the number of query heads (q.size(1) = ", heads_q,
-              ") must be a multiple of the number of kv heads (k.size(1) = ", heads_kv, ")");
-  TORCH_CHECK(basis.dim() == 4 && basis.size(0) == batch && basis.size(1) == heads_kv &&
-                  basis.size(2) == dim,
-              "adaattn: basis must be [B, Hkv, D, R] = [", batch, ", ", heads_kv, ", ", dim,
-              ", R], got ", basis.sizes());
-  TORCH_CHECK(basis.scalar_type() == at::kFloat || basis.scalar_type() == q.scalar_type(),
-              "adaattn: basis must be float32 or q's dtype ", q.scalar_type(), ", got ",
-              basis.scalar_type());
-  TORCH_CHECK(basis.device() == q.device(), "adaattn: basis must be on q's device ", q.device(),
-              ", got ", basis.device());
-  // flash_attn validates the rest (dtypes, devices, k/v shapes) and names the argument.
+  ADAATTN_CHECK_VALUE(basis.dim() == 4 && basis.size(0) == batch && basis.size(1) == heads_kv &&
+                          basis.size(2) == dim,
+                      "basis must be [B, Hkv, D, R] = [", batch, ", ", heads_kv, ", ", dim,
+                      ", R], got ", basis.sizes());
+  ADAATTN_CHECK_VALUE(basis.size(3) >= 1, "basis must have rank R = basis.size(3) >= 1, got ",
+                      basis.size(3));
+  ADAATTN_CHECK_TYPE(basis.scalar_type() == at::kFloat || basis.scalar_type() == q.scalar_type(),
+                     "basis must be float32 or q's dtype ", q.scalar_type(), ", got ",
+                     basis.scalar_type());
+  ADAATTN_CHECK_DEVICE(basis.device() == q.device(), "basis must be on q's device ", q.device(),
+                       ", got ", basis.device());
   const int64_t rank = basis.size(3);
   const int64_t width = projected_width(q, rank, v.size(3));
   const at::Tensor u =
