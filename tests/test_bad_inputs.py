@@ -24,7 +24,6 @@ import adaattn
 from adaattn import reference
 from adaattn.nn import FlashSelfAttention, LazyAttention, LinearAttention
 
-from conftest import DEVICES
 
 F32, F64, I32, I64 = torch.float32, torch.float64, torch.int32, torch.int64
 NAN, INF = float("nan"), float("inf")
