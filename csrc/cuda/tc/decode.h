@@ -374,7 +374,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     row_sum[0][hh] = l;
     if ((lane & 3) == 0) {
       const int r = warp_row0 + g + 8 * hh;
-      sMax[key_warp * kRows + r] = l > 0.f ? row_max[0][hh] : -INFINITY;
+      sMax[key_warp * kRows + r] = row_max[0][hh];
       sSum[key_warp * kRows + r] = l;
     }
   }
@@ -383,11 +383,13 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     m = -INFINITY;
 #pragma unroll
     for (int w = 0; w < kKeyWarps; ++w) m = fmaxf(m, sMax[w * kRows + r]);
+    // A warp whose scores were all NaN keeps max -inf and sum NaN: its NaN still reaches l.
+    const float base = m == -INFINITY ? 0.f : m;
     l = 0.f;
 #pragma unroll
     for (int w = 0; w < kKeyWarps; ++w) {
-      const float mw = sMax[w * kRows + r];
-      if (mw != -INFINITY) l += sSum[w * kRows + r] * exp2f(mw - m);
+      const float lw = sSum[w * kRows + r];
+      if (row_saw_keys(lw)) l += lw * exp2f(sMax[w * kRows + r] - base);
     }
   };
 #pragma unroll
@@ -397,7 +399,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     float m, l;
     row_stats(r, m, l);
     const float f = kPass == DecodePass::kWeights ? 1.f
-                    : row_sum[0][hh] > 0.f        ? exp2f(row_max[0][hh] - m) / l
+                    : row_saw_keys(row_sum[0][hh]) ? exp2f(row_max[0][hh] - m) / l
                                                   : 0.f;
 #pragma unroll
     for (int di = 0; di < DT; ++di) {
@@ -417,7 +419,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
       const int64_t stat = (static_cast<int64_t>(b) * p.heads_q + h) * p.len_q + q_row;
       float m, l;
       row_stats(r, m, l);
-      const float lse = l > 0.f ? (m + log2f(l)) * float(M_LN2) : -INFINITY;
+      const float lse = row_saw_keys(l) ? (m + log2f(l)) * float(M_LN2) : -INFINITY;
       if (sp.num_splits == 1) {
         p.lse[stat] = lse;
       } else {
@@ -438,7 +440,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     if (kPass == DecodePass::kOnline && col == 0) {
       float m, l;
       row_stats(r, m, l);
-      lse = l > 0.f ? (m + log2f(l)) * float(M_LN2) : -INFINITY;
+      lse = row_saw_keys(l) ? (m + log2f(l)) * float(M_LN2) : -INFINITY;
     }
     if (sp.num_splits == 1) {
       T* out = static_cast<T*>(p.out) + b * p.o_batch_stride + h * p.o_head_stride +
@@ -469,13 +471,13 @@ __global__ void __launch_bounds__(128) decode_combine_kernel(const AttnParams p,
     for (int s = lane; s < sp.num_splits; s += 32) m = fmaxf(m, sp.lse_part[s * rows + stat]);
 #pragma unroll
     for (int off = 16; off > 0; off /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, off));
+    // Splits that saw no key add exp(-inf) = 0; a NaN lse makes the row's NaN.
+    const float base = m == -INFINITY ? 0.f : m;
     float sum = 0.f;
-    if (m != -INFINITY) {
-      for (int s = lane; s < sp.num_splits; s += 32) sum += expf(sp.lse_part[s * rows + stat] - m);
-    }
+    for (int s = lane; s < sp.num_splits; s += 32) sum += expf(sp.lse_part[s * rows + stat] - base);
 #pragma unroll
     for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffff, sum, off);
-    lse = sum > 0.f ? m + logf(sum) : -INFINITY;
+    lse = row_saw_keys(sum) ? base + logf(sum) : -INFINITY;
     if (lane == 0) p.lse[stat] = lse;
     if constexpr (kPass == DecodePass::kLse) return;
   }
