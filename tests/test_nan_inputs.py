@@ -194,8 +194,9 @@ def test_nonfinite_input_cpu(case):
 def test_nonfinite_input_cuda(case, dtype, request):
     # 150 rows: several tensor-core tiles, so rows of other tiles must stay finite.
     if case[0] == "block_sparse" and case[4]:
-        # Measured on the H200: 34 of these cases fail (issue 37 stays open for them); not
-        # strict, so the ones that pass still say so.
+        # On the H200, 34 CUDA cases of this test failed, every one whose id was shown a
+        # block-sparse causal one (issue 37 stays open for them); not strict, so the cases that
+        # pass still say so.
         request.applymarker(pytest.mark.xfail(
             strict=False, reason="block-sparse + causal on CUDA: non-finite entries reach "
                                  "rows the row-wise and dense references keep finite"))
