@@ -9,8 +9,7 @@ from ._ops import ops
 
 # Mean listed keys per query row up to which bwd_mode="auto" takes the two-pass (dQ-pass)
 # kernels; above it the atomic-dQ kernel is faster. On the H100 the two-pass was faster at 2.7
-# and 5.1 listed blocks of 128 per row and the atomic one at 7.1-16.6 (benchmarks/RESULTS.md,
-# "Forward max slack, and the final runs at ab2a73c").
+# and 5.1 listed blocks of 128 per row and the atomic one at 7.1-16.6 (docs/lab/history.md).
 _TWO_PASS_MAX_KEYS_PER_ROW = 6 * 128
 
 BLOCK_SIZES = (64, 128)

@@ -151,6 +151,13 @@ AttnParams make_kvcache_params(const at::Tensor& q, const at::Tensor& k_cache,
   return p;
 }
 
+void set_lazy_params(AttnParams& p, const at::Tensor* tau, const at::Tensor* bias) {
+  if (tau == nullptr) return;
+  p.tau = tau->data_ptr<float>();
+  p.bias = bias->data_ptr<float>();
+  p.bias_window = static_cast<int>(bias->size(1));
+}
+
 at::Tensor gather_pages(const at::Tensor& cache, const at::Tensor& block_table) {
   const int64_t batch = block_table.size(0), pages = block_table.size(1);
   const at::Tensor index = block_table.clamp(0, std::max<int64_t>(cache.size(0) - 1, 0))
@@ -207,11 +214,7 @@ std::tuple<at::Tensor, at::Tensor> kvcache_attn_cpu(
     lse.fill_(-std::numeric_limits<float>::infinity());
   } else {
     AttnParams p = make_kvcache_params(q, kc, vc, cache_seqlens, appended, opt);
-    if (tau != nullptr) {
-      p.tau = tau->data_ptr<float>();
-      p.bias = bias->data_ptr<float>();
-      p.bias_window = static_cast<int>(bias->size(1));
-    }
+    set_lazy_params(p, tau, bias);
     set_fwd_outputs(p, out, lse);
     attention_fwd_cpu(variant, p, q.scalar_type());
   }

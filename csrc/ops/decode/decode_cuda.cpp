@@ -28,14 +28,6 @@ bool chunk_aligned(const at::Tensor& t) {
   return true;
 }
 
-// The lazy variant's parameters (null tau: a softmax variant).
-void set_lazy_params(AttnParams& p, const at::Tensor* tau, const at::Tensor* bias) {
-  if (tau == nullptr) return;
-  p.tau = tau->data_ptr<float>();
-  p.bias = bias->data_ptr<float>();
-  p.bias_window = static_cast<int>(bias->size(1));
-}
-
 void set_cache_layout(AttnParams& p, const OptTensor& block_table, const KvCacheShape& shape) {
   if (!shape.paged) return;
   p.block_table = block_table->data_ptr<int>();

@@ -49,6 +49,9 @@ AttnParams make_kvcache_params(const at::Tensor& q, const at::Tensor& k_cache,
 void check_lazy_kvcache_args(const char* op, const at::Tensor& q, const at::Tensor& v_cache,
                              const at::Tensor& tau, const at::Tensor& bias);
 
+// The lazy variant's tau/bias in p (null tau: a softmax variant, nothing to set).
+void set_lazy_params(AttnParams& p, const at::Tensor* tau, const at::Tensor* bias);
+
 // A paged cache [num_pages, Hkv, page_size, D] gathered into [B, Hkv, max_pages * page_size, D]
 // through block_table (entries clamped into range: positions past a sequence's length are never
 // attended, so what their pages hold does not matter).
