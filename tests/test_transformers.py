@@ -100,7 +100,7 @@ def test_logits_match_reference(name):
     assert_rel_close("logits", ours, _logits(model, _reference_impl(name), ids), rtol)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])
 def test_logits_match_sdpa_float32(name):
     model = _model(name, torch.float32)
     ids = _ids(2, 19)
@@ -190,10 +190,28 @@ def test_packed_batch_equals_separate_sequences(name):
                      _logits(model, _reference_impl(name), ids, position_ids=positions)[0], rtol)
 
 
-@pytest.mark.parametrize("kind", ["none", "right", "left", "packed"])
-def test_training_step_gradients_match_sdpa(kind):
-    """A training step's loss and every parameter gradient match sdpa in float64."""
-    model = _model("llama").train()
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_padded_and_packed_batches_agree(name):
+    """The same sequences as a right-padded batch and as one packed row give the same logits
+    for every token."""
+    model = _model(name)
+    sequences, batch = _packed([7, 16, 3, 11])
+    packed = _logits(model, "adaattn", batch["input_ids"], position_ids=batch["position_ids"])[0]
+    length = max(len(s) for s in sequences)
+    ids = torch.zeros(len(sequences), length, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, s in enumerate(sequences):
+        ids[row, :len(s)], mask[row, :len(s)] = s, 1
+    padded = _logits(model, "adaattn", ids, attention_mask=mask)
+    assert_rel_close("logits", padded[mask.bool()], packed, FP64_RTOL)
+
+
+@pytest.mark.parametrize("name, kind", [("llama", "none"), ("llama", "right"), ("llama", "left"),
+                                        ("llama", "packed"), ("qwen2", "packed")])
+def test_training_step_gradients_match_sdpa(name, kind):
+    """A training step's loss and every parameter gradient match sdpa in float64 (Qwen2 with
+    one sliding-window layer)."""
+    model = _model(name).train()
     if kind == "packed":
         _, batch = _packed([7, 12, 5])
         inputs = dict(input_ids=batch["input_ids"], position_ids=batch["position_ids"])
@@ -236,6 +254,115 @@ def test_generate_matches_reference(name, padding):
     ref_tokens, ref_logits = _generate(model, _reference_impl(name), ids, mask, new_tokens=12)
     assert torch.equal(tokens, ref_tokens)
     assert_rel_close("logits", logits, ref_logits, rtol)
+
+
+class _OpCalls:
+    """Counts the calls of adaattn's attention ops made through the integration (which looks
+    them up on the adaattn module at every call)."""
+
+    OPS = ("flash_attn", "flash_attn_varlen", "flash_attn_with_kvcache", "lazy_attn",
+           "lazy_attn_varlen", "lazy_attn_with_kvcache")
+
+    def __init__(self, monkeypatch):
+        self.counts = dict.fromkeys(self.OPS, 0)
+        for name in self.OPS:
+            monkeypatch.setattr(adaattn, name, self._counted(name, getattr(adaattn, name)))
+
+    def _counted(self, name, op):
+        def counted(*args, **kwargs):
+            self.counts[name] += 1
+            return op(*args, **kwargs)
+        return counted
+
+    def take(self):
+        """The counts since the last take (nonzero ones)."""
+        counts = {name: n for name, n in self.counts.items() if n}
+        self.counts = dict.fromkeys(self.OPS, 0)
+        return counts
+
+
+@pytest.mark.parametrize("padding", ["none", "left"])
+@pytest.mark.parametrize("impl", ["adaattn", hf.LAZY_ATTN_IMPLEMENTATION])
+def test_generate_decode_steps_use_the_kvcache_op(monkeypatch, impl, padding):
+    """generate(): the prefill runs the dense op once per layer, and every decode step the
+    KV-cache op (the split-KV decode kernel on CUDA) once per layer, never the dense one."""
+    model = _lazy_model() if impl == hf.LAZY_ATTN_IMPLEMENTATION else _model("llama")
+    calls = _OpCalls(monkeypatch)
+    new_tokens, layers = 6, model.config.num_hidden_layers
+    _generate(model, impl, _ids(3, 19), _padding(padding), new_tokens=new_tokens)
+    family = "flash" if impl == "adaattn" else "lazy"
+    assert calls.take() == {f"{family}_attn": layers,
+                            f"{family}_attn_with_kvcache": layers * (new_tokens - 1)}
+
+
+@pytest.mark.parametrize("impl", ["adaattn", hf.LAZY_ATTN_IMPLEMENTATION])
+def test_chunks_against_a_cache(monkeypatch, impl):
+    """Forwards of 10, 40 and 5 tokens against a DynamicCache equal one forward of all 55: the
+    40-token chunk (2 * 40 query rows per kv head > DECODE_MAX_ROWS) runs the dense op, the
+    5-token chunk the KV-cache op."""
+    model = _lazy_model() if impl == hf.LAZY_ATTN_IMPLEMENTATION else _model("llama")
+    model.set_attn_implementation(impl)
+    ids = _ids(2, 55)
+    family = "flash" if impl == "adaattn" else "lazy"
+    calls = _OpCalls(monkeypatch)
+    cache = transformers.DynamicCache(config=model.config)
+    chunks = []
+    with torch.no_grad():
+        for start, stop, op in ((0, 10, "attn"), (10, 50, "attn"), (50, 55, "attn_with_kvcache")):
+            chunks.append(model(ids[:, start:stop], past_key_values=cache, use_cache=True).logits)
+            assert calls.take() == {f"{family}_{op}": 2}
+    assert_rel_close("logits", torch.cat(chunks, 1), _logits(model, impl, ids), FP64_RTOL)
+
+
+@pytest.mark.parametrize("padding", ["none", "left"])
+def test_generate_with_a_static_cache(padding):
+    """cache_implementation="static": the attention gets the whole preallocated key buffer,
+    and generate() prepares the masks ahead of the forward (the mask function then reads its
+    own output); tokens and logits match sdpa."""
+    model = _model("llama")
+    ids, mask = _ids(3, 19), _padding(padding)
+    results = {}
+    for impl in ("adaattn", "sdpa"):
+        model.set_attn_implementation(impl)
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                             cache_implementation="static", output_logits=True,
+                             return_dict_in_generate=True, pad_token_id=0)
+        results[impl] = out.sequences, torch.stack(out.logits, 1)
+    assert torch.equal(results["adaattn"][0], results["sdpa"][0])
+    assert_rel_close("logits", results["adaattn"][1], results["sdpa"][1], FP64_RTOL)
+
+
+def test_static_cache_without_a_mask():
+    """A StaticCache used without attention_mask: only the slots that hold tokens are keys."""
+    model = _model("llama")
+    ids = _ids(2, 19)
+    results = {}
+    for impl in ("adaattn", "sdpa"):
+        model.set_attn_implementation(impl)
+        cache = transformers.StaticCache(config=model.config, max_cache_len=40)
+        with torch.no_grad():
+            results[impl] = torch.cat(
+                [model(ids[:, a:b], past_key_values=cache, use_cache=True).logits
+                 for a, b in ((0, 12), (12, 18), (18, 19))], 1)
+    assert_rel_close("logits", results["adaattn"], results["sdpa"], FP64_RTOL)
+
+
+def test_bidirectional_model_matches_sdpa():
+    """An encoder (BERT: is_causal = False) with right and left padding."""
+    config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, intermediate_size=128,
+                                     attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    model = transformers.BertModel(config, add_pooling_layer=False).double().eval()
+    ids, mask = _ids(3, 19), _padding("right")
+    mask[0, :6] = 0
+    outs = {}
+    for impl in ("adaattn", "sdpa"):
+        model.set_attn_implementation(impl)
+        with torch.no_grad():
+            outs[impl] = model(ids, attention_mask=mask).last_hidden_state
+    keep = mask.bool()
+    assert_rel_close("hidden states", outs["adaattn"][keep], outs["sdpa"][keep], FP64_RTOL)
 
 
 def _bf16_copy(model, device):
@@ -288,6 +415,11 @@ def test_bfloat16_generate_decode_steps(padding, device):
 def test_mask_function_rejects_overlays_chunks_and_masked_queries():
     with pytest.raises(NotImplementedError, match="or_mask_function"):
         hf.adaattn_mask(batch_size=1, q_length=4, kv_length=4, use_vmap=True)
+    masking = transformers.masking_utils
+    blocks = masking.or_masks(masking.causal_mask_function,
+                              masking.blockwise_overlay(torch.tensor([[0, 0, 1, 1]])))
+    with pytest.raises(NotImplementedError, match="block_sequence_ids"):
+        hf.adaattn_mask(batch_size=1, q_length=4, kv_length=4, mask_function=blocks)
     chunked = transformers.PretrainedConfig(layer_types=["chunked_attention", "full_attention"])
     with pytest.raises(NotImplementedError, match="chunked attention"):
         hf.adaattn_mask(batch_size=1, q_length=4, kv_length=4, config=chunked)
@@ -319,6 +451,13 @@ def test_unsupported_calls_raise():
                                      cu_seq_lens_q=torch.tensor([0, 5], dtype=torch.int32))
     with pytest.raises(ValueError, match="use_lazy_attention"):
         hf.lazy_attention_forward(_Module(), q, k, v, None)
+    lazy = _Module()
+    lazy.lazy_attention = LazyAttention(4, 8, -1.0)
+    with pytest.raises(ValueError, match="sliding_window=8"):
+        hf.lazy_attention_forward(lazy, q, k, v, None, sliding_window=8)
+    lazy.sinks = with_sinks.sinks
+    with pytest.raises(NotImplementedError, match="sinks"):
+        hf.lazy_attention_forward(lazy, q, k, v, None)
 
 
 def test_import_adaattn_does_not_import_transformers():
@@ -402,11 +541,14 @@ def test_lazy_packed_and_padded_equal_separate_sequences():
         assert_rel_close("left padded", padded[row, 13 - len(s):], alone[row], FP64_RTOL)
 
 
-@pytest.mark.parametrize("padding", ["none", "left"])
-def test_lazy_generate_matches_cache_free_decoding(padding):
+@pytest.mark.parametrize("name, padding", [("llama", "none"), ("llama", "left"),
+                                           ("mistral", "none"), ("qwen2", "left")])
+def test_lazy_generate_matches_cache_free_decoding(name, padding):
     """The KV-cache decode steps (adaattn.lazy_attn_with_kvcache) give the tokens and logits of
-    recomputing the whole prefix at every step (use_cache=False)."""
-    model = _lazy_model()
+    recomputing the whole prefix at every step (use_cache=False). Mistral and Qwen2 have
+    sliding-window layers (window 8 < 19 tokens), whose caches would drop the tokens that lazy
+    attention still attends had use_lazy_attention not made them full-attention layers."""
+    model = _lazy_model(name)
     ids, mask = _ids(3, 19), _padding(padding)
     tokens, logits = _generate(model, hf.LAZY_ATTN_IMPLEMENTATION, ids, mask)
     full_tokens, full_logits = _generate(model, hf.LAZY_ATTN_IMPLEMENTATION, ids, mask,
@@ -435,10 +577,14 @@ def test_lazy_attention_trains():
     assert losses[-1] < losses[0]
 
 
-def test_lazy_attention_warns_that_it_drops_the_sliding_window():
-    model = _lazy_model("mistral")
-    with pytest.warns(UserWarning, match="sliding_window"):
-        _logits(model, hf.LAZY_ATTN_IMPLEMENTATION, _ids(1, 5))
+@pytest.mark.parametrize("name", ["mistral", "qwen2"])
+def test_use_lazy_attention_removes_sliding_windows(name):
+    model = _lazy_model(name)
+    config = model.config
+    assert getattr(config, "layer_types", None) in (None, ["full_attention"] * 2)
+    if getattr(config, "layer_types", None) is None:
+        assert config.sliding_window is None
+    assert all(getattr(m, "sliding_window", None) is None for m in model.modules())
 
 
 def test_lazy_state_dict_round_trip_and_very_negative_tau():

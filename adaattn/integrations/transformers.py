@@ -17,7 +17,10 @@ Importing this module registers two attention implementations with transformers'
 How a call is computed (``q [B, Hq, Lq, D]``, ``k/v [B, Hkv, Lk, D]`` as transformers passes
 them; causal limits are bottom-right aligned, so a cache's ``Lq < Lk`` needs no mask):
 
-- no padding: one dense call; during generation (no gradient, ``Lq < Lk``) the KV-cache op.
+- no padding: one dense call; during generation (no gradient, ``Lq < Lk``) the KV-cache op
+  on the cache's keys (transformers' cache already holds the new ones), as long as the call has
+  at most ``DECODE_MAX_ROWS`` query rows per kv head (``Hq / Hkv * Lq``); a longer chunk against
+  a cache runs the dense op (bottom-right causal), whose tiles suit many rows.
 - padding-free packed batches: ``cu_seq_lens_q/k`` kwargs (``DataCollatorWithFlattening``), or
   ``position_ids`` that restart (a new sequence starts wherever the position is not the previous
   one + 1, as transformers' own packed masks read them): the varlen op, no cross-document
@@ -30,14 +33,18 @@ them; causal limits are bottom-right aligned, so a cache's ``Lq < Lk`` needs no 
   that are padding give 0.
 - with cached keys (``Lq < Lk``) the mask must leave every new query token unmasked (as
   ``generate()`` does), and gradients through a padded call against a cache are refused.
+- a static cache (``StaticCache``, ``cache_implementation="static"``) hands the attention its
+  whole preallocated key buffer; the mask function then marks the slots that hold tokens, and
+  the call runs as a padded one (one host sync and a K/V gather per call: DynamicCache, the
+  default, is the fast path).
 
-Not supported (a clear error rather than a wrong answer): attention sinks (``s_aux``, e.g.
-GPT-OSS), attention dropout, prepared 4D masks, mask overlays (``or_mask_function`` /
-``and_mask_function``, e.g. image tokens attending bidirectionally) and chunked attention layers
-(Llama 4). Cross-attention is outside this integration (a 2D mask is read as self-attention
-padding).
+Not supported (a clear error rather than a wrong answer): attention sinks (``s_aux`` /
+``module.sinks``, e.g. GPT-OSS; :func:`_attention_sinks` is where they will reach the ops),
+attention dropout, prepared 4D masks, mask overlays (``or_mask_function`` /
+``and_mask_function``, e.g. image tokens attending bidirectionally, or ``block_sequence_ids``
+blocks) and chunked attention layers (Llama 4). Cross-attention is outside this integration (a
+2D mask is read as self-attention padding).
 """
-import warnings
 from typing import Optional, Tuple
 
 import torch
@@ -52,47 +59,87 @@ LAZY_ATTN_IMPLEMENTATION = "adaattn_lazy"
 # Model types whose attention modules use_lazy_attention knows (q/k/v/o projections, RoPE,
 # no score soft-capping).
 LAZY_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
+# Calls against a cache with at most this many query rows per kv head (Hq / Hkv * Lq) run the
+# KV-cache op: its decode kernel holds 64 rows in one CTA (tc/decode.h) and re-reads the cache
+# for every further 64; the dense kernels' tiles suit longer chunks.
+DECODE_MAX_ROWS = 64
 
-__all__ = ["ATTN_IMPLEMENTATION", "LAZY_ATTN_IMPLEMENTATION", "LAZY_MODEL_TYPES",
-           "adaattn_attention_forward", "adaattn_mask", "lazy_attention_forward",
-           "use_lazy_attention"]
+__all__ = ["ATTN_IMPLEMENTATION", "DECODE_MAX_ROWS", "LAZY_ATTN_IMPLEMENTATION",
+           "LAZY_MODEL_TYPES", "adaattn_attention_forward", "adaattn_mask",
+           "lazy_attention_forward", "use_lazy_attention"]
+
+
+def _mask_parts(mask_function, seen=None):
+    """``mask_function`` and every function that its closures hold (transformers composes mask
+    functions with ``and_masks`` / ``or_masks`` closures)."""
+    seen = set() if seen is None else seen
+    if not callable(mask_function) or id(mask_function) in seen:
+        return
+    seen.add(id(mask_function))
+    yield mask_function
+    for cell in getattr(mask_function, "__closure__", None) or ():
+        try:
+            contents = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        for item in contents if isinstance(contents, (tuple, list)) else (contents,):
+            yield from _mask_parts(item, seen)
 
 
 def adaattn_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0,
                  mask_function=None, attention_mask: Optional[torch.Tensor] = None,
-                 use_vmap: bool = False, config=None, **kwargs) -> Optional[torch.Tensor]:
+                 use_vmap: bool = False, config=None, device=None,
+                 **kwargs) -> Optional[torch.Tensor]:
     """The ``AttentionMaskInterface`` entry: turns transformers' 2D padding mask into what
     :func:`adaattn_attention_forward` consumes, once per forward (one host sync for a padded
-    batch, none without padding).
+    batch or a static cache, none otherwise).
 
     Causality, sliding windows and packing are not in the mask: they reach the attention call as
     ``is_causal``, ``sliding_window`` and ``position_ids`` (as for flash-attn).
 
     Args:
+        batch_size: ``B``.
         q_length: query rows ``Lq`` of the attention calls.
-        kv_length: key rows ``Lk`` (with a cache: cached + new).
-        mask_function: transformers' mask pattern; only read through ``use_vmap``.
-        attention_mask: bool ``[B, >= Lk]`` (True = token), or None.
+        kv_length: key rows ``Lk`` (with a cache: cached + new; a static cache's whole buffer).
+        q_offset: tokens before the queries (a 0-dim tensor for static caches).
+        mask_function: transformers' mask pattern; checked for ``block_sequence_ids`` blocks.
+        attention_mask: bool ``[B, >= Lk]`` (True = token), or None; also what this function
+            returned before (``generate()`` prepares static-cache masks ahead of the forward).
         use_vmap: set by transformers when the model overlays ``or_mask_function`` /
             ``and_mask_function``, which adaattn cannot express.
         config: the model config; chunked attention layers (``layer_types``) are refused.
+        device: where the model runs (for a static cache's slot mask).
 
     Returns:
-        None (no padding), int32 ``seqlens [B]`` (right padding with ``Lq == Lk``: token counts)
-        or the bool ``[B, L]`` mask of the last ``L <= Lk`` keys (any other padding; ``L < Lk``
-        with a static cache, whose keys past ``L`` are unused slots).
+        None (no padding, every key slot a token), int32 ``seqlens [B]`` (right padding with
+        ``Lq == Lk``: token counts) or the bool ``[B, L]`` mask of the last ``L <= Lk`` keys
+        (any other padding; ``L < Lk`` with a static cache, whose keys past ``L`` are unused
+        slots).
     """
     if use_vmap:
         raise NotImplementedError(
             "adaattn: this model overlays or_mask_function/and_mask_function on its attention "
             "mask (e.g. image tokens attending bidirectionally), which attn_implementation="
             "'adaattn' cannot express; use attn_implementation='sdpa' for it")
+    if any(getattr(f, "__qualname__", "").startswith("blockwise_overlay")
+           for f in _mask_parts(mask_function)):
+        raise NotImplementedError(
+            "adaattn: block_sequence_ids (blocks of tokens attending bidirectionally, e.g. "
+            "images) cannot be expressed by attn_implementation='adaattn'; use "
+            "attn_implementation='sdpa' for it")
     if "chunked_attention" in (getattr(config, "layer_types", None) or ()):
         raise NotImplementedError(
             "adaattn: chunked attention layers (config.layer_types, e.g. Llama 4) are not "
             "supported; use attn_implementation='sdpa' for this model")
+    if attention_mask is not None and attention_mask.dim() == 1:
+        return attention_mask
     if attention_mask is None:
-        return None
+        if not isinstance(q_offset, torch.Tensor) and q_offset + q_length >= kv_length:
+            return None
+        # A static cache: its first q_offset + q_length slots hold tokens (as generate()'s mask
+        # of the tokens so far says), the rest is unused.
+        tokens = min(int(q_offset) + q_length, kv_length)
+        attention_mask = torch.ones(batch_size, tokens, dtype=torch.bool, device=device)
     mask = attention_mask[:, -kv_length:].bool()
     length = mask.shape[-1]
     seqlens = mask.sum(-1, dtype=torch.int32)
@@ -111,11 +158,14 @@ def adaattn_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
 
 
 class _Flash:
-    """Exact softmax attention with the call's causality, window, scale and softcap."""
+    """Exact softmax attention with the call's causality, window, scale, softcap and sinks (the
+    same options for the dense, packed and KV-cache ops)."""
 
     def __init__(self, causal: bool, scale: Optional[float], window: Tuple[int, int],
-                 softcap: float):
+                 softcap: float, sinks: Optional[torch.Tensor] = None):
         self.options = dict(causal=causal, softmax_scale=scale, window=window, softcap=softcap)
+        if sinks is not None:
+            self.options["sinks"] = sinks
 
     def needs_grad(self, *tensors: torch.Tensor) -> bool:
         return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
@@ -204,7 +254,9 @@ def _attend(kernel, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 out = kernel.varlen(tokens(query), tokens(key), tokens(value),
                                     cu_seq_lens_q.to(torch.int32), cu_seq_lens_k.to(torch.int32))
                 return out.view(batch, len_q, heads, -1)
-            if len_q < key.shape[2] and not kernel.needs_grad(query, key, value):
+            if (len_q < key.shape[2] and not kernel.needs_grad(query, key, value)
+                    and heads // key.shape[1] * len_q <= DECODE_MAX_ROWS):
+                # The cache already holds the new keys: keys [0, Lk), row r at Lk - Lq + r.
                 cache_seqlens = torch.full((batch,), key.shape[2], dtype=torch.int32,
                                            device=query.device)
                 return kernel.decode(query, key, value, cache_seqlens).transpose(1, 2)
@@ -233,10 +285,20 @@ def _attend(kernel, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         return kernel.decode(query, key, value, seqlens).transpose(1, 2)
 
 
-def _check_call(module: nn.Module, dropout: float, s_aux: Optional[torch.Tensor]) -> None:
-    if s_aux is not None or getattr(module, "sinks", None) is not None:
-        raise NotImplementedError(
-            "adaattn: attention sinks (s_aux, e.g. GPT-OSS) are not supported yet")
+def _attention_sinks(module: nn.Module,
+                     s_aux: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The call's attention sinks (``s_aux``, else ``module.sinks``; ``[Hq]``, one logit per head
+    in every row's softmax denominator, e.g. GPT-OSS), as the ops will take them: the one place
+    where sinks reach adaattn. The ops have no ``sinks`` argument yet, so any sinks raise."""
+    sinks = s_aux if s_aux is not None else getattr(module, "sinks", None)
+    if sinks is None:
+        return None
+    raise NotImplementedError(
+        "adaattn: attention sinks (s_aux / module.sinks, e.g. GPT-OSS) are not supported yet; "
+        "use attn_implementation='sdpa' or 'eager' for this model")
+
+
+def _check_call(module: nn.Module, dropout: float) -> None:
     if dropout:
         raise NotImplementedError(
             f"adaattn: attention dropout is not supported (dropout={dropout}); set the config's "
@@ -266,7 +328,7 @@ def adaattn_attention_forward(module: nn.Module, query: torch.Tensor, key: torch
             itself (both sides when not causal), as transformers' masks define it.
         softcap: ``s <- softcap * tanh(s / softcap)`` on the scaled scores (None = off).
         is_causal: overrides ``module.is_causal``.
-        s_aux: attention sinks; must be None.
+        s_aux: attention sinks ``[Hq]`` (else ``module.sinks`` is read); not supported yet.
         position_ids: ``[B | 1, Lq]``; restarts mark packed sequences (no mask, ``Lq == Lk``).
         cu_seq_lens_q, cu_seq_lens_k: int ``[N + 1]`` boundaries of packed sequences over the
             ``B * L`` tokens (transformers' padding-free kwargs).
@@ -274,12 +336,12 @@ def adaattn_attention_forward(module: nn.Module, query: torch.Tensor, key: torch
     Returns:
         ``(out [B, Lq, Hq, Dv], None)`` (no attention weights).
     """
-    _check_call(module, dropout, s_aux)
+    _check_call(module, dropout)
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     window = (-1, -1)
     if sliding_window:
         window = (sliding_window - 1, 0 if causal else sliding_window - 1)
-    kernel = _Flash(bool(causal), scaling, window, softcap or 0)
+    kernel = _Flash(bool(causal), scaling, window, softcap or 0, _attention_sinks(module, s_aux))
     return _attend(kernel, query, key, value, attention_mask, position_ids, cu_seq_lens_q,
                    cu_seq_lens_k), None
 
@@ -297,10 +359,12 @@ def lazy_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Te
     """The ``AttentionInterface`` entry of ``attn_implementation="adaattn_lazy"``: lazy
     attention with ``module.lazy_attention``'s ``tau [Hq]`` and ``bias [Hq, W]`` (see
     :func:`use_lazy_attention`). Arguments and result as :func:`adaattn_attention_forward`;
-    always causal, no softcap; a model's ``sliding_window`` is not applied (lazy attention sees
-    the whole prefix, with its own bias table over the last ``W`` distances).
+    always causal, no softcap, no sliding window (lazy attention sees the whole prefix, with its
+    own bias table over the last ``W`` distances).
     """
-    _check_call(module, dropout, s_aux)
+    _check_call(module, dropout)
+    if _attention_sinks(module, s_aux) is not None:
+        raise NotImplementedError("adaattn: lazy attention has no attention sinks")
     lazy = getattr(module, "lazy_attention", None)
     if not isinstance(lazy, LazyAttention):
         raise ValueError(
@@ -312,8 +376,10 @@ def lazy_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Te
         raise NotImplementedError(
             f"adaattn: lazy attention has no score soft-capping (softcap={softcap})")
     if sliding_window:
-        warnings.warn("adaattn: lazy attention ignores the model's sliding_window "
-                      f"({sliding_window}): it attends the whole prefix", stacklevel=2)
+        raise ValueError(
+            f"adaattn: lazy attention attends the whole prefix, got sliding_window="
+            f"{sliding_window}; use_lazy_attention(model) turns the model's sliding-window "
+            "layers into full-attention ones")
     return _attend(_Lazy(lazy, scaling), query, key, value, attention_mask, position_ids,
                    cu_seq_lens_q, cu_seq_lens_k), None
 
@@ -330,8 +396,11 @@ def use_lazy_attention(model: nn.Module, window: int = 512, tau_init: float = -1
     the existing parameters.
 
     Lazy attention is causal: ``s_ij = scale * q_i.k_j + bias[h, i - j]`` (``i - j < window``),
-    weights ``max(0, softmax_j(s_ij) + tau[h] / (i + 1))`` (see :func:`adaattn.lazy_attn`); a
-    model's sliding window is not applied.
+    weights ``max(0, softmax_j(s_ij) + tau[h] / (i + 1))`` (see :func:`adaattn.lazy_attn`). It
+    attends the whole prefix, so the model's sliding-window layers become full-attention ones
+    (``config.layer_types`` all ``"full_attention"``, or ``config.sliding_window = None`` for
+    models without layer types, e.g. Mistral): caches then keep every token, as lazy attention's
+    positions and weights need.
 
     Args:
         model: a transformers model whose ``config.model_type`` is in ``LAZY_MODEL_TYPES``.
@@ -352,6 +421,14 @@ def use_lazy_attention(model: nn.Module, window: int = 512, tau_init: float = -1
         if not hasattr(module, "lazy_attention"):
             module.lazy_attention = LazyAttention(config.num_attention_heads, window, tau_init).to(
                 module.q_proj.weight.device)
+        if getattr(module, "sliding_window", None) is not None:
+            module.sliding_window = None
+    # Models with layer types look their masks up by type and keep their own sliding-window
+    # mask; the others (Mistral) read config.sliding_window in every forward.
+    if getattr(config, "layer_types", None) is not None:
+        config.layer_types = ["full_attention"] * len(config.layer_types)
+    elif getattr(config, "sliding_window", None) is not None:
+        config.sliding_window = None
     model.set_attn_implementation(LAZY_ATTN_IMPLEMENTATION)
     return model
 
