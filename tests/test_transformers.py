@@ -190,6 +190,23 @@ def test_packed_batch_equals_separate_sequences(name):
                      _logits(model, _reference_impl(name), ids, position_ids=positions)[0], rtol)
 
 
+def test_packing_check_runs_once_per_position_ids():
+    """Every layer gets the same position_ids: the packing check (a host sync) is remembered
+    for that tensor until it changes in place; inference tensors are checked every time."""
+    positions = torch.tensor([[0, 1, 2, 0, 1]])
+    first = hf._packed_cu_seqlens(positions, 1, 5)
+    assert first.tolist() == [0, 3, 5]
+    assert hf._packed_cu_seqlens(positions, 1, 5) is first
+    assert hf._packed_cu_seqlens(positions, 2, 5).tolist() == [0, 3, 5, 8, 10]
+    positions[0, 3:] = torch.tensor([3, 4])
+    assert hf._packed_cu_seqlens(positions, 2, 5) is None
+    with torch.inference_mode():
+        positions = torch.tensor([[0, 1, 0]])
+        assert hf._packed_cu_seqlens(positions, 1, 3).tolist() == [0, 2, 3]
+        positions[0, 2] = 2
+        assert hf._packed_cu_seqlens(positions, 1, 3) is None
+
+
 @pytest.mark.parametrize("name", ["llama", "qwen3"])
 def test_padded_and_packed_batches_agree(name):
     """The same sequences as a right-padded batch and as one packed row give the same logits

@@ -45,6 +45,7 @@ attention dropout, prepared 4D masks, mask overlays (``or_mask_function`` /
 blocks) and chunked attention layers (Llama 4). Cross-attention is outside this integration (a
 2D mask is read as self-attention padding).
 """
+import weakref
 from typing import Optional, Tuple
 
 import torch
@@ -209,20 +210,46 @@ class _Lazy:
                                               softmax_scale=self.scale)
 
 
+class _PackedMemo:
+    """The last :func:`_packed_cu_seqlens` answer: every layer of a forward gets the same
+    ``position_ids`` tensor, so the host sync of the packing check happens once per forward."""
+
+    positions = None  # weakref to the position_ids tensor
+    key = None  # (its version counter, batch, length)
+    cu_seqlens = None
+
+
+def _version(t: torch.Tensor) -> Optional[int]:
+    """The in-place version counter, or None for inference tensors (which have none)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
+
+
 def _packed_cu_seqlens(position_ids: Optional[torch.Tensor], batch: int,
                        length: int) -> Optional[torch.Tensor]:
     """int32 ``cu_seqlens [N + 1]`` over the ``batch * length`` tokens when ``position_ids
-    [B | 1, length]`` restart somewhere (packed sequences), else None (one host sync)."""
+    [B | 1, length]`` restart somewhere (packed sequences), else None (one host sync per
+    ``position_ids`` tensor, as long as it is not modified in place)."""
     if position_ids is None or position_ids.dim() != 2 or position_ids.shape[-1] != length:
         return None
+    key = (_version(position_ids), batch, length)
+    memo = _PackedMemo
+    if (key[0] is not None and memo.positions is not None and memo.positions() is position_ids
+            and memo.key == key):
+        return memo.cu_seqlens
     positions = position_ids.expand(batch, length)
     starts = torch.ones(batch, length, dtype=torch.bool, device=positions.device)
     starts[:, 1:] = positions[:, 1:] != positions[:, :-1] + 1
-    if not bool(starts[:, 1:].any()):
-        return None
-    first = starts.flatten().nonzero().flatten()
-    total = torch.tensor([batch * length], device=first.device)
-    return torch.cat([first, total]).to(torch.int32)
+    cu_seqlens = None
+    if bool(starts[:, 1:].any()):
+        first = starts.flatten().nonzero().flatten()
+        total = torch.tensor([batch * length], device=first.device)
+        cu_seqlens = torch.cat([first, total]).to(torch.int32)
+    if key[0] is not None:
+        memo.positions, memo.key, memo.cu_seqlens = weakref.ref(position_ids), key, cu_seqlens
+    return cu_seqlens
 
 
 def _gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
