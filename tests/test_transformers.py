@@ -429,6 +429,20 @@ def test_bfloat16_generate_decode_steps(padding, device):
     assert_low_precision_rule("logits", logits, ref_low[:, steps], truth[:, steps])
 
 
+def test_cpu_autocast_bfloat16():
+    """Under bfloat16 autocast (float32 weights; RoPE hands over float32 q/k and a bfloat16 v)
+    the logits obey flash-attn's rule against float64, sdpa under the same autocast setting the
+    bar."""
+    model = _model("llama")
+    low = copy.deepcopy(model).float()
+    ids = _ids(2, 19)
+    truth = _logits(model, "sdpa", ids)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ours = _logits(low, "adaattn", ids)
+        ref_low = _logits(low, "sdpa", ids)
+    assert_low_precision_rule("logits", ours, ref_low, truth)
+
+
 def test_mask_function_rejects_overlays_chunks_and_masked_queries():
     with pytest.raises(NotImplementedError, match="or_mask_function"):
         hf.adaattn_mask(batch_size=1, q_length=4, kv_length=4, use_vmap=True)

@@ -263,53 +263,64 @@ def _attend(kernel, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             ) -> torch.Tensor:
     """q ``[B, Hq, Lq, D]``, k/v ``[B, Hkv, Lk, D(v)]`` -> ``[B, Lq, Hq, Dv]`` (the layout the
     models reshape); see the module docstring for the cases."""
-    batch, heads, len_q, _ = query.shape
     if (cu_seq_lens_q is None) != (cu_seq_lens_k is None):
         raise ValueError("adaattn: pass both cu_seq_lens_q and cu_seq_lens_k, or neither")
+    args = (attention_mask, position_ids, cu_seq_lens_q, cu_seq_lens_k)
     device_type = query.device.type
-    if torch.is_autocast_enabled(device_type):
-        # As autocast does for SDPA: RoPE can leave q/k in float32 while v has the autocast dtype.
-        dtype = torch.get_autocast_dtype(device_type)
-        query, key, value = (t.to(dtype) for t in (query, key, value))
+    if not torch.is_autocast_enabled(device_type):
+        return _attend_exact(kernel, query, key, value, *args)
+    # As autocast does for SDPA: RoPE can leave q/k in float32 while v has the autocast dtype.
+    dtype = torch.get_autocast_dtype(device_type)
+    query, key, value = (t.to(dtype) for t in (query, key, value))
     with torch.autocast(device_type, enabled=False):
-        if attention_mask is None:
-            if cu_seq_lens_q is None and key.shape[2] == len_q:
-                cu_seq_lens_q = cu_seq_lens_k = _packed_cu_seqlens(position_ids, batch, len_q)
-            if cu_seq_lens_q is not None:
-                def tokens(x):
-                    return x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3])
-                out = kernel.varlen(tokens(query), tokens(key), tokens(value),
-                                    cu_seq_lens_q.to(torch.int32), cu_seq_lens_k.to(torch.int32))
-                return out.view(batch, len_q, heads, -1)
-            if (len_q < key.shape[2] and not kernel.needs_grad(query, key, value)
-                    and heads // key.shape[1] * len_q <= DECODE_MAX_ROWS):
-                # The cache already holds the new keys: keys [0, Lk), row r at Lk - Lq + r.
-                cache_seqlens = torch.full((batch,), key.shape[2], dtype=torch.int32,
-                                           device=query.device)
-                return kernel.decode(query, key, value, cache_seqlens).transpose(1, 2)
-            return kernel.dense(query, key, value).transpose(1, 2)
-        if attention_mask.dim() == 1:
-            return kernel.dense(query, key[:, :, :len_q], value[:, :, :len_q],
-                                seqlens=attention_mask).transpose(1, 2)
-        if attention_mask.dim() != 2:
-            raise NotImplementedError(
-                "adaattn: attention_mask must be a 2D padding mask [B, L] (transformers builds "
-                f"it from one); got a prepared mask of shape {tuple(attention_mask.shape)}; use "
-                "attn_implementation='sdpa' for custom 4D masks")
-        length = attention_mask.shape[-1]
-        key, value = key[:, :, :length], value[:, :, :length]
-        seqlens = attention_mask.sum(-1, dtype=torch.int32)
-        # Unmasked tokens first, in order: each row becomes right-padded for the seqlens ops.
-        order = torch.argsort((~attention_mask).to(torch.uint8), dim=-1, stable=True)
-        key, value = _gather_rows(key, order), _gather_rows(value, order)
-        if len_q == length:
-            out = kernel.dense(_gather_rows(query, order), key, value, seqlens=seqlens)
-            return _gather_rows(out, torch.argsort(order, dim=-1)).transpose(1, 2)
-        if kernel.needs_grad(query, key, value):
-            raise NotImplementedError(
-                "adaattn: gradients through a padded batch against cached keys (Lq < Lk) are "
-                "not supported; train without a cache or without attention_mask padding")
-        return kernel.decode(query, key, value, seqlens).transpose(1, 2)
+        return _attend_exact(kernel, query, key, value, *args)
+
+
+def _attend_exact(kernel, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attention_mask: Optional[torch.Tensor], position_ids: Optional[torch.Tensor],
+                  cu_seq_lens_q: Optional[torch.Tensor], cu_seq_lens_k: Optional[torch.Tensor]
+                  ) -> torch.Tensor:
+    """:func:`_attend` with q, k and v of one dtype, outside autocast (the check of autocast's
+    state is cheap; entering its context is not, at every layer of every decode step)."""
+    batch, heads, len_q, _ = query.shape
+    if attention_mask is None:
+        if cu_seq_lens_q is None and key.shape[2] == len_q:
+            cu_seq_lens_q = cu_seq_lens_k = _packed_cu_seqlens(position_ids, batch, len_q)
+        if cu_seq_lens_q is not None:
+            def tokens(x):
+                return x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3])
+            out = kernel.varlen(tokens(query), tokens(key), tokens(value),
+                                cu_seq_lens_q.to(torch.int32), cu_seq_lens_k.to(torch.int32))
+            return out.view(batch, len_q, heads, -1)
+        if (len_q < key.shape[2] and not kernel.needs_grad(query, key, value)
+                and heads // key.shape[1] * len_q <= DECODE_MAX_ROWS):
+            # The cache already holds the new keys: keys [0, Lk), row r at Lk - Lq + r.
+            cache_seqlens = torch.full((batch,), key.shape[2], dtype=torch.int32,
+                                       device=query.device)
+            return kernel.decode(query, key, value, cache_seqlens).transpose(1, 2)
+        return kernel.dense(query, key, value).transpose(1, 2)
+    if attention_mask.dim() == 1:
+        return kernel.dense(query, key[:, :, :len_q], value[:, :, :len_q],
+                            seqlens=attention_mask).transpose(1, 2)
+    if attention_mask.dim() != 2:
+        raise NotImplementedError(
+            "adaattn: attention_mask must be a 2D padding mask [B, L] (transformers builds "
+            f"it from one); got a prepared mask of shape {tuple(attention_mask.shape)}; use "
+            "attn_implementation='sdpa' for custom 4D masks")
+    length = attention_mask.shape[-1]
+    key, value = key[:, :, :length], value[:, :, :length]
+    seqlens = attention_mask.sum(-1, dtype=torch.int32)
+    # Unmasked tokens first, in order: each row becomes right-padded for the seqlens ops.
+    order = torch.argsort((~attention_mask).to(torch.uint8), dim=-1, stable=True)
+    key, value = _gather_rows(key, order), _gather_rows(value, order)
+    if len_q == length:
+        out = kernel.dense(_gather_rows(query, order), key, value, seqlens=seqlens)
+        return _gather_rows(out, torch.argsort(order, dim=-1)).transpose(1, 2)
+    if kernel.needs_grad(query, key, value):
+        raise NotImplementedError(
+            "adaattn: gradients through a padded batch against cached keys (Lq < Lk) are "
+            "not supported; train without a cache or without attention_mask padding")
+    return kernel.decode(query, key, value, seqlens).transpose(1, 2)
 
 
 def _attention_sinks(module: nn.Module,
