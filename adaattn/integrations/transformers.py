@@ -35,7 +35,7 @@ them; causal limits are bottom-right aligned, so a cache's ``Lq < Lk`` needs no 
   ``generate()`` does), and gradients through a padded call against a cache are refused.
 - a static cache (``StaticCache``, ``cache_implementation="static"``) hands the attention its
   whole preallocated key buffer; the mask function then marks the slots that hold tokens, and
-  the call runs as a padded one (one host sync and a K/V gather per call: DynamicCache, the
+  the call runs as a padded one (a host sync per forward, a K/V gather per layer: DynamicCache, the
   default, is the fast path).
 
 Not supported (a clear error rather than a wrong answer): attention sinks (``s_aux`` /
