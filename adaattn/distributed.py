@@ -1,0 +1,447 @@
+"""Context parallelism: ring attention over ``torch.distributed`` (NCCL on GPUs, gloo on CPU).
+
+Each rank of a process group holds one shard of the sequence (``shard_sequence``); the ring ops
+pass key/value shards around the ring with ``batch_isend_irecv`` while the local attention of
+the shard in hand runs, and merge the partial results through their log-sum-exp. Results and
+gradients equal the single-process op on the full sequence (up to float rounding of the merge).
+
+Layouts (the sequence of length ``L`` cut into equal chunks):
+
+* ``"contiguous"``: ``W`` chunks, rank ``r`` holds chunk ``r``.
+* ``"zigzag"``: ``2 W`` chunks, rank ``r`` holds chunks ``r`` and ``2 W - 1 - r`` (in that order),
+  so that under a causal mask every rank does the same work.
+
+With ``torch.distributed.device_mesh``, pass the context-parallel dimension's group:
+``mesh = init_device_mesh("cuda", (dp, cp), mesh_dim_names=("dp", "cp"))`` then
+``group=mesh.get_group("cp")`` (FSDP/TP use the other dimensions). docs/context_parallel.md
+describes the communication and when the ring pays off.
+"""
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from . import _checks as C
+from ._ops import ops
+
+__all__ = ["LAYOUTS", "ring_flash_attn", "ring_flash_attn_varlen", "shard_sequence", "unshard"]
+
+LAYOUTS = ("zigzag", "contiguous")
+
+
+# ---- layout ------------------------------------------------------------------------------------
+
+def _group(op: str, group):
+    C.check(dist.is_available() and dist.is_initialized(), RuntimeError, op,
+            "torch.distributed is not initialised (call torch.distributed.init_process_group)")
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _layout(op: str, layout) -> str:
+    C.check(isinstance(layout, str), TypeError, op, "layout must be a str, got ",
+            C.type_name(layout))
+    C.check(layout in LAYOUTS, ValueError, op, "layout must be one of ", repr(LAYOUTS), ", got ",
+            repr(layout))
+    return layout
+
+
+def _chunk_ids(rank: int, world: int, layout: str) -> List[int]:
+    """The chunks of the full sequence that rank ``rank`` holds, in shard order."""
+    return [rank] if layout == "contiguous" else [rank, 2 * world - 1 - rank]
+
+
+def _num_chunks(world: int, layout: str) -> int:
+    return world if layout == "contiguous" else 2 * world
+
+
+def shard_sequence(x: torch.Tensor, group=None, *, dim: int = 2,
+                   layout: str = "zigzag") -> torch.Tensor:
+    """This rank's shard of a full-sequence tensor.
+
+    Args:
+        x: the full tensor, identical on every rank, e.g. ``[B, H, L, D]`` (``dim=2``) or a
+            packed ``[T, H, D]`` (``dim=0``). ``x.size(dim)`` must be divisible by ``W``
+            (contiguous) or ``2 W`` (zigzag), ``W`` the group's size.
+        group: the process group (default: the world).
+        dim: the sequence dim.
+        layout: ``"zigzag"`` or ``"contiguous"`` (module docstring).
+
+    Returns:
+        ``x`` with ``x.size(dim) / W`` entries along ``dim`` (a view for contiguous, a copy for
+        zigzag). Differentiable.
+    """
+    op = "shard_sequence"
+    C.tensor(op, "x", x)
+    layout = _layout(op, layout)
+    world, rank = _group(op, group)
+    C.integer(op, "dim", dim)
+    C.check(-x.dim() <= dim < x.dim(), ValueError, op, "dim must be in [", -x.dim(), ", ",
+            x.dim(), "), got ", dim)
+    n = _num_chunks(world, layout)
+    length = x.shape[dim]
+    C.check(length % n == 0, ValueError, op, "x.size(dim) = ", length, " must be divisible by ",
+            n, " (", layout, " layout over ", world, " ranks)")
+    size = length // n
+    parts = [x.narrow(dim, c * size, size) for c in _chunk_ids(rank, world, layout)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+
+
+def unshard(x: torch.Tensor, group=None, *, dim: int = 2, layout: str = "zigzag") -> torch.Tensor:
+    """All-gathers the shards (as made by :func:`shard_sequence`) back into the full sequence.
+
+    Args:
+        x: this rank's shard, ``x.size(dim) = L / W`` (an even number for zigzag).
+        group, dim, layout: as in :func:`shard_sequence`.
+
+    Returns:
+        The full tensor, ``L`` entries along ``dim``, on every rank. Differentiable (the
+        gradient of a shard is the sum over ranks of their gradients of its entries).
+    """
+    op = "unshard"
+    C.tensor(op, "x", x)
+    layout = _layout(op, layout)
+    world, _ = _group(op, group)
+    C.integer(op, "dim", dim)
+    C.check(-x.dim() <= dim < x.dim(), ValueError, op, "dim must be in [", -x.dim(), ", ",
+            x.dim(), "), got ", dim)
+    per_rank = len(_chunk_ids(0, world, layout))
+    C.check(x.shape[dim] % per_rank == 0, ValueError, op, "x.size(dim) = ", x.shape[dim],
+            " must be even for the zigzag layout")
+    from torch.distributed.nn.functional import all_gather
+    shards = all_gather(x.contiguous(), group=group)
+    size = x.shape[dim] // per_rank
+    chunks = [None] * _num_chunks(world, layout)
+    for r, shard in enumerate(shards):
+        for i, c in enumerate(_chunk_ids(r, world, layout)):
+            chunks[c] = shard.narrow(dim, i * size, size)
+    return torch.cat(chunks, dim)
+
+
+# ---- ring transport ----------------------------------------------------------------------------
+
+_COMM_STREAMS = {}
+
+
+class _Ring:
+    """Sends tensors to the next rank and receives as many from the previous one.
+
+    On CUDA the transfers are issued from a dedicated stream (after it waits for the current
+    one), so that the kernels queued meanwhile on the current stream run concurrently; ``wait``
+    makes the current stream wait for the received data.
+    """
+
+    def __init__(self, group, device: torch.device):
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        self.group = group
+        self.world = world
+        self.next = dist.get_global_rank(group, (rank + 1) % world) if group else (rank + 1) % world
+        self.prev = dist.get_global_rank(group, (rank - 1) % world) if group else (rank - 1) % world
+        self.stream = None
+        if device.type == "cuda":
+            key = (device.index if device.index is not None else torch.cuda.current_device())
+            if key not in _COMM_STREAMS:
+                _COMM_STREAMS[key] = torch.cuda.Stream(device=key)
+            self.stream = _COMM_STREAMS[key]
+
+    def start(self, tensors: Sequence[torch.Tensor], tag: int = 0):
+        """Starts the exchange; transfers in flight together need distinct ``tag`` ranges
+        (gloo matches messages by tag, not by the order they were posted in)."""
+        sends = [t.contiguous() for t in tensors]
+        recvs = [torch.empty_like(t) for t in sends]
+        p2p = ([dist.P2POp(dist.isend, t, self.next, self.group, tag + i)
+                for i, t in enumerate(sends)]
+               + [dist.P2POp(dist.irecv, t, self.prev, self.group, tag + i)
+                  for i, t in enumerate(recvs)])
+        if self.stream is None:
+            return dist.batch_isend_irecv(p2p), recvs
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            reqs = dist.batch_isend_irecv(p2p)
+        for t in sends + recvs:
+            t.record_stream(self.stream)
+        return reqs, recvs
+
+    def wait(self, pending) -> List[torch.Tensor]:
+        reqs, recvs = pending
+        for req in reqs:
+            req.wait()
+        if self.stream is not None:
+            torch.cuda.current_stream().wait_stream(self.stream)
+        return recvs
+
+
+# ---- block plans -------------------------------------------------------------------------------
+# A plan lists the attention calls between this rank's query shard and the key shard of rank
+# `src`: (query rows, key rows, causal, cu_seqlens_q, cu_seqlens_k), rows as slices of the
+# shards' sequence dim. Causal masks are only ever needed on a chunk against itself (same
+# positions, so the op's bottom-right diagonal is exact); every other chunk pair is entirely
+# visible or entirely masked.
+
+_ALL = slice(None)
+
+
+def _dense_plan(rank: int, src: int, world: int, layout: str, causal: bool, lq: int, lk: int):
+    if not causal:
+        return [(_ALL, _ALL, False)]
+    if src == rank:
+        return [(_ALL, _ALL, True)]
+    if layout == "contiguous":
+        return [(_ALL, _ALL, False)] if src < rank else []
+    # zigzag: this rank holds chunks (rank, 2W-1-rank), src holds (src, 2W-1-src)
+    if src < rank:
+        return [(_ALL, slice(0, lk // 2), False)]   # all queries see src's first chunk
+    return [(slice(lq // 2, None), _ALL, False)]    # the second query chunk sees both
+
+
+def _varlen_plan(rank: int, src: int, world: int, layout: str, causal: bool, chunk: int,
+                 cu: torch.Tensor):
+    """Chunk-pair calls with cu_seqlens cut to the two chunks (clamped on the device)."""
+    calls = []
+    for qi, qc in enumerate(_chunk_ids(rank, world, layout)):
+        for ki, kc in enumerate(_chunk_ids(src, world, layout)):
+            if causal and kc > qc:
+                continue
+            cu_q = (cu.clamp(qc * chunk, (qc + 1) * chunk) - qc * chunk).to(torch.int32)
+            cu_k = (cu.clamp(kc * chunk, (kc + 1) * chunk) - kc * chunk).to(torch.int32)
+            calls.append((slice(qi * chunk, (qi + 1) * chunk), slice(ki * chunk, (ki + 1) * chunk),
+                          causal and kc == qc, cu_q, cu_k))
+    return calls
+
+
+# ---- ring flash --------------------------------------------------------------------------------
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _rows(t: torch.Tensor, dim: int, rows: slice) -> torch.Tensor:
+    return t if rows == _ALL else t[(slice(None),) * dim + (rows,)]
+
+
+def _merge(acc: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+           lse_dim: int, row_dim: int):
+    """acc, acc_lse <- the softmax-weighted union of (acc, acc_lse) and (out, lse), in place."""
+    lse = lse.to(acc_lse.dtype)
+    new = torch.logaddexp(acc_lse, lse)
+    # rows that saw no key anywhere keep lse = -inf and out = 0 (exp(-inf - 0) = 0, no NaN)
+    ref = torch.where(new == float("-inf"), torch.zeros_like(new), new)
+    w_acc = torch.exp(acc_lse - ref)
+    w_new = torch.exp(lse - ref)
+    if lse_dim != row_dim:  # packed: lse [H, T], out [T, H, D]
+        w_acc, w_new = w_acc.transpose(0, 1), w_new.transpose(0, 1)
+    acc.mul_(w_acc.unsqueeze(-1)).add_(out.to(acc.dtype) * w_new.unsqueeze(-1))
+    acc_lse.copy_(new)
+
+
+class _RingSpec:
+    """What one ring call needs besides the tensors (op options, plan, dims)."""
+
+    def __init__(self, group, world, rank, layout, causal, scale, softcap, deterministic,
+                 packed, cu_seqlens=None, chunk=0):
+        self.group, self.world, self.rank, self.layout = group, world, rank, layout
+        self.causal, self.scale, self.softcap = causal, scale, softcap
+        self.deterministic, self.packed = deterministic, packed
+        self.cu_seqlens, self.chunk = cu_seqlens, chunk
+        self.row_dim = 0 if packed else 2   # sequence dim of q/k/v/out
+        self.lse_dim = 1 if packed else 2   # sequence dim of lse
+
+    def plan(self, src: int, lq: int, lk: int):
+        if self.packed:
+            return _varlen_plan(self.rank, src, self.world, self.layout, self.causal, self.chunk,
+                                self.cu_seqlens)
+        return [(qr, kr, c, None, None)
+                for qr, kr, c in _dense_plan(self.rank, src, self.world, self.layout, self.causal,
+                                             lq, lk)]
+
+
+def _ring_flash_fwd(spec: _RingSpec, q, k, v):
+    ring = _Ring(spec.group, q.device)
+    lq, lk = q.shape[spec.row_dim], k.shape[spec.row_dim]
+    acc = q.new_zeros((*q.shape[:-1], v.shape[-1]), dtype=_acc_dtype(q.dtype))
+    lse_shape = (q.shape[1], q.shape[0]) if spec.packed else q.shape[:3]
+    acc_lse = q.new_full(lse_shape, float("-inf"), dtype=_acc_dtype(q.dtype))
+    kv = (k, v)
+    block_lse = []
+    for step in range(spec.world):
+        src = (spec.rank - step) % spec.world
+        pending = ring.start(kv) if step < spec.world - 1 else None
+        for qr, kr, causal, cu_q, cu_k in spec.plan(src, lq, lk):
+            out_b, lse_b = ops.flash_fwd(
+                _rows(q, spec.row_dim, qr), _rows(kv[0], spec.row_dim, kr),
+                _rows(kv[1], spec.row_dim, kr), None, spec.scale, causal, -1, -1, cu_q, cu_k,
+                spec.softcap)
+            _merge(_rows(acc, spec.row_dim, qr), _rows(acc_lse, spec.lse_dim, qr), out_b, lse_b,
+                   spec.lse_dim, spec.row_dim)
+            block_lse.append(lse_b)
+        if pending is not None:
+            kv = tuple(ring.wait(pending))
+    return acc.to(q.dtype), acc_lse.to(torch.float32), block_lse
+
+
+def _block_grad_out(spec: _RingSpec, dout: torch.Tensor, lse_block: torch.Tensor,
+                    lse_rows: torch.Tensor) -> torch.Tensor:
+    """grad_out scaled by c = exp(lse_block - lse) per row.
+
+    The backward ops normalise a block's scores by the block's own lse (the CPU and exact CUDA
+    kernels even recompute it); the block's share of the full row's gradient has probabilities
+    p = c p_block and, with Delta = grad_out . out of the full row, dS = p (dP - Delta) =
+    p_block (c dP - c Delta): exactly the op's backward with grad_out scaled by c.
+    """
+    ref = lse_block.to(_acc_dtype(dout.dtype))
+    c = torch.exp(ref - lse_rows.to(ref.dtype))
+    c = torch.where(ref == float("-inf"), torch.zeros_like(c), c)
+    c = c.transpose(0, 1) if spec.packed else c
+    return (dout * c.unsqueeze(-1)).to(dout.dtype)
+
+
+def _ring_flash_bwd(spec: _RingSpec, dout, q, k, v, out, lse, block_lse):
+    """dq, dk, dv: the key/value shards travel as in the forward; each shard's dk/dv partial
+    sums travel with it and reach their owner after the last step."""
+    ring = _Ring(spec.group, q.device)
+    lq, lk = q.shape[spec.row_dim], k.shape[spec.row_dim]
+    acc_t = _acc_dtype(q.dtype)
+    block_lse = iter(block_lse)
+    dq = torch.zeros(q.shape, dtype=acc_t, device=q.device)
+    kv = (k, v)
+    pending_dkv = None
+    for step in range(spec.world):
+        src = (spec.rank - step) % spec.world
+        pending_kv = ring.start(kv) if step < spec.world - 1 else None
+        dk = torch.zeros(k.shape, dtype=acc_t, device=k.device)
+        dv = torch.zeros(v.shape, dtype=acc_t, device=v.device)
+        for qr, kr, causal, cu_q, cu_k in spec.plan(src, lq, lk):
+            lse_b = next(block_lse)
+            dout_b = _block_grad_out(spec, _rows(dout, spec.row_dim, qr), lse_b,
+                                     _rows(lse, spec.lse_dim, qr))
+            dq_b, dk_b, dv_b = ops.flash_bwd(
+                dout_b, _rows(q, spec.row_dim, qr), _rows(kv[0], spec.row_dim, kr),
+                _rows(kv[1], spec.row_dim, kr), _rows(out, spec.row_dim, qr), lse_b, None,
+                spec.scale, causal, -1, -1, spec.deterministic, cu_q, cu_k, spec.softcap)
+            _rows(dq, spec.row_dim, qr).add_(dq_b)
+            _rows(dk, spec.row_dim, kr).add_(dk_b)
+            _rows(dv, spec.row_dim, kr).add_(dv_b)
+        if pending_dkv is not None:
+            dk_in, dv_in = ring.wait(pending_dkv)
+            dk.add_(dk_in)
+            dv.add_(dv_in)
+        if spec.world > 1:
+            pending_dkv = ring.start((dk, dv), tag=2)
+        if pending_kv is not None:
+            kv = tuple(ring.wait(pending_kv))
+    if pending_dkv is not None:
+        dk, dv = ring.wait(pending_dkv)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class _RingFlashFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, spec):
+        out, lse, block_lse = _ring_flash_fwd(spec, q, k, v)
+        ctx.save_for_backward(q, k, v, out, lse, *block_lse)
+        ctx.spec = spec
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse, *block_lse = ctx.saved_tensors
+        if dout is None:
+            return None, None, None, None
+        dq, dk, dv = _ring_flash_bwd(ctx.spec, dout, q, k, v, out, lse, block_lse)
+        return dq, dk, dv, None
+
+
+def _ring_options(op, q, k, v, causal, window, softmax_scale, softcap, deterministic, return_lse,
+                  packed, cu=None):
+    causal = C.boolean(op, "causal", causal)
+    return_lse = C.boolean(op, "return_lse", return_lse)
+    deterministic = C.boolean(op, "deterministic", deterministic)
+    left, right = C.window_pair(op, window)
+    C.check((left, right) == (-1, -1), ValueError, op, "window must be (-1, -1): sliding windows "
+            "are not supported by the ring ops, got ", repr(tuple(window)))
+    scale = C.optional_float(op, "softmax_scale", softmax_scale)
+    softcap = C.softcap_value(op, softcap)
+    C.check_flash_inputs(op, q, k, v, None, cu, cu, ("cu_seqlens", "cu_seqlens"))
+    C.check_flash_options(op, scale, -1, -1, softcap)
+    dim = 0 if packed else 2
+    C.check(q.shape[dim] == k.shape[dim], ValueError, op,
+            "q and k shards must have the same length (self-attention), got ", q.shape[dim],
+            " and ", k.shape[dim])
+    return causal, return_lse, deterministic, scale, softcap
+
+
+def ring_flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None,
+                    layout: str = "zigzag", causal: bool = False, window=(-1, -1),
+                    softmax_scale: Optional[float] = None, softcap: float = 0,
+                    deterministic: bool = False, return_lse: bool = False):
+    """Flash attention over a sequence sharded across a process group (ring attention).
+
+    Every rank of ``group`` calls this with its shard (:func:`shard_sequence` with the same
+    ``layout``, ``dim=2``) of the same-length self-attention q/k/v; the result is this rank's
+    shard of ``flash_attn`` on the full sequence, and so are the gradients.
+
+    Args:
+        q: ``[B, Hq, L / W, D]``, this rank's query shard (any strides, contiguous last dim).
+        k: ``[B, Hkv, L / W, D]``, ``Hq % Hkv == 0`` (GQA).
+        v: ``[B, Hkv, L / W, Dv]``.
+        group: the process group (default: the world).
+        layout: ``"zigzag"`` (balanced under ``causal``) or ``"contiguous"``.
+        causal: causal mask on the full sequence's positions.
+        window: only ``(-1, -1)`` (sliding windows across shards are not supported).
+        softmax_scale, softcap, deterministic: as in :func:`adaattn.flash_attn`.
+        return_lse: also return the float32 ``lse [B, Hq, L / W]`` of the full rows.
+
+    Returns:
+        ``out [B, Hq, L / W, Dv]``, and ``lse`` when ``return_lse``.
+
+    Every rank must call it (it communicates); with gloo on CPU tensors, NCCL on CUDA.
+    """
+    op = "ring_flash_attn"
+    C.tensors(op, q=q, k=k, v=v)
+    layout = _layout(op, layout)
+    world, rank = _group(op, group)
+    causal, return_lse, deterministic, scale, softcap = _ring_options(
+        op, q, k, v, causal, window, softmax_scale, softcap, deterministic, return_lse, False)
+    C.check(layout == "contiguous" or q.shape[2] % 2 == 0, ValueError, op,
+            "a zigzag shard holds two equal chunks: q.size(2) must be even, got ", q.shape[2])
+    spec = _RingSpec(group, world, rank, layout, causal, scale, softcap, deterministic, False)
+    out, lse = _RingFlashFunction.apply(q, k, v, spec)
+    return (out, lse) if return_lse else out
+
+
+def ring_flash_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           cu_seqlens: torch.Tensor, *, group=None, layout: str = "zigzag",
+                           causal: bool = False, window=(-1, -1),
+                           softmax_scale: Optional[float] = None, softcap: float = 0,
+                           deterministic: bool = False, return_lse: bool = False):
+    """Ring flash attention over packed sequences whose token dim is sharded across the group.
+
+    The packed token dim (``T`` tokens of all sequences, total) is sharded like a sequence
+    (:func:`shard_sequence` with ``dim=0``); sequences may cross shard (and chunk) boundaries.
+
+    Args:
+        q: ``[T / W, Hq, D]``, this rank's shard of the packed queries.
+        k: ``[T / W, Hkv, D]``; v: ``[T / W, Hkv, Dv]``.
+        cu_seqlens: int32 ``[N + 1]``, the GLOBAL cumulative lengths (0, ..., ``T``), the same
+            on every rank, on q's device (self-attention: queries and keys share it).
+        group, layout, causal, window, softmax_scale, softcap, deterministic: as
+            :func:`ring_flash_attn`.
+        return_lse: also return the float32 ``lse [Hq, T / W]``.
+
+    Returns:
+        ``out [T / W, Hq, Dv]``, and ``lse`` when ``return_lse``.
+    """
+    op = "ring_flash_attn_varlen"
+    C.tensors(op, q=q, k=k, v=v, cu_seqlens=cu_seqlens)
+    layout = _layout(op, layout)
+    world, rank = _group(op, group)
+    causal, return_lse, deterministic, scale, softcap = _ring_options(
+        op, q, k, v, causal, window, softmax_scale, softcap, deterministic, return_lse, True,
+        cu_seqlens)
+    per_rank = len(_chunk_ids(rank, world, layout))
+    C.check(q.shape[0] % per_rank == 0, ValueError, op,
+            "a zigzag shard holds two equal chunks: q.size(0) must be even, got ", q.shape[0])
+    spec = _RingSpec(group, world, rank, layout, causal, scale, softcap, deterministic, True,
+                     cu_seqlens, q.shape[0] // per_rank)
+    out, lse = _RingFlashFunction.apply(q, k, v, spec)
+    return (out, lse) if return_lse else out
