@@ -258,6 +258,7 @@ def _ring_flash_fwd(spec: _RingSpec, q, k, v):
     ring = _Ring(spec.group, q.device)
     lq, lk = q.shape[spec.row_dim], k.shape[spec.row_dim]
     acc = q.new_zeros((*q.shape[:-1], v.shape[-1]), dtype=_acc_dtype(q.dtype))
+    # rows no call reaches (none today: the first step covers every row) stay 0 / -inf
     lse_shape = (q.shape[1], q.shape[0]) if spec.packed else q.shape[:3]
     acc_lse = q.new_full(lse_shape, float("-inf"), dtype=_acc_dtype(q.dtype))
     kv = (k, v)
@@ -270,8 +271,12 @@ def _ring_flash_fwd(spec: _RingSpec, q, k, v):
                 _rows(q, spec.row_dim, qr), _rows(kv[0], spec.row_dim, kr),
                 _rows(kv[1], spec.row_dim, kr), None, spec.scale, causal, -1, -1, cu_q, cu_k,
                 spec.softcap)
-            _merge(_rows(acc, spec.row_dim, qr), _rows(acc_lse, spec.lse_dim, qr), out_b, lse_b,
-                   spec.lse_dim, spec.row_dim)
+            if step == 0 and qr == _ALL and len(block_lse) == 0:  # the first block: no merge
+                acc.copy_(out_b)
+                acc_lse.copy_(lse_b)
+            else:
+                _merge(_rows(acc, spec.row_dim, qr), _rows(acc_lse, spec.lse_dim, qr), out_b,
+                       lse_b, spec.lse_dim, spec.row_dim)
             block_lse.append(lse_b)
         if pending is not None:
             kv = tuple(ring.wait(pending))
@@ -291,7 +296,7 @@ def _block_grad_out(spec: _RingSpec, dout: torch.Tensor, lse_block: torch.Tensor
     c = torch.exp(ref - lse_rows.to(ref.dtype))
     c = torch.where(ref == float("-inf"), torch.zeros_like(c), c)
     c = c.transpose(0, 1) if spec.packed else c
-    return (dout * c.unsqueeze(-1)).to(dout.dtype)
+    return dout * c.unsqueeze(-1).to(dout.dtype)
 
 
 def _ring_flash_bwd(spec: _RingSpec, dout, q, k, v, out, lse, block_lse):

@@ -18,7 +18,7 @@ from accuracy import assert_low_precision_rule, assert_rel_close
 
 # fp32: spec §4. fp64: the merge weights come from the ops' float32 lse (spec §1: lse is float32
 # for every dtype), so the ring agrees with the single-process fp64 op to float32's rounding of
-# lse, not to fp64's; 1e-6 is 10x the observed error.
+# lse (observed: up to 4e-8 relative), not to fp64's; the issue's 1e-10 needs an fp64 lse.
 RTOL = {torch.float32: 1e-5, torch.float64: 1e-6}
 
 
@@ -152,7 +152,7 @@ def test_ring_cpu_gloo(world):
 # ---- CUDA / NCCL -------------------------------------------------------------------------------
 
 def _cuda_worker(rank, world):
-    from adaattn import flash_attn, reference
+    from adaattn import reference
     from adaattn.distributed import ring_flash_attn, shard_sequence
     dev = torch.device("cuda", rank)
 
@@ -178,12 +178,8 @@ def _cuda_worker(rank, world):
             ours = grads(lambda *t: ring_flash_attn(*t, layout=layout, causal=causal,
                                                     return_lse=True),
                          torch.bfloat16, [shard(x) for x in (q64, k64, v64)])
-            single = grads(lambda *t: flash_attn(*t, causal=causal, return_lse=True),
-                           torch.bfloat16, (q64, k64, v64))
-            for nm, o, lo, hi, s in zip(("out", "lse", "dq", "dk", "dv"), ours, ref_bf, ref64,
-                                        single):
+            for nm, o, lo, hi in zip(("out", "lse", "dq", "dk", "dv"), ours, ref_bf, ref64):
                 assert_low_precision_rule(nm, o, shard(lo), shard(hi))
-                del s
         return run
 
     cases = [(f"cuda {layout} causal={causal} hq={hq} hkv={hkv}",
