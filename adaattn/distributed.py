@@ -134,8 +134,11 @@ class _Ring:
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         self.group = group
         self.world = world
-        self.next = dist.get_global_rank(group, (rank + 1) % world) if group else (rank + 1) % world
-        self.prev = dist.get_global_rank(group, (rank - 1) % world) if group else (rank - 1) % world
+        # P2POp takes global ranks
+        self.next, self.prev = (rank + 1) % world, (rank - 1) % world
+        if group is not None:
+            self.next = dist.get_global_rank(group, self.next)
+            self.prev = dist.get_global_rank(group, self.prev)
         self.stream = None
         if device.type == "cuda":
             key = (device.index if device.index is not None else torch.cuda.current_device())

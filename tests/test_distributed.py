@@ -126,8 +126,51 @@ def _varlen_case(world, layout, causal, dtype, cu_list, hq=4, hkv=2, seed=10):
     return run
 
 
+def _raises(cls, text, fn):
+    def run():
+        with pytest.raises(cls, match=text):
+            fn()
+    return run
+
+
+def _bad_input_cases(world):
+    from adaattn.distributed import ring_flash_attn, ring_flash_attn_varlen, shard_sequence
+    q = torch.randn(1, 2, 4, 8)
+    odd = torch.randn(1, 2, 3, 8)
+    packed = torch.randn(4, 2, 8)
+    cu = torch.tensor([0, 4 * world], dtype=torch.int32)
+    return [
+        ("bad layout", _raises(ValueError, r"adaattn.ring_flash_attn: layout must be one of",
+                               lambda: ring_flash_attn(q, q, q, layout="ring"))),
+        ("layout type", _raises(TypeError, r"adaattn.shard_sequence: layout must be a str",
+                                lambda: shard_sequence(q, layout=None))),
+        ("window", _raises(ValueError, r"adaattn.ring_flash_attn: window must be \(-1, -1\)",
+                           lambda: ring_flash_attn(q, q, q, window=(4, 0)))),
+        ("odd zigzag shard", _raises(ValueError, r"q.size\(2\) must be even",
+                                     lambda: ring_flash_attn(odd, odd, odd))),
+        ("q/k shard lengths", _raises(ValueError, r"same length",
+                                      lambda: ring_flash_attn(q, q[:, :, :2], q[:, :, :2]))),
+        ("causal type", _raises(TypeError, r"causal must be a bool",
+                                lambda: ring_flash_attn(q, q, q, causal=1))),
+        ("indivisible length", _raises(ValueError, r"adaattn.shard_sequence: x.size\(dim\) = 5",
+                                       lambda: shard_sequence(torch.randn(1, 1, 5, 2)))),
+        ("varlen cu dtype", _raises(TypeError, r"ring_flash_attn_varlen: cu_seqlens must be int32",
+                                    lambda: ring_flash_attn_varlen(packed, packed, packed,
+                                                                   cu.long()))),
+    ]
+
+
+def test_not_initialised():
+    from adaattn.distributed import ring_flash_attn
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised")
+    q = torch.randn(1, 1, 2, 4)
+    with pytest.raises(RuntimeError, match="adaattn.ring_flash_attn: torch.distributed is not"):
+        ring_flash_attn(q, q, q)
+
+
 def _cpu_worker(rank, world):
-    cases = []
+    cases = _bad_input_cases(world)
     for layout in ("contiguous", "zigzag"):
         for causal in (False, True):
             for dtype in (torch.float32, torch.float64):
