@@ -185,15 +185,55 @@ _ALL = slice(None)
 
 def _dense_plan(rank: int, src: int, world: int, layout: str, causal: bool, lq: int, lk: int):
     if not causal:
-        return [(_ALL, _ALL, False)]
+        return [(_ALL, _ALL, -1, -1)]
     if src == rank:
-        return [(_ALL, _ALL, True)]
+        return [(_ALL, _ALL, -1, 0)]
     if layout == "contiguous":
-        return [(_ALL, _ALL, False)] if src < rank else []
+        return [(_ALL, _ALL, -1, -1)] if src < rank else []
     # zigzag: this rank holds chunks (rank, 2W-1-rank), src holds (src, 2W-1-src)
     if src < rank:
-        return [(_ALL, slice(0, lk // 2), False)]   # all queries see src's first chunk
-    return [(slice(lq // 2, None), _ALL, False)]    # the second query chunk sees both
+        return [(_ALL, slice(0, lk // 2), -1, -1)]   # all queries see src's first chunk
+    return [(slice(lq // 2, None), _ALL, -1, -1)]    # the second query chunk sees both
+
+
+def _window_call(d: int, chunk: int, left: int, right: int):
+    """The call for a query chunk ``d`` positions after a key chunk of the same length under a
+    window (``-1`` = unbounded): the query rows and keys that see anything, and the window that
+    the op, bottom-right aligned on those slices, needs for the exact global mask; None when
+    nothing is visible.
+
+    Row r sees keys c with ``d - left <= c - r <= d + right``; for slices q[qa:qb], k[ka:kb]
+    the op's condition is ``e - wl <= c - r <= e + wr`` with ``e = kb - qb``.
+    """
+    qa = 0 if right == -1 else max(0, -(d + right))
+    qb = chunk if left == -1 else min(chunk, chunk - d + left)
+    if qa >= qb:
+        return None
+    ka = 0 if left == -1 else max(0, qa + d - left)
+    kb = chunk if right == -1 else min(chunk, qb + d + right)
+    if ka >= kb:
+        return None
+    e = kb - qb
+    wl = -1 if left == -1 else e - (d - left)
+    wr = -1 if right == -1 else d + right - e
+    return slice(qa, qb), slice(ka, kb), wl, wr
+
+
+def _windowed_plan(rank: int, src: int, world: int, layout: str, causal: bool, left: int,
+                   right: int, chunk: int):
+    """Chunk-pair calls under a sliding window (causal: right = 0), dense layout."""
+    if causal:
+        right = 0
+    calls = []
+    for qi, qc in enumerate(_chunk_ids(rank, world, layout)):
+        for ki, kc in enumerate(_chunk_ids(src, world, layout)):
+            call = _window_call((qc - kc) * chunk, chunk, left, right)
+            if call is None:
+                continue
+            (qa, qb), (ka, kb) = (call[0].start, call[0].stop), (call[1].start, call[1].stop)
+            calls.append((slice(qi * chunk + qa, qi * chunk + qb),
+                          slice(ki * chunk + ka, ki * chunk + kb), call[2], call[3]))
+    return calls
 
 
 def _varlen_plan(rank: int, src: int, world: int, layout: str, causal: bool, chunk: int,
@@ -207,7 +247,7 @@ def _varlen_plan(rank: int, src: int, world: int, layout: str, causal: bool, chu
             cu_q = (cu.clamp(qc * chunk, (qc + 1) * chunk) - qc * chunk).to(torch.int32)
             cu_k = (cu.clamp(kc * chunk, (kc + 1) * chunk) - kc * chunk).to(torch.int32)
             calls.append((slice(qi * chunk, (qi + 1) * chunk), slice(ki * chunk, (ki + 1) * chunk),
-                          causal and kc == qc, cu_q, cu_k))
+                          -1, 0 if causal and kc == qc else -1, cu_q, cu_k))
     return calls
 
 
@@ -240,8 +280,9 @@ class _RingSpec:
     """What one ring call needs besides the tensors (op options, plan, dims)."""
 
     def __init__(self, group, world, rank, layout, causal, scale, softcap, deterministic,
-                 packed, cu_seqlens=None, chunk=0):
+                 packed, cu_seqlens=None, chunk=0, window=(-1, -1)):
         self.group, self.world, self.rank, self.layout = group, world, rank, layout
+        self.window = window
         self.causal, self.scale, self.softcap = causal, scale, softcap
         self.deterministic, self.packed = deterministic, packed
         self.cu_seqlens, self.chunk = cu_seqlens, chunk
@@ -249,12 +290,26 @@ class _RingSpec:
         self.lse_dim = 1 if packed else 2   # sequence dim of lse
 
     def plan(self, src: int, lq: int, lk: int):
+        """[(query rows, key rows, window_left, window_right, cu_seqlens_q, cu_seqlens_k)]."""
         if self.packed:
             return _varlen_plan(self.rank, src, self.world, self.layout, self.causal, self.chunk,
                                 self.cu_seqlens)
-        return [(qr, kr, c, None, None)
-                for qr, kr, c in _dense_plan(self.rank, src, self.world, self.layout, self.causal,
-                                             lq, lk)]
+        if self.window != (-1, -1):
+            per_rank = len(_chunk_ids(self.rank, self.world, self.layout))
+            return [(*call, None, None) for call in _windowed_plan(
+                self.rank, src, self.world, self.layout, self.causal, *self.window,
+                lq // per_rank)]
+        return [(*call, None, None)
+                for call in _dense_plan(self.rank, src, self.world, self.layout, self.causal,
+                                        lq, lk)]
+
+
+def _mask(window_left: int, window_right: int):
+    """The op's (causal, window_left, window_right) for a call's window (causal kernels skip
+    tiles above the diagonal: say causal rather than window_right = 0)."""
+    if window_right == 0:
+        return True, window_left, -1
+    return False, window_left, window_right
 
 
 def _ring_flash_fwd(spec: _RingSpec, q, k, v):
@@ -269,10 +324,10 @@ def _ring_flash_fwd(spec: _RingSpec, q, k, v):
     for step in range(spec.world):
         src = (spec.rank - step) % spec.world
         pending = ring.start(kv) if step < spec.world - 1 else None
-        for qr, kr, causal, cu_q, cu_k in spec.plan(src, lq, lk):
+        for qr, kr, wl, wr, cu_q, cu_k in spec.plan(src, lq, lk):
             out_b, lse_b = ops.flash_fwd(
                 _rows(q, spec.row_dim, qr), _rows(kv[0], spec.row_dim, kr),
-                _rows(kv[1], spec.row_dim, kr), None, spec.scale, causal, -1, -1, cu_q, cu_k,
+                _rows(kv[1], spec.row_dim, kr), None, spec.scale, *_mask(wl, wr), cu_q, cu_k,
                 spec.softcap)
             if step == 0 and qr == _ALL and len(block_lse) == 0:  # the first block: no merge
                 acc.copy_(out_b)
@@ -317,14 +372,14 @@ def _ring_flash_bwd(spec: _RingSpec, dout, q, k, v, out, lse, block_lse):
         pending_kv = ring.start(kv) if step < spec.world - 1 else None
         dk = torch.zeros(k.shape, dtype=acc_t, device=k.device)
         dv = torch.zeros(v.shape, dtype=acc_t, device=v.device)
-        for qr, kr, causal, cu_q, cu_k in spec.plan(src, lq, lk):
+        for qr, kr, wl, wr, cu_q, cu_k in spec.plan(src, lq, lk):
             lse_b = next(block_lse)
             dout_b = _block_grad_out(spec, _rows(dout, spec.row_dim, qr), lse_b,
                                      _rows(lse, spec.lse_dim, qr))
             dq_b, dk_b, dv_b = ops.flash_bwd(
                 dout_b, _rows(q, spec.row_dim, qr), _rows(kv[0], spec.row_dim, kr),
                 _rows(kv[1], spec.row_dim, kr), _rows(out, spec.row_dim, qr), lse_b, None,
-                spec.scale, causal, -1, -1, spec.deterministic, cu_q, cu_k, spec.softcap)
+                spec.scale, *_mask(wl, wr), spec.deterministic, cu_q, cu_k, spec.softcap)
             _rows(dq, spec.row_dim, qr).add_(dq_b)
             _rows(dk, spec.row_dim, kr).add_(dk_b)
             _rows(dv, spec.row_dim, kr).add_(dv_b)
@@ -365,8 +420,8 @@ def _ring_options(op, q, k, v, causal, window, softmax_scale, softcap, determini
     return_lse = C.boolean(op, "return_lse", return_lse)
     deterministic = C.boolean(op, "deterministic", deterministic)
     left, right = C.window_pair(op, window)
-    C.check((left, right) == (-1, -1), ValueError, op, "window must be (-1, -1): sliding windows "
-            "are not supported by the ring ops, got ", repr(tuple(window)))
+    C.check(not packed or (left, right) == (-1, -1), ValueError, op, "window must be (-1, -1): "
+            "sliding windows over packed sequences are not supported, got ", repr(tuple(window)))
     scale = C.optional_float(op, "softmax_scale", softmax_scale)
     softcap = C.softcap_value(op, softcap)
     C.check_flash_inputs(op, q, k, v, None, cu, cu, ("cu_seqlens", "cu_seqlens"))
@@ -375,7 +430,7 @@ def _ring_options(op, q, k, v, causal, window, softmax_scale, softcap, determini
     C.check(q.shape[dim] == k.shape[dim], ValueError, op,
             "q and k shards must have the same length (self-attention), got ", q.shape[dim],
             " and ", k.shape[dim])
-    return causal, return_lse, deterministic, scale, softcap
+    return causal, return_lse, deterministic, scale, softcap, (left, right)
 
 
 def ring_flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None,
@@ -395,7 +450,9 @@ def ring_flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=
         group: the process group (default: the world).
         layout: ``"zigzag"`` (balanced under ``causal``) or ``"contiguous"``.
         causal: causal mask on the full sequence's positions.
-        window: only ``(-1, -1)`` (sliding windows across shards are not supported).
+        window: ``(left, right)`` sliding window on the full sequence's positions, as in
+            :func:`adaattn.flash_attn` (with ``causal``, ``right`` is 0); windowed rings call
+            the op per pair of chunks, clipped to the rows and keys the window reaches.
         softmax_scale, softcap, deterministic: as in :func:`adaattn.flash_attn`.
         return_lse: also return the float32 ``lse [B, Hq, L / W]`` of the full rows.
 
@@ -408,11 +465,12 @@ def ring_flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=
     C.tensors(op, q=q, k=k, v=v)
     layout = _layout(op, layout)
     world, rank = _group(op, group)
-    causal, return_lse, deterministic, scale, softcap = _ring_options(
+    causal, return_lse, deterministic, scale, softcap, window = _ring_options(
         op, q, k, v, causal, window, softmax_scale, softcap, deterministic, return_lse, False)
     C.check(layout == "contiguous" or q.shape[2] % 2 == 0, ValueError, op,
             "a zigzag shard holds two equal chunks: q.size(2) must be even, got ", q.shape[2])
-    spec = _RingSpec(group, world, rank, layout, causal, scale, softcap, deterministic, False)
+    spec = _RingSpec(group, world, rank, layout, causal, scale, softcap, deterministic, False,
+                     window=window)
     out, lse = _RingFlashFunction.apply(q, k, v, spec)
     return (out, lse) if return_lse else out
 
@@ -432,8 +490,9 @@ def ring_flash_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         k: ``[T / W, Hkv, D]``; v: ``[T / W, Hkv, Dv]``.
         cu_seqlens: int32 ``[N + 1]``, the GLOBAL cumulative lengths (0, ..., ``T``), the same
             on every rank, on q's device (self-attention: queries and keys share it).
-        group, layout, causal, window, softmax_scale, softcap, deterministic: as
+        group, layout, causal, softmax_scale, softcap, deterministic: as
             :func:`ring_flash_attn`.
+        window: only ``(-1, -1)`` (no sliding window over packed shards).
         return_lse: also return the float32 ``lse [Hq, T / W]``.
 
     Returns:
@@ -443,7 +502,7 @@ def ring_flash_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     C.tensors(op, q=q, k=k, v=v, cu_seqlens=cu_seqlens)
     layout = _layout(op, layout)
     world, rank = _group(op, group)
-    causal, return_lse, deterministic, scale, softcap = _ring_options(
+    causal, return_lse, deterministic, scale, softcap, _ = _ring_options(
         op, q, k, v, causal, window, softmax_scale, softcap, deterministic, return_lse, True,
         cu_seqlens)
     per_rank = len(_chunk_ids(rank, world, layout))

@@ -73,7 +73,8 @@ def _compare(name, ours, expected, dtype):
 
 # ---- cases ------------------------------------------------------------------------------------
 
-def _dense_case(world, layout, causal, dtype, hq, hkv, transposed, softcap=0.0, seed=0):
+def _dense_case(world, layout, causal, dtype, hq, hkv, transposed, softcap=0.0, seed=0,
+                window=(-1, -1)):
     from adaattn import flash_attn
     from adaattn.distributed import ring_flash_attn, shard_sequence, unshard
 
@@ -85,11 +86,12 @@ def _dense_case(world, layout, causal, dtype, hq, hkv, transposed, softcap=0.0, 
         v = _draw((b, hkv, length, dv), dtype, "cpu", seed + 2)
         dout = _draw((b, hq, length, dv), dtype, "cpu", seed + 3)
         full = [t.clone().requires_grad_() for t in (q, k, v)]
-        out, lse = flash_attn(*full, causal=causal, softcap=softcap, return_lse=True)
+        out, lse = flash_attn(*full, causal=causal, softcap=softcap, window=window,
+                              return_lse=True)
         out.backward(dout)
         shards = [shard_sequence(t.detach(), layout=layout).requires_grad_() for t in (q, k, v)]
         r_out, r_lse = ring_flash_attn(*shards, layout=layout, causal=causal, softcap=softcap,
-                                       return_lse=True)
+                                       window=window, return_lse=True)
         r_out.backward(shard_sequence(dout, layout=layout))
         _compare("out", r_out, shard_sequence(out.detach(), layout=layout), dtype)
         _compare("lse", r_lse, shard_sequence(lse, layout=layout), dtype)
@@ -144,8 +146,11 @@ def _bad_input_cases(world):
                                lambda: ring_flash_attn(q, q, q, layout="ring"))),
         ("layout type", _raises(TypeError, r"adaattn.shard_sequence: layout must be a str",
                                 lambda: shard_sequence(q, layout=None))),
-        ("window", _raises(ValueError, r"adaattn.ring_flash_attn: window must be \(-1, -1\)",
-                           lambda: ring_flash_attn(q, q, q, window=(4, 0)))),
+        ("window", _raises(ValueError, r"adaattn.ring_flash_attn_varlen: window must be",
+                           lambda: ring_flash_attn_varlen(packed, packed, packed, cu,
+                                                          window=(4, 0)))),
+        ("window value", _raises(ValueError, r"adaattn.ring_flash_attn: window entries",
+                                 lambda: ring_flash_attn(q, q, q, window=(-2, 0)))),
         ("odd zigzag shard", _raises(ValueError, r"q.size\(2\) must be even",
                                      lambda: ring_flash_attn(odd, odd, odd))),
         ("q/k shard lengths", _raises(ValueError, r"same length",
@@ -178,6 +183,12 @@ def _cpu_worker(rank, world):
                               _dense_case(world, layout, causal, dtype, 4, 2, False)))
         cases.append((f"flash {layout} causal mha transposed softcap",
                       _dense_case(world, layout, True, torch.float32, 2, 2, True, softcap=5.0)))
+        # L = 6W: chunks of 6 (contiguous) or 3 (zigzag); windows inside one chunk and across
+        for causal, window in ((True, (2, 0)), (True, (7, -1)), (False, (4, 5)),
+                               (False, (-1, 3)), (False, (5, -1))):
+            cases.append((f"flash {layout} causal={causal} window={window}",
+                          _dense_case(world, layout, causal, torch.float64, 4, 2, False,
+                                      window=window)))
         # T = 8 W; sequences of lengths 0, 5, 3W+2, ... cross chunk and shard boundaries
         n = 8 * world
         cu = [0, 0, 5, 5 + 3 * world + 2, n - 1, n]
