@@ -36,7 +36,7 @@ def _spawn(worker, world: int, *args):
 def _entry(rank, world, port, worker, args):
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
-    cuda = worker is _cuda_worker
+    cuda = worker is _cuda_worker and (not args or args[0] == "cuda")
     if cuda:
         torch.cuda.set_device(rank)
     torch.set_num_threads(1)
@@ -205,12 +205,14 @@ def test_ring_cpu_gloo(world):
 
 # ---- CUDA / NCCL -------------------------------------------------------------------------------
 
-def _cuda_worker(rank, world):
+def _cuda_worker(rank, world, device_type="cuda", length=1024):
+    """bf16 ring vs the float64 reference, flash-attn's 2x rule (device_type="cpu" with gloo
+    exercises the same code on CPU)."""
     from adaattn import reference
     from adaattn.distributed import ring_flash_attn, shard_sequence
-    dev = torch.device("cuda", rank)
+    dev = torch.device(device_type, rank if device_type == "cuda" else None)
 
-    def case(layout, causal, hq, hkv, length):
+    def case(layout, causal, hq, hkv, length, window=(-1, -1)):
         def run():
             b, d = 2, 128
             base = [_draw(s, torch.float64, dev, i) for i, s in enumerate(
@@ -218,28 +220,30 @@ def _cuda_worker(rank, world):
                  (b, hq, length, d)])]
             q64, k64, v64, dout = base
 
-            def grads(fn, dtype, inputs):
-                ts = [x.to(dtype).requires_grad_() for x in inputs]
+            def grads(fn, dtype, inputs, grad_out):
+                ts = [x.detach().to(dtype).requires_grad_() for x in inputs]
                 out, lse = fn(*ts)
-                out.backward(dout.to(dtype))
+                out.backward(grad_out.to(dtype))
                 return [out, lse] + [t.grad for t in ts]
 
-            ref64 = grads(lambda *t: reference.flash_attn(*t, causal=causal), torch.float64,
-                          (q64, k64, v64))
-            ref_bf = grads(lambda *t: reference.flash_attn(*t, causal=causal), torch.bfloat16,
-                           (q64, k64, v64))
+            def ref(*t):
+                return reference.flash_attn(*t, causal=causal, window=window)
+            ref64 = grads(ref, torch.float64, (q64, k64, v64), dout)
+            ref_bf = grads(ref, torch.bfloat16, (q64, k64, v64), dout)
             shard = lambda x: shard_sequence(x, layout=layout)  # noqa: E731
             ours = grads(lambda *t: ring_flash_attn(*t, layout=layout, causal=causal,
-                                                    return_lse=True),
-                         torch.bfloat16, [shard(x) for x in (q64, k64, v64)])
+                                                    window=window, return_lse=True),
+                         torch.bfloat16, [shard(x) for x in (q64, k64, v64)], shard(dout))
             for nm, o, lo, hi in zip(("out", "lse", "dq", "dk", "dv"), ours, ref_bf, ref64):
                 assert_low_precision_rule(nm, o, shard(lo), shard(hi))
         return run
 
     cases = [(f"cuda {layout} causal={causal} hq={hq} hkv={hkv}",
-              case(layout, causal, hq, hkv, 1024))
+              case(layout, causal, hq, hkv, length))
              for layout in ("contiguous", "zigzag") for causal in (False, True)
              for hq, hkv in ((4, 4), (8, 2))]
+    cases += [(f"cuda {layout} causal window=({length // 3}, 0)", case(layout, True, 8, 2, length, (length // 3, 0)))
+              for layout in ("contiguous", "zigzag")]
     return _run_cases(cases)
 
 
