@@ -156,16 +156,17 @@ class _Ring:
                + [dist.P2POp(dist.irecv, t, self.prev, self.group, tag + i)
                   for i, t in enumerate(recvs)])
         if self.stream is None:
-            return dist.batch_isend_irecv(p2p), recvs
+            return dist.batch_isend_irecv(p2p), recvs, sends
         self.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.stream):
             reqs = dist.batch_isend_irecv(p2p)
         for t in sends + recvs:
             t.record_stream(self.stream)
-        return reqs, recvs
+        return reqs, recvs, sends
 
     def wait(self, pending) -> List[torch.Tensor]:
-        reqs, recvs = pending
+        """The received tensors; the sent ones (kept alive until now) are released."""
+        reqs, recvs, _ = pending
         for req in reqs:
             req.wait()
         if self.stream is not None:
@@ -367,11 +368,19 @@ def _ring_flash_bwd(spec: _RingSpec, dout, q, k, v, out, lse, block_lse):
     dq = torch.zeros(q.shape, dtype=acc_t, device=q.device)
     kv = (k, v)
     pending_dkv = None
+
+    def partial_sums():
+        """The received dk/dv partial sums of the shard in hand (fp32; zeros at step 0): the
+        block gradients are added into them in place, no buffer of their own."""
+        if pending_dkv is None:
+            return (torch.zeros(k.shape, dtype=acc_t, device=k.device),
+                    torch.zeros(v.shape, dtype=acc_t, device=v.device))
+        return tuple(ring.wait(pending_dkv))
+
     for step in range(spec.world):
         src = (spec.rank - step) % spec.world
         pending_kv = ring.start(kv) if step < spec.world - 1 else None
-        dk = torch.zeros(k.shape, dtype=acc_t, device=k.device)
-        dv = torch.zeros(v.shape, dtype=acc_t, device=v.device)
+        dk = dv = None
         for qr, kr, wl, wr, cu_q, cu_k in spec.plan(src, lq, lk):
             lse_b = next(block_lse)
             dout_b = _block_grad_out(spec, _rows(dout, spec.row_dim, qr), lse_b,
@@ -380,15 +389,18 @@ def _ring_flash_bwd(spec: _RingSpec, dout, q, k, v, out, lse, block_lse):
                 dout_b, _rows(q, spec.row_dim, qr), _rows(kv[0], spec.row_dim, kr),
                 _rows(kv[1], spec.row_dim, kr), _rows(out, spec.row_dim, qr), lse_b, None,
                 spec.scale, *_mask(wl, wr), spec.deterministic, cu_q, cu_k, spec.softcap)
+            del dout_b
             _rows(dq, spec.row_dim, qr).add_(dq_b)
+            if dk is None:  # after the first block's compute, which hid the transfer
+                dk, dv = partial_sums()
             _rows(dk, spec.row_dim, kr).add_(dk_b)
             _rows(dv, spec.row_dim, kr).add_(dv_b)
-        if pending_dkv is not None:
-            dk_in, dv_in = ring.wait(pending_dkv)
-            dk.add_(dk_in)
-            dv.add_(dv_in)
+            del dq_b, dk_b, dv_b
+        if dk is None:
+            dk, dv = partial_sums()
         if spec.world > 1:
             pending_dkv = ring.start((dk, dv), tag=2)
+            dk = dv = None
         if pending_kv is not None:
             kv = tuple(ring.wait(pending_kv))
     if pending_dkv is not None:
