@@ -137,6 +137,9 @@ def main():
     b, h, d, lg = args.batch, args.heads, args.head_dim, args.tokens_per_gpu
     total = lg * world
     rows, notes, table = [], [], []
+    notes.append(f"ms: the ring runs the {world}x longer sequence on {world} GPUs, the single-gpu "
+                 f"peer the per-GPU length on one; the bars are per_gpu_throughput_ratio "
+                 f"(>= 0.85) and peak_mem_ratio (<= 1.2)")
     setup = (f"{world} GPUs ({gpu}), NCCL, bf16, B={b}, H={h}, D={d}, "
              f"causal, {lg} tokens per GPU ({total} total); single-gpu = flash_attn at {lg} on "
              f"one GPU; ring times are the slowest rank's")
