@@ -399,6 +399,10 @@ def _ring_flash_bwd(spec: _RingSpec, dout, q, k, v, out, lse, block_lse):
         if dk is None:
             dk, dv = partial_sums()
         if spec.world > 1:
+            if step == spec.world - 1:
+                # complete sums on their way to their owner, who would round them to the
+                # input dtype on arrival: round before sending (half the bytes if bf16/fp16)
+                dk, dv = dk.to(k.dtype), dv.to(v.dtype)
             pending_dkv = ring.start((dk, dv), tag=2)
             dk = dv = None
         if pending_kv is not None:

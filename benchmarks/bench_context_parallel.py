@@ -122,14 +122,16 @@ def main():
         args.tokens_per_gpu, args.heads, args.head_dim = 64, 2, 16
         args.warmup, args.iters = 1, 1
         args.no_write = args.no_write or args.results_dir == results_io.RESULTS_DIR
-    dist.init_process_group("gloo" if CPU else "nccl")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    local = int(os.environ.get("LOCAL_RANK", rank))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
     if CPU:
         dev = torch.device("cpu")
+        dist.init_process_group("gloo")
     else:
+        # the device first: NCCL's communicators (and barrier) bind to it
         torch.cuda.set_device(local)
         dev = torch.device("cuda", local)
+        dist.init_process_group("nccl", device_id=dev)
+    rank, world = dist.get_rank(), dist.get_world_size()
     gpu = "CPU smoke run" if CPU else torch.cuda.get_device_name()
     import adaattn
     from adaattn.distributed import ring_flash_attn, shard_sequence
