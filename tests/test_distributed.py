@@ -174,8 +174,25 @@ def test_not_initialised():
         ring_flash_attn(q, q, q)
 
 
+def _unshard_case(world, layout, dim):
+    from adaattn.distributed import shard_sequence, unshard
+
+    def run():
+        full = _draw((2, 3, 4 * world, 5), torch.float64, "cpu", 20).movedim(2, dim)
+        weight = _draw(full.shape, torch.float64, "cpu", 21)
+        x = shard_sequence(full, dim=dim, layout=layout).detach().requires_grad_()
+        y = unshard(x, dim=dim, layout=layout)
+        assert torch.equal(y, full)
+        (y * weight).sum().backward()
+        # every rank's loss reads every shard: the gradient sums the W identical weights
+        torch.testing.assert_close(x.grad, world * shard_sequence(weight, dim=dim, layout=layout))
+    return run
+
+
 def _cpu_worker(rank, world):
     cases = _bad_input_cases(world)
+    cases += [(f"unshard {layout} dim={dim}", _unshard_case(world, layout, dim))
+              for layout in ("contiguous", "zigzag") for dim in (0, 2)]
     for layout in ("contiguous", "zigzag"):
         for causal in (False, True):
             for dtype in (torch.float32, torch.float64):
