@@ -176,10 +176,11 @@ class _Ring:
 
 # ---- block plans -------------------------------------------------------------------------------
 # A plan lists the attention calls between this rank's query shard and the key shard of rank
-# `src`: (query rows, key rows, causal, cu_seqlens_q, cu_seqlens_k), rows as slices of the
-# shards' sequence dim. Causal masks are only ever needed on a chunk against itself (same
-# positions, so the op's bottom-right diagonal is exact); every other chunk pair is entirely
-# visible or entirely masked.
+# `src`: (query rows, key rows, window_left, window_right[, cu_seqlens_q, cu_seqlens_k]), rows as
+# slices of the shards' sequence dim, window_right = 0 meaning causal. Without a sliding window,
+# a causal mask is only ever needed on a chunk against itself (same positions, so the op's
+# bottom-right diagonal is exact); every other chunk pair is entirely visible or entirely
+# masked. With one, _window_call clips each chunk pair to what the window reaches.
 
 _ALL = slice(None)
 
