@@ -16,7 +16,7 @@ With ``torch.distributed.device_mesh``, pass the context-parallel dimension's gr
 ``group=mesh.get_group("cp")`` (FSDP/TP use the other dimensions). docs/context_parallel.md
 describes the communication and when the ring pays off.
 """
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence
 
 import torch
 import torch.distributed as dist

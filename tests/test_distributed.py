@@ -259,7 +259,8 @@ def _cuda_worker(rank, world, device_type="cuda", length=1024):
               case(layout, causal, hq, hkv, length))
              for layout in ("contiguous", "zigzag") for causal in (False, True)
              for hq, hkv in ((4, 4), (8, 2))]
-    cases += [(f"cuda {layout} causal window=({length // 3}, 0)", case(layout, True, 8, 2, length, (length // 3, 0)))
+    window = (length // 3, 0)
+    cases += [(f"cuda {layout} causal window={window}", case(layout, True, 8, 2, length, window))
               for layout in ("contiguous", "zigzag")]
     return _run_cases(cases)
 
