@@ -1,0 +1,272 @@
+"""adaattn.distributed: ring attention equals the single-process op on the full sequence.
+
+Each test spawns a process group (gloo on CPU: world sizes 2 and 4; NCCL on 2 GPUs) and runs all
+its cases in it, since starting processes costs more than the cases. In every case each rank
+draws the same full q/k/v/grad_out, runs the single-process op on the full sequence and the ring
+op on its shard, and compares its shard of out, lse and every gradient.
+"""
+import os
+import socket
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from accuracy import assert_low_precision_rule, assert_rel_close
+
+# fp32: spec §4. fp64: the merge weights come from the ops' float32 lse (spec §1: lse is float32
+# for every dtype), so the ring agrees with the single-process fp64 op to float32's rounding of
+# lse (observed: up to 4e-8 relative), not to fp64's; the issue's 1e-10 needs an fp64 lse.
+RTOL = {torch.float32: 1e-5, torch.float64: 1e-6}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(worker, world: int, *args):
+    port = _free_port()
+    mp.spawn(_entry, args=(world, port, worker, args), nprocs=world, join=True)
+
+
+def _entry(rank, world, port, worker, args):
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    cuda = worker is _cuda_worker and (not args or args[0] == "cuda")
+    if cuda:
+        torch.cuda.set_device(rank)
+    torch.set_num_threads(1)
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world,
+                            device_id=torch.device("cuda", rank) if cuda else None)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True  # unwritten outputs are NaN
+    try:
+        failures = worker(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+    assert not failures, "\n".join(failures)
+
+
+def _run_cases(cases):
+    """Runs each case, collecting failures (all ranks run all cases: they communicate)."""
+    failures = []
+    for name, fn in cases:
+        try:
+            fn()
+        except Exception:  # noqa: BLE001 - reported with the case name below
+            failures.append(f"[rank {dist.get_rank()}] {name}:\n{traceback.format_exc()}")
+    return failures
+
+
+def _draw(shape, dtype, device, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g, dtype=torch.float64).to(device, dtype)
+
+
+def _compare(name, ours, expected, dtype):
+    assert_rel_close(name, ours, expected, RTOL[dtype])
+
+
+# ---- cases ------------------------------------------------------------------------------------
+
+def _dense_case(world, layout, causal, dtype, hq, hkv, transposed, softcap=0.0, seed=0,
+                window=(-1, -1)):
+    from adaattn import flash_attn
+    from adaattn.distributed import ring_flash_attn, shard_sequence, unshard
+
+    def run():
+        b, length, d, dv = 2, 6 * world, 16, 8
+        q = _draw((b, length, hq, d), dtype, "cpu", seed).transpose(1, 2) if transposed \
+            else _draw((b, hq, length, d), dtype, "cpu", seed)
+        k = _draw((b, hkv, length, d), dtype, "cpu", seed + 1)
+        v = _draw((b, hkv, length, dv), dtype, "cpu", seed + 2)
+        dout = _draw((b, hq, length, dv), dtype, "cpu", seed + 3)
+        full = [t.clone().requires_grad_() for t in (q, k, v)]
+        out, lse = flash_attn(*full, causal=causal, softcap=softcap, window=window,
+                              return_lse=True)
+        out.backward(dout)
+        shards = [shard_sequence(t.detach(), layout=layout).requires_grad_() for t in (q, k, v)]
+        r_out, r_lse = ring_flash_attn(*shards, layout=layout, causal=causal, softcap=softcap,
+                                       window=window, return_lse=True)
+        r_out.backward(shard_sequence(dout, layout=layout))
+        _compare("out", r_out, shard_sequence(out.detach(), layout=layout), dtype)
+        _compare("lse", r_lse, shard_sequence(lse, layout=layout), dtype)
+        for nm, s, f in zip(("dq", "dk", "dv"), shards, full):
+            _compare(nm, s.grad, shard_sequence(f.grad, layout=layout), dtype)
+        torch.testing.assert_close(unshard(r_out.detach(), layout=layout), out.detach(),
+                                   rtol=RTOL[dtype], atol=RTOL[dtype])
+    return run
+
+
+def _varlen_case(world, layout, causal, dtype, cu_list, hq=4, hkv=2, seed=10):
+    from adaattn import flash_attn_varlen
+    from adaattn.distributed import ring_flash_attn_varlen, shard_sequence
+
+    def run():
+        t, d = cu_list[-1], 16
+        cu = torch.tensor(cu_list, dtype=torch.int32)
+        q = _draw((t, hq, d), dtype, "cpu", seed)
+        k = _draw((t, hkv, d), dtype, "cpu", seed + 1)
+        v = _draw((t, hkv, d), dtype, "cpu", seed + 2)
+        dout = _draw((t, hq, d), dtype, "cpu", seed + 3)
+        full = [x.clone().requires_grad_() for x in (q, k, v)]
+        out, lse = flash_attn_varlen(*full, cu, cu, causal=causal, return_lse=True)
+        out.backward(dout)
+        shards = [shard_sequence(x.detach(), dim=0, layout=layout).requires_grad_()
+                  for x in (q, k, v)]
+        r_out, r_lse = ring_flash_attn_varlen(*shards, cu, layout=layout, causal=causal,
+                                              return_lse=True)
+        r_out.backward(shard_sequence(dout, dim=0, layout=layout))
+        _compare("out", r_out, shard_sequence(out.detach(), dim=0, layout=layout), dtype)
+        _compare("lse", r_lse, shard_sequence(lse, dim=1, layout=layout), dtype)
+        for nm, s, f in zip(("dq", "dk", "dv"), shards, full):
+            _compare(nm, s.grad, shard_sequence(f.grad, dim=0, layout=layout), dtype)
+    return run
+
+
+def _raises(cls, text, fn):
+    def run():
+        with pytest.raises(cls, match=text):
+            fn()
+    return run
+
+
+def _bad_input_cases(world):
+    from adaattn.distributed import ring_flash_attn, ring_flash_attn_varlen, shard_sequence
+    q = torch.randn(1, 2, 4, 8)
+    odd = torch.randn(1, 2, 3, 8)
+    packed = torch.randn(4, 2, 8)
+    cu = torch.tensor([0, 4 * world], dtype=torch.int32)
+    return [
+        ("bad layout", _raises(ValueError, r"adaattn.ring_flash_attn: layout must be one of",
+                               lambda: ring_flash_attn(q, q, q, layout="ring"))),
+        ("layout type", _raises(TypeError, r"adaattn.shard_sequence: layout must be a str",
+                                lambda: shard_sequence(q, layout=None))),
+        ("window", _raises(ValueError, r"adaattn.ring_flash_attn_varlen: window must be",
+                           lambda: ring_flash_attn_varlen(packed, packed, packed, cu,
+                                                          window=(4, 0)))),
+        ("window value", _raises(ValueError, r"adaattn.ring_flash_attn: window entries",
+                                 lambda: ring_flash_attn(q, q, q, window=(-2, 0)))),
+        ("odd zigzag shard", _raises(ValueError, r"q.size\(2\) must be even",
+                                     lambda: ring_flash_attn(odd, odd, odd))),
+        ("q/k shard lengths", _raises(ValueError, r"same length",
+                                      lambda: ring_flash_attn(q, q[:, :, :2], q[:, :, :2]))),
+        ("causal type", _raises(TypeError, r"causal must be a bool",
+                                lambda: ring_flash_attn(q, q, q, causal=1))),
+        ("indivisible length", _raises(ValueError, r"adaattn.shard_sequence: x.size\(dim\) = 5",
+                                       lambda: shard_sequence(torch.randn(1, 1, 5, 2)))),
+        ("varlen cu dtype", _raises(TypeError, r"ring_flash_attn_varlen: cu_seqlens must be int32",
+                                    lambda: ring_flash_attn_varlen(packed, packed, packed,
+                                                                   cu.long()))),
+    ]
+
+
+def test_not_initialised():
+    from adaattn.distributed import ring_flash_attn
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised")
+    q = torch.randn(1, 1, 2, 4)
+    with pytest.raises(RuntimeError, match="adaattn.ring_flash_attn: torch.distributed is not"):
+        ring_flash_attn(q, q, q)
+
+
+def _unshard_case(world, layout, dim):
+    from adaattn.distributed import shard_sequence, unshard
+
+    def run():
+        full = _draw((2, 3, 4 * world, 5), torch.float64, "cpu", 20).movedim(2, dim)
+        weight = _draw(full.shape, torch.float64, "cpu", 21)
+        x = shard_sequence(full, dim=dim, layout=layout).detach().requires_grad_()
+        y = unshard(x, dim=dim, layout=layout)
+        assert torch.equal(y, full)
+        (y * weight).sum().backward()
+        # every rank's loss reads every shard: the gradient sums the W identical weights
+        torch.testing.assert_close(x.grad, world * shard_sequence(weight, dim=dim, layout=layout))
+    return run
+
+
+def _cpu_worker(rank, world):
+    cases = _bad_input_cases(world)
+    cases += [(f"unshard {layout} dim={dim}", _unshard_case(world, layout, dim))
+              for layout in ("contiguous", "zigzag") for dim in (0, 2)]
+    for layout in ("contiguous", "zigzag"):
+        for causal in (False, True):
+            for dtype in (torch.float32, torch.float64):
+                cases.append((f"flash {layout} causal={causal} {dtype} gqa",
+                              _dense_case(world, layout, causal, dtype, 4, 2, False)))
+        cases.append((f"flash {layout} causal mha transposed softcap",
+                      _dense_case(world, layout, True, torch.float32, 2, 2, True, softcap=5.0)))
+        # L = 6W: chunks of 6 (contiguous) or 3 (zigzag); windows inside one chunk and across
+        for causal, window in ((True, (2, 0)), (True, (7, -1)), (False, (4, 5)),
+                               (False, (-1, 3)), (False, (5, -1))):
+            cases.append((f"flash {layout} causal={causal} window={window}",
+                          _dense_case(world, layout, causal, torch.float64, 4, 2, False,
+                                      window=window)))
+        # T = 8 W; sequences of lengths 0, 5, 3W+2, ... cross chunk and shard boundaries
+        n = 8 * world
+        cu = [0, 0, 5, 5 + 3 * world + 2, n - 1, n]
+        for causal in (False, True):
+            cases.append((f"flash varlen {layout} causal={causal} cu={cu}",
+                          _varlen_case(world, layout, causal, torch.float64, cu)))
+    return _run_cases(cases)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ring_cpu_gloo(world):
+    _spawn(_cpu_worker, world)
+
+
+# ---- CUDA / NCCL -------------------------------------------------------------------------------
+
+def _cuda_worker(rank, world, device_type="cuda", length=1024):
+    """bf16 ring vs the float64 reference, flash-attn's 2x rule (device_type="cpu" with gloo
+    exercises the same code on CPU)."""
+    from adaattn import reference
+    from adaattn.distributed import ring_flash_attn, shard_sequence
+    dev = torch.device(device_type, rank if device_type == "cuda" else None)
+
+    def case(layout, causal, hq, hkv, length, window=(-1, -1)):
+        def run():
+            b, d = 2, 128
+            base = [_draw(s, torch.float64, dev, i) for i, s in enumerate(
+                [(b, hq, length, d), (b, hkv, length, d), (b, hkv, length, d),
+                 (b, hq, length, d)])]
+            q64, k64, v64, dout = base
+
+            def grads(fn, dtype, inputs, grad_out):
+                ts = [x.detach().to(dtype).requires_grad_() for x in inputs]
+                out, lse = fn(*ts)
+                out.backward(grad_out.to(dtype))
+                return [out, lse] + [t.grad for t in ts]
+
+            def ref(*t):
+                return reference.flash_attn(*t, causal=causal, window=window)
+            ref64 = grads(ref, torch.float64, (q64, k64, v64), dout)
+            ref_bf = grads(ref, torch.bfloat16, (q64, k64, v64), dout)
+            shard = lambda x: shard_sequence(x, layout=layout)  # noqa: E731
+            ours = grads(lambda *t: ring_flash_attn(*t, layout=layout, causal=causal,
+                                                    window=window, return_lse=True),
+                         torch.bfloat16, [shard(x) for x in (q64, k64, v64)], shard(dout))
+            for nm, o, lo, hi in zip(("out", "lse", "dq", "dk", "dv"), ours, ref_bf, ref64):
+                assert_low_precision_rule(nm, o, shard(lo), shard(hi))
+        return run
+
+    cases = [(f"cuda {layout} causal={causal} hq={hq} hkv={hkv}",
+              case(layout, causal, hq, hkv, length))
+             for layout in ("contiguous", "zigzag") for causal in (False, True)
+             for hq, hkv in ((4, 4), (8, 2))]
+    window = (length // 3, 0)
+    cases += [(f"cuda {layout} causal window={window}", case(layout, True, 8, 2, length, window))
+              for layout in ("contiguous", "zigzag")]
+    return _run_cases(cases)
+
+
+@pytest.mark.cuda
+def test_ring_cuda_nccl():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA devices")
+    _spawn(_cuda_worker, 2)
