@@ -46,6 +46,100 @@ def _gram(q: torch.Tensor, k: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return gram(q) + gram(k)
 
 
+# Defaults of the sketch planner: test-matrix seed, oversampling beyond the decided rank, the
+# relative shift that keeps the sketched Gram matrix well conditioned.
+_SKETCH_SEED = 20261126
+_SKETCH_OVERSAMPLE = 8
+_SKETCH_REL_SHIFT = 1e-6
+_TEST_MATRICES = {}
+
+
+def _test_matrix(dim: int, width: int, device: torch.device) -> torch.Tensor:
+    """The fixed Gaussian test matrix ``[D, width]`` (float64) of the sketch planner: drawn once
+    per (D, width, device) on the CPU from a fixed seed, so plans are deterministic and
+    identical across devices and processes."""
+    key = (dim, width, str(device))
+    omega = _TEST_MATRICES.get(key)
+    if omega is None:
+        gen = torch.Generator().manual_seed(_SKETCH_SEED)
+        omega = torch.randn(dim, width, generator=gen, dtype=torch.float64).to(device)
+        _TEST_MATRICES[key] = omega
+    return omega
+
+
+def _cholesky_qr(y: torch.Tensor) -> torch.Tensor:
+    """One pass of shifted Cholesky QR: ``y [N, D, p]`` (float64) times ``R^-1`` where
+    ``R^T R = y^T y + s I`` (``s`` a few float64 ulps of ``||y||_F^2``, so a rank-deficient
+    ``y`` still factors). Orthonormal to ``eps * cond(y)^2``: a second pass makes it so to
+    working precision when ``cond(y) < 1e7``. Batched GEMMs, one batched Cholesky and one
+    triangular solve; no host synchronisation (``cholesky_ex`` does not check its info)."""
+    gram = y.mT @ y
+    width = y.shape[-1]
+    shift = 11 * (y.shape[-2] * width + width * (width + 1)) * torch.finfo(y.dtype).eps
+    shift = shift * gram.diagonal(dim1=-2, dim2=-1).sum(-1)
+    gram = gram + shift[..., None, None] * torch.eye(width, dtype=y.dtype, device=y.device)
+    chol = torch.linalg.cholesky_ex(gram).L
+    return torch.linalg.solve_triangular(chol.mT, y, upper=True, left=False)
+
+
+def _sketch_width(dim: int, min_rank: int, multiple: int) -> int:
+    """Columns of the sketch: half of D (rounded up to a multiple of 8), and at least room for
+    ``min_rank`` rounded up to ``multiple`` plus the oversampling."""
+    floor = -(-min_rank // multiple) * multiple + _SKETCH_OVERSAMPLE
+    return max(-(-dim // 16) * 8, floor)
+
+
+def _sketch_from_gram(gram: torch.Tensor, exact: bool, energy: float, min_rank: int,
+                      multiple: int, width: int, power_iters: int):
+    """Randomized subspace iteration on ``gram [B, Hkv, D, D]``: ``(values, vectors, ranks,
+    determined)`` with ``values [B, Hkv, width]`` the Ritz values (descending), ``vectors
+    [B, Hkv, D, D]`` the Ritz vectors (first ``rank`` columns kept, the rest 0), ``ranks``
+    int32 and ``determined`` a bool scalar: False when some head's rank (plus the
+    oversampling) does not fit in the sketch, and the caller must take the exact solver.
+
+    Y = (G + s I) Omega, ``power_iters`` times Y = (G + s I) orth(Y), Q = orth(Y) (Cholesky
+    QR, twice at the end), T = Q^T G Q (``width x width``), T = Z diag(theta) Z^T, Ritz
+    vectors Q Z. The shift ``s`` (1e-6 of the mean eigenvalue) bounds cond(Y) so that Cholesky
+    QR works in float64; it does not change T. Ritz values never exceed the eigenvalues they
+    approximate (Cauchy interlacing), so the energy rule on them gives a rank >= the exact
+    rule's, and the chosen subspace holds at least ``energy`` of the trace of G exactly
+    (its captured energy is the sum of the kept Ritz values)."""
+    b, hkv, dim = gram.shape[:3]
+    g = gram.reshape(b * hkv, dim, dim).double()
+    trace = g.diagonal(dim1=-2, dim2=-1).sum(-1)
+    eye = torch.eye(dim, dtype=torch.float64, device=g.device)
+    shifted = g + (_SKETCH_REL_SHIFT / dim) * trace[:, None, None] * eye
+    y = shifted @ _test_matrix(dim, width, g.device)
+    for _ in range(power_iters):
+        y = shifted @ _cholesky_qr(y)
+    basis = _cholesky_qr(_cholesky_qr(y))
+    small = basis.mT @ (g @ basis)
+    small = 0.5 * (small + small.mT)
+    if exact:
+        values, z = torch.linalg.eigh(small)
+        values, z = values.flip(-1), z.flip(-1)
+    else:
+        # float32 for the library's batched solver (no host synchronisation on CUDA); the Ritz
+        # values only feed the energy rule, float32 is ample for it.
+        values, z = torch.ops.adaattn.sym_eig(small.float().contiguous())
+        values, z = values.double(), z.double()
+    values = values.clamp(min=0)
+    reached = values.cumsum(-1) >= energy * trace.unsqueeze(-1)
+    first = width + 1 - reached.sum(-1)  # width + 1 where the sketch never reaches the target
+    ranks = first.clamp(min=min_rank)
+    ranks = (ranks + multiple - 1) // multiple * multiple
+    # A zero Gram matrix (no rows) has no subspace to sketch: the exact solver handles it.
+    determined = ((ranks + _SKETCH_OVERSAMPLE <= width) & (trace > 0)).all()
+    ranks = ranks.clamp(max=width)
+    vectors = (basis @ z).float()
+    vectors = vectors * (torch.arange(width, device=g.device) < ranks.unsqueeze(-1)).unsqueeze(-2)
+    # Past the sketch, the unseen remainder of the trace spread evenly (keeps the trace).
+    rest = ((trace - values.sum(-1)).clamp(min=0) / max(dim - width, 1)).unsqueeze(-1)
+    values = torch.cat([values, rest.expand(-1, dim - width)], -1)
+    return (values.float().reshape(b, hkv, dim), vectors.reshape(b, hkv, dim, width),
+            ranks.to(torch.int32).reshape(b, hkv), determined)
+
+
 def _check_qk(op: str, q: torch.Tensor, k: torch.Tensor) -> int:
     C.tensor(op, "q", q)
     C.tensor(op, "k", k)
@@ -62,40 +156,69 @@ def _check_qk(op: str, q: torch.Tensor, k: torch.Tensor) -> int:
 
 @torch.no_grad()
 def rank_plan(q: torch.Tensor, k: torch.Tensor, *, energy: float = 0.99, min_rank: int = 16,
-              multiple: int = 16) -> RankPlan:
+              multiple: int = 16, method: str = "sketch") -> RankPlan:
     """Per (batch, kv head) subspace of the queries and keys, sized by spectral energy.
 
     For each ``(b, g)``: ``G = K^T K + sum over the query heads h of group g of Q_h^T Q_h``
-    (``D x D``, accumulated in float32 without a float32 copy of q and k on CUDA), eigendecomposed
-    by ``torch.ops.adaattn.sym_eig_top`` (batched tridiagonal eigensolver, float32, eigenvectors
-    orthonormal to a few float32 ulps, computed for the first ``rank`` columns only); the rank is
+    (``D x D``, accumulated in float32 without a float32 copy of q and k on CUDA); the rank is
     the smallest ``r >= min_rank``, rounded up to a multiple of ``multiple`` and capped at ``D``,
-    whose largest eigenvalues hold ``energy`` of the trace.
-    float64 inputs (and ``D > 256``) take an exact path instead: ``G`` in float64 and
-    ``torch.linalg.eigh`` in float64. No gradient flows; the result is deterministic for given
-    inputs. Reading the largest rank to size ``basis`` is one host synchronisation per plan (a
-    plan is meant to be reused across steps and layers).
+    whose largest eigenvalues hold ``energy`` of the trace. Two solvers:
+
+    * ``method="sketch"`` (default): randomized subspace iteration on ``G`` with a fixed-seed
+      Gaussian test matrix of ``max(D / 2, rank bucket + 8)`` columns, one power iteration,
+      Cholesky QR in float64 and the small ``p x p`` Rayleigh-Ritz eigenproblem
+      (``torch.ops.adaattn.sym_eig``; float64 inputs ``torch.linalg.eigh``). Batched GEMMs on
+      ``D x D`` and ``D x p`` matrices, no full ``D x D`` eigendecomposition. Ritz values never
+      exceed the eigenvalues, so its rank is never below the exact rule's (on spectra with a
+      gap, such as a planted rank plus noise, it is the same), and the subspace it keeps holds
+      at least ``energy`` of the trace exactly. When some head's rank plus 8 does not fit in
+      the sketch (spread spectra, e.g. random full-rank inputs at energy 0.99), or
+      ``energy = 1``, or ``D`` is small enough that the sketch would be ``D`` wide, the plan
+      is the exact one. The default because the plan's cost is then mostly the Gram
+      matrices, where the exact eigensolver costs about as much as an attention forward.
+    * ``method="exact"``: ``torch.ops.adaattn.sym_eig_top`` (batched tridiagonal eigensolver,
+      float32, eigenvectors orthonormal to a few float32 ulps, computed for the first ``rank``
+      columns only). float64 inputs (and ``D > 256``) take ``G`` in float64 and
+      ``torch.linalg.eigh`` instead.
+
+    No gradient flows; the result is deterministic for given inputs. Reading the largest rank
+    to size ``basis`` is one host synchronisation per plan (a plan is meant to be reused across
+    steps, see :class:`adaattn.nn.AdaptiveRankAttention`); a sketch that falls back to the
+    exact solver reads once more. float64 inputs read once more to check finiteness first.
 
     Args:
         q: ``[B, Hq, Lq, D]``; k: ``[B, Hkv, Lk, D]`` with ``Hq % Hkv == 0``.
         energy: share of the trace to keep, in ``(0, 1]``; ``1.0`` keeps all ``D`` directions
             (low-rank attention then equals full attention).
         min_rank, multiple: positive ints.
+        method: ``"sketch"`` or ``"exact"``.
 
     Returns:
-        :class:`RankPlan` ``(basis [B, Hkv, D, R], ranks [B, Hkv], eigenvalues [B, Hkv, D])``.
+        :class:`RankPlan` ``(basis [B, Hkv, D, R], ranks [B, Hkv], eigenvalues [B, Hkv, D])``;
+        from the sketch, ``eigenvalues`` holds the ``p`` Ritz values followed by the rest of the
+        trace spread evenly over the other ``D - p`` entries.
 
     Raises:
-        TypeError: q or k not a tensor, energy not a float, min_rank or multiple not an int.
+        TypeError: q or k not a tensor, energy not a float, min_rank or multiple not an int,
+            method not a str.
         ValueError: q, k not ``[B, H, L, D]`` of one B and D, ``Hq % Hkv != 0``, energy outside
-            ``(0, 1]``, min_rank or multiple < 1; q or k not finite (a NaN or inf in the Gram
-            matrix would make the plan meaningless).
+            ``(0, 1]``, min_rank or multiple < 1, an unknown method; q or k not finite (a NaN
+            or inf in the Gram matrix would make the plan meaningless).
         RuntimeError: q and k on different devices.
         Every message starts ``adaattn.rank_plan:`` and names the argument.
     """
     op = "rank_plan"
     group = _check_plan_args(op, q, k, energy, min_rank, multiple)
-    return _plan_from_gram(op, *_plan_gram(q, k, group), energy, min_rank, multiple)
+    method = _check_method(op, method)
+    return _plan_from_gram(op, *_plan_gram(q, k, group), energy, min_rank, multiple, method)
+
+
+def _check_method(op: str, method) -> str:
+    C.check(isinstance(method, str), TypeError, op, "method must be a str, got ",
+            C.type_name(method))
+    C.check(method in ("sketch", "exact"), ValueError, op,
+            "method must be 'sketch' or 'exact', got '", method, "'")
+    return method
 
 
 def _check_plan_args(op: str, q: torch.Tensor, k: torch.Tensor, energy: float, min_rank: int,
@@ -125,9 +248,22 @@ def _plan_gram(q: torch.Tensor, k: torch.Tensor, group: int) -> Tuple[torch.Tens
 
 
 def _plan_from_gram(op: str, gram: torch.Tensor, exact: bool, energy: float, min_rank: int,
-                    multiple: int) -> RankPlan:
+                    multiple: int, method: str = "exact") -> RankPlan:
     b, hkv, dim = gram.shape[:3]
     finite = torch.isfinite(gram).all()
+    width = _sketch_width(dim, min_rank, multiple)
+    if method == "sketch" and energy < 1.0 and width < dim and gram.numel():
+        if exact:
+            # eigh fails on a non-finite matrix: checked first (an extra host read on this path).
+            _check_finite(op, bool(finite))
+        values, vectors, ranks, determined = _sketch_from_gram(gram, exact, energy, min_rank,
+                                                               multiple, width, 1)
+        # One host read: the basis width, whether G was finite, whether the sketch decided.
+        top, is_finite, decided = torch.stack([ranks.max().long(), finite.long(),
+                                               determined.long()]).tolist()
+        _check_finite(op, bool(is_finite))
+        if decided:
+            return RankPlan(vectors[..., :top].contiguous(), ranks, values)
     if exact:
         # eigh fails on a non-finite matrix: checked first (an extra host read on this path).
         _check_finite(op, bool(finite))
