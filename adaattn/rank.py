@@ -601,10 +601,41 @@ def low_rank_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, basis: torc
     return (out, lse) if return_lse else out
 
 
+def _plan_for_error(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    gram: torch.Tensor, exact: bool, max_error: float, min_rank: int,
+                    multiple: int, causal: bool, scale: float, group: int,
+                    samples: int) -> RankPlan:
+    """The plan whose rank, per (b, kv head), is the smallest candidate (``min_rank`` rounded
+    up to ``multiple``, then every ``multiple`` up to D) at which the sampled relative error
+    estimate of every query head of the group is at most ``max_error``."""
+    full = _plan_from_gram(op, gram, exact, 1.0, min_rank, multiple, "exact")
+    b, hkv, dim = gram.shape[:3]
+    first = min(dim, -(-min_rank // multiple) * multiple)
+    candidates = list(range(first, dim, multiple)) + [dim]
+    columns = torch.arange(dim, device=q.device)
+    bases = [full.basis * (columns < r) for r in candidates[:-1]]
+    rows, weights = _sample_rows(q.shape[2], samples, q.device)
+    if bases:
+        errors, norms = _sampled_errors(q, k, v, torch.stack(bases), rows, weights, causal,
+                                        scale, group)
+        rel = errors / norms.clamp(min=torch.finfo(norms.dtype).tiny)
+        ok = (rel.reshape(len(bases), b, hkv, group).amax(-1) <= max_error)
+        # Rank D (exact attention) always qualifies.
+        ok = torch.cat([ok, torch.ones_like(ok[:1])])
+    else:
+        ok = torch.ones(1, b, hkv, dtype=torch.bool, device=q.device)
+    index = ok.int().argmax(0)
+    ranks = torch.tensor(candidates, device=q.device)[index].to(torch.int32)
+    width = int(ranks.max()) if ranks.numel() else 0
+    basis = (full.basis * (columns < ranks.unsqueeze(-1)).unsqueeze(-2))[..., :width]
+    return RankPlan(basis.contiguous(), ranks, full.eigenvalues)
+
+
 def adaptive_rank_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                        energy: float = 0.99, causal: bool = False,
                        softmax_scale: Optional[float] = None, min_rank: int = 16,
-                       multiple: int = 16, return_plan: bool = False
+                       multiple: int = 16, return_plan: bool = False, method: str = "sketch",
+                       max_error: Optional[float] = None, samples: int = 64
                        ) -> Union[torch.Tensor, Tuple[torch.Tensor, RankPlan]]:
     """:func:`rank_plan` (detached) followed by :func:`low_rank_attn` at the plan's rank.
 
@@ -616,35 +647,54 @@ def adaptive_rank_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     queued before the host reads the certificate (see :func:`_gated_flash_attn`), so the GPU
     does not wait for the host in between.
 
+    With ``max_error``, the rank comes from a target error instead of ``energy``: the full
+    eigendecomposition (``method="exact"``), then for each candidate rank (``min_rank`` rounded
+    up to ``multiple``, every ``multiple`` up to D) the relative error ``||O - O_low||_F /
+    ||O||_F`` estimated on ``samples`` rows as :func:`rank_error_estimate` does; each (b, kv
+    head) takes the smallest rank at which every query head of its group is within
+    ``max_error``. It costs about ``D / multiple`` sampled-row attentions on top of the plan.
+
     Args:
         q: ``[B, Hq, Lq, D]``; k: ``[B, Hkv, Lk, D]``; v: ``[B, Hkv, Lk, Dv]``.
-        energy, min_rank, multiple: as in :func:`rank_plan`.
+        energy, min_rank, multiple, method: as in :func:`rank_plan` (energy and method unused
+            with ``max_error``).
         causal, softmax_scale: as in :func:`low_rank_attn`.
-        return_plan: also return the :class:`RankPlan` (to reuse it across steps and layers,
-            call :func:`low_rank_attn` with ``plan.basis``).
+        return_plan: also return the :class:`RankPlan` (to reuse it across steps, call
+            :func:`low_rank_attn` with ``plan.basis``, or use
+            :class:`adaattn.nn.AdaptiveRankAttention`).
+        max_error: target relative error in ``(0, inf)``, or None to size by ``energy``.
+        samples: rows sampled per candidate rank with ``max_error`` (positive int).
 
     Returns:
         ``out [B, Hq, Lq, Dv]``, and the plan when ``return_plan``.
 
     Raises:
-        TypeError, ValueError, RuntimeError: as :func:`rank_plan` and :func:`flash_attn`, the
-            message starting ``adaattn.adaptive_rank_attn:``. Non-finite q or k raise whenever
-            the ranks depend on them; where every plan keeps all D directions (``energy = 1``,
-            or ``min_rank`` above the last multiple below D) this is :func:`flash_attn`, whose
-            output then carries the NaN.
+        TypeError, ValueError, RuntimeError: as :func:`rank_plan` and :func:`flash_attn`,
+            max_error not a positive float, samples not a positive int, the message starting
+            ``adaattn.adaptive_rank_attn:``. Non-finite q or k raise whenever the ranks depend
+            on them; where every plan keeps all D directions (``energy = 1``, or ``min_rank``
+            above the last multiple below D) this is :func:`flash_attn`, whose output then
+            carries the NaN.
     """
     op = "adaptive_rank_attn"
     causal = C.boolean(op, "causal", causal)
     return_plan = C.boolean(op, "return_plan", return_plan)
     softmax_scale = C.optional_float(op, "softmax_scale", softmax_scale)
+    method = _check_method(op, method)
+    if max_error is not None:
+        max_error = C.real(op, "max_error", max_error)
+        C.check(max_error > 0, ValueError, op, "max_error must be positive, got ", max_error)
+    C.integer(op, "samples", samples)
+    C.check(samples >= 1, ValueError, op, "samples must be positive, got ", samples)
     with torch.no_grad():
         group = _check_plan_args(op, q, k, energy, min_rank, multiple)
         C.tensor(op, "v", v)
         C.check_flash_inputs(op, q, k, v)
         C.check_flash_options(op, softmax_scale, -1, -1, 0.0)
         gram, exact = _plan_gram(q.detach(), k.detach(), group)
-        full = None if return_plan else _full_rank_flag(gram, energy, min_rank, multiple)
-    if not return_plan:
+        full = None if return_plan or max_error is not None else \
+            _full_rank_flag(gram, energy, min_rank, multiple)
+    if not return_plan and max_error is None:
         if full is None:
             return flash_attn(q, k, v, causal=causal, softmax_scale=softmax_scale)
         if q.is_cuda:
@@ -654,7 +704,13 @@ def adaptive_rank_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         elif bool(full):
             return flash_attn(q, k, v, causal=causal, softmax_scale=softmax_scale)
     with torch.no_grad():
-        plan = _plan_from_gram(op, gram, exact, energy, min_rank, multiple)
+        if max_error is None:
+            plan = _plan_from_gram(op, gram, exact, energy, min_rank, multiple, method)
+        else:
+            _check_finite(op, bool(torch.isfinite(gram).all()))
+            scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+            plan = _plan_for_error(op, q.detach(), k.detach(), v.detach(), gram, exact,
+                                   max_error, min_rank, multiple, causal, scale, group, samples)
     if plan.basis.shape[-1] == q.shape[-1]:
         out = flash_attn(q, k, v, causal=causal, softmax_scale=softmax_scale)
     else:
