@@ -76,8 +76,8 @@ def _cholesky_qr(y: torch.Tensor) -> torch.Tensor:
     gram = y.mT @ y
     width = y.shape[-1]
     shift = 11 * (y.shape[-2] * width + width * (width + 1)) * torch.finfo(y.dtype).eps
-    shift = shift * gram.diagonal(dim1=-2, dim2=-1).sum(-1)
-    gram = gram + shift[..., None, None] * torch.eye(width, dtype=y.dtype, device=y.device)
+    diagonal = gram.diagonal(dim1=-2, dim2=-1)
+    diagonal += shift * diagonal.sum(-1, keepdim=True)
     chol = torch.linalg.cholesky_ex(gram).L
     return torch.linalg.solve_triangular(chol.mT, y, upper=True, left=False)
 
@@ -107,11 +107,14 @@ def _sketch_from_gram(gram: torch.Tensor, exact: bool, energy: float, min_rank: 
     b, hkv, dim = gram.shape[:3]
     g = gram.reshape(b * hkv, dim, dim).double()
     trace = g.diagonal(dim1=-2, dim2=-1).sum(-1)
-    eye = torch.eye(dim, dtype=torch.float64, device=g.device)
-    shifted = g + (_SKETCH_REL_SHIFT / dim) * trace[:, None, None] * eye
-    y = shifted @ _test_matrix(dim, width, g.device)
+    shift = ((_SKETCH_REL_SHIFT / dim) * trace)[:, None, None]
+
+    def times_shifted(x):  # (G + s I) x
+        return torch.baddbmm(shift * x, g, x)
+
+    y = times_shifted(_test_matrix(dim, width, g.device).expand(b * hkv, dim, width))
     for _ in range(power_iters):
-        y = shifted @ _cholesky_qr(y)
+        y = times_shifted(_cholesky_qr(y))
     basis = _cholesky_qr(_cholesky_qr(y))
     small = basis.mT @ (g @ basis)
     small = 0.5 * (small + small.mT)
