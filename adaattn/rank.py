@@ -1,5 +1,6 @@
-"""Rank planning for adaptive-rank attention (spec §3.4): the per-(batch, kv head) subspace that
-holds a given share of the query/key energy, and the error bound of attending inside it.
+"""Rank planning for adaptive-rank attention (spec §3.4, §3.9): the per-(batch, kv head) subspace
+that holds a given share of the query/key energy (exact or sketched), and the rigorous bound and
+the sampled estimate of the error of attending inside it.
 
 :func:`low_rank_attn` attends with scores at rank R (``adaattn::low_rank_attn``: two projection
 GEMMs and the flash kernel with query/key head dim R); :func:`adaptive_rank_attn` plans and
@@ -18,10 +19,11 @@ class RankPlan(NamedTuple):
 
     Attributes:
         basis: float32 ``[B, Hkv, D, R]``; the first ``ranks[b, h]`` columns of ``basis[b, h]``
-            are orthonormal eigenvectors of ``G`` (largest eigenvalues first), the rest are 0.
-            ``R`` is the largest rank of the plan.
+            are orthonormal eigenvectors of ``G`` (largest eigenvalues first; Ritz vectors from
+            the sketch), the rest are 0. ``R`` is the largest rank of the plan.
         ranks: int32 ``[B, Hkv]``.
-        eigenvalues: float32 ``[B, Hkv, D]``, descending.
+        eigenvalues: float32 ``[B, Hkv, D]``, descending (from the sketch: its Ritz values,
+            descending, then the rest of the trace spread evenly).
     """
 
     basis: torch.Tensor
