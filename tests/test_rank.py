@@ -157,6 +157,23 @@ def test_sketch_ranks_match_exact(device, dtype):
     assert decided >= 12
 
 
+def test_sketch_no_host_sync(device):
+    """The sketch itself queues no host synchronisation on CUDA (rank_plan's one documented read
+    of the width comes after it)."""
+    if device == "cpu":
+        pytest.skip("CUDA only")
+    q, k = planted(2, 4, 2, 256, 128, 32, 0.05, device, torch.bfloat16)
+    gram, exact = rank_mod._plan_gram(q, k, 2)
+    rank_mod._sketch_from_gram(gram, exact, 0.99, 16, 16, 64, 1)  # warm-up (test matrix)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        *_, ok = rank_mod._sketch_from_gram(gram, exact, 0.99, 16, 16, 64, 1)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert bool(ok)
+
+
 def test_sketch_holds_energy(device):
     """The sketched subspace holds at least `energy` of the trace of G (its captured energy is
     the sum of the kept Ritz values)."""
