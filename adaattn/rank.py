@@ -192,7 +192,8 @@ def rank_plan(q: torch.Tensor, k: torch.Tensor, *, energy: float = 0.99, min_ran
     No gradient flows; the result is deterministic for given inputs. Reading the largest rank
     to size ``basis`` is one host synchronisation per plan (a plan is meant to be reused across
     steps, see :class:`adaattn.nn.AdaptiveRankAttention`); a sketch that falls back to the
-    exact solver reads once more. float64 inputs read once more to check finiteness first.
+    exact solver reads once more, and the first sketch per (D, device) copies its test matrix
+    to the device. float64 inputs read once more to check finiteness first.
 
     Args:
         q: ``[B, Hq, Lq, D]``; k: ``[B, Hkv, Lk, D]`` with ``Hq % Hkv == 0``.
@@ -523,12 +524,16 @@ def rank_error_estimate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, basis
 
 
 _SAMPLE_SEED = 1126
+_SAMPLED_ROWS = {}
 
 
 def _sample_rows(len_q: int, samples: int, device) -> Tuple[torch.Tensor, torch.Tensor]:
     """Stratified row sample: ``(rows int64 [m], weights float64 [m])``, one row per stratum of
     consecutive rows, weighted by the stratum's size (the sum over rows of any per-row quantity
     is then estimated without bias)."""
+    key = (len_q, samples, str(device))
+    if key in _SAMPLED_ROWS:
+        return _SAMPLED_ROWS[key]
     m = min(samples, len_q)
     edges = torch.arange(m + 1, dtype=torch.float64) * len_q / m
     edges = edges.floor().long()
@@ -536,7 +541,9 @@ def _sample_rows(len_q: int, samples: int, device) -> Tuple[torch.Tensor, torch.
     gen = torch.Generator().manual_seed(_SAMPLE_SEED)
     offset = (torch.rand(m, generator=gen, dtype=torch.float64) * sizes).floor().long()
     rows = edges[:-1] + offset.minimum(sizes - 1)
-    return rows.to(device), sizes.to(torch.float64).to(device)
+    # Cached: the copy to the device happens once per (Lq, samples, device).
+    _SAMPLED_ROWS[key] = rows.to(device), sizes.to(torch.float64).to(device)
+    return _SAMPLED_ROWS[key]
 
 
 def _sampled_errors(q, k, v, bases, rows, weights, causal, scale, group):
@@ -662,7 +669,8 @@ def adaptive_rank_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     up to ``multiple``, every ``multiple`` up to D) the relative error ``||O - O_low||_F /
     ||O||_F`` estimated on ``samples`` rows as :func:`rank_error_estimate` does; each (b, kv
     head) takes the smallest rank at which every query head of its group is within
-    ``max_error``. It costs about ``D / multiple`` sampled-row attentions on top of the plan.
+    ``max_error``. It costs about ``D / multiple`` sampled-row attentions on top of the plan,
+    and two host reads (finiteness, the basis width).
 
     Args:
         q: ``[B, Hq, Lq, D]``; k: ``[B, Hkv, Lk, D]``; v: ``[B, Hkv, Lk, Dv]``.
