@@ -83,7 +83,6 @@ def main() -> int:
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    plt = require_pyplot("examples/adaptive_rank.py")
     gen = torch.Generator().manual_seed(0)
     if device == "cuda":
         batch, heads, length, dtype = 4, 16, 4096, torch.bfloat16
@@ -124,6 +123,7 @@ def main() -> int:
               f"{estimate / exact_norm:>10.2e} | {plan_ms:>7.3f} | {low_ms:>9.3f} | "
               f"{each_ms:>11.3f} | {flash_ms / low_ms:>5.2f}x | {flash_ms / each_ms:>7.2f}x")
 
+    plt = require_pyplot("examples/adaptive_rank.py")  # after the table, which needs no plot
     fig, (ax_err, ax_speed) = plt.subplots(1, 2, figsize=(11, 4))
     energies = [r[0] for r in rows]
     ax_err.semilogy(energies, [r[1] for r in rows], "o-", label="actual")
