@@ -182,8 +182,10 @@ def rank_plan(q: torch.Tensor, k: torch.Tensor, *, energy: float = 0.99, min_ran
       at least ``energy`` of the trace exactly. When some head's rank plus 8 does not fit in
       the sketch (spread spectra, e.g. random full-rank inputs at energy 0.99), or
       ``energy = 1``, or ``D`` is small enough that the sketch would be ``D`` wide, the plan
-      is the exact one. The default because the plan's cost is then mostly the Gram
-      matrices, where the exact eigensolver costs about as much as an attention forward.
+      is the exact one (the sketch's cost is then spent in vain). The default because it
+      avoids the ``D x D`` eigendecomposition, which cost half to most of a flash forward on
+      the H100 (issue 33), on the low-rank inputs where a plan pays; its own cost is the Gram
+      matrices plus ~80 small batched kernels (benchmarks/bench_rank.py measures both).
     * ``method="exact"``: ``torch.ops.adaattn.sym_eig_top`` (batched tridiagonal eigensolver,
       float32, eigenvectors orthonormal to a few float32 ulps, computed for the first ``rank``
       columns only). float64 inputs (and ``D > 256``) take ``G`` in float64 and
