@@ -157,6 +157,26 @@ def test_sketch_ranks_match_exact(device, dtype):
     assert decided >= 12
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+def test_sketch_rank_deficient(device, dtype):
+    """Gram matrices of rank < min_rank (an exact rank-4 subspace, a single row): the sketch
+    decides, and the kept columns are still orthonormal."""
+    basis = torch.linalg.qr(torch.randn(128, 4, dtype=torch.float64))[0]
+    exact4 = [(torch.randn(1, 2, 64, 4, dtype=torch.float64) @ basis.T) for _ in range(2)]
+    single = [torch.randn(1, 2, 1, 128, dtype=torch.float64) for _ in range(2)]
+    for q, k in (exact4, single):
+        q, k = q.to(device, dtype), k.to(device, dtype)
+        gram, is_exact = rank_mod._plan_gram(q, k, 1)
+        *_, ok = rank_mod._sketch_from_gram(gram, is_exact, 0.9, 16, 16, 64, 1)
+        assert bool(ok)
+        plan = adaattn.rank_plan(q, k, energy=0.9)
+        assert (plan.ranks == 16).all()
+        u = plan.basis.double()
+        torch.testing.assert_close(u.mT @ u, torch.eye(16, dtype=torch.float64, device=device)
+                                   .expand(1, 2, 16, 16),
+                                   atol=64 * torch.finfo(torch.float32).eps, rtol=0)
+
+
 def test_sketch_no_host_sync(device):
     """The sketch itself queues no host synchronisation on CUDA (rank_plan's one documented read
     of the width comes after it)."""
