@@ -296,9 +296,8 @@ class AdaptiveRankAttention(nn.Module):
         self.softmax_scale, self.min_rank, self.multiple = softmax_scale, min_rank, multiple
         self.method, self.replan_every, self.check_every = method, replan_every, check_every
         self.drift, self.samples = drift, samples
-        self.plan = None
+        self._plan = None
         self.plans_made = 0
-        self._key = None
         self._calls_since_plan = 0
         self._planned_error: Optional[torch.Tensor] = None
 
@@ -307,6 +306,18 @@ class AdaptiveRankAttention(nn.Module):
             f"energy={self.energy}"
         return (f"{target}, causal={self.causal}, replan_every={self.replan_every}, "
                 f"check_every={self.check_every}")
+
+    @property
+    def plan(self):
+        """The cached :class:`adaattn.RankPlan` (None before the first call). Assigning one (e.g.
+        another layer's) makes this module use it until its next re-plan."""
+        return self._plan
+
+    @plan.setter
+    def plan(self, plan) -> None:
+        self._plan = plan
+        self._calls_since_plan = 0
+        self._planned_error = None
 
     def replan(self) -> None:
         """Drop the cached plan: the next call plans again."""
@@ -340,16 +351,23 @@ class AdaptiveRankAttention(nn.Module):
         if self.check_every and self.max_error is None and not full:
             self._planned_error = self._estimate(q, k, v)
 
-    def _needs_plan(self, q, k, v, key) -> bool:
-        if self.plan is None or self._key != key or self._calls_since_plan >= self.replan_every:
+    def _needs_plan(self, q, k, v) -> bool:
+        if self.plan is None or self._calls_since_plan >= self.replan_every:
+            return True
+        basis = self.plan.basis
+        if (tuple(basis.shape[:3]) != (k.shape[0], k.shape[1], k.shape[3])
+                or basis.device != q.device):
             return True
         if not self.check_every or self._calls_since_plan % self.check_every:
             return False
-        if self.plan.basis.shape[-1] == q.shape[-1]:
+        if basis.shape[-1] == q.shape[-1]:
             return False  # exact attention: no error to drift (replan_every revisits it)
         estimate = self._estimate(q, k, v)
         if self.max_error is not None:
             return bool((estimate > self.max_error).any())
+        if self._planned_error is None:  # an assigned plan: its first check is the reference
+            self._planned_error = estimate
+            return False
         # Floor: errors at float32 rounding level are not a drift.
         limit = self.drift * self._planned_error.clamp(min=1e-6)
         return bool((estimate > limit).any())
@@ -363,12 +381,10 @@ class AdaptiveRankAttention(nn.Module):
         if torch.is_autocast_enabled(device_type):
             dtype = torch.get_autocast_dtype(device_type)
             q, k, v = (t.to(dtype) for t in (q, k, v))
-        key = (tuple(k.shape[:2]), q.shape[-1], q.device)
         with torch.no_grad():
             qd, kd, vd = q.detach(), k.detach(), v.detach()
-            if self._needs_plan(qd, kd, vd, key):
+            if self._needs_plan(qd, kd, vd):
                 self._make_plan(qd, kd, vd)
-                self._key = key
         self._calls_since_plan += 1
         with torch.autocast(device_type, enabled=False):
             if self.plan.basis.shape[-1] == q.shape[-1]:

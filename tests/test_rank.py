@@ -317,6 +317,14 @@ def test_module_reuses_plan(device):
     module.replan()
     module(q2[:1], k2[:1], v[:1])
     assert module.plans_made == 5
+    # A plan handed to another layer is used as is, and its first drift check is the reference.
+    first = adaattn.nn.AdaptiveRankAttention(replan_every=10, check_every=1)
+    first(q, k, v)
+    other = adaattn.nn.AdaptiveRankAttention(replan_every=10, check_every=1)
+    other.plan = first.plan
+    for _ in range(3):
+        torch.testing.assert_close(other(q, k, v), first(q, k, v))
+    assert other.plans_made == 0
 
 
 def test_module_max_error_and_gradients(device):
