@@ -169,7 +169,7 @@ def measure_attention(args, json_rows: List[dict]) -> List[str]:
         json_rows.append(results_io.row(
             f"{kind} q/k, {'causal' if causal else 'non-causal'}: {case}", direction,
             {"adaattn": ours, "adaattn-flash": flash}, ratio=round(ratio, 4),
-            bar=f"flash / adaattn >= {bar:.3f}", passed=ok,
+            bar=f"flash / adaattn >= {bar:.3f}", passed="yes" if ok else "NO",
             config=dict(config, causal=causal), **extra))
 
     for kind in ("planted", "random"):
@@ -199,7 +199,7 @@ def measure_attention(args, json_rows: List[dict]) -> List[str]:
                     f"{kind} q/k: rank_plan(method={method!r}) against one flash_attn forward",
                     "fwd", {"adaattn": ms, "adaattn-flash": flash_fwd},
                     share_of_flash=round(share, 4), bar=f"<= {PLAN_BAR:.0%} of flash",
-                    passed=ok, ranks=ranks, config=config))
+                    passed="yes" if ok else "NO", ranks=ranks, config=config))
         qg, kg, vg = (t.detach().requires_grad_(True) for t in (q, k, v))
         prefix = "" if kind == "planted" else "full rank, "
         for causal in (False, True):
