@@ -9,11 +9,12 @@ from .kvcache import KVCache
 from .lazy import LazyStats, lazy_attn, lazy_attn_varlen
 from .linear import linear_attn
 from .rank import (RankPlan, adaptive_rank_attn, low_rank_attn, rank_error_bound,
-                   rank_plan)
+                   rank_error_estimate, rank_plan)
 
 __all__ = ["BlockSparseMask", "KVCache", "LazyStats", "RankPlan", "adaptive_rank_attn",
            "block_sparse_attn", "build_info", "distributed", "flash_attn", "flash_attn_varlen",
            "flash_attn_with_kvcache", "lazy_attn", "lazy_attn_varlen", "lazy_attn_with_kvcache",
-           "linear_attn", "low_rank_attn", "nn", "ops", "rank_error_bound", "rank_plan",
+           "linear_attn", "low_rank_attn", "nn", "ops", "rank_error_bound",
+           "rank_error_estimate", "rank_plan",
            "reference", "show_config"]
 __version__ = "0.1.0"

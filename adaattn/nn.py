@@ -231,3 +231,164 @@ class LinearAttention(nn.Module):
             return adaattn.linear_attn(q, k, v, feature_map=self.feature_map, causal=self.causal,
                                        normalize=self.normalize, cu_seqlens=cu_seqlens,
                                        initial_state=initial_state, return_state=return_state)
+
+
+class AdaptiveRankAttention(nn.Module):
+    """Adaptive-rank attention (spec §3.4, §3.9) that plans rarely and reuses the plan.
+
+    The attention core only: given ``q [B, Hq, Lq, D]``, ``k [B, Hkv, Lk, D]``, ``v [B, Hkv,
+    Lk, Dv]`` it returns :func:`adaattn.low_rank_attn` with a cached :class:`adaattn.RankPlan`
+    (gradients for q, k, v; the basis is a constant), or :func:`adaattn.flash_attn` when the
+    plan keeps all D directions, so a full-rank plan costs what flash_attn costs.
+
+    The plan (detached) is made on the first call, every ``replan_every`` calls, when B, Hkv,
+    D or the device change, after :meth:`replan`, and, with ``check_every > 0``, when the
+    sampled error estimate (:func:`adaattn.rank_error_estimate`, relative, ``samples`` rows)
+    taken every ``check_every`` calls has drifted: above ``drift`` times its value right after
+    planning, or above ``max_error`` when that is set. Each plan costs :func:`adaattn.rank_plan`
+    (or, with ``max_error``, the error-driven choice of :func:`adaattn.adaptive_rank_attn`)
+    and one host synchronisation; each drift check one more. Between them a call is one
+    low-rank (or flash) attention. Plans are per module: for a plan shared by several layers
+    assign ``other.plan = module.plan`` (ranks are per (batch, kv head), so the layers must
+    see similar q and k subspaces).
+
+    Args:
+        energy, min_rank, multiple, method: as in :func:`adaattn.rank_plan`.
+        max_error: plan by target relative error instead of energy (see
+            :func:`adaattn.adaptive_rank_attn`), and the drift threshold.
+        causal, softmax_scale: as in :func:`adaattn.low_rank_attn`.
+        replan_every: calls between plans (positive int).
+        check_every: calls between drift checks (0: none).
+        drift: allowed growth of the estimated error before re-planning (> 1).
+        samples: rows of each error estimate.
+
+    Raises:
+        TypeError, ValueError: arguments of the wrong type or range, messages starting
+            ``adaattn.nn.AdaptiveRankAttention:``; in forward, what :func:`adaattn.rank_plan`
+            and :func:`adaattn.low_rank_attn` raise.
+    """
+
+    def __init__(self, energy: float = 0.99, *, max_error: Optional[float] = None,
+                 causal: bool = False, softmax_scale: Optional[float] = None,
+                 min_rank: int = 16, multiple: int = 16, method: str = "sketch",
+                 replan_every: int = 100, check_every: int = 0, drift: float = 2.0,
+                 samples: int = 64):
+        super().__init__()
+        op = "nn.AdaptiveRankAttention"
+        energy = C.real(op, "energy", energy)
+        C.check(0.0 < energy <= 1.0, ValueError, op, "energy must be in (0, 1], got ", energy)
+        if max_error is not None:
+            max_error = C.real(op, "max_error", max_error)
+            C.check(max_error > 0, ValueError, op, "max_error must be positive, got ",
+                    max_error)
+        C.boolean(op, "causal", causal)
+        C.optional_float(op, "softmax_scale", softmax_scale)
+        for name, value, least in (("min_rank", min_rank, 1), ("multiple", multiple, 1),
+                                   ("replan_every", replan_every, 1),
+                                   ("check_every", check_every, 0), ("samples", samples, 1)):
+            C.integer(op, name, value)
+            C.check(value >= least, ValueError, op, name, " must be >= ", least, ", got ", value)
+        C.check(method in ("sketch", "exact"), ValueError, op,
+                "method must be 'sketch' or 'exact', got ", repr(method))
+        drift = C.real(op, "drift", drift)
+        C.check(drift > 1.0, ValueError, op, "drift must be > 1, got ", drift)
+        self.energy, self.max_error, self.causal = energy, max_error, causal
+        self.softmax_scale, self.min_rank, self.multiple = softmax_scale, min_rank, multiple
+        self.method, self.replan_every, self.check_every = method, replan_every, check_every
+        self.drift, self.samples = drift, samples
+        self._plan = None
+        self.plans_made = 0
+        self._calls_since_plan = 0
+        self._planned_error: Optional[torch.Tensor] = None
+
+    def extra_repr(self) -> str:
+        target = f"max_error={self.max_error}" if self.max_error is not None else \
+            f"energy={self.energy}"
+        return (f"{target}, causal={self.causal}, replan_every={self.replan_every}, "
+                f"check_every={self.check_every}")
+
+    @property
+    def plan(self):
+        """The cached :class:`adaattn.RankPlan` (None before the first call). Assigning one (e.g.
+        another layer's) makes this module use it until its next re-plan."""
+        return self._plan
+
+    @plan.setter
+    def plan(self, plan) -> None:
+        self._plan = plan
+        self._calls_since_plan = 0
+        self._planned_error = None
+
+    def replan(self) -> None:
+        """Drop the cached plan: the next call plans again."""
+        self.plan = None
+
+    def _estimate(self, q, k, v) -> torch.Tensor:
+        from .rank import rank_error_estimate
+        return rank_error_estimate(q, k, v, self.plan.basis, causal=self.causal,
+                                   softmax_scale=self.softmax_scale, samples=self.samples,
+                                   relative=True)
+
+    def _make_plan(self, q, k, v) -> None:
+        from . import rank
+        op = "nn.AdaptiveRankAttention"
+        if self.max_error is None:
+            self.plan = rank.rank_plan(q, k, energy=self.energy, min_rank=self.min_rank,
+                                       multiple=self.multiple, method=self.method)
+        else:
+            group = rank._check_plan_args(op, q, k, self.energy, self.min_rank, self.multiple)
+            C.check_flash_inputs(op, q, k, v)
+            gram, exact = rank._plan_gram(q, k, group)
+            rank._check_finite(op, bool(torch.isfinite(gram).all()))
+            scale = q.shape[-1] ** -0.5 if self.softmax_scale is None else self.softmax_scale
+            self.plan = rank._plan_for_error(op, q, k, v, gram, exact, self.max_error,
+                                             self.min_rank, self.multiple, self.causal, scale,
+                                             group, self.samples)
+        self.plans_made += 1
+        self._calls_since_plan = 0
+        self._planned_error = None
+        full = self.plan.basis.shape[-1] == q.shape[-1]
+        if self.check_every and self.max_error is None and not full:
+            self._planned_error = self._estimate(q, k, v)
+
+    def _needs_plan(self, q, k, v) -> bool:
+        if self.plan is None or self._calls_since_plan >= self.replan_every:
+            return True
+        basis = self.plan.basis
+        if (tuple(basis.shape[:3]) != (k.shape[0], k.shape[1], k.shape[3])
+                or basis.device != q.device):
+            return True
+        if not self.check_every or self._calls_since_plan % self.check_every:
+            return False
+        if basis.shape[-1] == q.shape[-1]:
+            return False  # exact attention: no error to drift (replan_every revisits it)
+        estimate = self._estimate(q, k, v)
+        if self.max_error is not None:
+            return bool((estimate > self.max_error).any())
+        if self._planned_error is None:  # an assigned plan: its first check is the reference
+            self._planned_error = estimate
+            return False
+        # Floor: errors at float32 rounding level are not a drift.
+        limit = self.drift * self._planned_error.clamp(min=1e-6)
+        return bool((estimate > limit).any())
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q ``[B, Hq, Lq, D]``, k ``[B, Hkv, Lk, D]``, v ``[B, Hkv, Lk, Dv]`` ->
+        ``[B, Hq, Lq, Dv]``."""
+        import adaattn
+
+        device_type = q.device.type
+        if torch.is_autocast_enabled(device_type):
+            dtype = torch.get_autocast_dtype(device_type)
+            q, k, v = (t.to(dtype) for t in (q, k, v))
+        with torch.no_grad():
+            qd, kd, vd = q.detach(), k.detach(), v.detach()
+            if self._needs_plan(qd, kd, vd):
+                self._make_plan(qd, kd, vd)
+        self._calls_since_plan += 1
+        with torch.autocast(device_type, enabled=False):
+            if self.plan.basis.shape[-1] == q.shape[-1]:
+                return adaattn.flash_attn(q, k, v, causal=self.causal,
+                                          softmax_scale=self.softmax_scale)
+            return adaattn.low_rank_attn(q, k, v, self.plan.basis, causal=self.causal,
+                                         softmax_scale=self.softmax_scale)

@@ -1,5 +1,18 @@
-"""Benchmarks adaattn.rank_plan's pieces on CUDA (spec §3.4: the plan should cost well under one
-attention forward).
+"""Benchmarks adaattn.rank_plan and adaptive-rank attention on CUDA against flash_attn (spec §3.4,
+§3.9; issue 33's bars, bf16, B=4, H=16, L=4096, D=128).
+
+Part 1, the plan against one attention forward (bar: rank_plan <= 15% of one non-causal
+flash_attn forward): rank_plan with method="sketch" and method="exact" on planted rank-32 and on
+random inputs, and flash_attn forward on the same inputs, all by triton's do_bench.
+
+Part 2, attention against flash_attn, causal and not, forward and forward+backward (dq, dk, dv):
+* planted rank 32 (1% noise): adaptive_rank_attn planning every call (bars: flash / ours >=
+  1.1x forward, >= 1.25x forward+backward) and nn.AdaptiveRankAttention reusing its plan (bars:
+  >= 1.25x / >= 1.35x);
+* random full-rank inputs: adaptive_rank_attn (bar: cost <= 1.03x flash, i.e. flash / ours >=
+  0.971) and nn.AdaptiveRankAttention at its (full-rank) plan, which calls flash_attn.
+
+Part 3, the plan's pieces (below).
 
 Configs: q, k bf16 [4, 16, 4096, 128] (Hkv = 16, 64 Gram matrices of 128 x 128) and the GQA case
 Hkv = 4 (k [4, 4, 4096, 128], 16 matrices), with random normal inputs and with a planted rank-32
@@ -17,7 +30,7 @@ Writes benchmarks/results/rank.json: per (Hkv, inputs), the Gram step against th
 way, sym_eig and sym_eig_top against float64 torch.linalg.eigh, the certificate and the whole
 rank_plan (direction "fwd": the plan has no backward); prints the table.
 
-    python benchmarks/bench_rank.py [--markdown] [--results-dir DIR]
+    python benchmarks/bench_rank.py [--markdown] [--results-dir DIR] [--skip-pieces]
 """
 import argparse
 import datetime
@@ -33,6 +46,7 @@ import results_io  # noqa: E402
 
 adaattn = ba.adaattn  # None when the extension is not built (--help still works)
 if adaattn is not None:
+    from adaattn import rank as rank_module  # noqa: E402
     from adaattn.rank import _gram  # noqa: E402
 
 BATCH, HEADS, LENGTH, DIM = 4, 16, 4096, 128
@@ -96,6 +110,121 @@ def measure(hkv: int, kind: str, args, accuracies: Optional[Dict] = None) -> Lis
     return rows
 
 
+PLANTED_NOISE = 0.01
+ENERGY = 0.99
+# (name, direction, minimum flash / adaattn) of issue 33.
+BARS = {("plan each call", "fwd"): 1.1, ("plan each call", "fwd+bwd"): 1.25,
+        ("plan reused", "fwd"): 1.25, ("plan reused", "fwd+bwd"): 1.35,
+        ("full rank, plan each call", "fwd"): 1 / 1.03,
+        ("full rank, plan each call", "fwd+bwd"): 1 / 1.03,
+        ("full rank, plan reused", "fwd"): 1 / 1.03,
+        ("full rank, plan reused", "fwd+bwd"): 1 / 1.03}
+PLAN_BAR = 0.15
+
+
+def attention_inputs(kind: str, gen: torch.Generator):
+    """q, k [B, H, L, D] bf16 (Hkv = H): planted rank 32 with unit-scale entries plus 1% noise,
+    or random normal."""
+    shape = (BATCH, HEADS, LENGTH, DIM)
+    if kind == "random":
+        return tuple(torch.randn(shape, device="cuda", generator=gen).bfloat16()
+                     for _ in range(2))
+    basis = torch.linalg.qr(torch.randn(BATCH, HEADS, DIM, PLANTED_RANK, device="cuda",
+                                        generator=gen))[0]
+    scale = (DIM / PLANTED_RANK) ** 0.5
+
+    def draw():
+        x = torch.randn(BATCH, HEADS, LENGTH, PLANTED_RANK, device="cuda", generator=gen)
+        x = x @ basis.mT * scale
+        return (x + PLANTED_NOISE * torch.randn(x.shape, device="cuda", generator=gen)).bfloat16()
+
+    return draw(), draw()
+
+
+def bench_pair(fn, inputs, dout, args):
+    """(forward ms, forward+backward ms) of fn(*inputs), triton do_bench (L2 flushed)."""
+    grads = [t for t in inputs if t.requires_grad]
+    fwd = ba._do_bench(lambda: fn(*inputs), args.bench_warmup, args.bench_rep, grads)
+    both = ba._do_bench(lambda: fn(*inputs).backward(dout), args.bench_warmup, args.bench_rep,
+                        grads)
+    return fwd, both
+
+
+def measure_attention(args, json_rows: List[dict]) -> List[str]:
+    """Parts 1 and 2; appends results_io rows, returns markdown table lines."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    v = torch.randn(BATCH, HEADS, LENGTH, DIM, device="cuda", generator=gen).bfloat16()
+    dout = torch.randn(BATCH, HEADS, LENGTH, DIM, device="cuda", generator=gen).bfloat16()
+    config = {"b": BATCH, "h": HEADS, "l": LENGTH, "d": DIM}
+    lines = ["| inputs | causal | case | direction | adaattn ms | flash ms | flash / adaattn | "
+             "bar | pass |", "|---|---|---|---|---:|---:|---:|---:|---|"]
+
+    def report(kind, causal, case, direction, ours, flash, bar, **extra):
+        ratio = flash / ours
+        ok = ratio >= bar
+        line = (f"| {kind} | {causal} | {case} | {direction} | {ours:.3f} | {flash:.3f} | "
+                f"{ratio:.3f} | >= {bar:.3f} | {'yes' if ok else 'NO'} |")
+        lines.append(line)
+        print(line, flush=True)
+        json_rows.append(results_io.row(
+            f"{kind} q/k, {'causal' if causal else 'non-causal'}: {case}", direction,
+            {"adaattn": ours, "adaattn-flash": flash}, ratio=round(ratio, 4),
+            bar=f"flash / adaattn >= {bar:.3f}", passed="yes" if ok else "NO",
+            config=dict(config, causal=causal), **extra))
+
+    for kind in ("planted", "random"):
+        q, k = attention_inputs(kind, gen)
+        with torch.no_grad():
+            flash_fwd = ba._do_bench(lambda: adaattn.flash_attn(q, k, v), args.bench_warmup,
+                                     args.bench_rep, [])
+            default_iters = rank_module._SKETCH_POWER_ITERS
+            for method, iters in (("sketch", default_iters), ("sketch", 1 - default_iters),
+                                  ("exact", default_iters)):
+                rank_module._SKETCH_POWER_ITERS = iters
+                plan = adaattn.rank_plan(q, k, energy=ENERGY, method=method)
+                ranks = plan.ranks.unique().tolist()
+                ms = ba._do_bench(lambda: adaattn.rank_plan(q, k, energy=ENERGY, method=method),
+                                  args.bench_warmup, args.bench_rep, [])
+                rank_module._SKETCH_POWER_ITERS = default_iters
+                share = ms / flash_fwd
+                ok = share <= PLAN_BAR
+                if method == "sketch":
+                    method = f"sketch, {iters} power iteration{'s' * (iters != 1)}"
+                line = (f"| {kind} | - | rank_plan(method={method!r}) vs one flash forward, "
+                        f"ranks {ranks} | fwd | {ms:.3f} | {flash_fwd:.3f} | {share:.1%} of "
+                        f"flash | <= {PLAN_BAR:.0%} | {'yes' if ok else 'NO'} |")
+                lines.append(line)
+                print(line, flush=True)
+                json_rows.append(results_io.row(
+                    f"{kind} q/k: rank_plan(method={method!r}) against one flash_attn forward",
+                    "fwd", {"adaattn": ms, "adaattn-flash": flash_fwd},
+                    share_of_flash=round(share, 4), bar=f"<= {PLAN_BAR:.0%} of flash",
+                    passed="yes" if ok else "NO", ranks=ranks, config=config))
+        qg, kg, vg = (t.detach().requires_grad_(True) for t in (q, k, v))
+        prefix = "" if kind == "planted" else "full rank, "
+        for causal in (False, True):
+            flash = bench_pair(lambda a, b, c: adaattn.flash_attn(a, b, c, causal=causal),
+                               (qg, kg, vg), dout, args)
+            each = bench_pair(lambda a, b, c: adaattn.adaptive_rank_attn(
+                a, b, c, energy=ENERGY, causal=causal), (qg, kg, vg), dout, args)
+            module = adaattn.nn.AdaptiveRankAttention(ENERGY, causal=causal,
+                                                      replan_every=10 ** 9)
+            module(q, k, v)
+            width = module.plan.basis.shape[-1]
+            reused = bench_pair(module, (qg, kg, vg), dout, args)
+            assert module.plans_made == 1
+            for i, direction in enumerate(("fwd", "fwd+bwd")):
+                case = prefix + "plan each call"
+                report(kind, causal, case + " (adaptive_rank_attn)", direction, each[i],
+                       flash[i], BARS[(case, direction)])
+                case = prefix + "plan reused"
+                report(kind, causal, case + f" (nn.AdaptiveRankAttention, width {width})",
+                       direction, reused[i], flash[i], BARS[(case, direction)])
+        del q, k, qg, kg, vg
+        torch.cuda.empty_cache()
+    return lines
+
+
 def render(rows: List[list]) -> str:
     lines = ["| Hkv | matrices | inputs | step | ms |", "|---:|---:|:---|:---|---:|"]
     for hkv, kind, name, ms in rows:
@@ -150,6 +279,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--eigh-reps", type=int, default=3, help="reps of the slow float64 eigh")
+    parser.add_argument("--bench-warmup", type=int, default=25,
+                        help="do_bench warmup of parts 1 and 2, ms")
+    parser.add_argument("--bench-rep", type=int, default=100,
+                        help="do_bench measuring time of parts 1 and 2, ms")
+    parser.add_argument("--skip-pieces", action="store_true",
+                        help="skip part 3 (the plan's pieces, incl. the slow float64 eigh)")
     results_io.add_arguments(parser, "rank")
     args = parser.parse_args(argv[1:])
     if adaattn is None:
@@ -160,21 +295,29 @@ def main(argv: Optional[List[str]] = None) -> int:
         print("bench_rank.py needs a CUDA device", file=sys.stderr)
         return 2
     torch.manual_seed(0)
+    attention_rows: List[dict] = []
+    attention_table = measure_attention(args, attention_rows)
     rows: List[list] = []
     accuracies: Dict = {}
-    for hkv in KV_HEADS:
-        for kind in ("random", "planted"):
-            rows += measure(hkv, kind, args, accuracies)
-    title = "rank_plan (spec §3.4): Gram, sym_eig, eigh, whole plan"
-    body = f"## {title}\n\n{metadata(argv)}\n\n{render(rows)}"
+    if not args.skip_pieces:
+        for hkv in KV_HEADS:
+            for kind in ("random", "planted"):
+                rows += measure(hkv, kind, args, accuracies)
+    title = ("adaptive rank (spec §3.4, §3.9): rank_plan and adaptive_rank_attn against "
+             "flash_attn; the plan's pieces")
+    body = (f"## {title}\n\n{metadata(argv)}\n\n" + "\n".join(attention_table)
+            + (f"\n\n{render(rows)}" if rows else ""))
     if args.markdown:
         print()
         print(body)
     if not args.no_write:
-        setup = (f"q bf16 [{BATCH}, {HEADS}, {LENGTH}, {DIM}], k [{BATCH}, Hkv, {LENGTH}, "
-                 f"{DIM}]; planted: rank {PLANTED_RANK} + 0.05 noise; rank_plan timed on the "
-                 "host with its one host synchronisation; time: median of CUDA events")
-        path = results_io.write(args.family or "rank", json_rows(rows, accuracies), title=title,
+        setup = (f"bf16 q, k, v [{BATCH}, {HEADS}, {LENGTH}, {DIM}]; parts 1-2: planted rank "
+                 f"{PLANTED_RANK} + {PLANTED_NOISE:.0%} noise or random, energy {ENERGY}, "
+                 "median of triton do_bench (L2 flushed), rank_plan timed with its host "
+                 "synchronisation; part 3 (the plan's pieces, k [4, Hkv, 4096, 128], planted "
+                 "+ 0.05 noise): median of CUDA events")
+        path = results_io.write(args.family or "rank",
+                                attention_rows + json_rows(rows, accuracies), title=title,
                                 setup=setup, argv=argv, results_dir=args.results_dir)
         print(f"wrote {path}")
     return 0
