@@ -112,19 +112,20 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_dq_sm90_kernel(const 
       // No key tiles: the consumers write zeros over sQ without waiting, so nothing may load.
       if (tiles.count == 0) return;
       // Q and dO join the first group.
+      // Padding rows and keys load as zeros (see bwd_sm90.h).
       sm90::load_tile_gmma<kBlockM, DK, 128>(sQ, q_rows<T>(p, lens, b, h, m0), p.q_row_stride,
-                                             valid_q, ptid);
+                                             lens.q - m0, ptid);
       sm90::load_tile_gmma<kBlockM, DV, 128>(sdO, dout_rows<T>(p, lens, b, h, m0),
-                                             p.do_row_stride, valid_q, ptid);
+                                             p.do_row_stride, lens.q - m0, ptid);
       for (int j = 0; j < tiles.count; ++j) {
         if (j >= 2) sm90::mbar_wait(&empty[j % 2], ((j - 2) >> 1) & 1);
         const int n0 = tiles.at(j) * BN;
         sm90::load_tile_gmma<BN, DK, 128>(sK + (j % 2) * Traits::kKElems,
                                           k + static_cast<int64_t>(n0) * p.k_row_stride,
-                                          p.k_row_stride, lens.rows_k - n0, ptid);
+                                          p.k_row_stride, lens.k - n0, ptid);
         sm90::load_tile_gmma<BN, DV, 128>(sV + (j % 2) * Traits::kVElems,
                                           v + static_cast<int64_t>(n0) * p.v_row_stride,
-                                          p.v_row_stride, lens.rows_k - n0, ptid);
+                                          p.v_row_stride, lens.k - n0, ptid);
         cp_async_commit();
         cp_async_wait<0>();
         sm90::fence_proxy_async();

@@ -81,16 +81,16 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_rows_sm90_kernel(cons
       const int n0 = n_block * BN;
       sm90::load_tile_gmma<BN, D, kThreads>(sK + stage * Traits::kKeyElems,
                                             k + static_cast<int64_t>(n0) * p.k_row_stride,
-                                            p.k_row_stride, lens.rows_k - n0, tid);
+                                            p.k_row_stride, lens.k - n0, tid);
       sm90::load_tile_gmma<BN, D, kThreads>(sV + stage * Traits::kKeyElems,
                                             v + static_cast<int64_t>(n0) * p.v_row_stride,
-                                            p.v_row_stride, lens.rows_k - n0, tid);
+                                            p.v_row_stride, lens.k - n0, tid);
     };
     // Commit groups: {Q, dO, K0, V0}, then {K i+1, V i+1} in iteration i.
     sm90::load_tile_gmma<kBlockM, D, kThreads>(sQ, q_rows<T>(p, lens, b, h, m0),
-                                               p.q_row_stride, valid_q, tid);
+                                               p.q_row_stride, lens.q - m0, tid);
     sm90::load_tile_gmma<kBlockM, D, kThreads>(sdO, dout_rows<T>(p, lens, b, h, m0),
-                                               p.do_row_stride, valid_q, tid);
+                                               p.do_row_stride, lens.q - m0, tid);
     load_kv(0, tiles.at(0));
     cp_async_commit();
     for (int i = 0; i < tiles.count; ++i) {

@@ -163,8 +163,8 @@ __device__ __forceinline__ void bwd_dkdv_block(const AttnParams& p, int block) {
       query.at(p, s, h, m0);
       const T* q = q_rows<T>(p, lens, b, h, m0);
       const T* d = dout_rows<T>(p, lens, b, h, m0);
-      load_tile_async<BM, DK, kThreads>(sQ(buf), q, p.q_row_stride, lens.rows_q - m0, tid);
-      load_tile_async<BM, DV, kThreads>(sdO(buf), d, p.do_row_stride, lens.rows_q - m0, tid);
+      load_tile_async<BM, DK, kThreads>(sQ(buf), q, p.q_row_stride, lens.q - m0, tid);
+      load_tile_async<BM, DV, kThreads>(sdO(buf), d, p.do_row_stride, lens.q - m0, tid);
       const int64_t lse_off = row_stat_offset(p, lens, b, h);
       for (int i = tid; i < BM; i += kThreads) {
         const bool valid = m0 + i < lens.rows_q;
@@ -178,8 +178,8 @@ __device__ __forceinline__ void bwd_dkdv_block(const AttnParams& p, int block) {
     };
 
     if (steps > 0) {
-      load_tile_async<kBlockN, DK, kThreads>(sK, kptr, p.k_row_stride, valid_k, tid);
-      load_tile_async<kBlockN, DV, kThreads>(sV, vptr, p.v_row_stride, valid_k, tid);
+      load_tile_async<kBlockN, DK, kThreads>(sK, kptr, p.k_row_stride, lens.k - n0, tid);
+      load_tile_async<kBlockN, DV, kThreads>(sV, vptr, p.v_row_stride, lens.k - n0, tid);
       issue_step(0, 0);
       cp_async_commit();
     }
@@ -420,12 +420,12 @@ __device__ __forceinline__ void bwd_dq_block(const AttnParams& p, int block) {
       auto issue_kv = [&](int n_block, int buf) {
         const int n0 = n_block * BN;
         load_tile_async<BN, DK, kThreads>(sK(buf), k + static_cast<int64_t>(n0) * p.k_row_stride,
-                                          p.k_row_stride, lens.rows_k - n0, tid);
+                                          p.k_row_stride, lens.k - n0, tid);
         load_tile_async<BN, DV, kThreads>(sV(buf), v + static_cast<int64_t>(n0) * p.v_row_stride,
-                                          p.v_row_stride, lens.rows_k - n0, tid);
+                                          p.v_row_stride, lens.k - n0, tid);
       };
-      load_tile_async<kBlockM, DK, kThreads>(sQ, q, p.q_row_stride, valid_q, tid);
-      load_tile_async<kBlockM, DV, kThreads>(sdO, dout, p.do_row_stride, valid_q, tid);
+      load_tile_async<kBlockM, DK, kThreads>(sQ, q, p.q_row_stride, lens.q - m0, tid);
+      load_tile_async<kBlockM, DV, kThreads>(sdO, dout, p.do_row_stride, lens.q - m0, tid);
       issue_kv(tiles.at(0), 0);
       cp_async_commit();
 

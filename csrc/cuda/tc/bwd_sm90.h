@@ -133,6 +133,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   const RowSpan rows = rows_meeting_keys(p, lens, n0, n0 + kBlockN);
   const T* kptr = k_rows<T>(p, lens, b, h_kv, n0);
   const T* vptr = v_rows<T>(p, lens, b, h_kv, n0);
+  // Padding (rows past lens.q / lens.k) is loaded as zeros, so whatever it holds reaches no
+  // gradient through the masked entries' zero P; outputs are written up to rows_k.
   const int valid_k = lens.rows_k - n0;
 
   float dk[1][DKT][4];
@@ -149,14 +151,14 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
       const T* d = dout_rows<T>(p, lens, b, h, m0);
       // Per-chunk addresses from an opaque tid are recomputed each step, not kept live.
       const int ltid = sm90::opaque(tid);
-      sm90::load_tile_gmma<BM, DK, kThreads>(sQ(buf), q, p.q_row_stride, lens.rows_q - m0, ltid);
-      sm90::load_tile_gmma<BM, DV, kThreads>(sdO(buf), d, p.do_row_stride, lens.rows_q - m0,
-                                             ltid);
-      // Raw lse and delta of the step's rows, with the tiles (rows past the sequence: 0; they
-      // and rows with lse = -inf see no key, so the mask zeroes their P whatever lse is).
+      sm90::load_tile_gmma<BM, DK, kThreads>(sQ(buf), q, p.q_row_stride, lens.q - m0, ltid);
+      sm90::load_tile_gmma<BM, DV, kThreads>(sdO(buf), d, p.do_row_stride, lens.q - m0, ltid);
+      // Raw lse and delta of the step's rows, with the tiles (rows past the sequence or its
+      // padding: 0; they and rows with lse = -inf see no key, so the mask zeroes their P
+      // whatever lse is).
       if (tid < BM) {
         const int64_t off = row_stat_offset(p, lens, b, h) + m0 + tid;
-        const bool valid = m0 + tid < lens.rows_q;
+        const bool valid = m0 + tid < lens.q;
         cp_async4(sLse0 + buf * BM + tid, p.lse + (valid ? off : 0), valid);
         cp_async4(sDelta0 + buf * BM + tid, p.delta + (valid ? off : 0), valid);
         if (kLsePass) {
@@ -166,8 +168,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
         }
       }
     };
-    sm90::load_tile_gmma<kBlockN, DK, kThreads>(sK, kptr, p.k_row_stride, valid_k, tid);
-    sm90::load_tile_gmma<kBlockN, DV, kThreads>(sV, vptr, p.v_row_stride, valid_k, tid);
+    sm90::load_tile_gmma<kBlockN, DK, kThreads>(sK, kptr, p.k_row_stride, lens.k - n0, tid);
+    sm90::load_tile_gmma<kBlockN, DV, kThreads>(sV, vptr, p.v_row_stride, lens.k - n0, tid);
     int h, m0;  // this step's query head and first row
     query.at(p, 0, h, m0);
     issue_step(0, h, m0);
@@ -250,6 +252,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
       }
       uint32_t pa[1][NT / 2][4];
       uint32_t live = 0;  // non-normalised: bit 4 ni + e is M of st[0][ni][e]
+      bool any_weight = false;  // non-normalised: a weight != 0 (a NaN one included)
       float scale = p.scale_log2;
       if (!Mod::kIdentity && Mod::tile_active(p, lens, m0, n0 + warp_row0 + 15)) {
 #pragma unroll
@@ -278,6 +281,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
                 in = qcol >= r.first && qcol < r.last;
               }
               a[e] = in ? Transform::weight(pe, ce) : 0.f;
+              any_weight |= a[e] != 0.f;
               st[0][ni][e] = in ? pe : 0.f;
               live |= static_cast<uint32_t>(in && Transform::live(pe, ce)) << (4 * ni + e);
             }
@@ -318,8 +322,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
         to_a_frags<1, NT, T>(st, pa);
       }
       // dV += P^T dO (non-normalised: A^T dO, skipped when the warpgroup's weights are all
-      // zero): dO [BM][DV] is read transposed.
-      if (!kLsePass || sm90::warpgroup_any(live != 0, wg)) {
+      // zero; a NaN weight is not M = 1 but must still reach dV): dO [BM][DV] is read
+      // transposed.
+      if (!kLsePass || sm90::warpgroup_any(any_weight, wg)) {
         sm90::fence_operand(dv[0]);
         sm90::wgmma_fence();
         const uint64_t do_t_desc = sm90::opaque(sm90::gmma_desc_mn<BM, DV>(sdO(buf)));
@@ -427,9 +432,11 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
         sm90::fence_operand(dv[0]);
 
         // dQ is staged for the bulk reduction after the next barrier (no per-thread atomics to
-        // hold up the next step); rows past the sequence add zeros to the rows after them.
+        // hold up the next step); rows past the sequence (padding included: their dQ is 0)
+        // add zeros to the rows after them. The loop bounds rows by lens.q only, so that it
+        // keeps one row bound live, not two.
         {
-          const int valid_q = lens.rows_q - m0;
+          const int valid_q = lens.q - m0;
           const int64_t row0 = row_stat_offset(p, lens, b, h) + m0;
           float* const stage = sDq + (kDqSplit ? 0 : wg * BM * DK);
           const int q0 = (warp % 4) * 16;
