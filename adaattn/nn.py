@@ -270,7 +270,7 @@ class AdaptiveRankAttention(nn.Module):
 
     def __init__(self, energy: float = 0.99, *, max_error: Optional[float] = None,
                  causal: bool = False, softmax_scale: Optional[float] = None,
-                 min_rank: int = 16, multiple: int = 16, method: str = "sketch",
+                 min_rank: int = 16, multiple: int = 16, method: str = "exact",
                  replan_every: int = 100, check_every: int = 0, drift: float = 2.0,
                  samples: int = 64):
         super().__init__()

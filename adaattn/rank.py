@@ -165,7 +165,7 @@ def _check_qk(op: str, q: torch.Tensor, k: torch.Tensor) -> int:
 
 @torch.no_grad()
 def rank_plan(q: torch.Tensor, k: torch.Tensor, *, energy: float = 0.99, min_rank: int = 16,
-              multiple: int = 16, method: str = "sketch") -> RankPlan:
+              multiple: int = 16, method: str = "exact") -> RankPlan:
     """Per (batch, kv head) subspace of the queries and keys, sized by spectral energy.
 
     For each ``(b, g)``: ``G = K^T K + sum over the query heads h of group g of Q_h^T Q_h``
@@ -173,7 +173,7 @@ def rank_plan(q: torch.Tensor, k: torch.Tensor, *, energy: float = 0.99, min_ran
     the smallest ``r >= min_rank``, rounded up to a multiple of ``multiple`` and capped at ``D``,
     whose largest eigenvalues hold ``energy`` of the trace. Two solvers:
 
-    * ``method="sketch"`` (default): randomized subspace iteration on ``G`` with a fixed-seed
+    * ``method="sketch"``: randomized subspace iteration on ``G`` with a fixed-seed
       Gaussian test matrix of ``max(D / 2, rank bucket + 8)`` columns, one power iteration,
       Cholesky QR in float64 and the small ``p x p`` Rayleigh-Ritz eigenproblem
       (``torch.ops.adaattn.sym_eig``; float64 inputs ``torch.linalg.eigh``). Batched GEMMs on
@@ -183,11 +183,11 @@ def rank_plan(q: torch.Tensor, k: torch.Tensor, *, energy: float = 0.99, min_ran
       at least ``energy`` of the trace exactly. When some head's rank plus 8 does not fit in
       the sketch (spread spectra, e.g. random full-rank inputs at energy 0.99), or
       ``energy = 1``, or ``D`` is small enough that the sketch would be ``D`` wide, the plan
-      is the exact one (the sketch's cost is then spent in vain). The default because it
-      avoids the ``D x D`` eigendecomposition, which cost half to most of a flash forward on
-      the H100 (issue 33), on the low-rank inputs where a plan pays; its own cost is the Gram
-      matrices plus ~80 small batched kernels (benchmarks/bench_rank.py measures both).
-    * ``method="exact"``: ``torch.ops.adaattn.sym_eig_top`` (batched tridiagonal eigensolver,
+      is the exact one (the sketch's cost is then spent in vain). It avoids the ``D x D``
+      eigendecomposition but is ~80 small batched kernels: on the H200 (B=4, H=16, L=4k,
+      D=128, planted rank 32) it took 2.8 ms (1.6 ms without the power iteration) against
+      exact's 0.49 ms, so it is not the default (benchmarks/bench_rank.py measures both).
+    * ``method="exact"`` (default): ``torch.ops.adaattn.sym_eig_top`` (batched tridiagonal eigensolver,
       float32, eigenvectors orthonormal to a few float32 ulps, computed for the first ``rank``
       columns only). float64 inputs (and ``D > 256``) take ``G`` in float64 and
       ``torch.linalg.eigh`` instead.
@@ -654,7 +654,7 @@ def _plan_for_error(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def adaptive_rank_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                        energy: float = 0.99, causal: bool = False,
                        softmax_scale: Optional[float] = None, min_rank: int = 16,
-                       multiple: int = 16, return_plan: bool = False, method: str = "sketch",
+                       multiple: int = 16, return_plan: bool = False, method: str = "exact",
                        max_error: Optional[float] = None, samples: int = 64
                        ) -> Union[torch.Tensor, Tuple[torch.Tensor, RankPlan]]:
     """:func:`rank_plan` (detached) followed by :func:`low_rank_attn` at the plan's rank.

@@ -145,7 +145,7 @@ def test_sketch_ranks_match_exact(device, dtype):
     for name, q, k in sketch_cases():
         q, k = q.to(device, dtype), k.to(device, dtype)
         for energy in (0.9, 0.99, 0.999):
-            sketch = adaattn.rank_plan(q, k, energy=energy)
+            sketch = adaattn.rank_plan(q, k, energy=energy, method="sketch")
             exact = adaattn.rank_plan(q, k, energy=energy, method="exact")
             diff = sketch.ranks - exact.ranks
             assert ((diff >= 0) & (diff <= 16)).all(), (name, energy, sketch.ranks, exact.ranks)
@@ -201,7 +201,7 @@ def test_sketch_holds_energy(device):
     q, k = decaying(2, 2, 256, 128, 8, gen)
     q, k = q.to(device), k.to(device)
     for energy in (0.9, 0.95, 0.99):
-        plan = adaattn.rank_plan(q, k, energy=energy)
+        plan = adaattn.rank_plan(q, k, energy=energy, method="sketch")
         gram = q.mT @ q + k.mT @ k
         u = exact_basis(plan).to(device)
         kept = (u.mT @ gram @ u).diagonal(dim1=-2, dim2=-1).sum(-1)
