@@ -69,6 +69,15 @@ def extension():
                          py_limited_api=True)
 
 
+class BuildExt(BuildExtension):
+    """torch's BuildExtension with its objects in build/temp, also for `pip install -e .` (whose
+    editable build otherwise compiles in a fresh temporary directory every time)."""
+
+    def finalize_options(self):
+        super().finalize_options()
+        self.build_temp = os.path.join(ROOT, "build", "temp")
+
+
 def abi3_tag():
     """"cpXY" of the Py_LIMITED_API value torch compiles py_limited_api extensions with."""
     version = int(cpp_extension.min_supported_cpython, 16)
@@ -78,7 +87,6 @@ def abi3_tag():
 setup(
     packages=find_packages(include=["adaattn", "adaattn.*"]),
     ext_modules=[extension()],
-    cmdclass={"build_ext": BuildExtension},
-    options={"bdist_wheel": {"py_limited_api": abi3_tag()},
-             "build_ext": {"build_temp": os.path.join("build", "temp")}},
+    cmdclass={"build_ext": BuildExt},
+    options={"bdist_wheel": {"py_limited_api": abi3_tag()}},
 )

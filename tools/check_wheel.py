@@ -21,7 +21,8 @@ Checks, each failing with a message that says what was found:
   6. in that venv, from an empty directory: ``import adaattn`` comes from the venv,
      ``__version__`` matches, ``show_config()`` runs, ``build_info()`` equals the in-tree
      build's (a CUDA build's wheel carries the CUDA kernels), and a float64 flash attention
-     forward and backward on the CPU matches ``torch``'s SDPA.
+     forward and backward on the CPU matches ``torch``'s SDPA; with a GPU and a CUDA build, a
+     bf16 flash attention on it is within twice SDPA's bf16 error.
 """
 import argparse
 import ast
@@ -37,8 +38,12 @@ import tempfile
 import time
 import zipfile
 
-from packaging.markers import default_environment
-from packaging.requirements import Requirement
+try:
+    from packaging.markers import default_environment
+    from packaging.requirements import Requirement
+except ImportError:  # an environment without packaging (the GPU machine): pip's copy
+    from pip._vendor.packaging.markers import default_environment
+    from pip._vendor.packaging.requirements import Requirement
 
 import torch
 from torch.utils import cpp_extension
@@ -65,7 +70,20 @@ grads = torch.autograd.grad(out.sum(), (q, k, v))
 ref_grads = torch.autograd.grad(ref.sum(), (q, k, v))
 for a, b in zip((out, *grads), (ref, *ref_grads)):
     assert torch.allclose(a, b, rtol=1e-10, atol=1e-12), (a - b).abs().max()
-print("[check_wheel] import, show_config, build_info and flash_attn fwd+bwd: ok")
+print("[check_wheel] import, show_config, build_info and CPU flash_attn fwd+bwd: ok")
+if "archs" in build_info and torch.cuda.is_available():
+    # The wheel's CUDA kernels: bf16 tensor-core flash attention against SDPA in bf16, both
+    # measured against float32 SDPA (the 2x rule of the test suite).
+    q, k, v = (torch.randn(2, 8, 1024, 128, device="cuda", dtype=torch.bfloat16,
+                           requires_grad=True) for _ in range(3))
+    out = adaattn.flash_attn(q, k, v, causal=True)
+    out.sum().backward()
+    exact = F.scaled_dot_product_attention(*(t.float() for t in (q, k, v)), is_causal=True)
+    peer = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    err, peer_err = ((t.float() - exact).norm() / exact.norm() for t in (out, peer))
+    assert err <= 2 * peer_err and torch.isfinite(q.grad).all(), (err, peer_err)
+    print(f"[check_wheel] CUDA bf16 flash_attn fwd+bwd on {torch.cuda.get_device_name()}: "
+          f"ok (error {err:.2e}, SDPA {peer_err:.2e})")
 """
 
 
@@ -173,7 +191,7 @@ def torch_only_dir(path: str) -> int:
     for dist in dists:
         # Unlike files from RECORD, locate_file("") is the site directory the files live in.
         site = str(dist.locate_file(""))
-        tops = {f.parts[0] for f in dist.files or [] if f.parts[0] != ".."}
+        tops = {f.parts[0] for f in dist.files or [] if f.parts[0] not in ("..", "__pycache__")}
         for top in tops:
             target = os.path.join(path, top)
             if not os.path.lexists(target) and os.path.exists(os.path.join(site, top)):
