@@ -55,17 +55,18 @@ pytest: build
 	@$(call timed,pytest,$(PY) -m pytest -q tests)
 
 # After the tests: install the CMake package and build and run examples/cpp against the install
-# (a separate CMake project doing find_package(adaattn)).
+# (a separate CMake project doing find_package(adaattn)). Its commands are separated by ";" so
+# that -e stops at any failure (an "a && b" list does not).
 ctest: $(STAMPS)/cmake-configure
 	@$(call timed,cmake build,cmake --build $(CMAKE_DIR) -j $(MAX_JOBS))
 	@$(call timed,ctest,ctest --test-dir $(CMAKE_DIR) --output-on-failure)
 	@$(call timed,cmake install + examples/cpp, \
-	  rm -rf $(CMAKE_INSTALL) && cmake --install $(CMAKE_DIR) --prefix $(CMAKE_INSTALL) >/dev/null \
-	  && cmake -S examples/cpp -B $(EXAMPLE_DIR) -G Ninja \
+	  rm -rf $(CMAKE_INSTALL); cmake --install $(CMAKE_DIR) --prefix $(CMAKE_INSTALL) >/dev/null; \
+	  cmake -S examples/cpp -B $(EXAMPLE_DIR) -G Ninja \
 	    -DCMAKE_MAKE_PROGRAM=$(abspath $(VENV)/bin/ninja) -DCMAKE_BUILD_TYPE=Release \
 	    -DCMAKE_PREFIX_PATH=$(CMAKE_INSTALL) \
-	    $(if $(wildcard /usr/bin/ccache),-DCMAKE_CXX_COMPILER_LAUNCHER=ccache) >/dev/null \
-	  && cmake --build $(EXAMPLE_DIR) && $(EXAMPLE_DIR)/train)
+	    $(if $(wildcard /usr/bin/ccache),-DCMAKE_CXX_COMPILER_LAUNCHER=ccache) >/dev/null; \
+	  cmake --build $(EXAMPLE_DIR); $(EXAMPLE_DIR)/train)
 
 # The wheel from the objects the build step left in build/temp (setup.py): with the same
 # compiler environment torch's ninja build finds them up to date and only links, so a CUDA build's
