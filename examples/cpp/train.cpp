@@ -6,7 +6,7 @@
 // so only the bias table can tell the attention where the previous token is: the loss falls
 // from ln(V) only if gradients reach it through the op's autograd.
 //
-// Usage: train [steps]  (default 60). Exits 1 when the final loss is not below a third of the
+// Usage: train [steps]  (default 80). Exits 1 when the final loss is not below a third of the
 // first, or when tau or bias got no gradient.
 #include <adaattn/adaattn.h>
 #include <torch/torch.h>
@@ -64,7 +64,7 @@ TORCH_MODULE(Model);
 }  // namespace
 
 int main(int argc, char** argv) {
-  const int steps = argc > 1 ? std::stoi(argv[1]) : 60;
+  const int steps = argc > 1 ? std::stoi(argv[1]) : 80;
   const int64_t vocab = 16, batch = 16, length = 64, channels = 32, heads = 2, window = 8;
   torch::manual_seed(0);
   const torch::Device device = torch::cuda::is_available() ? torch::kCUDA : torch::kCPU;
