@@ -6,6 +6,14 @@ Knobs (environment variables):
   ADAATTN_CUDA_ARCHS      semicolon list of SM versions to compile for (default "80;90a"; "90a"
                           adds the Hopper wgmma kernels, plain "90" builds only the SM80 ones)
   MAX_JOBS                parallel compile jobs (torch's ninja build)
+
+Objects go to build/temp (fixed, also for `pip install -e .`, whose default is a fresh temporary
+directory): a later `pip wheel --no-build-isolation .` with the same compiler and knobs finds them
+up to date in torch's ninja build and only links (Makefile, wheel-check).
+
+The op library includes no Python header and torch compiles it with -DPy_LIMITED_API at torch's
+oldest supported CPython, so the wheel is tagged abi3 from that version on (cp310-abi3 for torch
+2.11): one wheel serves every CPython >= 3.10 with the same torch.
 """
 import glob
 import os
@@ -14,6 +22,7 @@ import shutil
 from setuptools import find_packages, setup
 
 import torch
+from torch.utils import cpp_extension
 from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension, CUDA_HOME
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -60,9 +69,24 @@ def extension():
                          py_limited_api=True)
 
 
+class BuildExt(BuildExtension):
+    """torch's BuildExtension with its objects in build/temp, also for `pip install -e .` (whose
+    editable build otherwise compiles in a fresh temporary directory every time)."""
+
+    def finalize_options(self):
+        super().finalize_options()
+        self.build_temp = os.path.join(ROOT, "build", "temp")
+
+
+def abi3_tag():
+    """"cpXY" of the Py_LIMITED_API value torch compiles py_limited_api extensions with."""
+    version = int(cpp_extension.min_supported_cpython, 16)
+    return f"cp{version >> 24}{(version >> 16) & 0xFF}"
+
+
 setup(
     packages=find_packages(include=["adaattn", "adaattn.*"]),
     ext_modules=[extension()],
-    cmdclass={"build_ext": BuildExtension},
-    options={"bdist_wheel": {"py_limited_api": "cp39"}},
+    cmdclass={"build_ext": BuildExt},
+    options={"bdist_wheel": {"py_limited_api": abi3_tag()}},
 )
