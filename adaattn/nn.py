@@ -45,7 +45,9 @@ class FlashAttention(nn.Module):
         self.causal = C.boolean(op, "causal", causal)
         self.window = tuple(C.window_pair(op, window))
         self.softmax_scale = C.optional_float(op, "softmax_scale", softmax_scale)
-        self.softcap = C.softcap_value(op, softcap)
+        C.softcap_value(op, softcap)
+        # Kept as given: an int 0 stays a constant under torch.compile(dynamic=True) (flash.py).
+        self.softcap = softcap
         C.tensor(op, "alibi_slopes", alibi_slopes, optional=True)
         if alibi_slopes is not None:
             C.check(alibi_slopes.shape == (num_heads,), ValueError, op,
@@ -72,10 +74,11 @@ class FlashAttention(nn.Module):
         ``[B, Hq, Lq, Dv]``; packed: q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` with int32
         ``cu_seqlens [N + 1]`` -> ``[T, Hq, Dv]``."""
         # The variant tensors are float32 whatever the module was cast to.
-        mods = dict(softcap=self.softcap,
-                    alibi_slopes=None if self.alibi_slopes is None else self.alibi_slopes.float(),
+        mods = dict(alibi_slopes=None if self.alibi_slopes is None else self.alibi_slopes.float(),
                     sinks=None if self.sinks is None else self.sinks.float(),
                     rel_bias=None if self.rel_bias is None else self.rel_bias.float())
+        if self.softcap:
+            mods["softcap"] = self.softcap
         if cu_seqlens is not None:
             C.check(seqlens is None, ValueError, "nn.FlashAttention",
                     "seqlens (padding) and cu_seqlens (packing) exclude each other")
