@@ -234,6 +234,49 @@ def check_flash_options(op, softmax_scale, window_left, window_right, softcap):
           "softcap must be 0 (off) or a positive finite float32 value, got ", _num(softcap))
 
 
+def check_score_tensors(op, q, batch, alibi_slopes, sinks, rel_bias):
+    """The composed variant's tensors (ScoreTensors in attention_inputs.cpp): float32 on q's
+    device; alibi_slopes ``[Hq]`` or ``[B, Hq]`` (``batch`` = B, packed: the sequences), sinks
+    ``[Hq]``, rel_bias ``[Hq, W]`` with ``W >= 1``."""
+    heads = q.shape[1] if q.dim() >= 2 else 0
+
+    def common(t, name):
+        check(t.dtype == torch.float32, TypeError, op, name, " must be float32, got ", _dtype(t))
+        check(t.device == q.device, RuntimeError, op, name, " must be on ", q.device, ", got ",
+              t.device)
+
+    if alibi_slopes is not None:
+        t = alibi_slopes
+        check((t.dim() == 1 and t.shape[0] == heads)
+              or (t.dim() == 2 and t.shape[0] == batch and t.shape[1] == heads), ValueError, op,
+              "alibi_slopes must have shape [Hq] = [", heads, "] or [B, Hq] = [", batch, ", ",
+              heads, "], got ", _list(t.shape))
+        common(t, "alibi_slopes")
+    if sinks is not None:
+        check(sinks.dim() == 1 and sinks.shape[0] == heads, ValueError, op,
+              "sinks must have shape [Hq] = [", heads, "], got ", _list(sinks.shape))
+        common(sinks, "sinks")
+    if rel_bias is not None:
+        t = rel_bias
+        check(t.dim() == 2 and t.shape[0] == heads and 1 <= t.shape[1] <= _INT32_MAX, ValueError,
+              op, "rel_bias must have shape [Hq, W] = [", heads, ", W] with W >= 1, got ",
+              _list(t.shape))
+        common(t, "rel_bias")
+
+
+def flash_batch(q, cu_seqlens_q) -> int:
+    """B of a variant tensor ``[B, Hq]``: q's batch, or the packed sequences."""
+    return cu_seqlens_q.shape[0] - 1 if cu_seqlens_q is not None else q.shape[0]
+
+
+def param_grad_fake(t, wanted, q):
+    """The backward ops' gradient of sinks / rel_bias: t's shape when given and wanted, else
+    an empty float32 ``[0]``."""
+    if t is not None and wanted:
+        return torch.empty_like(t, memory_format=torch.contiguous_format)
+    return q.new_empty((0,), dtype=torch.float32)
+
+
 def check_flash_bwd_inputs(op, dout, q, v, out, lse, packed):
     shape = [*q.shape[:-1], v.shape[-1]]
     check(list(dout.shape) == shape and list(out.shape) == shape, ValueError, op,

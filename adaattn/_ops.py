@@ -40,10 +40,12 @@ def _out_fake(q, v):
 
 @torch.library.register_fake("adaattn::flash_fwd")
 def _flash_fwd_fake(q, k, v, seqlens, softmax_scale, causal, window_left, window_right,
-                    cu_seqlens_q=None, cu_seqlens_k=None, softcap=0.0):
+                    cu_seqlens_q=None, cu_seqlens_k=None, softcap=0.0, alibi_slopes=None,
+                    sinks=None, rel_bias=None):
     op = C.flash_op_name(cu_seqlens_q, cu_seqlens_k)
     C.check_flash_inputs(op, q, k, v, seqlens, cu_seqlens_q, cu_seqlens_k)
     C.check_flash_options(op, softmax_scale, window_left, window_right, softcap)
+    C.check_score_tensors(op, q, C.flash_batch(q, cu_seqlens_q), alibi_slopes, sinks, rel_bias)
     out = _out_fake(q, v)
     return out, _lse_fake(q, cu_seqlens_q is not None)
 
@@ -51,14 +53,17 @@ def _flash_fwd_fake(q, k, v, seqlens, softmax_scale, causal, window_left, window
 @torch.library.register_fake("adaattn::flash_bwd")
 def _flash_bwd_fake(grad_out, q, k, v, out, lse, seqlens, softmax_scale, causal, window_left,
                     window_right, deterministic, cu_seqlens_q=None, cu_seqlens_k=None,
-                    softcap=0.0):
+                    softcap=0.0, alibi_slopes=None, sinks=None, rel_bias=None,
+                    param_grads=False):
     op = C.flash_op_name(cu_seqlens_q, cu_seqlens_k)
     C.check_flash_inputs(op, q, k, v, seqlens, cu_seqlens_q, cu_seqlens_k)
     C.check_flash_bwd_inputs(op, grad_out, q, v, out, lse, cu_seqlens_q is not None)
     C.check_flash_options(op, softmax_scale, window_left, window_right, softcap)
+    C.check_score_tensors(op, q, C.flash_batch(q, cu_seqlens_q), alibi_slopes, sinks, rel_bias)
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             torch.empty_like(k, memory_format=torch.contiguous_format),
-            torch.empty_like(v, memory_format=torch.contiguous_format))
+            torch.empty_like(v, memory_format=torch.contiguous_format),
+            C.param_grad_fake(sinks, param_grads, q), C.param_grad_fake(rel_bias, param_grads, q))
 
 
 @torch.library.register_fake("adaattn::lazy_fwd")
@@ -108,9 +113,10 @@ def _linear_bwd_fake(grad_out, grad_state, q, k, v, initial_state, cu_seqlens, f
 
 @torch.library.register_fake("adaattn::block_sparse_fwd")
 def _block_sparse_fwd_fake(q, k, v, kv_num_blocks, kv_indices, block_m, block_n, softmax_scale,
-                           causal, softcap=0.0):
+                           causal, softcap=0.0, alibi_slopes=None, sinks=None, rel_bias=None):
     C.check_block_sparse_inputs(q, k, v, kv_num_blocks, kv_indices, None, None, block_m, block_n)
     C.check_flash_options(C.BLOCK_SPARSE, softmax_scale, -1, -1, softcap)
+    C.check_score_tensors(C.BLOCK_SPARSE, q, q.shape[0], alibi_slopes, sinks, rel_bias)
     out = _out_fake(q, v)
     lse = q.new_empty(q.shape[:3], dtype=torch.float32)
     return out, lse
@@ -119,15 +125,18 @@ def _block_sparse_fwd_fake(q, k, v, kv_num_blocks, kv_indices, block_m, block_n,
 @torch.library.register_fake("adaattn::block_sparse_bwd")
 def _block_sparse_bwd_fake(grad_out, q, k, v, out, lse, kv_num_blocks, kv_indices, q_num_blocks,
                            q_indices, block_m, block_n, softmax_scale, causal,
-                           bwd_mode="atomic", softcap=0.0):
+                           bwd_mode="atomic", softcap=0.0, alibi_slopes=None, sinks=None,
+                           rel_bias=None, param_grads=False):
     C.check_block_sparse_inputs(q, k, v, kv_num_blocks, kv_indices, q_num_blocks, q_indices,
                                 block_m, block_n)
     C.check_bwd_mode(bwd_mode)
     C.check_flash_options(C.BLOCK_SPARSE, softmax_scale, -1, -1, softcap)
     C.check_flash_bwd_inputs(C.BLOCK_SPARSE, grad_out, q, v, out, lse, False)
+    C.check_score_tensors(C.BLOCK_SPARSE, q, q.shape[0], alibi_slopes, sinks, rel_bias)
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             torch.empty_like(k, memory_format=torch.contiguous_format),
-            torch.empty_like(v, memory_format=torch.contiguous_format))
+            torch.empty_like(v, memory_format=torch.contiguous_format),
+            C.param_grad_fake(sinks, param_grads, q), C.param_grad_fake(rel_bias, param_grads, q))
 
 
 @torch.library.register_fake("adaattn::sym_eig")

@@ -301,7 +301,9 @@ def _bwd_mode(bwd_mode, deterministic, block_mask: BlockSparseMask) -> str:
 def block_sparse_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       block_mask: BlockSparseMask, *, causal: bool = False,
                       softmax_scale: Optional[float] = None, return_lse: bool = False,
-                      deterministic: bool = False, bwd_mode: str = "auto", softcap: float = 0
+                      deterministic: bool = False, bwd_mode: str = "auto", softcap: float = 0,
+                      alibi_slopes: Optional[torch.Tensor] = None,
+                      sinks: Optional[torch.Tensor] = None, rel_bias: Optional[torch.Tensor] = None
                       ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Softmax attention restricted to the blocks of ``block_mask``; work scales with the number
     of listed blocks, forward and backward.
@@ -339,6 +341,9 @@ def block_sparse_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         softcap: score soft-capping ``s <- softcap * tanh(s / softcap)`` on the scaled scores
             ``[B, Hq, Lq, Lk]`` before masking; ``0`` = off. Must be finite and ``>= 0``;
             ``lse`` is then that of the capped scores.
+        alibi_slopes, sinks, rel_bias: ALiBi slopes float32 ``[Hq]`` or ``[B, Hq]``, learnable
+            sinks ``[Hq]`` and relative bias ``[Hq, W]``, as in :func:`adaattn.flash_attn`
+            (with sinks, a row that sees no key has ``lse = sinks[h]``).
 
     Returns:
         ``out [B, Hq, Lq, D]`` (dtype of q), and ``lse`` when ``return_lse``. A row that sees no
@@ -356,6 +361,7 @@ def block_sparse_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """
     op = "block_sparse_attn"
     C.tensors(op, q=q, k=k, v=v)
+    C.optional_tensors(op, alibi_slopes=alibi_slopes, sinks=sinks, rel_bias=rel_bias)
     C.check(isinstance(block_mask, BlockSparseMask), TypeError, op,
             "block_mask must be an adaattn.BlockSparseMask, got ", C.type_name(block_mask))
     causal = C.boolean(op, "causal", causal)
@@ -376,5 +382,5 @@ def block_sparse_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                      C.optional_float(op, "softmax_scale", softmax_scale),
                                      causal or block_mask.causal,
                                      _bwd_mode(bwd_mode, deterministic, block_mask),
-                                     C.softcap_value(op, softcap))
+                                     C.softcap_value(op, softcap), alibi_slopes, sinks, rel_bias)
     return (out, lse) if return_lse else out

@@ -15,7 +15,9 @@ Window = Tuple[int, int]
 def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
                softmax_scale: Optional[float] = None, window: Window = (-1, -1),
                seqlens: Optional[torch.Tensor] = None, return_lse: bool = False,
-               deterministic: bool = False, softcap: float = 0
+               deterministic: bool = False, softcap: float = 0,
+               alibi_slopes: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None,
+               rel_bias: Optional[torch.Tensor] = None
                ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Exact softmax attention with O(L) memory (tiled, online softmax, recomputing backward).
 
@@ -43,6 +45,20 @@ def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: boo
         softcap: score soft-capping (Gemma 2): ``s <- softcap * tanh(s / softcap)`` on the
             scaled scores ``s = softmax_scale * q @ k^T`` ``[B, Hq, Lq, Lk]``, before masking;
             ``0`` = off. Must be finite and ``>= 0``. ``lse`` is then that of the capped scores.
+        alibi_slopes: float32 ``[Hq]`` or ``[B, Hq]`` (flash-attn's ALiBi):
+            ``s <- s - slope[b, h] * |i - j|`` with ``i = r + Lk - Lq`` the query's position
+            (bottom-right aligned) and ``j`` the key's, after softcap, before masking. No
+            gradient.
+        sinks: float32 ``[Hq]`` learnable attention sinks (gpt-oss): logit ``sinks[h]`` joins
+            every row's softmax denominator and attends to nothing, so
+            ``lse = log(exp(sinks[h]) + sum_j exp(s_ij))`` (a row that sees no key gets
+            ``lse = sinks[h]``, ``out = 0``). Differentiable.
+        rel_bias: float32 ``[Hq, W]`` learnable relative-position bias:
+            ``s <- s + rel_bias[h, i - j]`` for ``0 <= i - j < W`` (positions as for ALiBi),
+            added with ALiBi after softcap. Differentiable.
+            The three compose with each other, softcap, GQA, windows, causal and padding. On CUDA
+            in float16/bfloat16 they run on the exact kernels in float32 (no tensor-core kernels
+            yet).
 
     Returns:
         ``out [B, Hq, Lq, Dv]`` (dtype of q), and ``lse`` when ``return_lse``.
@@ -56,20 +72,23 @@ def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: boo
             dtype, seqlens not int32).
         ValueError: a wrong shape, layout or value (ranks, ``Hq % Hkv``, head dims, window
             entries, softmax_scale not finite, softcap < 0, seqlens outside ``[0, max(Lq, Lk)]``
-            (checked on the CPU, and on CUDA with ``ADAATTN_CHECK_INPUTS=1``)).
+            (checked on the CPU, and on CUDA with ``ADAATTN_CHECK_INPUTS=1``); alibi_slopes, sinks
+            or rel_bias not of shape ``[Hq]`` / ``[B, Hq]``, ``[Hq]``, ``[Hq, W]``); TypeError
+            also for those three not float32.
         RuntimeError: tensors on different devices; a head dim the CUDA fp16/bf16 kernels do not
             support.
         Every message starts ``adaattn.flash_attn:`` and names the argument.
     """
     op = "flash_attn"
     C.tensors(op, q=q, k=k, v=v)
-    C.optional_tensors(op, seqlens=seqlens)
+    C.optional_tensors(op, seqlens=seqlens, alibi_slopes=alibi_slopes, sinks=sinks,
+                       rel_bias=rel_bias)
     return_lse = C.boolean(op, "return_lse", return_lse)
     left, right = C.window_pair(op, window)
     scale = C.optional_float(op, "softmax_scale", softmax_scale)
     out, lse = ops.flash_attn(q, k, v, seqlens, scale, C.boolean(op, "causal", causal), left, right,
                               C.boolean(op, "deterministic", deterministic), None, None,
-                              C.softcap_value(op, softcap))
+                              C.softcap_value(op, softcap), alibi_slopes, sinks, rel_bias)
     return (out, lse) if return_lse else out
 
 
@@ -78,7 +97,9 @@ def flash_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None, *,
                       causal: bool = False, softmax_scale: Optional[float] = None,
                       window: Window = (-1, -1), return_lse: bool = False,
-                      deterministic: bool = False, softcap: float = 0
+                      deterministic: bool = False, softcap: float = 0,
+                      alibi_slopes: Optional[torch.Tensor] = None,
+                      sinks: Optional[torch.Tensor] = None, rel_bias: Optional[torch.Tensor] = None
                       ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Flash attention over packed variable-length sequences (no padding, no work on padding).
 
@@ -99,6 +120,8 @@ def flash_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         causal, softmax_scale, window, deterministic: as in :func:`flash_attn`.
         softcap: ``s <- softcap * tanh(s / softcap)`` on each sequence's scaled scores
             ``[Hq, Lq_n, Lk_n]`` before masking, as in :func:`flash_attn`; ``0`` = off.
+        alibi_slopes, sinks, rel_bias: as in :func:`flash_attn`, positions counted within each
+            sequence; alibi_slopes may be ``[N, Hq]`` (one row per sequence).
         return_lse: also return the float32 log-sum-exp ``[Hq, Tq]``.
 
     ``cu_seqlens`` values are validated on the CPU; on CUDA that would cost a device sync, so it
@@ -116,10 +139,12 @@ def flash_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     del max_seqlen_q, max_seqlen_k
     op = "flash_attn_varlen"
     C.tensors(op, q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    C.optional_tensors(op, alibi_slopes=alibi_slopes, sinks=sinks, rel_bias=rel_bias)
     return_lse = C.boolean(op, "return_lse", return_lse)
     left, right = C.window_pair(op, window)
     scale = C.optional_float(op, "softmax_scale", softmax_scale)
     out, lse = ops.flash_attn(q, k, v, None, scale, C.boolean(op, "causal", causal), left, right,
                               C.boolean(op, "deterministic", deterministic), cu_seqlens_q,
-                              cu_seqlens_k, C.softcap_value(op, softcap))
+                              cu_seqlens_k, C.softcap_value(op, softcap), alibi_slopes, sinks,
+                              rel_bias)
     return (out, lse) if return_lse else out

@@ -8,6 +8,87 @@ from . import _checks as C
 from .flash import flash_attn, flash_attn_varlen
 
 
+class FlashAttention(nn.Module):
+    """The flash-attention core with its score variants as module state: learnable attention
+    sinks and relative-bias table (parameters), fixed ALiBi slopes (a buffer), softcap.
+
+    Projections stay with the caller. Given ``q [B, Hq, Lq, D]`` and ``k, v [B, Hkv, Lk, D]``
+    (``Hq == num_heads``; any strides with a contiguous last dim) it returns
+    ``out [B, Hq, Lq, Dv]`` of :func:`adaattn.flash_attn`; packed: ``q [T, Hq, D]``, ``k, v
+    [T, Hkv, D]`` with int32 ``cu_seqlens [N + 1]`` (:func:`adaattn.flash_attn_varlen`).
+
+    Args:
+        num_heads: query heads ``Hq``.
+        causal, window, softmax_scale, softcap: as in :func:`adaattn.flash_attn`.
+        alibi_slopes: optional float32 ``[Hq]`` ALiBi slopes (stored as a buffer, not learned).
+        sinks: learn a per-head sink logit ``sinks [Hq]`` (float32, initialised to 0).
+        rel_bias_window: ``W > 0`` learns a relative-position bias ``rel_bias [Hq, W]``
+            (float32, initialised to 0); 0 = none.
+
+    Raises:
+        TypeError, ValueError: a wrong argument type or value (messages start
+            ``adaattn.nn.FlashAttention:``); in forward what :func:`adaattn.flash_attn` raises.
+    """
+
+    def __init__(self, num_heads: int, *, causal: bool = False,
+                 window: Tuple[int, int] = (-1, -1), softmax_scale: Optional[float] = None,
+                 softcap: float = 0, alibi_slopes: Optional[torch.Tensor] = None,
+                 sinks: bool = False, rel_bias_window: int = 0):
+        super().__init__()
+        op = "nn.FlashAttention"
+        C.integer(op, "num_heads", num_heads)
+        C.check(num_heads > 0, ValueError, op, "num_heads must be positive, got ", num_heads)
+        C.integer(op, "rel_bias_window", rel_bias_window)
+        C.check(rel_bias_window >= 0, ValueError, op, "rel_bias_window must be >= 0, got ",
+                rel_bias_window)
+        self.num_heads = num_heads
+        self.causal = C.boolean(op, "causal", causal)
+        self.window = tuple(C.window_pair(op, window))
+        self.softmax_scale = C.optional_float(op, "softmax_scale", softmax_scale)
+        C.softcap_value(op, softcap)
+        # Kept as given: an int 0 stays a constant under torch.compile(dynamic=True) (flash.py).
+        self.softcap = softcap
+        C.tensor(op, "alibi_slopes", alibi_slopes, optional=True)
+        if alibi_slopes is not None:
+            C.check(alibi_slopes.shape == (num_heads,), ValueError, op,
+                    "alibi_slopes must have shape [num_heads] = [", num_heads, "], got ",
+                    list(alibi_slopes.shape))
+            alibi_slopes = alibi_slopes.detach().float().clone()
+        self.register_buffer("alibi_slopes", alibi_slopes)
+        self.sinks = (nn.Parameter(torch.zeros(num_heads, dtype=torch.float32))
+                      if C.boolean(op, "sinks", sinks) else None)
+        self.rel_bias = (nn.Parameter(torch.zeros(num_heads, rel_bias_window,
+                                                  dtype=torch.float32))
+                         if rel_bias_window > 0 else None)
+
+    def extra_repr(self) -> str:
+        return (f"num_heads={self.num_heads}, causal={self.causal}, window={self.window}, "
+                f"softcap={self.softcap}, alibi={self.alibi_slopes is not None}, "
+                f"sinks={self.sinks is not None}, "
+                f"rel_bias_window={0 if self.rel_bias is None else self.rel_bias.shape[1]}")
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                seqlens: Optional[torch.Tensor] = None,
+                cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """q ``[B, Hq, Lq, D]``, k/v ``[B, Hkv, Lk, D]`` (optional int32 ``seqlens [B]``) ->
+        ``[B, Hq, Lq, Dv]``; packed: q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` with int32
+        ``cu_seqlens [N + 1]`` -> ``[T, Hq, Dv]``."""
+        # The variant tensors are float32 whatever the module was cast to.
+        mods = dict(alibi_slopes=None if self.alibi_slopes is None else self.alibi_slopes.float(),
+                    sinks=None if self.sinks is None else self.sinks.float(),
+                    rel_bias=None if self.rel_bias is None else self.rel_bias.float())
+        if self.softcap:
+            mods["softcap"] = self.softcap
+        if cu_seqlens is not None:
+            C.check(seqlens is None, ValueError, "nn.FlashAttention",
+                    "seqlens (padding) and cu_seqlens (packing) exclude each other")
+            return flash_attn_varlen(q, k, v, cu_seqlens, cu_seqlens, causal=self.causal,
+                                     window=self.window, softmax_scale=self.softmax_scale,
+                                     **mods)
+        return flash_attn(q, k, v, causal=self.causal, window=self.window,
+                          softmax_scale=self.softmax_scale, seqlens=seqlens, **mods)
+
+
 class FlashSelfAttention(nn.Module):
     """Multi-head self-attention (GQA-capable) with fused q/k/v projections and flash attention.
 
@@ -21,6 +102,8 @@ class FlashSelfAttention(nn.Module):
         num_heads: query heads ``Hq`` (``E % Hq == 0``, ``D = E // Hq``).
         num_kv_heads: key/value heads ``Hkv`` (defaults to ``Hq``; must divide ``Hq``).
         causal, window: as in :func:`adaattn.flash_attn`.
+        softcap, alibi_slopes, sinks, rel_bias_window: the score variants, as in
+            :class:`FlashAttention` (whose instance is ``self.attn``).
 
     Raises:
         TypeError: a size that is not an int, a flag that is not a bool, window not a pair of
@@ -32,7 +115,9 @@ class FlashSelfAttention(nn.Module):
     """
 
     def __init__(self, embed_dim: int, num_heads: int, num_kv_heads: Optional[int] = None, *,
-                 causal: bool = False, window: Tuple[int, int] = (-1, -1), bias: bool = False):
+                 causal: bool = False, window: Tuple[int, int] = (-1, -1), bias: bool = False,
+                 softcap: float = 0, alibi_slopes: Optional[torch.Tensor] = None,
+                 sinks: bool = False, rel_bias_window: int = 0):
         super().__init__()
         op = "nn.FlashSelfAttention"
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -54,6 +139,9 @@ class FlashSelfAttention(nn.Module):
         self.window = tuple(window)
         self.qkv = nn.Linear(embed_dim, (num_heads + 2 * num_kv_heads) * self.head_dim, bias=bias)
         self.proj = nn.Linear(embed_dim, embed_dim, bias=bias)
+        self.attn = FlashAttention(num_heads, causal=causal, window=window, softcap=softcap,
+                                   alibi_slopes=alibi_slopes, sinks=sinks,
+                                   rel_bias_window=rel_bias_window)
 
     def forward(self, x: torch.Tensor, seqlens: Optional[torch.Tensor] = None,
                 cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -66,15 +154,14 @@ class FlashSelfAttention(nn.Module):
                     "packed input is x [T, E] with cu_seqlens and no seqlens, got x of shape ",
                     tuple(x.shape))
             total = x.shape[0]
-            out = flash_attn_varlen(q.view(total, hq, d), k.view(total, hkv, d),
-                                    v.view(total, hkv, d), cu_seqlens, cu_seqlens,
-                                    causal=self.causal, window=self.window)
+            out = self.attn(q.view(total, hq, d), k.view(total, hkv, d), v.view(total, hkv, d),
+                            cu_seqlens=cu_seqlens)
             return self.proj(out.reshape(total, hq * d))
         batch, length, _ = x.shape
         q = q.view(batch, length, hq, d).transpose(1, 2)
         k = k.view(batch, length, hkv, d).transpose(1, 2)
         v = v.view(batch, length, hkv, d).transpose(1, 2)
-        out = flash_attn(q, k, v, causal=self.causal, window=self.window, seqlens=seqlens)
+        out = self.attn(q, k, v, seqlens=seqlens)
         return self.proj(out.transpose(1, 2).reshape(batch, length, hq * d))
 
 

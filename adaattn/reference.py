@@ -35,6 +35,42 @@ def _softcap(scores: torch.Tensor, softcap: float) -> torch.Tensor:
     return softcap * torch.tanh(scores / softcap) if softcap > 0 else scores
 
 
+def _positional(scores: torch.Tensor, alibi_slopes: Optional[torch.Tensor],
+                rel_bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """ALiBi and the relative-bias table on ``scores [B, Hq, Lq, Lk]`` (spec §3.6, after softcap,
+    before masking): ``- slope[b, h] |i - j| + rel_bias[h, i - j]`` (``0 <= i - j < W``), with
+    ``i = r + Lk - Lq`` the query's bottom-right aligned position and ``j`` the key's."""
+    if alibi_slopes is None and rel_bias is None:
+        return scores
+    len_q, len_k = scores.shape[-2:]
+    dist = (torch.arange(len_q, device=scores.device).view(-1, 1) + (len_k - len_q)
+            - torch.arange(len_k, device=scores.device).view(1, -1))
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.to(scores.dtype)
+        slopes = slopes.view(1, -1, 1, 1) if slopes.dim() == 1 else slopes.view(
+            slopes.shape[0], -1, 1, 1)
+        scores = scores - slopes * dist.abs().to(scores.dtype)
+    if rel_bias is not None:
+        width = rel_bias.shape[1]
+        inside = (dist >= 0) & (dist < width)
+        table = rel_bias.to(scores.dtype)[:, dist.clamp(0, width - 1)]  # [Hq, Lq, Lk]
+        scores = scores + torch.where(inside, table, torch.zeros_like(table))
+    return scores
+
+
+def _softmax_sinks(scores: torch.Tensor, mask: torch.Tensor,
+                   sinks: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_softmax` with attention sinks: ``sinks [Hq]`` joins every row's denominator as a
+    key of value zero that is never masked (a row without keys gets ``lse = sinks[h]``)."""
+    if sinks is None:
+        return _softmax(scores, mask)
+    sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    lse, probs = _softmax(torch.cat([scores, sink], dim=-1),
+                          torch.cat([mask.expand(scores.shape), torch.ones_like(sink, dtype=torch.bool)],
+                                    dim=-1))
+    return lse, probs[..., :-1]
+
+
 def _softmax(scores: torch.Tensor, mask: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(lse, probs)`` of ``scores [..., Lk]`` over the keys where ``mask`` is True.
 
@@ -55,9 +91,13 @@ def _softmax(scores: torch.Tensor, mask: torch.Tensor) -> Tuple[torch.Tensor, to
 def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
                softmax_scale: Optional[float] = None, window=(-1, -1),
                seqlens: Optional[torch.Tensor] = None,
-               softcap: float = 0.0) -> Tuple[torch.Tensor, torch.Tensor]:
+               softcap: float = 0.0, alibi_slopes: Optional[torch.Tensor] = None,
+               sinks: Optional[torch.Tensor] = None,
+               rel_bias: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Materialised softmax attention. q ``[B, Hq, Lq, D]``, k ``[B, Hkv, Lk, D]``, v
-    ``[B, Hkv, Lk, Dv]``; ``softcap > 0`` caps the scaled scores to ``(-softcap, softcap)``.
+    ``[B, Hkv, Lk, Dv]``; ``softcap > 0`` caps the scaled scores to ``(-softcap, softcap)``;
+    ``alibi_slopes [Hq] | [B, Hq]``, ``rel_bias [Hq, W]`` and ``sinks [Hq]`` as in
+    ``adaattn.flash_attn`` (differentiable in sinks and rel_bias).
 
     Returns ``(out [B, Hq, Lq, Dv], lse [B, Hq, Lq] float32)``; rows that see no key give
     ``out = 0``, ``lse = -inf`` and zero gradients. Computes in q's dtype.
@@ -69,9 +109,10 @@ def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: boo
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
     scores = _softcap(torch.matmul(q, k.transpose(-1, -2)) * scale, softcap)
+    scores = _positional(scores, alibi_slopes, rel_bias)
     mask = flash_key_mask(len_q, len_k, causal=causal, window=window, seqlens=seqlens,
                           batch=batch, device=q.device)
-    lse, probs = _softmax(scores, mask)
+    lse, probs = _softmax_sinks(scores, mask, sinks)
     out = torch.matmul(probs, v)
     return out, lse.float()
 
@@ -107,7 +148,9 @@ def block_sparse_key_mask(block_mask, len_q: int, len_k: int, *,
 
 def block_sparse_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask, *,
                       causal: bool = False, softmax_scale: Optional[float] = None,
-                      softcap: float = 0.0) -> Tuple[torch.Tensor, torch.Tensor]:
+                      softcap: float = 0.0, alibi_slopes: Optional[torch.Tensor] = None,
+                      sinks: Optional[torch.Tensor] = None,
+                      rel_bias: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Materialised block-sparse attention: softmax attention under ``block_sparse_key_mask``
     (``softcap > 0``: on the capped scaled scores, as :func:`flash_attn`).
 
@@ -122,9 +165,10 @@ def block_sparse_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_m
     scale = dim ** -0.5 if softmax_scale is None else softmax_scale
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
-    scores = _softcap(torch.matmul(q, k.transpose(-1, -2)) * scale, softcap)
+    scores = _positional(_softcap(torch.matmul(q, k.transpose(-1, -2)) * scale, softcap),
+                         alibi_slopes, rel_bias)
     mask = block_sparse_key_mask(block_mask, len_q, len_k, causal=causal).to(q.device)
-    lse, probs = _softmax(scores, mask)
+    lse, probs = _softmax_sinks(scores, mask, sinks)
     return torch.matmul(probs, v), lse.float()
 
 
@@ -246,18 +290,19 @@ _FEATURE_MAPS = {
 }
 
 
-def _packed_per_sequence(fn, q, k, v, cu_seqlens_q, cu_seqlens_k):
+def _packed_per_sequence(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, indexed=False):
     """Runs ``fn(q_n, k_n, v_n) -> (out_n [1, Hq, Lq_n, D], lse_n [1, Hq, Lq_n])`` on every packed
-    sequence (``[T, H, D]`` slices moved to ``[1, H, L, D]``) and packs the results back:
-    ``(out [Tq, Hq, D], lse [Hq, Tq])``."""
+    sequence (``[T, H, D]`` slices moved to ``[1, H, L, D]``; ``indexed``: ``fn(q_n, k_n, v_n,
+    n)``) and packs the results back: ``(out [Tq, Hq, D], lse [Hq, Tq])``."""
     bounds_q = cu_seqlens_q.tolist()
     bounds_k = cu_seqlens_k.tolist()
     outs, lses = [], []
     for n in range(len(bounds_q) - 1):
         sq = slice(bounds_q[n], bounds_q[n + 1])
         sk = slice(bounds_k[n], bounds_k[n + 1])
-        out, lse = fn(q[sq].transpose(0, 1).unsqueeze(0), k[sk].transpose(0, 1).unsqueeze(0),
-                      v[sk].transpose(0, 1).unsqueeze(0))
+        args = (q[sq].transpose(0, 1).unsqueeze(0), k[sk].transpose(0, 1).unsqueeze(0),
+                v[sk].transpose(0, 1).unsqueeze(0))
+        out, lse = fn(*args, n) if indexed else fn(*args)
         outs.append(out[0].transpose(0, 1))
         lses.append(lse[0])
     if not outs:
@@ -269,14 +314,23 @@ def _packed_per_sequence(fn, q, k, v, cu_seqlens_q, cu_seqlens_k):
 def flash_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, *,
                       causal: bool = False, softmax_scale: Optional[float] = None,
-                      window=(-1, -1), softcap: float = 0.0) -> Tuple[torch.Tensor, torch.Tensor]:
+                      window=(-1, -1), softcap: float = 0.0,
+                      alibi_slopes: Optional[torch.Tensor] = None,
+                      sinks: Optional[torch.Tensor] = None,
+                      rel_bias: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Packed flash attention as one :func:`flash_attn` call per sequence. q ``[Tq, Hq, D]``,
-    k/v ``[Tk, Hkv, D]``, cu_seqlens int32 ``[N + 1]``. Returns ``(out [Tq, Hq, D],
-    lse [Hq, Tq] float32)``."""
+    k/v ``[Tk, Hkv, D]``, cu_seqlens int32 ``[N + 1]``; alibi_slopes ``[Hq]`` or ``[N, Hq]``.
+    Returns ``(out [Tq, Hq, D], lse [Hq, Tq] float32)``."""
+    def slopes(n):
+        if alibi_slopes is None or alibi_slopes.dim() == 1:
+            return alibi_slopes
+        return alibi_slopes[n]
+
     return _packed_per_sequence(
-        lambda qn, kn, vn: flash_attn(qn, kn, vn, causal=causal, softmax_scale=softmax_scale,
-                                      window=window, softcap=softcap),
-        q, k, v, cu_seqlens_q, cu_seqlens_k)
+        lambda qn, kn, vn, n: flash_attn(qn, kn, vn, causal=causal, softmax_scale=softmax_scale,
+                                         window=window, softcap=softcap, alibi_slopes=slopes(n),
+                                         sinks=sinks, rel_bias=rel_bias),
+        q, k, v, cu_seqlens_q, cu_seqlens_k, indexed=True)
 
 
 def lazy_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,

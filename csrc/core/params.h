@@ -105,6 +105,14 @@ struct VariantParams {
   // launcher (layout [Hq, key tile slots (seq.h tile_slots), min(W, Lk)]).
   float* dbias_partial;
 
+  // ALiBi in the composed modifier (variants/composed.h): s -= slope[b, h] * |i - j|.
+  const float* alibi_slopes;     // [B, Hq] or [Hq] float32, contiguous, or null: off
+  int64_t alibi_batch_stride;    // Hq for [B, Hq], 0 for [Hq]
+
+  // Attention sinks (variants/sinks.h): a per-head logit in each row's softmax denominator.
+  const float* sinks;  // [Hq] float32, or null: off
+  float* dsinks;       // [Hq] float32 output, or null: no sink gradient
+
   // Elastic transform (variants/elastic.h): a = max(0, p + tau_h / (i + 1)).
   const float* tau;  // [Hq] float32
   float* row_g;      // lse-shaped scratch: G_i / (i + 1), G_i = sum_j M_ij dA_ij (dtau's terms)

@@ -93,7 +93,7 @@ struct Problem {
     if constexpr (!Mod::kIdentity) {
       if (x != nullptr) std::copy(s + c0, s + c1, x + c0);
       const int i = position(r);
-      for (int c = c0; c < c1; ++c) s[c] = Mod::apply(p, h, i, n0 + c, s[c]);
+      for (int c = c0; c < c1; ++c) s[c] = Mod::apply(p, b, h, i, n0 + c, s[c]);
     }
   }
 
@@ -165,8 +165,7 @@ void attention_fwd(const AttnParams& p) {
       std::fill(acc.begin(), acc.end(), T(0));
 
       if constexpr (Transform::kNormalized) {
-        row_max.fill(neg_inf<T>());
-        row_sum.fill(T(0));
+        for (int r = 0; r < rows; ++r) Transform::row_init(p, h, row_max[r], row_sum[r]);
         for_each_key_tile(p, lens, b, h, m0, rows, [&](int n0, int cols) {
           load_transposed(x.k, b, g, n0, cols, dim, key_tile.data());
           for (int r = 0; r < rows; ++r) {
@@ -299,8 +298,7 @@ void attention_bwd(const AttnParams& p) {
       if constexpr (kNormalized) {
         const auto out = out_all.shifted(lens.q_start);
         for (int r = 0; r < rows; ++r) {
-          row_max[r] = neg_inf<T>();
-          row_sum[r] = 0;
+          Transform::row_init(p, h, row_max[r], row_sum[r]);
           delta[r] = dot(dout.row(b, h, m0 + r), out.row(b, h, m0 + r), dim_v);
         }
         for_each_key_tile(p, lens, b, h, m0, rows, [&](int n0, int cols) {
@@ -446,8 +444,9 @@ void attention_bwd(const AttnParams& p) {
                 for (int c = cc.lo; c < cc.hi; ++c) {
                   const T prob = prob_from_lse(scores[c], row_lse);
                   const bool live = Transform::live(prob, term);
-                  const T ds = prob * ((live ? dprobs[c] : T(0)) - delta) *
-                               x.score_grad(xs, scores.data(), c);
+                  // dS (of the modified score, which the table is added to) and dX = dS ds/dx.
+                  const T dscore = prob * ((live ? dprobs[c] : T(0)) - delta);
+                  const T ds = dscore * x.score_grad(xs, scores.data(), c);
                   axpy(ds, q_row, dk_acc.data() + static_cast<size_t>(c) * dim, dim);
                   // A clipped (zero) weight drops its key, as in the forward: skipping it is
                   // exact. A NaN weight is not zero and reaches dv.
@@ -458,7 +457,7 @@ void attention_bwd(const AttnParams& p) {
                   if constexpr (Mod::kParamGrad) {
                     if (partial != nullptr) {
                       const int slot = Mod::param_slot(p, x.position(i), n0 + c);
-                      if (slot >= 0) partial[slot] += ds;
+                      if (slot >= 0) partial[slot] += dscore;
                     }
                   }
                 }
@@ -492,6 +491,22 @@ void attention_bwd(const AttnParams& p) {
           }
         }
         Transform::param_grad_out(p)[h] = static_cast<float>(sum);
+      }
+    }
+  }
+  if constexpr (Transform::kLseParamGrad) {
+    if (Transform::wants_lse_param_grad(p)) {
+      for (int h = 0; h < p.heads_q; ++h) {
+        T sum = 0;
+        for (int b = 0; b < p.batch; ++b) {
+          const Problem<V, T> x = problem.entry(b);
+          // Padding rows (o = 0, Delta = 0) add nothing.
+          for (int r = 0; r < x.lens.q; ++r) {
+            const T* stats = row_stats.data() + kStats * x.row_index(b, h, r);
+            sum += Transform::lse_param_term(p, h, stats[0], stats[1]);
+          }
+        }
+        Transform::lse_param_grad_out(p)[h] = static_cast<float>(sum);
       }
     }
   }

@@ -43,25 +43,29 @@ bool with_decode_kernel(VariantId variant, int d, int dv, c10::ScalarType dtype,
   if (dtype != c10::kBFloat16 && dtype != c10::kHalf) return false;
   return with_variant(variant, [&](auto v) {
     using V = decltype(v);
-    auto by_dtype = [&](auto t) {
-      using T = decltype(t);
-      auto by_dim = [&](auto dim) {
-        constexpr int D = decltype(dim)::value;
-        if constexpr (V::kNormalized) {
-          if (rw == 1 && !paged) return f(T{}, DeepNarrowCfg<D>{}, V{});
-        }
-        if (rw == 1) return f(T{}, NarrowCfg<D>{}, V{});
-        return f(T{}, WideCfg<D>{}, V{});
-      };
-      if (d == 64) return by_dim(std::integral_constant<int, 64>{});
-      return by_dim(std::integral_constant<int, 128>{});
-    };
-    if (dtype == c10::kBFloat16) {
-      by_dtype(__nv_bfloat16{});
+    if constexpr (!kHasDecodeKernel<V>) {
+      return false;
     } else {
-      by_dtype(__half{});
+      auto by_dtype = [&](auto t) {
+        using T = decltype(t);
+        auto by_dim = [&](auto dim) {
+          constexpr int D = decltype(dim)::value;
+          if constexpr (V::kNormalized) {
+            if (rw == 1 && !paged) return f(T{}, DeepNarrowCfg<D>{}, V{});
+          }
+          if (rw == 1) return f(T{}, NarrowCfg<D>{}, V{});
+          return f(T{}, WideCfg<D>{}, V{});
+        };
+        if (d == 64) return by_dim(std::integral_constant<int, 64>{});
+        return by_dim(std::integral_constant<int, 128>{});
+      };
+      if (dtype == c10::kBFloat16) {
+        by_dtype(__nv_bfloat16{});
+      } else {
+        by_dtype(__half{});
+      }
+      return true;
     }
-    return true;
   });
 }
 

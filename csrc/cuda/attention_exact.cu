@@ -41,13 +41,13 @@ constexpr int kRowStats = V::Transform::kRowParamGrad ? 3 : 2;
 // ds/dx in `ds_dx`. Modifiers are evaluated in double: --use_fast_math would make tanhf an
 // approximation, and ds/dx = f(s) can lose digits to cancellation in fp32.
 template <typename Mod, typename T>
-__device__ __forceinline__ T modified_score(const AttnParams& p, int h, int i, int j, T x,
-                                            T& ds_dx) {
+__device__ __forceinline__ T modified_score(const AttnParams& p, int b, int h, int i, int j,
+                                            T x, T& ds_dx) {
   if constexpr (Mod::kIdentity) {
     return x;
   } else {
     const double xd = static_cast<double>(x);
-    const double s = Mod::template apply<double>(p, h, i, j, xd);
+    const double s = Mod::template apply<double>(p, b, h, i, j, xd);
     if constexpr (!Mod::kUnitGrad) ds_dx = static_cast<T>(Mod::template grad<double>(p, xd, s));
     return static_cast<T>(s);
   }
@@ -55,12 +55,12 @@ __device__ __forceinline__ T modified_score(const AttnParams& p, int h, int i, i
 
 // modified_score on a chunk: lane t < count holds x of key n0 + t; the other lanes keep x.
 template <typename Mod, typename T>
-__device__ __forceinline__ T chunk_scores(const AttnParams& p, int h, int i, int n0, int count,
-                                          int lane, T x, T& ds_dx) {
+__device__ __forceinline__ T chunk_scores(const AttnParams& p, int b, int h, int i, int n0,
+                                          int count, int lane, T x, T& ds_dx) {
   if constexpr (Mod::kIdentity) {
     return x;
   } else {
-    return lane < count ? modified_score<Mod>(p, h, i, n0 + lane, x, ds_dx) : x;
+    return lane < count ? modified_score<Mod>(p, b, h, i, n0 + lane, x, ds_dx) : x;
   }
 }
 
@@ -120,14 +120,14 @@ __global__ void __launch_bounds__(kThreads) attention_fwd_exact_kernel(const Att
     auto scores = [&](int n0, int count) {
       T x = kNegInf<T>, unused;
       chunk_dot(q_reg, keys, scale, n0, count, lane, x);
-      return chunk_scores<Mod>(p, h, pos, n0, count, lane, x, unused);
+      return chunk_scores<Mod>(p, b, h, pos, n0, count, lane, x, unused);
     };
 
     T acc[kSlots] = {};
     T lse;
     if constexpr (V::kNormalized) {
-      T row_max = kNegInf<T>;
-      T row_sum = 0;
+      T row_max, row_sum;
+      Transform::row_init(p, h, row_max, row_sum);
       for_each_key_span(p, b, h, r, range, [&](int lo, int hi) {
         for (int n0 = lo; n0 < hi; n0 += kWarp) {
           const int count = min(kWarp, hi - n0);
@@ -223,7 +223,7 @@ __global__ void __launch_bounds__(kThreads)
       d_weight = 0;
       ds_dx = 1;
       chunk_dot2(q_reg, keys, scale, dout_reg, values, n0, count, lane, x, d_weight);
-      s = chunk_scores<Mod>(p, h, pos, n0, count, lane, x, ds_dx);
+      s = chunk_scores<Mod>(p, b, h, pos, n0, count, lane, x, ds_dx);
     };
 
     T dq_acc[kSlots] = {};
@@ -236,8 +236,8 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int s = 0; s < kSlots; ++s) delta_part += dout_reg[s] * out_reg[s];
       delta = warp_sum(delta_part);
-      T row_max = kNegInf<T>;
-      T row_sum = 0;
+      T row_max, row_sum;
+      Transform::row_init(p, h, row_max, row_sum);
       for_each_key_span(p, b, h, r, range, [&](int lo, int hi) {
         for (int n0 = lo; n0 < hi; n0 += kWarp) {
           const int count = min(kWarp, hi - n0);
@@ -268,7 +268,7 @@ __global__ void __launch_bounds__(kThreads)
       lse = row_logsumexp<T>(p, b, h, r, range, lane, [&](int n0, int count) {
         T x = kNegInf<T>, unused;
         chunk_dot(q_reg, keys, scale, n0, count, lane, x);
-        return chunk_scores<Mod>(p, h, pos, n0, count, lane, x, unused);
+        return chunk_scores<Mod>(p, b, h, pos, n0, count, lane, x, unused);
       });
       const T c = Transform::template row_term<T>(p, h, pos);
       T g_part = 0, delta_part = 0;
@@ -353,7 +353,7 @@ __global__ void __launch_bounds__(kThreads)
               if (range.lo <= j && j < range.hi) {
                 const int pos = row_position(lens, i);
                 T ds_dx = 1;
-                const T s = modified_score<Mod>(p, h, pos, j, my_x, ds_dx);
+                const T s = modified_score<Mod>(p, b, h, pos, j, my_x, ds_dx);
                 const T* stats = head_stats + kRowStats<V> * i;
                 const T prob = prob_from_lse(s, stats[0]);
                 const T c = Transform::template row_term<T>(p, h, pos);
@@ -412,7 +412,7 @@ __global__ void __launch_bounds__(kThreads)
         for (int c = 0; c < p.head_dim; ++c) dot += q[c] * k[c];
         for (int c = 0; c < p.head_dim_v; ++c) d_weight += dout[c] * v[c];
         T unused;
-        const T s = modified_score<Mod>(p, h, pos, j, dot * scale, unused);
+        const T s = modified_score<Mod>(p, b, h, pos, j, dot * scale, unused);
         const T* stats = head_stats + kRowStats<V> * r;
         const T prob = prob_from_lse(s, stats[0]);
         const T c = Transform::template row_term<T>(p, h, pos);
@@ -444,6 +444,27 @@ __global__ void attention_bwd_row_grad_exact_kernel(const AttnParams p, const T*
   if (lane == 0) Transform::param_grad_out(p)[h] = static_cast<float>(acc);
 }
 
+// The transform's per-head parameter gradient from each row's finished lse and Delta:
+// the sum over b and rows of lse_param_term. One warp per head, fixed order.
+template <typename V, typename T>
+__global__ void attention_bwd_lse_grad_exact_kernel(const AttnParams p, const T* row_stats) {
+  using Transform = typename V::Transform;
+  const int lane = threadIdx.x % kWarp;
+  const int h = blockIdx.x;
+  T acc = 0;
+  for (int b = 0; b < p.batch; ++b) {
+    const SeqLens lens = seq_lens(p, b);
+    const T* head_stats = row_stats + kRowStats<V> * row_stat_offset(p, lens, b, h);
+    // Padding rows (o = 0, Delta = 0) add nothing.
+    for (int r = lane; r < lens.q; r += kWarp) {
+      const T* stats = head_stats + kRowStats<V> * r;
+      acc += Transform::lse_param_term(p, h, stats[0], stats[1]);
+    }
+  }
+  acc = warp_sum(acc);
+  if (lane == 0) Transform::lse_param_grad_out(p)[h] = static_cast<float>(acc);
+}
+
 template <typename V, typename T>
 void launch_fwd(const AttnParams& p) {
   const int64_t rows_total = row_items<false>(p);
@@ -462,9 +483,11 @@ void launch_bwd(const AttnParams& p) {
   using Transform = typename V::Transform;
   const bool table_grad = Mod::kParamGrad && Mod::wants_param_grad(p);
   const bool row_grad = Transform::kRowParamGrad && Transform::wants_param_grad(p);
+  bool lse_grad = false;
+  if constexpr (Transform::kLseParamGrad) lse_grad = Transform::wants_lse_param_grad(p);
   const int64_t rows_total = row_items<false>(p);
   const int64_t keys_total = row_items<true>(p);
-  if (rows_total == 0 && keys_total == 0 && !table_grad && !row_grad) return;
+  if (rows_total == 0 && keys_total == 0 && !table_grad && !row_grad && !lse_grad) return;
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   // Freed when this function returns; the stream-ordered caching allocator keeps it alive for
   // the kernels queued on this stream.
@@ -497,6 +520,12 @@ void launch_bwd(const AttnParams& p) {
   if constexpr (Transform::kRowParamGrad) {
     if (row_grad && p.heads_q > 0) {
       attention_bwd_row_grad_exact_kernel<V, T><<<p.heads_q, kWarp, 0, stream>>>(p, row_stats);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+  }
+  if constexpr (Transform::kLseParamGrad) {
+    if (lse_grad && p.heads_q > 0) {
+      attention_bwd_lse_grad_exact_kernel<V, T><<<p.heads_q, kWarp, 0, stream>>>(p, row_stats);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
   }

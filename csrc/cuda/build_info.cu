@@ -24,7 +24,7 @@ const TcEntry kTcEntries[] = {
 #undef ADAATTN_TC_KERNEL
 
 // The variants by the Python calls that select them.
-constexpr const char* kVariantNames[] = {"flash", "softcap", "lazy"};
+constexpr const char* kVariantNames[] = {"flash", "softcap", "lazy", "alibi/sinks/rel_bias"};
 static_assert(sizeof(kVariantNames) / sizeof(kVariantNames[0]) ==
               static_cast<size_t>(VariantId::kCount));
 

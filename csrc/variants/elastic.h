@@ -14,6 +14,7 @@ struct ElasticTransform {
   static constexpr bool kNormalized = false;
   static constexpr bool kRowParamGrad = true;
   static constexpr bool kCountsZeros = true;
+  static constexpr bool kLseParamGrad = false;
 
   // The shift tau_h / (i + 1) added to every probability of the row at position i.
   template <typename T>

@@ -15,7 +15,7 @@ struct RelBiasMod {
   static constexpr bool kFoldsScale = false;
 
   template <typename T>
-  ADAATTN_HD static T apply(const AttnParams& p, int h, int i, int j, T x) {
+  ADAATTN_HD static T apply(const AttnParams& p, int, int h, int i, int j, T x) {
     const int d = i - j;
     return d >= 0 && d < p.bias_window
                ? x + static_cast<T>(p.bias[static_cast<int64_t>(h) * p.bias_window + d])

@@ -16,7 +16,7 @@ struct SoftcapMod {
   static constexpr bool kFoldsScale = true;
 
   template <typename T>
-  ADAATTN_HD static T apply(const AttnParams& p, int, int, int, T x) {
+  ADAATTN_HD static T apply(const AttnParams& p, int, int, int, int, T x) {
     using std::tanh;
     const T c = static_cast<T>(p.softcap);
     return c * tanh(x / c);

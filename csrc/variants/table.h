@@ -3,8 +3,12 @@
 // (and in csrc/cuda/tc/generate.py's VARIANTS for the tensor-core instantiations).
 #pragma once
 
+#include <type_traits>
+
+#include "composed.h"
 #include "elastic.h"
 #include "rel_bias.h"
+#include "sinks.h"
 #include "softcap.h"
 #include "softmax.h"
 #include "variant.h"
@@ -14,16 +18,29 @@ namespace adaattn {
 using PlainVariant = Variant<NoScoreMod, SoftmaxTransform>;    // flash_attn and its relatives
 using SoftcapVariant = Variant<SoftcapMod, SoftmaxTransform>;  // softcap > 0
 using LazyVariant = Variant<RelBiasMod, ElasticTransform>;     // lazy_attn
+// alibi_slopes, sinks or rel_bias (with or without softcap): one type for every combination,
+// each member off when its argument is absent (composed.h, sinks.h).
+using ComposedVariant = Variant<ComposedMod, SinkSoftmaxTransform>;
+
+// Whether the decode kernel (csrc/cuda/tc/decode.h) is compiled for variant V: the composed
+// variant's sinks have no place in its split merge yet.
+template <typename V>
+constexpr bool kHasDecodeKernel = !std::is_same_v<V, ComposedVariant>;
 
 // Names of the compiled variants across the launcher API (attention_api.h).
-enum class VariantId { kPlain, kSoftcap, kLazy, kCount };
+enum class VariantId { kPlain, kSoftcap, kLazy, kComposed, kCount };
 
 // The softmax-family variant that the score modifiers' arguments select (flash, varlen,
-// block-sparse, low-rank).
-inline VariantId softmax_variant(double softcap) {
+// block-sparse, low-rank). Plain and softcap-only calls keep their own instantiations, so
+// they pay nothing for the composed modifier's runtime checks.
+inline VariantId softmax_variant(double softcap, bool composed = false) {
+  if (composed) return VariantId::kComposed;
   return softcap > 0.0 ? VariantId::kSoftcap : VariantId::kPlain;
 }
-inline VariantId softmax_variant(const AttnParams& p) { return softmax_variant(p.softcap); }
+inline VariantId softmax_variant(const AttnParams& p) {
+  return softmax_variant(p.softcap,
+                         p.alibi_slopes != nullptr || p.sinks != nullptr || p.bias != nullptr);
+}
 
 // Calls f(V{}) with the variant type of `id`.
 template <typename F>
@@ -33,6 +50,8 @@ decltype(auto) with_variant(VariantId id, F&& f) {
       return f(SoftcapVariant{});
     case VariantId::kLazy:
       return f(LazyVariant{});
+    case VariantId::kComposed:
+      return f(ComposedVariant{});
     case VariantId::kPlain:
     default:
       return f(PlainVariant{});

@@ -28,7 +28,8 @@
 //   kFoldsScale    on the tensor cores it takes raw scores q.k and returns the factor that takes
 //                  its output to log2 units (modify_raw_frag(s, p)), which the exponent's FMA
 //                  then applies: the softmax scale never costs a pass of its own
-//   apply(p, h, i, j, x) -> s, grad(p, x, s) -> ds/dx, param_slot(p, i, j) -> table index or -1
+//   apply(p, b, h, i, j, x) -> s (b the batch entry or packed sequence), grad(p, x, s) -> ds/dx,
+//   param_slot(p, i, j) -> table index or -1
 //   wants_param_grad(p)   the caller asked for the table's gradient
 // and, for the tensor-core kernels, the same on accumulator fragments: tile_active(p, lens,
 // first_row, last_key) (whether a tile needs the modifier at all), modify_frag<kKeyRows>(s, ...)
@@ -42,6 +43,11 @@
 //                  such a transform also has param_grad_out(p) (the [Hq] float32 gradient)
 //   row_term(p, h, i) -> c_i, weight(p, c) -> a, live(p, c) -> M, row_term_grad(p, i)
 //   kCountsZeros   the forward can count zero weights (AttnParams::stats)
+//   kLseParamGrad  it has a per-head parameter whose gradient sums a term of each row's
+//                  finished (lse_i, Delta_i): lse_param_term(p, h, lse, delta), written to
+//                  lse_param_grad_out(p) ([Hq] float32) when wants_lse_param_grad(p)
+//   row_init(p, h, max, sum)  (normalised transforms) the online softmax's state before the
+//                  first key: -inf and 0, or a sink's logit and 1 (sinks.h)
 // and, with kRowParamGrad on the tensor cores, reduce_param_grad over the row pass's terms.
 #pragma once
 
@@ -66,7 +72,7 @@ struct NoScoreMod {
   static constexpr bool kFoldsScale = false;
 
   template <typename T>
-  ADAATTN_HD static T apply(const AttnParams&, int, int, int, T x) {
+  ADAATTN_HD static T apply(const AttnParams&, int, int, int, int, T x) {
     return x;
   }
   template <typename T>

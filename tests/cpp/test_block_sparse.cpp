@@ -19,7 +19,8 @@ namespace {
 using BlockSparseAttnSig = std::tuple<at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
     const at::Tensor&, const at::Tensor&, int64_t, int64_t, std::optional<double>, bool,
-    c10::string_view, double);
+    c10::string_view, double, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+    const std::optional<at::Tensor>&);
 
 c10::TypedOperatorHandle<BlockSparseAttnSig> block_sparse_attn_op() {
   return c10::Dispatcher::singleton()
@@ -86,7 +87,7 @@ void check_against_naive(int64_t lq, int64_t lk, bool causal) {
 
   auto [out, lse] = block_sparse_attn_op().call(q, k, v, kv_num, kv_idx, q_num, q_idx, bm, bn,
                                                 std::nullopt, causal, /*bwd_mode=*/"two_pass",
-                                                /*softcap=*/0.0);
+                                                /*softcap=*/0.0, std::nullopt, std::nullopt, std::nullopt);
   torch::autograd::backward({out}, {dout});
 
   const at::Tensor qr = q.detach().clone().requires_grad_();
@@ -123,7 +124,7 @@ TEST_CASE("block_sparse_attn names kv_indices when its shape does not fit Lk",
   bool thrown = false;
   try {
     block_sparse_attn_op().call(q, k, k, kv_num, kv_idx, q_num, q_idx, 64, 64, std::nullopt,
-                                false, "atomic", 0.0);
+                                false, "atomic", 0.0, std::nullopt, std::nullopt, std::nullopt);
   } catch (const c10::ValueError& e) {
     thrown = true;
     CHECK_THAT(e.msg(), Catch::StartsWith("adaattn.block_sparse_attn: kv_indices must have shape"));

@@ -20,7 +20,8 @@ namespace {
 using FlashAttnSig = std::tuple<at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
     std::optional<double>, bool, int64_t, int64_t, bool, const std::optional<at::Tensor>&,
-    const std::optional<at::Tensor>&, double);
+    const std::optional<at::Tensor>&, double, const std::optional<at::Tensor>&,
+    const std::optional<at::Tensor>&, const std::optional<at::Tensor>&);
 
 c10::TypedOperatorHandle<FlashAttnSig> flash_attn_op() {
   return c10::Dispatcher::singleton()
@@ -64,7 +65,8 @@ void check_against_naive(int64_t lq, int64_t lk, bool causal, double softcap = 0
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));
 
   auto [out, lse] = flash_attn_op().call(q, k, v, std::nullopt, std::nullopt, causal, -1, -1,
-                                         false, std::nullopt, std::nullopt, softcap);
+                                         false, std::nullopt, std::nullopt, softcap, std::nullopt,
+                                         std::nullopt, std::nullopt);
   torch::autograd::backward({out}, {dout});
 
   const at::Tensor qr = q.detach().clone().requires_grad_();
@@ -108,7 +110,7 @@ TEST_CASE("flash_attn rejects a rank-3 q with an error naming q", "[flash][error
   bool thrown = false;
   try {
     flash_attn_op().call(q, k, k, std::nullopt, std::nullopt, false, -1, -1, false, std::nullopt,
-                         std::nullopt, 0.0);
+                         std::nullopt, 0.0, std::nullopt, std::nullopt, std::nullopt);
   } catch (const c10::ValueError& e) {
     thrown = true;
     CHECK_THAT(e.msg(), Catch::StartsWith("adaattn.flash_attn: q must have 4 dims"));
@@ -136,7 +138,7 @@ TEST_CASE("flash_attn packed (cu_seqlens) equals one dense call per sequence", "
   const at::Tensor cu_k_t = torch::tensor(cu_k, torch::kInt);
 
   auto [out, lse] = flash_attn_op().call(q, k, v, std::nullopt, std::nullopt, /*causal=*/true,
-                                         -1, -1, false, cu_q_t, cu_k_t, 0.0);
+                                         -1, -1, false, cu_q_t, cu_k_t, 0.0, std::nullopt, std::nullopt, std::nullopt);
   torch::autograd::backward({out}, {dout});
   REQUIRE(lse.sizes() == at::IntArrayRef({hq, cu_q.back()}));
 
@@ -149,7 +151,8 @@ TEST_CASE("flash_attn packed (cu_seqlens) equals one dense call per sequence", "
     const at::Tensor kn = dense(k.detach(), cu_k[n], cu_k[n + 1]).requires_grad_();
     const at::Tensor vn = dense(v.detach(), cu_k[n], cu_k[n + 1]).requires_grad_();
     auto [out_n, lse_n] = flash_attn_op().call(qn, kn, vn, std::nullopt, std::nullopt, true, -1,
-                                               -1, false, std::nullopt, std::nullopt, 0.0);
+                                               -1, false, std::nullopt, std::nullopt, 0.0,
+                                               std::nullopt, std::nullopt, std::nullopt);
     torch::autograd::backward({out_n}, {dense(dout, cu_q[n], cu_q[n + 1])});
     CHECK(rel_err(dense(out.detach(), cu_q[n], cu_q[n + 1]), out_n) < 1e-12);
     CHECK(rel_err(lse.slice(1, cu_q[n], cu_q[n + 1]).unsqueeze(0), lse_n) < 1e-6);

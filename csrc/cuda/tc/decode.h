@@ -301,7 +301,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int hh = e >> 1, j = n0 + ni * 8 + 2 * (lane & 3) + (e & 1);
-            s[0][ni][e] = Mod::apply(p, row_head[hh], row_pos[hh], j, s[0][ni][e] * x_scale) *
+            s[0][ni][e] = Mod::apply(p, b, row_head[hh], row_pos[hh], j, s[0][ni][e] * x_scale) *
                           float(M_LOG2E);
           }
         scale = 1.f;

@@ -179,11 +179,14 @@ namespace {
 std::tuple<at::Tensor, at::Tensor> block_sparse_fwd_cpu_op(
     const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
     const at::Tensor& kv_num_blocks, const at::Tensor& kv_indices, int64_t block_m,
-    int64_t block_n, std::optional<double> softmax_scale, bool causal, double softcap) {
+    int64_t block_n, std::optional<double> softmax_scale, bool causal, double softcap,
+    const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks,
+    const std::optional<at::Tensor>& rel_bias) {
   BlockSparseMaskTensors mask{kv_num_blocks, kv_indices, {}, {}};
   check_block_sparse_inputs(q_in, k_in, v_in, mask, block_m, block_n);
   const FlashOptions opt =
       block_sparse_options(q_in, softmax_scale, causal, BwdMode::kTwoPass, softcap);
+  const ScoreTensors mods(op, q_in, q_in.size(0), alibi_slopes, sinks, rel_bias);
   mask = contiguous_mask(mask);
   check_block_sparse_mask_values(mask);
   const at::Tensor q = cpu_compute(q_in), k = cpu_compute(k_in), v = cpu_compute(v_in);
@@ -191,26 +194,32 @@ std::tuple<at::Tensor, at::Tensor> block_sparse_fwd_cpu_op(
   at::Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
   if (q.numel() > 0) {
     AttnParams p = make_block_sparse_params(q, k, v, mask, block_m, block_n, opt);
+    mods.set(p);
     set_fwd_outputs(p, out, lse);
     // The kernel walks the block lists (core/block_sparse.h).
-    attention_fwd_cpu(softmax_variant(p), p, q.scalar_type());
+    attention_fwd_cpu(softmax_variant(opt, mods), p, q.scalar_type());
   }
   return {out.to(q_in.scalar_type()), lse};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> block_sparse_bwd_cpu_op(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> block_sparse_bwd_cpu_op(
     const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in,
     const at::Tensor& v_in, const at::Tensor& out_in, const at::Tensor& lse,
     const at::Tensor& kv_num_blocks, const at::Tensor& kv_indices,
     const at::Tensor& q_num_blocks, const at::Tensor& q_indices, int64_t block_m,
     int64_t block_n, std::optional<double> softmax_scale, bool causal,
-    c10::string_view bwd_mode, double softcap) {
+    c10::string_view bwd_mode, double softcap, const std::optional<at::Tensor>& alibi_slopes,
+    const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& rel_bias,
+    bool param_grads) {
   BlockSparseMaskTensors mask{kv_num_blocks, kv_indices, q_num_blocks, q_indices};
   check_block_sparse_inputs(q_in, k_in, v_in, mask, block_m, block_n);
   // The CPU kernels are deterministic in either mode.
   const FlashOptions opt = block_sparse_options(q_in, softmax_scale, causal,
                                                 parse_bwd_mode(bwd_mode), softcap);
   check_flash_bwd_inputs(op, dout_in, q_in, v_in, out_in, lse, /*packed=*/false);
+  const ScoreTensors mods(op, q_in, q_in.size(0), alibi_slopes, sinks, rel_bias);
+  at::Tensor dsinks = mods.grad_like(mods.sinks, param_grads, q_in);
+  at::Tensor drel_bias = mods.grad_like(mods.rel_bias, param_grads, q_in);
   mask = contiguous_mask(mask);
   check_block_sparse_mask_values(mask);
   const at::Tensor q = cpu_compute(q_in), k = cpu_compute(k_in), v = cpu_compute(v_in);
@@ -223,27 +232,31 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_sparse_bwd_cpu_op(
     // The CPU kernel keeps its row statistics in T and reads neither p.lse nor p.delta: an empty
     // tensor stands in for the delta scratch.
     at::Tensor no_scratch = at::empty({0}, lse.options());
+    mods.set(p, &dsinks, &drel_bias);
     set_bwd_tensors(p, dout, out, lse, dq, dk, dv, no_scratch);
-    attention_bwd_cpu(softmax_variant(p), p, q.scalar_type());
+    attention_bwd_cpu(softmax_variant(opt, mods), p, q.scalar_type());
   } else {
     dq.zero_();
     dk.zero_();
     dv.zero_();
   }
   const auto t = q_in.scalar_type();
-  return {dq.to(t), dk.to(t), dv.to(t)};
+  return {dq.to(t), dk.to(t), dv.to(t), dsinks, drel_bias};
 }
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
+using OptTensor = std::optional<at::Tensor>;
 
 using BlockSparseFwdSig = std::tuple<at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-    int64_t, int64_t, std::optional<double>, bool, double);
-using BlockSparseBwdSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+    int64_t, int64_t, std::optional<double>, bool, double, const OptTensor&, const OptTensor&,
+    const OptTensor&);
+using BlockSparseBwdSig = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-    int64_t, int64_t, std::optional<double>, bool, c10::string_view, double);
+    int64_t, int64_t, std::optional<double>, bool, c10::string_view, double, const OptTensor&,
+    const OptTensor&, const OptTensor&, bool);
 
 c10::TypedOperatorHandle<BlockSparseFwdSig> block_sparse_fwd_op() {
   static auto op = c10::Dispatcher::singleton()
@@ -261,18 +274,25 @@ class BlockSparseAttnFunction : public torch::autograd::Function<BlockSparseAttn
                                const at::Tensor& kv_indices, const at::Tensor& q_num_blocks,
                                const at::Tensor& q_indices, int64_t block_m, int64_t block_n,
                                std::optional<double> softmax_scale, bool causal,
-                               c10::string_view bwd_mode, double softcap) {
+                               c10::string_view bwd_mode, double softcap,
+                               const OptTensor& alibi_slopes, const OptTensor& sinks,
+                               const OptTensor& rel_bias) {
     at::AutoDispatchBelowADInplaceOrView guard;
     auto [out, lse] = block_sparse_fwd_op().call(q, k, v, kv_num_blocks, kv_indices, block_m,
-                                                 block_n, softmax_scale, causal, softcap);
+                                                 block_n, softmax_scale, causal, softcap,
+                                                 alibi_slopes, sinks, rel_bias);
     ctx->save_for_backward({q, k, v, out, lse, kv_num_blocks, kv_indices, q_num_blocks,
-                            q_indices});
+                            q_indices, alibi_slopes.value_or(at::Tensor()),
+                            sinks.value_or(at::Tensor()), rel_bias.value_or(at::Tensor())});
     ctx->saved_data["block_m"] = block_m;
     ctx->saved_data["block_n"] = block_n;
     save_scale(ctx, softmax_scale);
     ctx->saved_data["causal"] = causal;
     ctx->saved_data["bwd_mode"] = std::string(bwd_mode);
     ctx->saved_data["softcap"] = softcap;
+    // Whether the backward computes the sinks / rel_bias gradients.
+    ctx->saved_data["param_grads"] = (sinks.has_value() && sinks->requires_grad()) ||
+                                     (rel_bias.has_value() && rel_bias->requires_grad());
     ctx->mark_non_differentiable({lse});
     return {out, lse};
   }
@@ -285,15 +305,18 @@ class BlockSparseAttnFunction : public torch::autograd::Function<BlockSparseAttn
     static auto bwd = c10::Dispatcher::singleton()
                           .findSchemaOrThrow("adaattn::block_sparse_bwd", "")
                           .typed<BlockSparseBwdSig>();
-    auto [dq, dk, dv] = bwd.call(dout, s[0], s[1], s[2], out, s[4], s[5], s[6], s[7], s[8],
-                                 ctx->saved_data["block_m"].toInt(),
-                                 ctx->saved_data["block_n"].toInt(), scale,
-                                 ctx->saved_data["causal"].toBool(),
-                                 ctx->saved_data["bwd_mode"].toStringRef(),
-                                 ctx->saved_data["softcap"].toDouble());
+    const bool param_grads = ctx->saved_data["param_grads"].toBool();
+    auto [dq, dk, dv, dsinks, drel_bias] = bwd.call(
+        dout, s[0], s[1], s[2], out, s[4], s[5], s[6], s[7], s[8],
+        ctx->saved_data["block_m"].toInt(), ctx->saved_data["block_n"].toInt(), scale,
+        ctx->saved_data["causal"].toBool(), ctx->saved_data["bwd_mode"].toStringRef(),
+        ctx->saved_data["softcap"].toDouble(), saved_optional(s[9]), saved_optional(s[10]),
+        saved_optional(s[11]), param_grads);
     return {dq,           dk,           dv,           at::Tensor(), at::Tensor(),
             at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
-            at::Tensor(), at::Tensor(), at::Tensor()};
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
+            param_grads && s[10].defined() ? dsinks : at::Tensor(),
+            param_grads && s[11].defined() ? drel_bias : at::Tensor()};
   }
 };
 
@@ -302,14 +325,15 @@ std::tuple<at::Tensor, at::Tensor> block_sparse_attn_autograd(
     const at::Tensor& kv_num_blocks, const at::Tensor& kv_indices,
     const at::Tensor& q_num_blocks, const at::Tensor& q_indices, int64_t block_m,
     int64_t block_n, std::optional<double> softmax_scale, bool causal,
-    c10::string_view bwd_mode, double softcap) {
+    c10::string_view bwd_mode, double softcap, const OptTensor& alibi_slopes,
+    const OptTensor& sinks, const OptTensor& rel_bias) {
   // Shapes of the transposed index and bwd_mode are checked now, not first in backward.
   check_block_sparse_inputs(q, k, v, {kv_num_blocks, kv_indices, q_num_blocks, q_indices},
                             block_m, block_n);
   parse_bwd_mode(bwd_mode);
   auto res = BlockSparseAttnFunction::apply(q, k, v, kv_num_blocks, kv_indices, q_num_blocks,
                                             q_indices, block_m, block_n, softmax_scale, causal,
-                                            bwd_mode, softcap);
+                                            bwd_mode, softcap, alibi_slopes, sinks, rel_bias);
   return {res[0], res[1]};
 }
 
@@ -320,12 +344,14 @@ std::tuple<at::Tensor, at::Tensor> block_sparse_attn_no_grad(
     const at::Tensor& kv_num_blocks, const at::Tensor& kv_indices,
     const at::Tensor& q_num_blocks, const at::Tensor& q_indices, int64_t block_m,
     int64_t block_n, std::optional<double> softmax_scale, bool causal,
-    c10::string_view bwd_mode, double softcap) {
+    c10::string_view bwd_mode, double softcap, const OptTensor& alibi_slopes,
+    const OptTensor& sinks, const OptTensor& rel_bias) {
   check_block_sparse_inputs(q, k, v, {kv_num_blocks, kv_indices, q_num_blocks, q_indices},
                             block_m, block_n);
   parse_bwd_mode(bwd_mode);
   return block_sparse_fwd_op().call(q, k, v, kv_num_blocks, kv_indices, block_m, block_n,
-                                    softmax_scale, causal, softcap);
+                                    softmax_scale, causal, softcap, alibi_slopes, sinks,
+                                    rel_bias);
 }
 
 }  // namespace
@@ -335,16 +361,20 @@ TORCH_LIBRARY_FRAGMENT(adaattn, m) {
       "block_sparse_attn(Tensor q, Tensor k, Tensor v, Tensor kv_num_blocks, Tensor kv_indices, "
       "Tensor q_num_blocks, Tensor q_indices, int block_m=128, int block_n=128, "
       "float? softmax_scale=None, bool causal=False, str bwd_mode=\"atomic\", "
-      "float softcap=0.0) -> (Tensor out, Tensor lse)");
+      "float softcap=0.0, Tensor? alibi_slopes=None, Tensor? sinks=None, Tensor? rel_bias=None) "
+      "-> (Tensor out, Tensor lse)");
   m.def(
       "block_sparse_fwd(Tensor q, Tensor k, Tensor v, Tensor kv_num_blocks, Tensor kv_indices, "
-      "int block_m, int block_n, float? softmax_scale, bool causal, float softcap=0.0) -> "
+      "int block_m, int block_n, float? softmax_scale, bool causal, float softcap=0.0, "
+      "Tensor? alibi_slopes=None, Tensor? sinks=None, Tensor? rel_bias=None) -> "
       "(Tensor out, Tensor lse)");
   m.def(
       "block_sparse_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
       "Tensor kv_num_blocks, Tensor kv_indices, Tensor q_num_blocks, Tensor q_indices, "
       "int block_m, int block_n, float? softmax_scale, bool causal, str bwd_mode=\"atomic\", "
-      "float softcap=0.0) -> (Tensor grad_q, Tensor grad_k, Tensor grad_v)");
+      "float softcap=0.0, Tensor? alibi_slopes=None, Tensor? sinks=None, Tensor? rel_bias=None, "
+      "bool param_grads=False) -> (Tensor grad_q, Tensor grad_k, Tensor grad_v, "
+      "Tensor grad_sinks, Tensor grad_rel_bias)");
 }
 
 TORCH_LIBRARY_IMPL(adaattn, CPU, m) {

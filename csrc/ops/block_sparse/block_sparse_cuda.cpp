@@ -31,13 +31,25 @@ void check_cuda_block_size(const at::Tensor& q, int64_t block_m, int64_t block_n
 std::tuple<at::Tensor, at::Tensor> block_sparse_fwd_cuda_op(
     const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
     const at::Tensor& kv_num_blocks, const at::Tensor& kv_indices, int64_t block_m,
-    int64_t block_n, std::optional<double> softmax_scale, bool causal, double softcap) {
+    int64_t block_n, std::optional<double> softmax_scale, bool causal, double softcap,
+    const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks,
+    const std::optional<at::Tensor>& rel_bias) {
   BlockSparseMaskTensors mask{kv_num_blocks, kv_indices, {}, {}};
   check_block_sparse_inputs(q_in, k_in, v_in, mask, block_m, block_n);
   // Resolved on the caller's q: the default scale is D^-1/2 of the caller's D, not the padded.
   const FlashOptions opt =
       block_sparse_options(q_in, softmax_scale, causal, BwdMode::kTwoPass, softcap);
-  const VariantId variant = softmax_variant(opt);
+  const ScoreTensors mods("block_sparse_attn", q_in, q_in.size(0), alibi_slopes, sinks,
+                          rel_bias);
+  const VariantId variant = softmax_variant(opt, mods);
+  if (!has_tc_kernels(variant) && use_tensor_cores(q_in.scalar_type())) {
+    check_cuda_block_size(q_in, block_m, block_n);
+    auto [out, lse] = block_sparse_fwd_cuda_op(
+        q_in.to(at::kFloat), k_in.to(at::kFloat), v_in.to(at::kFloat), kv_num_blocks,
+        kv_indices, block_m, block_n, softmax_scale, causal, softcap, alibi_slopes, sinks,
+        rel_bias);
+    return {out.to(q_in.scalar_type()), lse};
+  }
   const TcLayout layout = tc_layout("block_sparse_attn", q_in, v_in, variant);
   check_cuda_block_size(q_in, block_m, block_n);
   mask = contiguous_mask(mask);
@@ -50,6 +62,7 @@ std::tuple<at::Tensor, at::Tensor> block_sparse_fwd_cuda_op(
   at::Tensor lse = at::empty(lse_shape(q, false), q.options().dtype(at::kFloat));
   if (q.numel() == 0) return {layout.crop(out, layout.head_dim_v), lse};
   AttnParams p = make_block_sparse_params(q, k, v, mask, block_m, block_n, opt);
+  mods.set(p);
   set_fwd_outputs(p, out, lse);
   if (use_tensor_cores(q.scalar_type())) {
     attention_fwd_tc_cuda(variant, p, q.scalar_type());
@@ -59,19 +72,35 @@ std::tuple<at::Tensor, at::Tensor> block_sparse_fwd_cuda_op(
   return {layout.crop(out, layout.head_dim_v), lse};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> block_sparse_bwd_cuda_op(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> block_sparse_bwd_cuda_op(
     const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in,
     const at::Tensor& v_in, const at::Tensor& out_in, const at::Tensor& lse,
     const at::Tensor& kv_num_blocks, const at::Tensor& kv_indices,
     const at::Tensor& q_num_blocks, const at::Tensor& q_indices, int64_t block_m,
     int64_t block_n, std::optional<double> softmax_scale, bool causal,
-    c10::string_view bwd_mode, double softcap) {
+    c10::string_view bwd_mode, double softcap, const std::optional<at::Tensor>& alibi_slopes,
+    const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& rel_bias,
+    bool param_grads) {
   BlockSparseMaskTensors mask{kv_num_blocks, kv_indices, q_num_blocks, q_indices};
   check_block_sparse_inputs(q_in, k_in, v_in, mask, block_m, block_n);
   check_flash_bwd_inputs("block_sparse_attn", dout_in, q_in, v_in, out_in, lse, /*packed=*/false);
   const FlashOptions opt = block_sparse_options(q_in, softmax_scale, causal,
                                                 parse_bwd_mode(bwd_mode), softcap);
-  const VariantId variant = softmax_variant(opt);
+  const ScoreTensors mods("block_sparse_attn", q_in, q_in.size(0), alibi_slopes, sinks,
+                          rel_bias);
+  const VariantId variant = softmax_variant(opt, mods);
+  if (!has_tc_kernels(variant) && use_tensor_cores(q_in.scalar_type())) {
+    check_cuda_block_size(q_in, block_m, block_n);
+    const auto f = [](const at::Tensor& t) { return t.to(at::kFloat); };
+    auto [dq, dk, dv, dsinks, drel_bias] = block_sparse_bwd_cuda_op(
+        f(dout_in), f(q_in), f(k_in), f(v_in), f(out_in), lse, kv_num_blocks, kv_indices,
+        q_num_blocks, q_indices, block_m, block_n, softmax_scale, causal, bwd_mode, softcap,
+        alibi_slopes, sinks, rel_bias, param_grads);
+    const auto t = q_in.scalar_type();
+    return {dq.to(t), dk.to(t), dv.to(t), dsinks, drel_bias};
+  }
+  at::Tensor dsinks = mods.grad_like(mods.sinks, param_grads, q_in);
+  at::Tensor drel_bias = mods.grad_like(mods.rel_bias, param_grads, q_in);
   const TcLayout layout = tc_layout("block_sparse_attn", q_in, v_in, variant);
   check_cuda_block_size(q_in, block_m, block_n);
   mask = contiguous_mask(mask);
@@ -90,10 +119,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_sparse_bwd_cuda_op(
     dk.zero_();
     dv.zero_();
     return {layout.crop(dq, layout.head_dim), layout.crop(dk, layout.head_dim),
-            layout.crop(dv, layout.head_dim_v)};
+            layout.crop(dv, layout.head_dim_v), dsinks, drel_bias};
   }
   at::Tensor delta = at::empty(lse.sizes(), lse.options());
   AttnParams p = make_block_sparse_params(q, k, v, mask, block_m, block_n, opt);
+  mods.set(p, &dsinks, &drel_bias);
   set_bwd_tensors(p, dout, out, lse, dq, dk, dv, delta);
   if (use_tensor_cores(q.scalar_type())) {
     attention_bwd_tc_cuda(variant, p, q.scalar_type());
@@ -101,7 +131,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_sparse_bwd_cuda_op(
     attention_bwd_exact_cuda(variant, p, q.scalar_type());
   }
   return {layout.crop(dq, layout.head_dim), layout.crop(dk, layout.head_dim),
-          layout.crop(dv, layout.head_dim_v)};
+          layout.crop(dv, layout.head_dim_v), dsinks, drel_bias};
 }
 
 }  // namespace

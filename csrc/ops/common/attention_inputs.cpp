@@ -210,6 +210,62 @@ AttnParams make_params(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   return p;
 }
 
+ScoreTensors::ScoreTensors(const char* op, const at::Tensor& q, int64_t batch,
+                           const std::optional<at::Tensor>& alibi, const std::optional<at::Tensor>& sinks_in,
+                           const std::optional<at::Tensor>& bias) {
+  const int64_t heads = q.dim() >= 2 ? q.size(1) : 0;
+  auto common = [&](const at::Tensor& t, const char* name) {
+    ADAATTN_CHECK_TYPE(t.scalar_type() == at::kFloat, name, " must be float32, got ",
+                       t.scalar_type());
+    ADAATTN_CHECK_DEVICE(t.device() == q.device(), name, " must be on ", q.device(), ", got ",
+                         t.device());
+    return t.contiguous();
+  };
+  if (alibi.has_value()) {
+    const at::Tensor& t = *alibi;
+    ADAATTN_CHECK_VALUE((t.dim() == 1 && t.size(0) == heads) ||
+                            (t.dim() == 2 && t.size(0) == batch && t.size(1) == heads),
+                        "alibi_slopes must have shape [Hq] = [", heads, "] or [B, Hq] = [", batch,
+                        ", ", heads, "], got ", t.sizes());
+    alibi_slopes = common(t, "alibi_slopes");
+  }
+  if (sinks_in.has_value()) {
+    const at::Tensor& t = *sinks_in;
+    ADAATTN_CHECK_VALUE(t.dim() == 1 && t.size(0) == heads, "sinks must have shape [Hq] = [",
+                        heads, "], got ", t.sizes());
+    sinks = common(t, "sinks");
+  }
+  if (bias.has_value()) {
+    const at::Tensor& t = *bias;
+    ADAATTN_CHECK_VALUE(t.dim() == 2 && t.size(0) == heads && t.size(1) >= 1 &&
+                            t.size(1) <= std::numeric_limits<int>::max(),
+                        "rel_bias must have shape [Hq, W] = [", heads, ", W] with W >= 1, got ",
+                        t.sizes());
+    rel_bias = common(t, "rel_bias");
+  }
+}
+
+void ScoreTensors::set(AttnParams& p, at::Tensor* dsinks, at::Tensor* drel_bias) const {
+  if (alibi_slopes.defined()) {
+    p.alibi_slopes = alibi_slopes.data_ptr<float>();
+    p.alibi_batch_stride = alibi_slopes.dim() == 2 ? alibi_slopes.size(1) : 0;
+  }
+  if (sinks.defined()) {
+    p.sinks = sinks.data_ptr<float>();
+    if (dsinks != nullptr && dsinks->numel() > 0) p.dsinks = dsinks->data_ptr<float>();
+  }
+  if (rel_bias.defined()) {
+    p.bias = rel_bias.data_ptr<float>();
+    p.bias_window = static_cast<int>(rel_bias.size(1));
+    if (drel_bias != nullptr && drel_bias->numel() > 0) p.dbias = drel_bias->data_ptr<float>();
+  }
+}
+
+at::Tensor ScoreTensors::grad_like(const at::Tensor& t, bool wanted, const at::Tensor& q) const {
+  if (t.defined() && wanted) return at::zeros_like(t);
+  return at::empty({0}, q.options().dtype(at::kFloat));
+}
+
 void set_fwd_outputs(AttnParams& p, at::Tensor& out, at::Tensor& lse) {
   p.out = out.data_ptr();
   std::tie(p.o_batch_stride, p.o_head_stride, p.o_row_stride) =

@@ -32,6 +32,29 @@ FlashOptions resolve_flash_options(const char* op, const at::Tensor& q,
                                    int64_t window_left, int64_t window_right, BwdMode bwd_mode,
                                    double softcap);
 
+// The composed variant's tensors (variants/composed.h, sinks.h): alibi_slopes [Hq] or [B, Hq],
+// sinks [Hq], rel_bias [Hq, W], each float32 on q's device or absent; held contiguous here so
+// that AttnParams may point into them. B is the batch (packed: the number of sequences).
+struct ScoreTensors {
+  at::Tensor alibi_slopes, sinks, rel_bias;  // undefined when absent
+
+  // Validates them (naming each) against q; `batch` is B.
+  ScoreTensors(const char* op, const at::Tensor& q, int64_t batch,
+               const std::optional<at::Tensor>& alibi_slopes,
+               const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& rel_bias);
+  bool any() const { return alibi_slopes.defined() || sinks.defined() || rel_bias.defined(); }
+  // Points p at them (and at their gradients' outputs when given: [Hq] and [Hq, W] float32).
+  void set(AttnParams& p, at::Tensor* dsinks = nullptr, at::Tensor* drel_bias = nullptr) const;
+  // The gradients' outputs of the backward ops: zeros shaped as the tensor when it is given
+  // and `wanted`, else an empty [0] float32 tensor.
+  at::Tensor grad_like(const at::Tensor& t, bool wanted, const at::Tensor& q) const;
+};
+
+// The batch entries a variant tensor's B counts: q's B, or the packed sequences.
+inline int64_t batch_entries(const at::Tensor& q, const std::optional<at::Tensor>& cu_seqlens_q) {
+  return cu_seqlens_q.has_value() ? cu_seqlens_q->size(0) - 1 : q.size(0);
+}
+
 // The public name of a flash call, for errors: packed calls are flash_attn_varlen's.
 inline const char* flash_op_name(const std::optional<at::Tensor>& cu_seqlens_q,
                                  const std::optional<at::Tensor>& cu_seqlens_k) {
@@ -46,6 +69,9 @@ inline BwdMode flash_bwd_mode(bool deterministic) {
 
 // The softmax-family variant (variants/table.h) that the options select.
 inline VariantId softmax_variant(const FlashOptions& opt) { return softmax_variant(opt.softcap); }
+inline VariantId softmax_variant(const FlashOptions& opt, const ScoreTensors& t) {
+  return softmax_variant(opt.softcap, t.any());
+}
 
 // Validates q, k, v, seqlens and the packed layout's cu_seqlens (names the offending argument on
 // failure). Dense q/k/v are [B, H, L, D]; with cu_seqlens_q/k they are packed [T, H, D].

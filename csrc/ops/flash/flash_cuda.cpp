@@ -1,5 +1,7 @@
 // CUDA registration of the flash ops: fp16/bf16 go to the tensor-core kernels (head dims without
-// a kernel of their own zero-padded, see TcLayout), fp32/fp64 to the exact kernels. Launches on
+// a kernel of their own zero-padded, see TcLayout), fp32/fp64 to the exact kernels. A variant
+// without tensor-core kernels (alibi_slopes, sinks, rel_bias) runs fp16/bf16 on the exact
+// kernels in float32. Launches on
 // the current stream; no host synchronisation.
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
@@ -22,13 +24,25 @@ std::tuple<at::Tensor, at::Tensor> flash_fwd_cuda_op(const at::Tensor& q_in,
                                                      int64_t window_right,
                                                      const std::optional<at::Tensor>& cu_seqlens_q,
                                                      const std::optional<at::Tensor>& cu_seqlens_k,
-                                                     double softcap) {
+                                                     double softcap,
+                                                     const std::optional<at::Tensor>& alibi_slopes,
+                                                     const std::optional<at::Tensor>& sinks,
+                                                     const std::optional<at::Tensor>& rel_bias) {
   const char* op = flash_op_name(cu_seqlens_q, cu_seqlens_k);
   check_flash_inputs(op, q_in, k_in, v_in, seqlens, cu_seqlens_q, cu_seqlens_k);
   // Resolved on the caller's q: the default scale is D^-1/2 of the caller's D, not the padded.
   const FlashOptions opt = resolve_flash_options(op, q_in, softmax_scale, causal, window_left,
                                                  window_right, BwdMode::kAtomic, softcap);
-  const VariantId variant = softmax_variant(opt);
+  const ScoreTensors mods(op, q_in, batch_entries(q_in, cu_seqlens_q), alibi_slopes, sinks,
+                          rel_bias);
+  const VariantId variant = softmax_variant(opt, mods);
+  if (!has_tc_kernels(variant) && use_tensor_cores(q_in.scalar_type())) {
+    auto [out, lse] = flash_fwd_cuda_op(q_in.to(at::kFloat), k_in.to(at::kFloat),
+                                        v_in.to(at::kFloat), seqlens, softmax_scale, causal,
+                                        window_left, window_right, cu_seqlens_q, cu_seqlens_k,
+                                        softcap, alibi_slopes, sinks, rel_bias);
+    return {out.to(q_in.scalar_type()), lse};
+  }
   const TcLayout layout = tc_layout(op, q_in, v_in, variant);
   const at::Tensor q = layout.qk(q_in);
   const at::Tensor k = layout.qk(k_in);
@@ -42,6 +56,7 @@ std::tuple<at::Tensor, at::Tensor> flash_fwd_cuda_op(const at::Tensor& q_in,
     return {layout.crop(out, layout.head_dim_v), lse};
   }
   AttnParams p = make_params(q, k, v, seqlens, cu_seqlens_q, cu_seqlens_k, opt);
+  mods.set(p);
   set_fwd_outputs(p, out, lse);
   if (use_tensor_cores(q.scalar_type())) {
     attention_fwd_tc_cuda(variant, p, q.scalar_type());
@@ -51,20 +66,35 @@ std::tuple<at::Tensor, at::Tensor> flash_fwd_cuda_op(const at::Tensor& q_in,
   return {layout.crop(out, layout.head_dim_v), lse};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_bwd_cuda_op(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> flash_bwd_cuda_op(
     const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in,
     const at::Tensor& v_in, const at::Tensor& out_in, const at::Tensor& lse,
     const std::optional<at::Tensor>& seqlens, std::optional<double> softmax_scale, bool causal,
     int64_t window_left, int64_t window_right, bool deterministic,
     const std::optional<at::Tensor>& cu_seqlens_q, const std::optional<at::Tensor>& cu_seqlens_k,
-    double softcap) {
+    double softcap, const std::optional<at::Tensor>& alibi_slopes,
+    const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& rel_bias,
+    bool param_grads) {
   const char* op = flash_op_name(cu_seqlens_q, cu_seqlens_k);
   check_flash_inputs(op, q_in, k_in, v_in, seqlens, cu_seqlens_q, cu_seqlens_k);
   check_flash_bwd_inputs(op, dout_in, q_in, v_in, out_in, lse, cu_seqlens_q.has_value());
   const FlashOptions opt = resolve_flash_options(op, q_in, softmax_scale, causal, window_left,
                                                  window_right, flash_bwd_mode(deterministic),
                                                  softcap);
-  const VariantId variant = softmax_variant(opt);
+  const ScoreTensors mods(op, q_in, batch_entries(q_in, cu_seqlens_q), alibi_slopes, sinks,
+                          rel_bias);
+  const VariantId variant = softmax_variant(opt, mods);
+  if (!has_tc_kernels(variant) && use_tensor_cores(q_in.scalar_type())) {
+    const auto f = [](const at::Tensor& t) { return t.to(at::kFloat); };
+    auto [dq, dk, dv, dsinks, drel_bias] = flash_bwd_cuda_op(
+        f(dout_in), f(q_in), f(k_in), f(v_in), f(out_in), lse, seqlens, softmax_scale, causal,
+        window_left, window_right, deterministic, cu_seqlens_q, cu_seqlens_k, softcap,
+        alibi_slopes, sinks, rel_bias, param_grads);
+    const auto t = q_in.scalar_type();
+    return {dq.to(t), dk.to(t), dv.to(t), dsinks, drel_bias};
+  }
+  at::Tensor dsinks = mods.grad_like(mods.sinks, param_grads, q_in);
+  at::Tensor drel_bias = mods.grad_like(mods.rel_bias, param_grads, q_in);
   const TcLayout layout = tc_layout(op, q_in, v_in, variant);
   const at::Tensor q = layout.qk(q_in);
   const at::Tensor k = layout.qk(k_in);
@@ -80,10 +110,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_bwd_cuda_op(
     dk.zero_();
     dv.zero_();
     return {layout.crop(dq, layout.head_dim), layout.crop(dk, layout.head_dim),
-            layout.crop(dv, layout.head_dim_v)};
+            layout.crop(dv, layout.head_dim_v), dsinks, drel_bias};
   }
   at::Tensor delta = at::empty(lse.sizes(), lse.options());
   AttnParams p = make_params(q, k, v, seqlens, cu_seqlens_q, cu_seqlens_k, opt);
+  mods.set(p, &dsinks, &drel_bias);
   set_bwd_tensors(p, dout, out, lse, dq, dk, dv, delta);
   if (use_tensor_cores(q.scalar_type())) {
     attention_bwd_tc_cuda(variant, p, q.scalar_type());
@@ -91,7 +122,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_bwd_cuda_op(
     attention_bwd_exact_cuda(variant, p, q.scalar_type());
   }
   return {layout.crop(dq, layout.head_dim), layout.crop(dk, layout.head_dim),
-          layout.crop(dv, layout.head_dim_v)};
+          layout.crop(dv, layout.head_dim_v), dsinks, drel_bias};
 }
 
 }  // namespace

@@ -76,9 +76,11 @@ std::tuple<at::Tensor, at::Tensor> low_rank_attn(const at::Tensor& q, const at::
                               const at::Tensor&, const at::Tensor&, const at::Tensor&,
                               const std::optional<at::Tensor>&, std::optional<double>, bool,
                               int64_t, int64_t, bool, const std::optional<at::Tensor>&,
-                              const std::optional<at::Tensor>&, double)>();
+                              const std::optional<at::Tensor>&, double,
+                              const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+                              const std::optional<at::Tensor>&)>();
   return flash.call(q_proj, k_proj, v, std::nullopt, scale, causal, -1, -1, false, std::nullopt,
-                    std::nullopt, /*softcap=*/0.0);
+                    std::nullopt, /*softcap=*/0.0, std::nullopt, std::nullopt, std::nullopt);
 }
 
 }  // namespace
