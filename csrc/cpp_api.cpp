@@ -88,11 +88,12 @@ std::tuple<at::Tensor, at::Tensor> block_sparse_attn_with_lse(const at::Tensor& 
   using Sig = std::tuple<at::Tensor, at::Tensor>(
       const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
       const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t,
-      std::optional<double>, bool, c10::string_view, double);
+      std::optional<double>, bool, c10::string_view, double, const detail::OptTensor&,
+      const detail::OptTensor&, const detail::OptTensor&);
   static const auto op = detail::typed_op<Sig>("block_sparse_attn");
   return op.call(q, k, v, mask.kv_num_blocks, mask.kv_indices, mask.q_num_blocks, mask.q_indices,
                  mask.block_m, mask.block_n, opts.softmax_scale, opts.causal, mode,
-                 opts.softcap);
+                 opts.softcap, opts.alibi_slopes, opts.sinks, opts.rel_bias);
 }
 
 at::Tensor lazy_attn_with_kvcache(const at::Tensor& q, at::Tensor k_cache, at::Tensor v_cache,

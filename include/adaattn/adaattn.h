@@ -71,6 +71,12 @@ struct FlashOptions {
   bool deterministic = false;
   // s <- softcap * tanh(s / softcap) on the scaled scores; 0 = off.
   double softcap = 0.0;
+  // float32 [Hq] or [B, Hq]: s -= slope * |i - j| (bottom-right aligned positions).
+  std::optional<at::Tensor> alibi_slopes = std::nullopt;
+  // float32 [Hq], learnable: a logit in every row's softmax denominator that attends nothing.
+  std::optional<at::Tensor> sinks = std::nullopt;
+  // float32 [Hq, W], learnable: s += rel_bias[h, i - j] for 0 <= i - j < W.
+  std::optional<at::Tensor> rel_bias = std::nullopt;
 };
 
 // Exact softmax attention. q [B, Hq, Lq, D], k [B, Hkv, Lk, D], v [B, Hkv, Lk, Dv] with
@@ -82,10 +88,12 @@ inline std::tuple<at::Tensor, at::Tensor> flash_attn_with_lse(const at::Tensor& 
   using Sig = std::tuple<at::Tensor, at::Tensor>(
       const at::Tensor&, const at::Tensor&, const at::Tensor&, const detail::OptTensor&,
       std::optional<double>, bool, int64_t, int64_t, bool, const detail::OptTensor&,
-      const detail::OptTensor&, double);
+      const detail::OptTensor&, double, const detail::OptTensor&, const detail::OptTensor&,
+      const detail::OptTensor&);
   static const auto op = detail::typed_op<Sig>("flash_attn");
   return op.call(q, k, v, opts.seqlens, opts.softmax_scale, opts.causal, opts.window_left,
-                 opts.window_right, opts.deterministic, std::nullopt, std::nullopt, opts.softcap);
+                 opts.window_right, opts.deterministic, std::nullopt, std::nullopt, opts.softcap,
+                 opts.alibi_slopes, opts.sinks, opts.rel_bias);
 }
 
 // flash_attn_with_lse's out [B, Hq, Lq, Dv].
@@ -105,10 +113,12 @@ inline std::tuple<at::Tensor, at::Tensor> flash_attn_varlen_with_lse(
   using Sig = std::tuple<at::Tensor, at::Tensor>(
       const at::Tensor&, const at::Tensor&, const at::Tensor&, const detail::OptTensor&,
       std::optional<double>, bool, int64_t, int64_t, bool, const detail::OptTensor&,
-      const detail::OptTensor&, double);
+      const detail::OptTensor&, double, const detail::OptTensor&, const detail::OptTensor&,
+      const detail::OptTensor&);
   static const auto op = detail::typed_op<Sig>("flash_attn");
   return op.call(q, k, v, opts.seqlens, opts.softmax_scale, opts.causal, opts.window_left,
-                 opts.window_right, opts.deterministic, cu_seqlens_q, cu_seqlens_k, opts.softcap);
+                 opts.window_right, opts.deterministic, cu_seqlens_q, cu_seqlens_k, opts.softcap,
+                 opts.alibi_slopes, opts.sinks, opts.rel_bias);
 }
 
 // flash_attn_varlen_with_lse's out [Tq, Hq, Dv].
@@ -206,6 +216,12 @@ struct BlockSparseOptions {
   std::string bwd_mode = "auto";
   // s <- softcap * tanh(s / softcap) on the scaled scores; 0 = off.
   double softcap = 0.0;
+  // float32 [Hq] or [B, Hq]: s -= slope * |i - j| (bottom-right aligned positions).
+  std::optional<at::Tensor> alibi_slopes = std::nullopt;
+  // float32 [Hq], learnable: a logit in every row's softmax denominator that attends nothing.
+  std::optional<at::Tensor> sinks = std::nullopt;
+  // float32 [Hq, W], learnable: s += rel_bias[h, i - j] for 0 <= i - j < W.
+  std::optional<at::Tensor> rel_bias = std::nullopt;
 };
 
 // Softmax attention over the blocks of `mask`. q [B, Hq, Lq, D], k and v [B, Hkv, Lk, D].
