@@ -386,7 +386,7 @@ def _ring_flash_bwd(spec: _RingSpec, dout, q, k, v, out, lse, block_lse):
             lse_b = next(block_lse)
             dout_b = _block_grad_out(spec, _rows(dout, spec.row_dim, qr), lse_b,
                                      _rows(lse, spec.lse_dim, qr))
-            dq_b, dk_b, dv_b = ops.flash_bwd(
+            dq_b, dk_b, dv_b, _, _ = ops.flash_bwd(
                 dout_b, _rows(q, spec.row_dim, qr), _rows(kv[0], spec.row_dim, kr),
                 _rows(kv[1], spec.row_dim, kr), _rows(out, spec.row_dim, qr), lse_b, None,
                 spec.scale, *_mask(wl, wr), spec.deterministic, cu_q, cu_k, spec.softcap)

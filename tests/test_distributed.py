@@ -5,6 +5,7 @@ its cases in it, since starting processes costs more than the cases. In every ca
 draws the same full q/k/v/grad_out, runs the single-process op on the full sequence and the ring
 op on its shard, and compares its shard of out, lse and every gradient.
 """
+import datetime
 import os
 import socket
 import traceback
@@ -40,8 +41,11 @@ def _entry(rank, world, port, worker, args):
     if cuda:
         torch.cuda.set_device(rank)
     torch.set_num_threads(1)
+    # A rank whose case fails stops talking: the others' collectives then time out and raise
+    # instead of hanging the test.
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world,
-                            device_id=torch.device("cuda", rank) if cuda else None)
+                            device_id=torch.device("cuda", rank) if cuda else None,
+                            timeout=datetime.timedelta(seconds=60))
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.utils.deterministic.fill_uninitialized_memory = True  # unwritten outputs are NaN
     try:
