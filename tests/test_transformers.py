@@ -276,16 +276,18 @@ def test_generate_matches_reference(name, padding):
 
 
 class _OpCalls:
-    """Counts the calls of adaattn's attention ops made through the integration (which looks
-    them up on the adaattn module at every call)."""
+    """Counts the calls of adaattn's attention ops made through the integration (its kernels'
+    dense / varlen / decode methods, each the only caller of its op)."""
 
-    OPS = ("flash_attn", "flash_attn_varlen", "flash_attn_with_kvcache", "lazy_attn",
-           "lazy_attn_varlen", "lazy_attn_with_kvcache")
+    OPS = {"flash_attn": (hf._Flash, "dense"), "flash_attn_varlen": (hf._Flash, "varlen"),
+           "flash_attn_with_kvcache": (hf._Flash, "decode"), "lazy_attn": (hf._Lazy, "dense"),
+           "lazy_attn_varlen": (hf._Lazy, "varlen"),
+           "lazy_attn_with_kvcache": (hf._Lazy, "decode")}
 
     def __init__(self, monkeypatch):
         self.counts = dict.fromkeys(self.OPS, 0)
-        for name in self.OPS:
-            monkeypatch.setattr(adaattn, name, self._counted(name, getattr(adaattn, name)))
+        for name, (cls, method) in self.OPS.items():
+            monkeypatch.setattr(cls, method, self._counted(name, getattr(cls, method)))
 
     def _counted(self, name, op):
         def counted(*args, **kwargs):
