@@ -94,8 +94,8 @@ def adaattn_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
                  use_vmap: bool = False, config=None, device=None,
                  **kwargs) -> Optional[torch.Tensor]:
     """The ``AttentionMaskInterface`` entry: turns transformers' 2D padding mask into what
-    :func:`adaattn_attention_forward` consumes, once per forward (one host sync for a padded
-    batch or a static cache, none otherwise).
+    :func:`adaattn_attention_forward` consumes, once per forward (with a 2D mask or a static
+    cache one host sync, two for a padded batch; none without a mask).
 
     Causality, sliding windows and packing are not in the mask: they reach the attention call as
     ``is_causal``, ``sliding_window`` and ``position_ids`` (as for flash-attn).
@@ -145,6 +145,10 @@ def adaattn_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
         attention_mask = torch.ones(batch_size, tokens, dtype=torch.bool, device=device)
     mask = attention_mask[:, -kv_length:].bool()
     length = mask.shape[-1]
+    # The common case (generate() without padding: a mask of ones) in one reduction and sync;
+    # a padded batch pays a second one below.
+    if length == kv_length and bool(mask.all()):
+        return None
     seqlens = mask.sum(-1, dtype=torch.int32)
     right_padded = (mask == (torch.arange(length, device=mask.device) < seqlens[:, None])).all()
     full, right_padded, queries_unmasked = torch.stack(
