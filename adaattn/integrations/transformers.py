@@ -437,8 +437,8 @@ def adaattn_attention_forward(module: nn.Module, query: torch.Tensor, key: torch
     _check_call(module, dropout)
     _attention_sinks(module, s_aux)
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
-    return _attend(_flash_kernel(causal, scaling, sliding_window, softcap), query, key, value, attention_mask, position_ids, cu_seq_lens_q,
-                   cu_seq_lens_k), None
+    return _attend(_flash_kernel(causal, scaling, sliding_window, softcap), query, key, value,
+                   attention_mask, position_ids, cu_seq_lens_q, cu_seq_lens_k), None
 
 
 def lazy_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
