@@ -3,10 +3,11 @@
 Importing this module registers two attention implementations with transformers'
 ``AttentionInterface`` and ``AttentionMaskInterface``:
 
-- ``"adaattn"``: exact softmax attention through :func:`adaattn.flash_attn`,
+- ``"adaattn"``: exact softmax attention through the ops of :func:`adaattn.flash_attn`,
   :func:`adaattn.flash_attn_varlen` (packed batches) and :func:`adaattn.flash_attn_with_kvcache`
   (generation), honouring the model's causality, ``sliding_window``, ``softcap`` (Gemma 2),
-  ``scaling`` and GQA::
+  ``scaling`` and GQA (the ops are called directly: generation at batch 1 is bound by the
+  host's time per layer and token)::
 
       import adaattn.integrations.transformers
       model = AutoModelForCausalLM.from_config(config, attn_implementation="adaattn")
