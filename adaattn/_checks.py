@@ -67,70 +67,85 @@ def check(cond, cls, op: str, *parts) -> None:
 
 def boolean(op: str, name: str, value) -> bool:
     """A flag: a bool, nothing else (no truthiness: causal="no" is an error)."""
-    check(isinstance(value, bool), TypeError, op, name, " must be a bool, got ",
-          type_name(value), " ", repr(value))
+    # The messages are built only on failure: the wrappers run these on every call.
+    if value is not True and value is not False:
+        fail(TypeError, op, name, " must be a bool, got ", type_name(value), " ", repr(value))
     return value
 
 
+def _is_real(value) -> bool:
+    return type(value) is float or (isinstance(value, numbers.Real)
+                                    and not isinstance(value, bool))
+
+
 def optional_float(op: str, name: str, value):
-    check(value is None or (isinstance(value, numbers.Real) and not isinstance(value, bool)),
-          TypeError, op, name, " must be a float or None, got ", type_name(value), " ",
-          repr(value))
-    return None if value is None else float(value)
-
-
-def real(op: str, name: str, value) -> float:
-    check(isinstance(value, numbers.Real) and not isinstance(value, bool), TypeError, op, name,
-          " must be a float, got ", type_name(value), " ", repr(value))
+    if value is None:
+        return None
+    if not _is_real(value):
+        fail(TypeError, op, name, " must be a float or None, got ", type_name(value), " ",
+             repr(value))
     return float(value)
 
 
+def real(op: str, name: str, value) -> float:
+    if not _is_real(value):
+        fail(TypeError, op, name, " must be a float, got ", type_name(value), " ", repr(value))
+    return float(value)
+
+
+def _is_int(value) -> bool:
+    return type(value) is int or (isinstance(value, int) and not isinstance(value, bool))
+
+
 def integer(op: str, name: str, value) -> int:
-    check(isinstance(value, int) and not isinstance(value, bool), TypeError, op, name,
-          " must be an int, got ", type_name(value), " ", repr(value))
+    if not _is_int(value):
+        fail(TypeError, op, name, " must be an int, got ", type_name(value), " ", repr(value))
     return value
 
 
 def tensor(op: str, name: str, value, optional: bool = False):
-    check(isinstance(value, torch.Tensor) or (optional and value is None), TypeError, op, name,
-          " must be a tensor", " or None" if optional else "", ", got ", type_name(value))
+    if not (isinstance(value, torch.Tensor) or (optional and value is None)):
+        fail(TypeError, op, name, " must be a tensor", " or None" if optional else "", ", got ",
+             type_name(value))
     return value
 
 
 def tensors(op: str, **named) -> None:
     for name, value in named.items():
-        tensor(op, name, value)
+        if not isinstance(value, torch.Tensor):
+            tensor(op, name, value)
 
 
 def optional_tensors(op: str, **named) -> None:
     for name, value in named.items():
-        tensor(op, name, value, optional=True)
+        if value is not None and not isinstance(value, torch.Tensor):
+            tensor(op, name, value, optional=True)
 
 
 def window_pair(op: str, window):
     """``window=(left, right)``, two ints each >= -1."""
-    check(isinstance(window, (tuple, list))
-          and all(isinstance(w, int) and not isinstance(w, bool) for w in window),
-          TypeError, op, "window must be a pair of ints (left, right), got ", repr(window))
-    check(len(window) == 2, ValueError, op, "window must be a pair of ints (left, right), got ",
-          repr(window))
+    if not (isinstance(window, (tuple, list)) and all(_is_int(w) for w in window)):
+        fail(TypeError, op, "window must be a pair of ints (left, right), got ", repr(window))
+    if len(window) != 2:
+        fail(ValueError, op, "window must be a pair of ints (left, right), got ", repr(window))
     left, right = window
-    check(left >= -1 and right >= -1, ValueError, op,
-          "window entries must be >= 0 or -1 (unbounded), got ", repr(tuple(window)))
+    if left < -1 or right < -1:
+        fail(ValueError, op, "window entries must be >= 0 or -1 (unbounded), got ",
+             repr(tuple(window)))
     return left, right
 
 
 def softcap_value(op: str, softcap) -> float:
     """softcap as a float (the op checks that it is finite and >= 0)."""
-    check(isinstance(softcap, numbers.Real) and not isinstance(softcap, bool), TypeError, op,
-          "softcap must be a float >= 0 (0 = off), got ", repr(softcap))
+    if not _is_real(softcap):
+        fail(TypeError, op, "softcap must be a float >= 0 (0 = off), got ", repr(softcap))
     return float(softcap)
 
 
 def num_splits_value(op: str, num_splits) -> int:
     integer(op, "num_splits", num_splits)
-    check(num_splits >= 0, ValueError, op, "num_splits must be >= 0 (0 = automatic), got ",
-          num_splits)
+    if num_splits < 0:
+        fail(ValueError, op, "num_splits must be >= 0 (0 = automatic), got ", num_splits)
     return num_splits
 
 

@@ -216,18 +216,19 @@ def bench_train(model, impl: str, inputs: dict, args, device) -> Tuple[float, fl
 
 
 def count_decode_calls(fn: Callable[[], object]) -> Tuple[object, int]:
-    """``fn()`` with adaattn.flash_attn_with_kvcache counted (the integration looks it up on the
-    module at every call)."""
-    op, calls = adaattn.flash_attn_with_kvcache, [0]
+    """``fn()`` with the integration's KV-cache op calls counted (``_Flash.decode``, the only
+    caller of ``adaattn.ops.flash_attn_with_kvcache`` there)."""
+    from adaattn.integrations.transformers import _Flash
+    op, calls = _Flash.decode, [0]
 
     def counted(*a, **k):
         calls[0] += 1
         return op(*a, **k)
-    adaattn.flash_attn_with_kvcache = counted
+    _Flash.decode = counted
     try:
         return fn(), calls[0]
     finally:
-        adaattn.flash_attn_with_kvcache = op
+        _Flash.decode = op
 
 
 def bench_generate(model, impl: str, prompt: torch.Tensor, new_tokens: int, args, device
@@ -299,8 +300,9 @@ def run(args, argv: List[str]) -> int:
              f"{args.gen_reps} calls after one warmup, in ms per generated token (lower is "
              "better); tokens_match_sdpa: share of greedy tokens equal to sdpa's (random-init "
              "logits are nearly flat, so bf16 rounding flips some; exactness is tested on the "
-             "CPU in float64); decode_op_calls: adaattn.flash_attn_with_kvcache calls in one "
-             f"generate() (layers * (new tokens - 1) = {layers * (new_tokens - 1)} when every "
+             "CPU in float64); decode_op_calls: KV-cache op calls "
+             "(adaattn.ops.flash_attn_with_kvcache) in one generate() "
+             f" (layers * (new tokens - 1) = {layers * (new_tokens - 1)} when every "
              "decode step takes the KV-cache op)")
     rows: List[dict] = []
     notes: List[str] = []

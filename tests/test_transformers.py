@@ -276,16 +276,18 @@ def test_generate_matches_reference(name, padding):
 
 
 class _OpCalls:
-    """Counts the calls of adaattn's attention ops made through the integration (which looks
-    them up on the adaattn module at every call)."""
+    """Counts the calls of adaattn's attention ops made through the integration (its kernels'
+    dense / varlen / decode methods, each the only caller of its op)."""
 
-    OPS = ("flash_attn", "flash_attn_varlen", "flash_attn_with_kvcache", "lazy_attn",
-           "lazy_attn_varlen", "lazy_attn_with_kvcache")
+    OPS = {"flash_attn": (hf._Flash, "dense"), "flash_attn_varlen": (hf._Flash, "varlen"),
+           "flash_attn_with_kvcache": (hf._Flash, "decode"), "lazy_attn": (hf._Lazy, "dense"),
+           "lazy_attn_varlen": (hf._Lazy, "varlen"),
+           "lazy_attn_with_kvcache": (hf._Lazy, "decode")}
 
     def __init__(self, monkeypatch):
         self.counts = dict.fromkeys(self.OPS, 0)
-        for name in self.OPS:
-            monkeypatch.setattr(adaattn, name, self._counted(name, getattr(adaattn, name)))
+        for name, (cls, method) in self.OPS.items():
+            monkeypatch.setattr(cls, method, self._counted(name, getattr(cls, method)))
 
     def _counted(self, name, op):
         def counted(*args, **kwargs):
@@ -491,6 +493,57 @@ def test_unsupported_calls_raise():
     lazy.sinks = with_sinks.sinks
     with pytest.raises(NotImplementedError, match="sinks"):
         hf.lazy_attention_forward(lazy, q, k, v, None)
+
+
+def test_call_options_are_checked_once_per_configuration_without_losing_checks():
+    """The options of a call are checked once per configuration (types included, so a bool
+    scale is not taken for a checked 1.0) and still raise the wrappers' errors."""
+    q = torch.randn(1, 4, 5, 16, dtype=torch.float64)
+    k = v = torch.randn(1, 2, 5, 16, dtype=torch.float64)
+    out, _ = hf.adaattn_attention_forward(_Module(), q, k, v, None, scaling=1.0)
+    ref, _ = reference.flash_attn(q, k, v, causal=True, softmax_scale=1.0)
+    assert_rel_close("out", out, ref.transpose(1, 2), FP64_RTOL)
+    with pytest.raises(TypeError, match="softmax_scale must be a float"):
+        hf.adaattn_attention_forward(_Module(), q, k, v, None, scaling=True)
+    with pytest.raises(TypeError, match="softmax_scale must be a float"):
+        hf.adaattn_attention_forward(_Module(), q, k, v, None, scaling="0.25")
+    with pytest.raises(TypeError, match="window must be a pair of ints"):
+        hf.adaattn_attention_forward(_Module(), q, k, v, None, sliding_window=2.5)
+    with pytest.raises(ValueError, match="softcap"):
+        hf.adaattn_attention_forward(_Module(), q, k, v, None, softcap=-1.0)
+
+
+def test_decode_cache_seqlens_shared_across_layers_and_modes():
+    """A decode step's layers share one cache_seqlens tensor; no_grad and inference_mode
+    steps of the same shapes each get their own and agree."""
+    model = _model("llama")
+    model.set_attn_implementation("adaattn")
+    ids = _ids(2, 12)
+    seen = []
+    decode = hf._Flash.decode
+
+    def recording(self, q, k_cache, v_cache, cache_seqlens):
+        seen.append(cache_seqlens)
+        return decode(self, q, k_cache, v_cache, cache_seqlens)
+    logits = []
+    for mode in (torch.no_grad, torch.inference_mode, torch.no_grad):
+        cache = transformers.DynamicCache(config=model.config)
+        with mode():
+            model(ids[:, :11], past_key_values=cache, use_cache=True)
+            hf._Flash.decode = recording
+            try:
+                logits.append(model(ids[:, 11:], past_key_values=cache, use_cache=True).logits)
+            finally:
+                hf._Flash.decode = decode
+    layers = model.config.num_hidden_layers
+    assert len(seen) == 3 * layers
+    for step in range(3):
+        assert all(t is seen[step * layers] for t in seen[step * layers:(step + 1) * layers])
+        assert seen[step * layers].tolist() == [12, 12]
+    assert seen[layers] is not seen[0]
+    for other in logits[1:]:
+        assert torch.equal(other, logits[0])
+    assert_rel_close("logits", logits[0], _logits(model, "sdpa", ids)[:, 11:], FP64_RTOL)
 
 
 def test_import_adaattn_does_not_import_transformers():

@@ -3,10 +3,11 @@
 Importing this module registers two attention implementations with transformers'
 ``AttentionInterface`` and ``AttentionMaskInterface``:
 
-- ``"adaattn"``: exact softmax attention through :func:`adaattn.flash_attn`,
+- ``"adaattn"``: exact softmax attention through the ops of :func:`adaattn.flash_attn`,
   :func:`adaattn.flash_attn_varlen` (packed batches) and :func:`adaattn.flash_attn_with_kvcache`
   (generation), honouring the model's causality, ``sliding_window``, ``softcap`` (Gemma 2),
-  ``scaling`` and GQA::
+  ``scaling`` and GQA (the ops are called directly: generation at batch 1 is bound by the
+  host's time per layer and token)::
 
       import adaattn.integrations.transformers
       model = AutoModelForCausalLM.from_config(config, attn_implementation="adaattn")
@@ -53,6 +54,8 @@ from torch import nn
 from transformers import AttentionInterface, AttentionMaskInterface
 
 import adaattn
+from adaattn import _checks as C
+from adaattn._ops import ops
 from adaattn.nn import LazyAttention
 
 ATTN_IMPLEMENTATION = "adaattn"
@@ -92,8 +95,8 @@ def adaattn_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
                  use_vmap: bool = False, config=None, device=None,
                  **kwargs) -> Optional[torch.Tensor]:
     """The ``AttentionMaskInterface`` entry: turns transformers' 2D padding mask into what
-    :func:`adaattn_attention_forward` consumes, once per forward (one host sync for a padded
-    batch or a static cache, none otherwise).
+    :func:`adaattn_attention_forward` consumes, once per forward (with a 2D mask or a static
+    cache one host sync, two for a padded batch; none without a mask).
 
     Causality, sliding windows and packing are not in the mask: they reach the attention call as
     ``is_causal``, ``sliding_window`` and ``position_ids`` (as for flash-attn).
@@ -143,6 +146,10 @@ def adaattn_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
         attention_mask = torch.ones(batch_size, tokens, dtype=torch.bool, device=device)
     mask = attention_mask[:, -kv_length:].bool()
     length = mask.shape[-1]
+    # The common case (generate() without padding: a mask of ones) in one reduction and sync;
+    # a padded batch pays a second one below.
+    if length == kv_length and bool(mask.all()):
+        return None
     seqlens = mask.sum(-1, dtype=torch.int32)
     right_padded = (mask == (torch.arange(length, device=mask.device) < seqlens[:, None])).all()
     full, right_padded, queries_unmasked = torch.stack(
@@ -159,27 +166,83 @@ def adaattn_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
 
 
 class _Flash:
-    """Exact softmax attention with the call's causality, window, scale, softcap and sinks (the
-    same options for the dense, packed and KV-cache ops)."""
+    """Exact softmax attention with the call's causality, window, scale and softcap (the same
+    options for the dense, packed and KV-cache ops).
+
+    The options are checked once, here (:func:`_flash_kernel` keeps one per configuration); the
+    methods call the registered ops directly, which check the tensors themselves: the Python
+    wrappers would only repeat the option checks at every layer of every decode step."""
 
     def __init__(self, causal: bool, scale: Optional[float], window: Tuple[int, int],
-                 softcap: float, sinks: Optional[torch.Tensor] = None):
-        self.options = dict(causal=causal, softmax_scale=scale, window=window, softcap=softcap)
-        if sinks is not None:
-            self.options["sinks"] = sinks
+                 softcap: float):
+        op = "flash_attn"
+        self.causal = C.boolean(op, "causal", causal)
+        self.scale = C.optional_float(op, "softmax_scale", scale)
+        self.left, self.right = C.window_pair(op, window)
+        self.softcap = C.softcap_value(op, softcap)
 
-    def needs_grad(self, *tensors: torch.Tensor) -> bool:
-        return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    def needs_grad(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+        return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
+                                            or v.requires_grad)
 
     def dense(self, q, k, v, seqlens=None):
-        return adaattn.flash_attn(q, k, v, seqlens=seqlens, **self.options)
+        return _FLASH_OP(q, k, v, seqlens, self.scale, self.causal, self.left, self.right, False,
+                         None, None, self.softcap)[0]
 
     def varlen(self, q, k, v, cu_seqlens_q, cu_seqlens_k):
-        return adaattn.flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, **self.options)
+        return _FLASH_OP(q, k, v, None, self.scale, self.causal, self.left, self.right, False,
+                         cu_seqlens_q, cu_seqlens_k, self.softcap)[0]
 
     def decode(self, q, k_cache, v_cache, cache_seqlens):
-        return adaattn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens,
-                                               **self.options)
+        return _KVCACHE_OP(q, k_cache, v_cache, None, None, cache_seqlens, None, self.scale,
+                           self.causal, self.left, self.right, self.softcap, 0)[0]
+
+
+# The op overloads themselves (an OpOverloadPacket call resolves the overload each time).
+_FLASH_OP = ops.flash_attn.default
+_KVCACHE_OP = ops.flash_attn_with_kvcache.default
+_LAZY_KVCACHE_OP = ops.lazy_attn_with_kvcache.default
+# _Flash per call configuration (module causality, scaling, sliding window, softcap); the
+# types are part of the key, so that e.g. scaling=True is not taken for a checked 1.0.
+_FLASH_KERNELS = {}
+_FLASH_KERNELS_MAX = 64
+
+
+def _flash_kernel(causal, scaling, sliding_window, softcap) -> _Flash:
+    """The :class:`_Flash` of a call's options, checked once per configuration."""
+    key = (causal, type(causal), scaling, type(scaling), sliding_window, type(sliding_window),
+           softcap, type(softcap))
+    kernel = _FLASH_KERNELS.get(key)
+    if kernel is None:
+        window = (-1, -1)
+        if sliding_window:
+            window = (sliding_window - 1, 0 if causal else sliding_window - 1)
+        kernel = _Flash(bool(causal), scaling, window, softcap or 0)
+        if len(_FLASH_KERNELS) >= _FLASH_KERNELS_MAX:
+            _FLASH_KERNELS.clear()
+        _FLASH_KERNELS[key] = kernel
+    return kernel
+
+
+class _SeqlensMemo:
+    """The last :func:`_full_seqlens` tensor: every layer of a decode step (and nothing else)
+    asks for the same one, so it is made once per step, not once per layer."""
+
+    key = None  # (batch, length, device, inference mode)
+    value = None
+
+
+def _full_seqlens(batch: int, length: int, device: torch.device) -> torch.Tensor:
+    """int32 ``[batch]`` filled with ``length`` (read-only: the ops never write it)."""
+    # Inference tensors (made under inference_mode) are kept apart from normal ones.
+    key = (batch, length, device, torch.is_inference_mode_enabled())
+    memo = _SeqlensMemo
+    if memo.key == key and not torch.compiler.is_compiling():
+        return memo.value
+    value = torch.full((batch,), length, dtype=torch.int32, device=device)
+    if not torch.compiler.is_compiling():
+        memo.key, memo.value = key, value
+    return value
 
 
 class _Lazy:
@@ -187,11 +250,11 @@ class _Lazy:
 
     def __init__(self, lazy: LazyAttention, scale: Optional[float]):
         self.tau, self.bias = lazy.tau.float(), lazy.bias.float()
-        self.scale = scale
+        self.scale = C.optional_float("lazy_attn", "softmax_scale", scale)
 
-    def needs_grad(self, *tensors: torch.Tensor) -> bool:
-        return torch.is_grad_enabled() and any(
-            t.requires_grad for t in tensors + (self.tau, self.bias))
+    def needs_grad(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+        return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                            or self.tau.requires_grad or self.bias.requires_grad)
 
     def dense(self, q, k, v, seqlens=None):
         return adaattn.lazy_attn(q, k, v, self.tau, self.bias, softmax_scale=self.scale,
@@ -205,9 +268,8 @@ class _Lazy:
                                         softmax_scale=self.scale)
 
     def decode(self, q, k_cache, v_cache, cache_seqlens):
-        return adaattn.lazy_attn_with_kvcache(q, k_cache, v_cache, None, None, self.tau,
-                                              self.bias, cache_seqlens=cache_seqlens,
-                                              softmax_scale=self.scale)
+        return _LAZY_KVCACHE_OP(q, k_cache, v_cache, None, None, self.tau, self.bias,
+                                cache_seqlens, None, self.scale, 0)[0]
 
 
 class _PackedMemo:
@@ -295,9 +357,8 @@ def _attend_exact(kernel, query: torch.Tensor, key: torch.Tensor, value: torch.T
         if (len_q < key.shape[2] and not kernel.needs_grad(query, key, value)
                 and heads // key.shape[1] * len_q <= DECODE_MAX_ROWS):
             # The cache already holds the new keys: keys [0, Lk), row r at Lk - Lq + r.
-            cache_seqlens = torch.full((batch,), key.shape[2], dtype=torch.int32,
-                                       device=query.device)
-            return kernel.decode(query, key, value, cache_seqlens).transpose(1, 2)
+            return kernel.decode(query, key, value,
+                                 _full_seqlens(batch, key.shape[2], query.device)).transpose(1, 2)
         return kernel.dense(query, key, value).transpose(1, 2)
     if attention_mask.dim() == 1:
         return kernel.dense(query, key[:, :, :len_q], value[:, :, :len_q],
@@ -375,13 +436,10 @@ def adaattn_attention_forward(module: nn.Module, query: torch.Tensor, key: torch
         ``(out [B, Lq, Hq, Dv], None)`` (no attention weights).
     """
     _check_call(module, dropout)
+    _attention_sinks(module, s_aux)
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
-    window = (-1, -1)
-    if sliding_window:
-        window = (sliding_window - 1, 0 if causal else sliding_window - 1)
-    kernel = _Flash(bool(causal), scaling, window, softcap or 0, _attention_sinks(module, s_aux))
-    return _attend(kernel, query, key, value, attention_mask, position_ids, cu_seq_lens_q,
-                   cu_seq_lens_k), None
+    return _attend(_flash_kernel(causal, scaling, sliding_window, softcap), query, key, value,
+                   attention_mask, position_ids, cu_seq_lens_q, cu_seq_lens_k), None
 
 
 def lazy_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
