@@ -29,8 +29,8 @@ VARIANTS = ("alibi", "alibi_batch", "sinks", "rel_bias", "rel_bias_long", "all")
 
 def _mods(variant, heads, batch, device, requires_grad=True):
     """Seeded float32 variant tensors for ``heads`` query heads and ``batch`` entries (packed:
-    sequences). Slopes up to 0.3 and unit-size sinks and table entries move the softmax of
-    N(0, 1) inputs visibly."""
+    sequences). Slopes up to 0.3, sinks around 3 and unit-size table entries move the softmax
+    of N(0, 1) inputs visibly."""
     g = torch.Generator().manual_seed(1234)
 
     def draw(*shape, scale=1.0):
@@ -44,7 +44,9 @@ def _mods(variant, heads, batch, device, requires_grad=True):
         mods["alibi_slopes"] = (torch.rand(batch, heads, generator=g, dtype=torch.float64) * 0.3
                                 ).float().to(device)
     if variant in ("sinks", "all"):
-        mods["sinks"] = draw(heads)
+        # Centred at 3 (e^3 ~ 20 keys of score 0): a sink's share of a 1000-key row stays
+        # visible, and short rows still give it to their keys.
+        mods["sinks"] = draw(heads) + 3.0
     if variant in ("rel_bias", "all"):
         mods["rel_bias"] = draw(heads, 16)
     if variant == "rel_bias_long":  # a table longer than every sequence
