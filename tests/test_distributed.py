@@ -106,6 +106,33 @@ def _dense_case(world, layout, causal, dtype, hq, hkv, transposed, softcap=0.0, 
     return run
 
 
+def _nan_case(world, layout, causal):
+    """A NaN key reaches the same rows through the ring as through the single op: the ring's
+    LSE merge and its backward keep it (no row's NaN turns into a zero or a finite value)."""
+    from adaattn import flash_attn
+    from adaattn.distributed import ring_flash_attn, shard_sequence
+
+    def run():
+        b, h, length, d = 1, 2, 6 * world, 8
+        q, k, v, dout = (_draw((b, h, length, d), torch.float64, "cpu", 40 + i)
+                         for i in range(4))
+        k[0, 0, length // 2 + 1, 3] = float("nan")  # past the first shard
+        full = [t.clone().requires_grad_() for t in (q, k, v)]
+        out, lse = flash_attn(*full, causal=causal, return_lse=True)
+        out.backward(dout)
+        shards = [shard_sequence(t.detach(), layout=layout).requires_grad_() for t in (q, k, v)]
+        r_out, r_lse = ring_flash_attn(*shards, layout=layout, causal=causal, return_lse=True)
+        r_out.backward(shard_sequence(dout, layout=layout))
+        expected = [out.detach(), lse] + [f.grad for f in full]
+        for nm, a, e in zip(("out", "lse", "dq", "dk", "dv"),
+                            [r_out.detach(), r_lse] + [t.grad for t in shards], expected):
+            assert bool((~e.isfinite()).any()), f"{nm}: the NaN reached nothing"
+            e = shard_sequence(e, layout=layout)
+            assert torch.equal(a.isfinite(), e.isfinite()), f"{nm}: non-finite entries differ"
+            _compare(nm, a[a.isfinite()], e[e.isfinite()], torch.float64)
+    return run
+
+
 def _varlen_case(world, layout, causal, dtype, cu_list, hq=4, hkv=2, seed=10):
     from adaattn import flash_attn_varlen
     from adaattn.distributed import ring_flash_attn_varlen, shard_sequence
@@ -210,6 +237,9 @@ def _cpu_worker(rank, world):
             cases.append((f"flash {layout} causal={causal} window={window}",
                           _dense_case(world, layout, causal, torch.float64, 4, 2, False,
                                       window=window)))
+        for causal in (False, True):
+            cases.append((f"flash {layout} causal={causal} nan key", _nan_case(world, layout,
+                                                                               causal)))
         # T = 8 W; sequences of lengths 0, 5, 3W+2, ... cross chunk and shard boundaries
         n = 8 * world
         cu = [0, 0, 5, 5 + 3 * world + 2, n - 1, n]
