@@ -47,6 +47,13 @@ class Op:
         self.ours, self.ref, self.extra, self.causal_only = ours, ref, extra, causal_only
 
 
+def _score_variants(device):
+    """ALiBi, sinks and a relative-bias table together (float32, on the op's device)."""
+    return {"alibi_slopes": torch.tensor([0.2, 0.1, 0.05, 0.3], device=device),
+            "sinks": torch.tensor([1.0, -0.5, 0.3, 2.0], device=device),
+            "rel_bias": (0.1 * torch.randn(HQ, 6)).to(device)}
+
+
 def _basis(device):
     return {"basis": torch.linalg.qr(torch.randn(1, HKV, 64, 64, dtype=torch.float64))[0]
             .to(device)}
@@ -63,6 +70,13 @@ OPS = {
     "softcap": Op(lambda q, k, v, c, x: adaattn.flash_attn(q, k, v, causal=c, softcap=3.0,
                                                            return_lse=True),
                   lambda q, k, v, x: reference.flash_attn(q, k, v, causal=True, softcap=3.0)),
+    # Positional variants need the row's position, which the row-wise reference keeps only
+    # when causal (each row's keys end at its own position).
+    "variants": Op(lambda q, k, v, c, x: adaattn.flash_attn(q, k, v, causal=c, softcap=4.0,
+                                                            return_lse=True, **x),
+                   lambda q, k, v, x: reference.flash_attn(q, k, v, causal=True, softcap=4.0,
+                                                           **x),
+                   _score_variants, causal_only=True),
     "lazy": Op(lambda q, k, v, c, x: adaattn.lazy_attn(q, k, v, x["tau"], x["bias"],
                                                        return_lse=True),
                lambda q, k, v, x: reference.lazy_attn(q, k, v, x["tau"], x["bias"]),
