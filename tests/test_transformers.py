@@ -468,11 +468,56 @@ class _Module(torch.nn.Module):
     is_causal = True
 
 
+def _gpt_oss(dtype=torch.float32):
+    """A tiny GPT-OSS: learnable sinks in every layer, sliding and full layers, MoE MLPs (whose
+    grouped GEMM takes no float64)."""
+    torch.manual_seed(0)
+    config = transformers.GptOssConfig(
+        **{**COMMON, "intermediate_size": 64}, num_local_experts=4, num_experts_per_tok=2,
+        sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    for layer in model.model.layers:
+        torch.nn.init.normal_(layer.self_attn.sinks, mean=1.0, std=1.0)
+    return model.to(dtype).eval()
+
+
+def test_gpt_oss_sinks_match_eager():
+    """GPT-OSS's sinks (s_aux) reach the ops: logits, packed logits, the sinks' gradients and
+    greedy generation (decode steps on the dense op) equal transformers' eager attention."""
+    model = _gpt_oss()
+    ids = _ids(2, 19)
+    expected = _logits(model, "eager", ids)
+    assert_rel_close("logits", _logits(model, "adaattn", ids), expected, FP32_RTOL)
+    packed = torch.cat([ids[0, :11], ids[1, :8]])[None]
+    positions = torch.cat([torch.arange(11), torch.arange(8)])[None]
+    ours = _logits(model, "adaattn", packed, position_ids=positions)
+    assert_rel_close("packed", ours[0, 11:], _logits(model, "eager", ids[1:, :8])[0], FP32_RTOL)
+    grads = {}
+    for impl in ("eager", "adaattn"):
+        model.set_attn_implementation(impl)
+        model.zero_grad()
+        model(ids, labels=ids, use_cache=False).loss.backward()
+        grads[impl] = torch.stack([layer.self_attn.sinks.grad for layer in model.model.layers])
+    assert grads["eager"].abs().sum() > 0
+    assert_rel_close("d sinks", grads["adaattn"], grads["eager"], FP32_RTOL)
+    tokens = {}
+    for impl in ("eager", "adaattn"):
+        model.set_attn_implementation(impl)
+        tokens[impl] = model.generate(ids[:1, :10], max_new_tokens=12, do_sample=False,
+                                      min_new_tokens=12)
+    assert torch.equal(tokens["adaattn"], tokens["eager"])
+    # Left padding against the cache would place the padded rows' windows wrongly: refused.
+    model.set_attn_implementation("adaattn")
+    with pytest.raises(NotImplementedError, match="sinks with a sliding window"):
+        mask = torch.ones(2, 10, dtype=torch.long)
+        mask[1, :4] = 0
+        model.generate(ids[:, :10], attention_mask=mask, max_new_tokens=2)
+
+
 def test_unsupported_calls_raise():
     q = torch.randn(1, 4, 5, 16)
     k = v = torch.randn(1, 2, 5, 16)
-    with pytest.raises(NotImplementedError, match="s_aux"):
-        hf.adaattn_attention_forward(_Module(), q, k, v, None, s_aux=torch.zeros(4))
     with_sinks = _Module()
     with_sinks.sinks = torch.nn.Parameter(torch.zeros(4))
     with pytest.raises(NotImplementedError, match="sinks"):

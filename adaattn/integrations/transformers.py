@@ -39,9 +39,11 @@ them; causal limits are bottom-right aligned, so a cache's ``Lq < Lk`` needs no 
   the call runs as a padded one (a host sync per forward, a K/V gather per layer: DynamicCache, the
   default, is the fast path).
 
-Not supported (a clear error rather than a wrong answer): attention sinks (``s_aux`` /
-``module.sinks``, e.g. GPT-OSS; :func:`_attention_sinks` is where they will reach the ops),
-attention dropout, prepared 4D masks, mask overlays (``or_mask_function`` /
+Attention sinks (``s_aux`` / ``module.sinks``, e.g. GPT-OSS) go to the ops' ``sinks``; a decode
+step with sinks runs the dense op on the cache, and a left-padded batch with sinks and a sliding
+window against a cache is refused.
+
+Not supported (a clear error rather than a wrong answer): attention dropout, prepared 4D masks, mask overlays (``or_mask_function`` /
 ``and_mask_function``, e.g. image tokens attending bidirectionally, or ``block_sequence_ids``
 blocks) and chunked attention layers (Llama 4). Cross-attention is outside this integration (a
 2D mask is read as self-attention padding).
@@ -196,6 +198,39 @@ class _Flash:
     def decode(self, q, k_cache, v_cache, cache_seqlens):
         return _KVCACHE_OP(q, k_cache, v_cache, None, None, cache_seqlens, None, self.scale,
                            self.causal, self.left, self.right, self.softcap, 0)[0]
+
+
+class _FlashWithSinks:
+    """A :class:`_Flash` whose calls add attention sinks (float32 ``[Hq]``, one logit per head in
+    every row's softmax denominator): the dense and packed ops take them; the KV-cache ops do
+    not, so a decode step runs the dense op on the cache (rows bottom-right aligned)."""
+
+    def __init__(self, base: _Flash, sinks: torch.Tensor):
+        self.base, self.sinks = base, sinks
+        self.needs_grad = base.needs_grad
+
+    def dense(self, q, k, v, seqlens=None):
+        b = self.base
+        return _FLASH_OP(q, k, v, seqlens, b.scale, b.causal, b.left, b.right, False, None, None,
+                         b.softcap, None, self.sinks, None)[0]
+
+    def varlen(self, q, k, v, cu_seqlens_q, cu_seqlens_k):
+        b = self.base
+        return _FLASH_OP(q, k, v, None, b.scale, b.causal, b.left, b.right, False, cu_seqlens_q,
+                         cu_seqlens_k, b.softcap, None, self.sinks, None)[0]
+
+    def decode(self, q, k_cache, v_cache, cache_seqlens, full=False):
+        """``full``: every cache holds ``Lk`` tokens. Otherwise keys past ``cache_seqlens[b]`` are
+        padding, and the dense op places row r at ``Lk - Lq + r`` instead of
+        ``cache_seqlens[b] - Lq + r``: exact for causal masks, not for windows."""
+        if full:
+            return self.dense(q, k_cache, v_cache)
+        if self.base.left >= 0 or self.base.right >= 0:
+            raise NotImplementedError(
+                "adaattn: attention sinks with a sliding window in a left-padded batch against "
+                "a KV cache are not supported; generate without padding or with "
+                "attn_implementation='eager'")
+        return self.dense(q, k_cache, v_cache, seqlens=cache_seqlens)
 
 
 # The op overloads themselves (an OpOverloadPacket call resolves the overload each time).
@@ -357,6 +392,8 @@ def _attend_exact(kernel, query: torch.Tensor, key: torch.Tensor, value: torch.T
         if (len_q < key.shape[2] and not kernel.needs_grad(query, key, value)
                 and heads // key.shape[1] * len_q <= DECODE_MAX_ROWS):
             # The cache already holds the new keys: keys [0, Lk), row r at Lk - Lq + r.
+            if isinstance(kernel, _FlashWithSinks):
+                return kernel.decode(query, key, value, None, full=True).transpose(1, 2)
             return kernel.decode(query, key, value,
                                  _full_seqlens(batch, key.shape[2], query.device)).transpose(1, 2)
         return kernel.dense(query, key, value).transpose(1, 2)
@@ -387,14 +424,12 @@ def _attend_exact(kernel, query: torch.Tensor, key: torch.Tensor, value: torch.T
 def _attention_sinks(module: nn.Module,
                      s_aux: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """The call's attention sinks (``s_aux``, else ``module.sinks``; ``[Hq]``, one logit per head
-    in every row's softmax denominator, e.g. GPT-OSS), as the ops will take them: the one place
-    where sinks reach adaattn. The ops have no ``sinks`` argument yet, so any sinks raise."""
+    in every row's softmax denominator, e.g. GPT-OSS) as the ops take them: float32 (a cast
+    that autograd follows back to the model's parameter)."""
     sinks = s_aux if s_aux is not None else getattr(module, "sinks", None)
     if sinks is None:
         return None
-    raise NotImplementedError(
-        "adaattn: attention sinks (s_aux / module.sinks, e.g. GPT-OSS) are not supported yet; "
-        "use attn_implementation='sdpa' or 'eager' for this model")
+    return sinks.float()
 
 
 def _check_call(module: nn.Module, dropout: float) -> None:
@@ -427,7 +462,8 @@ def adaattn_attention_forward(module: nn.Module, query: torch.Tensor, key: torch
             itself (both sides when not causal), as transformers' masks define it.
         softcap: ``s <- softcap * tanh(s / softcap)`` on the scaled scores (None = off).
         is_causal: overrides ``module.is_causal``.
-        s_aux: attention sinks ``[Hq]`` (else ``module.sinks`` is read); not supported yet.
+        s_aux: attention sinks ``[Hq]`` (else ``module.sinks`` is read), e.g. GPT-OSS; a
+            decode step with sinks runs the dense op on the cache (the KV-cache ops take none).
         position_ids: ``[B | 1, Lq]``; restarts mark packed sequences (no mask, ``Lq == Lk``).
         cu_seq_lens_q, cu_seq_lens_k: int ``[N + 1]`` boundaries of packed sequences over the
             ``B * L`` tokens (transformers' padding-free kwargs).
@@ -436,10 +472,13 @@ def adaattn_attention_forward(module: nn.Module, query: torch.Tensor, key: torch
         ``(out [B, Lq, Hq, Dv], None)`` (no attention weights).
     """
     _check_call(module, dropout)
-    _attention_sinks(module, s_aux)
+    sinks = _attention_sinks(module, s_aux)
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
-    return _attend(_flash_kernel(causal, scaling, sliding_window, softcap), query, key, value,
-                   attention_mask, position_ids, cu_seq_lens_q, cu_seq_lens_k), None
+    kernel = _flash_kernel(causal, scaling, sliding_window, softcap)
+    if sinks is not None:
+        kernel = _FlashWithSinks(kernel, sinks)
+    return _attend(kernel, query, key, value, attention_mask, position_ids, cu_seq_lens_q,
+                   cu_seq_lens_k), None
 
 
 def lazy_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
