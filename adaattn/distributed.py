@@ -54,6 +54,12 @@ def _num_chunks(world: int, layout: str) -> int:
     return world if layout == "contiguous" else 2 * world
 
 
+def _check_dim(op: str, x: torch.Tensor, dim) -> None:
+    C.integer(op, "dim", dim)
+    C.check(-x.dim() <= dim < x.dim(), ValueError, op, "dim must be in [", -x.dim(), ", ",
+            x.dim(), "), got ", dim)
+
+
 def shard_sequence(x: torch.Tensor, group=None, *, dim: int = 2,
                    layout: str = "zigzag") -> torch.Tensor:
     """This rank's shard of a full-sequence tensor.
@@ -74,9 +80,7 @@ def shard_sequence(x: torch.Tensor, group=None, *, dim: int = 2,
     C.tensor(op, "x", x)
     layout = _layout(op, layout)
     world, rank = _group(op, group)
-    C.integer(op, "dim", dim)
-    C.check(-x.dim() <= dim < x.dim(), ValueError, op, "dim must be in [", -x.dim(), ", ",
-            x.dim(), "), got ", dim)
+    _check_dim(op, x, dim)
     n = _num_chunks(world, layout)
     length = x.shape[dim]
     C.check(length % n == 0, ValueError, op, "x.size(dim) = ", length, " must be divisible by ",
@@ -101,9 +105,7 @@ def unshard(x: torch.Tensor, group=None, *, dim: int = 2, layout: str = "zigzag"
     C.tensor(op, "x", x)
     layout = _layout(op, layout)
     world, _ = _group(op, group)
-    C.integer(op, "dim", dim)
-    C.check(-x.dim() <= dim < x.dim(), ValueError, op, "dim must be in [", -x.dim(), ", ",
-            x.dim(), "), got ", dim)
+    _check_dim(op, x, dim)
     per_rank = len(_chunk_ids(0, world, layout))
     C.check(x.shape[dim] % per_rank == 0, ValueError, op, "x.size(dim) = ", x.shape[dim],
             " must be even for the zigzag layout")
