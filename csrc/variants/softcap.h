@@ -71,6 +71,10 @@ struct SoftcapMod {
         }
     return cap;
   }
+  // ds/dx = 1 - t^2 from modify_raw_frag's t = tanh(x * scale / c).
+  __device__ __forceinline__ static float grad_raw_frag(float t, const AttnParams&) {
+    return fmaf(-t, t, 1.f);
+  }
   // ds/dx = 1 - tanh^2 = 1 - (s2 / C)^2 from the modified score s2 in log2 units.
   __device__ __forceinline__ static float grad_log2(float s2, const AttnParams& p) {
     const float r = s2 / static_cast<float>(p.softcap * M_LOG2E);

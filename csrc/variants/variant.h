@@ -34,8 +34,10 @@
 // and, for the tensor-core kernels, the same on accumulator fragments: tile_active(p, lens,
 // first_row, last_key) (whether a tile needs the modifier at all), modify_frag<kKeyRows>(s, ...)
 // on scores in log2 units, without kUnitGrad grad_log2(s2, p) (the derivative from the
-// modified score in log2 units), and with kParamGrad the per-CTA partial sums
-// (accumulate_param_grad) and their fixed-order reduction (reduce_param_grad).
+// modified score in log2 units) and, with kFoldsScale, grad_raw_frag(v, p) (the derivative from
+// the value modify_raw_frag left: the Hopper backward folds it into P, softmax_frag.h
+// kGradInP), and with kParamGrad the per-CTA partial sums (accumulate_param_grad) and their
+// fixed-order reduction (reduce_param_grad).
 // A probability transform is a type with
 //   kNormalized    a = p (softmax): one online pass, o /= row sum, Delta = dO.o; else an lse
 //                  pass before the weights and a backward row pass for Delta (and G)

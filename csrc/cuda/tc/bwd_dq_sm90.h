@@ -209,17 +209,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_dq_sm90_kernel(const 
       sm90::wgmma_commit();
     };
     // P = exp2(s * scale_log2 - lse2), 0 outside each row's key range; full tiles (most) skip
-    // the mask's compares and selects. A modifier applies to the scaled scores first.
+    // the mask's compares and selects. A modifier applies to the scores first (kGradInP: s
+    // keeps P times its derivative).
     auto probs = [&](float (&s)[1][NT][4], int n0) {
-      float scale = p.scale_log2;
-      if (!Mod::kIdentity && Mod::tile_active(p, lens, m0 + warp_row0, n0 + BN - 1)) {
-#pragma unroll
-        for (int ni = 0; ni < NT; ++ni)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) s[0][ni][e] *= scale;
-        modify_scores<Mod, false>(s, p, lens, h, m0 + warp_row0, n0, lane);
-        scale = 1.f;
-      }
+      const float scale = backward_scores<Mod, false>(
+          s, p, lens, h, m0 + warp_row0, n0, lane,
+          !Mod::kIdentity && Mod::tile_active(p, lens, m0 + warp_row0, n0 + BN - 1));
       auto apply = [&](auto masked) {
 #pragma unroll
         for (int ni = 0; ni < NT; ++ni)
@@ -230,6 +225,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_dq_sm90_kernel(const 
               const int col = n0 + ni * 8 + 2 * t + (e & 1);
               if (col < rr.lo[0][e >> 1] || col >= rr.hi[0][e >> 1]) pe = 0.f;
             }
+            if constexpr (kGradInP<Mod>) pe *= Mod::grad_raw_frag(s[0][ni][e], p);
             s[0][ni][e] = pe;
           }
       };
@@ -246,8 +242,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_dq_sm90_kernel(const 
       for (int ni = 0; ni < NT; ++ni)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          dp[0][ni][e] = raw_score_grad<Mod>(s[0][ni][e] * (dp[0][ni][e] - delta[e >> 1]),
-                                             s[0][ni][e], lse2[e >> 1], p);
+          const float ds = s[0][ni][e] * (dp[0][ni][e] - delta[e >> 1]);
+          dp[0][ni][e] =
+              kGradInP<Mod> ? ds : raw_score_grad<Mod>(ds, s[0][ni][e], lse2[e >> 1], p);
         }
       to_a_frags<1, NT, T>(dp, dsa);
     };

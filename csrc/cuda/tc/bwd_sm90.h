@@ -253,15 +253,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
       uint32_t pa[1][NT / 2][4];
       uint32_t live = 0;  // non-normalised: bit 4 ni + e is M of st[0][ni][e]
       bool any_weight = false;  // non-normalised: a weight != 0 (a NaN one included)
-      float scale = p.scale_log2;
-      if (!Mod::kIdentity && Mod::tile_active(p, lens, m0, n0 + warp_row0 + 15)) {
-#pragma unroll
-        for (int ni = 0; ni < NT; ++ni)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) st[0][ni][e] *= scale;
-        modify_scores<Mod, true>(st, p, lens, h, n0 + warp_row0, m0, lane);
-        scale = 1.f;
-      }
+      const bool modified = !Mod::kIdentity && Mod::tile_active(p, lens, m0, n0 + warp_row0 + 15);
+      const float scale =
+          backward_scores<Mod, true>(st, p, lens, h, n0 + warp_row0, m0, lane, modified);
       if constexpr (kLsePass) {
         auto weights = [&](auto masked) {
 #pragma unroll
@@ -282,7 +276,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
               }
               a[e] = in ? Transform::weight(pe, ce) : 0.f;
               any_weight |= a[e] != 0.f;
-              st[0][ni][e] = in ? pe : 0.f;
+              float kept = in ? pe : 0.f;
+              if constexpr (kGradInP<Mod>) kept *= Mod::grad_raw_frag(st[0][ni][e], p);
+              st[0][ni][e] = kept;
               live |= static_cast<uint32_t>(in && Transform::live(pe, ce)) << (4 * ni + e);
             }
             pa[0][ni / 2][2 * (ni & 1)] = MmaOp<T>::pack(a[0], a[1]);
@@ -296,12 +292,14 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
         }
       } else {
         // Full tiles (most) take a copy without the mask's compares and selects (three
-        // instructions per score): 2-3% off the backward on the H100.
+        // instructions per score): 2-3% off the backward on the H100. P goes into dV's A
+        // operand as it is made (kGradInP: st keeps P ds/dx).
         auto probs = [&](auto masked) {
 #pragma unroll
           for (int ni = 0; ni < NT; ++ni) {
             const float2 l = *reinterpret_cast<const float2*>(lse + ni * 8 + 2 * t);
             const float lse2[2] = {l.x * float(M_LOG2E), l.y * float(M_LOG2E)};
+            float pr[4];
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
               float pe = exp2f(fmaf(st[0][ni][e], scale, -lse2[e & 1]));
@@ -310,8 +308,12 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
                 const RowSpan& r = seen[e >> 1];
                 if (qcol < r.first || qcol >= r.last) pe = 0.f;
               }
+              pr[e] = pe;
+              if constexpr (kGradInP<Mod>) pe *= Mod::grad_raw_frag(st[0][ni][e], p);
               st[0][ni][e] = pe;
             }
+            pa[0][ni / 2][2 * (ni & 1)] = MmaOp<T>::pack(pr[0], pr[1]);
+            pa[0][ni / 2][2 * (ni & 1) + 1] = MmaOp<T>::pack(pr[2], pr[3]);
           }
         };
         if (full) {
@@ -319,7 +321,6 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
         } else {
           probs(std::true_type{});
         }
-        to_a_frags<1, NT, T>(st, pa);
       }
       // dV += P^T dO (non-normalised: A^T dO, skipped when the warpgroup's weights are all
       // zero; a NaN weight is not M = 1 but must still reach dV): dO [BM][DV] is read
@@ -358,7 +359,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
                                                         tile.slot, warp_row0, lane, tid);
         }
       }
-      if constexpr (!Mod::kUnitGrad) {
+      if constexpr (!Mod::kUnitGrad && !kGradInP<Mod>) {
 #pragma unroll
         for (int ni = 0; ni < NT; ++ni) {
           const float2 l = *reinterpret_cast<const float2*>(lse + ni * 8 + 2 * t);

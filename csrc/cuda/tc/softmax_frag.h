@@ -195,6 +195,37 @@ __device__ __forceinline__ float raw_score_grad(float ds, float prob, float lse2
   }
 }
 
+// The backward's scores: Mod applied to a tile of raw scores q.k (kKeyRows: S^T) where it is
+// active; returns the scale that takes them to log2 units in the exponent's FMA. A modifier
+// that folds the scale (kFoldsScale) leaves its own value in the fragment, from which
+// Mod::grad_raw_frag gives ds/dx (kGradInP).
+template <typename Mod, bool kKeyRows, int MI, int NT>
+__device__ __forceinline__ float backward_scores(float (&s)[MI][NT][4], const AttnParams& p,
+                                                 const SeqLens& lens, int h, int r0, int c0,
+                                                 int lane, bool active) {
+  if constexpr (Mod::kFoldsScale) {
+    return Mod::modify_raw_frag(s, p);
+  } else {
+    if (Mod::kIdentity || !active) return p.scale_log2;
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+      for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[mi][ni][e] *= p.scale_log2;
+    modify_scores<Mod, kKeyRows>(s, p, lens, h, r0, c0, lane);
+    return 1.f;
+  }
+}
+
+// Whether a Hopper backward keeps P times the modifier's derivative (from backward_scores'
+// folded value, before the exponent overwrites it) instead of P: P itself is only the dV
+// operand, packed in the same pass, so dS = P ds/dx (dP - Delta) is the raw score's gradient
+// at once, without recovering the modified score from log2(P) (an SFU op per score). Not with
+// a learnable table, whose gradient needs dS of the modified score.
+template <typename Mod>
+constexpr bool kGradInP = Mod::kFoldsScale && !Mod::kUnitGrad && !Mod::kParamGrad;
+
 // Scores of a warp's 16 * MI rows from r0 against key tile n0 (NT * 8 keys) prepared for an
 // exponent with the scale folded in: the modifier applied (scaled first) and the mask. Returns
 // the scale that takes them to log2 units: the softmax scale when nothing was applied (it then
