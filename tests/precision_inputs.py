@@ -10,6 +10,13 @@ float32, ``[B, H, L, D]``, drawn on the CPU from ``generator``.
   visible).
 * ``outlier``: ``peaky``, then 4 outlier channels of K scaled by 8 and a per-(head, channel)
   offset ~ N(0, 3^2) added to every key.
+* ``sink``: an attention sink: N(0, 1) q, k, v, then every query gets a shared component
+  ``sqrt(D) u`` (``u`` a random unit vector) and key 0 becomes ``(ln(L) + 2) u``, so key 0 scores
+  ``ln(L) + 2`` above the rest and holds about 0.7 of every row's weight, the other keys
+  sharing the rest thinly (each ~1e-4 of the row's largest probability); V gets per-(head,
+  channel) offsets ~ N(0, 1) (as trained models' values have), so the thin tail adds up to a
+  visible share of the output. No bar in the issue; it is where an 8-bit P with a fixed absolute
+  step loses the tail.
 * ``x4``: ``normal`` with q and k scaled by 4 (logits 16x: the heads ``"auto"`` must send to
   bf16).
 """
@@ -17,7 +24,7 @@ import math
 
 import torch
 
-CLASSES = ("normal", "peaky", "outlier", "x4")
+CLASSES = ("normal", "peaky", "outlier", "sink", "x4")
 # The issue's bars vs float64: (max relative L2 error, min cosine similarity).
 BARS = {"normal": (6e-2, 0.998), "peaky": (3e-2, 0.9995), "outlier": (3e-2, 0.9995)}
 OUTLIER_CHANNELS = 4
@@ -49,6 +56,12 @@ def make_inputs(kind: str, b: int, h: int, length: int, dim: int, *, causal: boo
         q, k = randn(), randn()
         if kind == "x4":
             q, k = 4 * q, 4 * k
+    elif kind == "sink":
+        q, k = randn(), randn()
+        u = torch.randn(b, h, 1, dim, generator=gen)
+        u = u / u.norm(dim=-1, keepdim=True)
+        q = q + math.sqrt(dim) * u
+        k[:, :, :1] = (math.log(length) + 2.0) * u
     elif kind in ("peaky", "outlier"):
         k = randn()
         q = _peaky_q(k, causal, gen)
@@ -59,4 +72,6 @@ def make_inputs(kind: str, b: int, h: int, length: int, dim: int, *, causal: boo
     else:
         raise ValueError(f"unknown input class {kind!r}")
     v = randn()
+    if kind == "sink":
+        v = v + torch.randn(b, h, 1, dim, generator=gen)
     return tuple(t.bfloat16().float() for t in (q, k, v))
