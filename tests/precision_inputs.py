@@ -1,6 +1,6 @@
 """The input classes of issue 32's accuracy bars, shared by tests/test_precision.py and
 benchmarks/fp8_accuracy.py. Every tensor is bf16-representable (the kernel's inputs are bf16),
-float32, ``[B, H, L, D]``, drawn on the CPU from ``generator``.
+float32, ``[B, H, L, D]``, drawn on the CPU from a generator seeded with ``seed``.
 
 * ``normal``: q, k, v ~ N(0, 1).
 * ``peaky``: queries correlated with keys, as in trained models: query row ``i`` is
@@ -13,7 +13,7 @@ float32, ``[B, H, L, D]``, drawn on the CPU from ``generator``.
 * ``sink``: an attention sink: N(0, 1) q, k, v, then every query gets a shared component
   ``sqrt(D) u`` (``u`` a random unit vector) and key 0 becomes ``(ln(L) + 2) u``, so key 0 scores
   ``ln(L) + 2`` above the rest and holds about 0.7 of every row's weight, the other keys
-  sharing the rest thinly (each ~1e-4 of the row's largest probability); V gets per-(head,
+  sharing the rest thinly (each ~1e-4 or less of the row's largest probability); V gets per-(head,
   channel) offsets ~ N(0, 1) (as trained models' values have), so the thin tail adds up to a
   visible share of the output. No bar in the issue; it is where an 8-bit P with a fixed absolute
   step loses the tail.
