@@ -1,5 +1,5 @@
 """adaattn: fused attention kernels for PyTorch (CPU and CUDA, forward and backward)."""
-from . import distributed, nn, reference
+from . import distributed, nn, precision, reference
 from ._ops import ops
 from .block_sparse import BlockSparseMask, block_sparse_attn
 from .config import build_info, show_config
@@ -14,7 +14,7 @@ from .rank import (RankPlan, adaptive_rank_attn, low_rank_attn, rank_error_bound
 __all__ = ["BlockSparseMask", "KVCache", "LazyStats", "RankPlan", "adaptive_rank_attn",
            "block_sparse_attn", "build_info", "distributed", "flash_attn", "flash_attn_varlen",
            "flash_attn_with_kvcache", "lazy_attn", "lazy_attn_varlen", "lazy_attn_with_kvcache",
-           "linear_attn", "low_rank_attn", "nn", "ops", "rank_error_bound",
+           "linear_attn", "low_rank_attn", "nn", "ops", "precision", "rank_error_bound",
            "rank_error_estimate", "rank_plan",
            "reference", "show_config"]
 __version__ = "0.1.0"
