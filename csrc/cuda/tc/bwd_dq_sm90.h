@@ -221,11 +221,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_dq_sm90_kernel(const 
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             float pe = exp2f(fmaf(s[0][ni][e], scale, -lse2[e >> 1]));
+            // Masked after the product (a masked score's derivative may be NaN).
+            if constexpr (kGradInP<Mod>) pe *= Mod::grad_raw_frag(s[0][ni][e], p);
             if constexpr (decltype(masked)::value) {
               const int col = n0 + ni * 8 + 2 * t + (e & 1);
               if (col < rr.lo[0][e >> 1] || col >= rr.hi[0][e >> 1]) pe = 0.f;
             }
-            if constexpr (kGradInP<Mod>) pe *= Mod::grad_raw_frag(s[0][ni][e], p);
             s[0][ni][e] = pe;
           }
       };

@@ -276,9 +276,10 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
               }
               a[e] = in ? Transform::weight(pe, ce) : 0.f;
               any_weight |= a[e] != 0.f;
-              float kept = in ? pe : 0.f;
-              if constexpr (kGradInP<Mod>) kept *= Mod::grad_raw_frag(st[0][ni][e], p);
-              st[0][ni][e] = kept;
+              // Masked after the product: a masked score's derivative may be NaN (0 * inf
+              // from a zero padding row against an infinite key).
+              const float pg = kGradInP<Mod> ? pe * Mod::grad_raw_frag(st[0][ni][e], p) : pe;
+              st[0][ni][e] = in ? pg : 0.f;
               live |= static_cast<uint32_t>(in && Transform::live(pe, ce)) << (4 * ni + e);
             }
             pa[0][ni / 2][2 * (ni & 1)] = MmaOp<T>::pack(a[0], a[1]);
@@ -303,14 +304,15 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
               float pe = exp2f(fmaf(st[0][ni][e], scale, -lse2[e & 1]));
+              // Masked after the product (a masked score's derivative may be NaN).
+              float pg = kGradInP<Mod> ? pe * Mod::grad_raw_frag(st[0][ni][e], p) : pe;
               if constexpr (decltype(masked)::value) {
                 const int qcol = ni * 8 + 2 * t + (e & 1);
                 const RowSpan& r = seen[e >> 1];
-                if (qcol < r.first || qcol >= r.last) pe = 0.f;
+                if (qcol < r.first || qcol >= r.last) pe = pg = 0.f;
               }
               pr[e] = pe;
-              if constexpr (kGradInP<Mod>) pe *= Mod::grad_raw_frag(st[0][ni][e], p);
-              st[0][ni][e] = pe;
+              st[0][ni][e] = pg;
             }
             pa[0][ni / 2][2 * (ni & 1)] = MmaOp<T>::pack(pr[0], pr[1]);
             pa[0][ni / 2][2 * (ni & 1) + 1] = MmaOp<T>::pack(pr[2], pr[3]);
