@@ -278,7 +278,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
               any_weight |= a[e] != 0.f;
               // Masked after the product: a masked score's derivative may be NaN (0 * inf
               // from a zero padding row against an infinite key).
-              const float pg = kGradInP<Mod> ? pe * Mod::grad_raw_frag(st[0][ni][e], p) : pe;
+              float pg = pe;
+              if constexpr (kGradInP<Mod>) pg *= Mod::grad_raw_frag(st[0][ni][e], p);
               st[0][ni][e] = in ? pg : 0.f;
               live |= static_cast<uint32_t>(in && Transform::live(pe, ce)) << (4 * ni + e);
             }
@@ -305,7 +306,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
             for (int e = 0; e < 4; ++e) {
               float pe = exp2f(fmaf(st[0][ni][e], scale, -lse2[e & 1]));
               // Masked after the product (a masked score's derivative may be NaN).
-              float pg = kGradInP<Mod> ? pe * Mod::grad_raw_frag(st[0][ni][e], p) : pe;
+              float pg = pe;
+              if constexpr (kGradInP<Mod>) pg *= Mod::grad_raw_frag(st[0][ni][e], p);
               if constexpr (decltype(masked)::value) {
                 const int qcol = ni * 8 + 2 * t + (e & 1);
                 const RowSpan& r = seen[e >> 1];
