@@ -294,8 +294,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
         }
       } else {
         // Full tiles (most) take a copy without the mask's compares and selects (three
-        // instructions per score): 2-3% off the backward on the H100. P goes into dV's A
-        // operand as it is made (kGradInP: st keeps P ds/dx).
+        // instructions per score): 2-3% off the backward on the H100. With kGradInP, P goes
+        // into dV's A operand as it is made and st keeps P ds/dx.
         auto probs = [&](auto masked) {
 #pragma unroll
           for (int ni = 0; ni < NT; ++ni) {
@@ -316,8 +316,10 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
               pr[e] = pe;
               st[0][ni][e] = pg;
             }
-            pa[0][ni / 2][2 * (ni & 1)] = MmaOp<T>::pack(pr[0], pr[1]);
-            pa[0][ni / 2][2 * (ni & 1) + 1] = MmaOp<T>::pack(pr[2], pr[3]);
+            if constexpr (kGradInP<Mod>) {
+              pa[0][ni / 2][2 * (ni & 1)] = MmaOp<T>::pack(pr[0], pr[1]);
+              pa[0][ni / 2][2 * (ni & 1) + 1] = MmaOp<T>::pack(pr[2], pr[3]);
+            }
           }
         };
         if (full) {
@@ -325,6 +327,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
         } else {
           probs(std::true_type{});
         }
+        if constexpr (!kGradInP<Mod>) to_a_frags<1, NT, T>(st, pa);
       }
       // dV += P^T dO (non-normalised: A^T dO, skipped when the warpgroup's weights are all
       // zero; a NaN weight is not M = 1 but must still reach dV): dO [BM][DV] is read
