@@ -118,8 +118,8 @@ def lazy_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 
 def _check_low_rank_cache_args(op: str, q: torch.Tensor, k_cache: torch.Tensor,
-                               v_cache: torch.Tensor, basis: torch.Tensor,
-                               k: Optional[torch.Tensor], v: Optional[torch.Tensor]) -> int:
+                               basis: torch.Tensor, k: Optional[torch.Tensor],
+                               v: Optional[torch.Tensor]) -> int:
     """The checks of :func:`low_rank_attn_with_kvcache` that the projection needs (the rest are
     :func:`flash_attn_with_kvcache`'s on the projected operands); returns ``Hq // Hkv``."""
     C.check(q.dim() == 4, ValueError, op, "q must be [B, Hq, Lq, D], got shape ", tuple(q.shape))
@@ -209,7 +209,7 @@ def low_rank_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     op = "low_rank_attn_with_kvcache"
     C.tensors(op, q=q, k_cache=k_cache, v_cache=v_cache, basis=basis, cache_seqlens=cache_seqlens)
     C.optional_tensors(op, k=k, v=v, block_table=block_table)
-    group = _check_low_rank_cache_args(op, q, k_cache, v_cache, basis, k, v)
+    group = _check_low_rank_cache_args(op, q, k_cache, basis, k, v)
     softmax_scale = C.optional_float(op, "softmax_scale", softmax_scale)
     scale = q.shape[3] ** -0.5 if softmax_scale is None else softmax_scale
     u = basis.to(q.dtype)

@@ -46,14 +46,14 @@ def expected_rows(q, k, v, basis, end, len_q, causal, fn):
     ``end[b]`` positions; ``(out [B, Hq, Lq, Dv], lse [B, Hq, Lq])``."""
     outs, lses = [], []
     for b, e in enumerate(end):
-        out, lse = fn(q[b:b + 1, :, :e], k[b:b + 1, :, :e], v[b:b + 1, :, :e], basis[b:b + 1], e,
-                      causal)
+        out, lse = fn(q[b:b + 1, :, :e], k[b:b + 1, :, :e], v[b:b + 1, :, :e], basis[b:b + 1],
+                      causal=causal)
         outs.append(out[:, :, e - len_q:e])
         lses.append(lse[:, :, e - len_q:e])
     return torch.cat(outs), torch.cat(lses)
 
 
-def ours_low_rank(q, k, v, basis, _end, causal):
+def ours_low_rank(q, k, v, basis, causal):
     return adaattn.low_rank_attn(q, k, v, basis, causal=causal, return_lse=True)
 
 
@@ -146,10 +146,6 @@ def test_full_basis_equals_full_cache_decode():
     torch.testing.assert_close(low, full, atol=1e-14, rtol=0)
 
 
-def reference_low_rank(q, k, v, basis, _end, causal):
-    return reference.low_rank_attn(q, k, v, basis, causal=causal)
-
-
 # (device, D, Dv, R): CPU; on CUDA (R, Dv) = (32, 128) runs the prefill kernels on the cache,
 # (64, 64) the decode kernel, R = 16 is zero-padded to 32 by the kernels.
 LOW_PRECISION_CASES = [
@@ -171,8 +167,8 @@ def test_decode_low_precision(device, dim, dim_v, rank, heads, paged, dtype):
     low = [t.to(dtype) for t in (q, k, v)]
     for end, lq, out, lse in run_decode(*low, basis, True, paged):
         assert out.dtype == dtype
-        ref64 = expected_rows(q, k, v, basis.double(), end, lq, True, reference_low_rank)
-        ref_low = expected_rows(*low, basis, end, lq, True, reference_low_rank)
+        ref64 = expected_rows(q, k, v, basis.double(), end, lq, True, reference.low_rank_attn)
+        ref_low = expected_rows(*low, basis, end, lq, True, reference.low_rank_attn)
         for name, a, r, e in zip(("out", "lse"), (out, lse), ref_low, ref64):
             assert_low_precision_rule(name, a, r, e)
 
