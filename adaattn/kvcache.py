@@ -297,7 +297,7 @@ class LowRankKVCache(KVCache):
         self._has_basis[seq_id] = False
 
     def fork(self, src: int, dst: Optional[int] = None) -> int:
-        """As :meth:`KVCache.fork`; the copy shares ``src``'s basis (copied)."""
+        """As :meth:`KVCache.fork`; the copy gets a copy of ``src``'s basis row."""
         dst = super().fork(src, dst)
         if dst != src:
             self._basis[dst] = self._basis[src]
