@@ -115,3 +115,108 @@ def lazy_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                                           C.optional_float(op, "softmax_scale", softmax_scale),
                                           C.num_splits_value(op, num_splits))
     return (out, lse) if return_lse else out
+
+
+def _check_low_rank_cache_args(op: str, q: torch.Tensor, k_cache: torch.Tensor,
+                               basis: torch.Tensor, k: Optional[torch.Tensor],
+                               v: Optional[torch.Tensor]) -> int:
+    """The checks of :func:`low_rank_attn_with_kvcache` that the projection needs (the rest are
+    :func:`flash_attn_with_kvcache`'s on the projected operands); returns ``Hq // Hkv``."""
+    C.check(q.dim() == 4, ValueError, op, "q must be [B, Hq, Lq, D], got shape ", tuple(q.shape))
+    C.check(k_cache.dim() == 4, ValueError, op, "k_cache must be [B, Hkv, Lmax, R] or paged "
+            "[num_pages, Hkv, page_size, R], got shape ", tuple(k_cache.shape))
+    batch, heads_q, len_q, dim = q.shape
+    heads_kv = k_cache.shape[1]
+    C.check(heads_kv > 0 and heads_q % heads_kv == 0, ValueError, op,
+            "the number of query heads (q.size(1) = ", heads_q,
+            ") must be a multiple of the number of kv heads (k_cache.size(1) = ", heads_kv, ")")
+    C.check(basis.dtype == torch.float32 or basis.dtype == q.dtype, TypeError, op,
+            "basis must be float32 or q's dtype ", q.dtype, ", got ", basis.dtype)
+    C.check(basis.device == q.device, RuntimeError, op, "basis must be on q's device ", q.device,
+            ", got ", basis.device)
+    C.check(basis.dim() == 4 and tuple(basis.shape[:3]) == (batch, heads_kv, dim), ValueError, op,
+            f"basis must be [B, Hkv, D, R] = [{batch}, {heads_kv}, {dim}, R], got "
+            f"{tuple(basis.shape)}")
+    rank = basis.shape[3]
+    C.check(1 <= rank <= dim, ValueError, op, "basis's rank R = basis.size(3) must be in [1, D = ",
+            dim, "], got ", rank)
+    C.check(k_cache.shape[3] == rank, ValueError, op, "k_cache holds the projected keys k U: its "
+            "head dim k_cache.size(-1) = ", k_cache.shape[3], " must be the basis's rank R = ",
+            rank)
+    C.check((k is None) == (v is None), ValueError, op,
+            "the new keys k and values v must be given together (or neither)")
+    if k is not None:
+        C.check(tuple(k.shape) == (batch, heads_kv, len_q, dim), ValueError, op,
+                f"k (new keys, not projected) must be [B, Hkv, Lq, D] = "
+                f"[{batch}, {heads_kv}, {len_q}, {dim}], got {tuple(k.shape)}")
+        C.check(k.dtype == q.dtype, TypeError, op, "k must have q's dtype ", q.dtype, ", got ",
+                k.dtype)
+    return heads_q // heads_kv
+
+
+def low_rank_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               basis: torch.Tensor, k: Optional[torch.Tensor] = None,
+                               v: Optional[torch.Tensor] = None, *, cache_seqlens: torch.Tensor,
+                               block_table: Optional[torch.Tensor] = None, causal: bool = True,
+                               softmax_scale: Optional[float] = None, return_lse: bool = False,
+                               num_splits: int = 0
+                               ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    """Low-rank attention (:func:`adaattn.low_rank_attn`) of new query rows against a cache of
+    projected keys ``k U`` and full-width values.
+
+    Scores are ``s = scale * (q U)(k U)^T`` with ``scale`` defaulting to ``D ** -0.5`` of the full
+    head dim D, exactly as :func:`adaattn.low_rank_attn`: the last ``Lq`` rows of
+    ``low_rank_attn(q_all, k_all, v_all, basis, causal=True)`` on the whole sequence are this
+    op's output. Each cached token costs ``R + Dv`` values instead of ``D + Dv``. ``q`` (and the
+    new keys ``k``) are projected with two batched GEMMs in q's dtype (``basis`` cast to it, as
+    :func:`adaattn.low_rank_attn` does), then :func:`flash_attn_with_kvcache` runs at query/key
+    head dim R with the given or default full-D scale; positions, appending in place and the
+    causal mask are its. No host synchronisation; no gradients (inference).
+
+    On CUDA the split-KV decode kernel exists for fp16/bf16 with ``R == Dv in {64, 128}`` only;
+    other ``(R, Dv)`` (e.g. R = 32, Dv = 128) run the prefill kernels on the cache, a paged cache
+    gathered to a dense copy first, so this is not yet faster than a full-width cache there.
+
+    Args:
+        q: ``[B, Hq, Lq, D]``, contiguous last dim; query head ``h`` uses the basis of kv head
+            ``h // (Hq // Hkv)``.
+        k_cache: projected keys ``[B, Hkv, Lmax, R]``, or paged ``[num_pages, Hkv, page_size, R]``
+            with ``block_table``; q's dtype.
+        v_cache: values ``[B, Hkv, Lmax, Dv]`` or paged ``[num_pages, Hkv, page_size, Dv]``.
+        basis: ``U [B, Hkv, D, R]``, float32 or q's dtype, ``1 <= R <= D``: one basis per
+            (sequence, kv head), e.g. :func:`adaattn.rank_plan`'s on the prefill (its basis is
+            per kv head already: the Gram matrix sums the group's query heads), or
+            ``LowRankKVCache.basis[ids]``. The cached keys must have been projected with it.
+        k: new keys ``[B, Hkv, Lq, D]`` at full width (projected here, then appended), and v:
+            new values ``[B, Hkv, Lq, Dv]``; or both None.
+        cache_seqlens, block_table, causal, return_lse, num_splits: as
+            :func:`flash_attn_with_kvcache`.
+        softmax_scale: multiplies ``(q U)(k U)^T``; defaults to ``D ** -0.5`` (full D, not R).
+
+    Returns:
+        ``out [B, Hq, Lq, Dv]`` (q's dtype), or ``(out, lse)`` with ``return_lse``.
+
+    Raises:
+        TypeError: a tensor argument that is not a tensor; basis neither float32 nor q's dtype;
+            k not of q's dtype.
+        ValueError: q or k_cache not 4-D, ``Hq % Hkv != 0``, basis not ``[B, Hkv, D, R]`` with
+            ``1 <= R <= D``, ``k_cache.size(-1) != R``, k not ``[B, Hkv, Lq, D]``, k without v.
+        RuntimeError: basis on another device.
+        These messages start ``adaattn.low_rank_attn_with_kvcache:`` and name the argument; the
+        remaining checks (cache dtypes and layout, v, cache_seqlens, block_table, flags) are
+        :func:`flash_attn_with_kvcache`'s on the projected operands, with its prefix.
+    """
+    op = "low_rank_attn_with_kvcache"
+    C.tensors(op, q=q, k_cache=k_cache, v_cache=v_cache, basis=basis, cache_seqlens=cache_seqlens)
+    C.optional_tensors(op, k=k, v=v, block_table=block_table)
+    group = _check_low_rank_cache_args(op, q, k_cache, basis, k, v)
+    softmax_scale = C.optional_float(op, "softmax_scale", softmax_scale)
+    scale = q.shape[3] ** -0.5 if softmax_scale is None else softmax_scale
+    u = basis.to(q.dtype)
+    # Query heads of one kv head share its basis: [B, Hkv, G, Lq, D] @ [B, Hkv, 1, D, R].
+    q_proj = torch.matmul(q.unflatten(1, (k_cache.shape[1], group)), u.unsqueeze(2)).flatten(1, 2)
+    k_proj = None if k is None else torch.matmul(k, u)
+    return flash_attn_with_kvcache(q_proj, k_cache, v_cache, k_proj, v,
+                                   cache_seqlens=cache_seqlens, block_table=block_table,
+                                   causal=causal, softmax_scale=scale, return_lse=return_lse,
+                                   num_splits=num_splits)

@@ -1,5 +1,6 @@
 """A paged key/value cache for one attention layer, in the layout of the decode ops
-(:func:`adaattn.flash_attn_with_kvcache`, :func:`adaattn.lazy_attn_with_kvcache`)."""
+(:func:`adaattn.flash_attn_with_kvcache`, :func:`adaattn.lazy_attn_with_kvcache`), and its
+low-rank variant that stores projected keys (:func:`adaattn.low_rank_attn_with_kvcache`)."""
 from typing import List, Optional, Sequence
 
 import torch
@@ -198,3 +199,107 @@ class KVCache:
     def _check_alive(self, seq_id: int) -> None:
         if not self._alive(seq_id):
             raise ValueError(f"adaattn.KVCache: no sequence {seq_id} (allocate it first)")
+
+
+class LowRankKVCache(KVCache):
+    """A :class:`KVCache` whose key pages hold the keys projected onto a per-(sequence, kv head)
+    basis, ``k U`` (width R), next to full-width values, for
+    :func:`adaattn.low_rank_attn_with_kvcache`.
+
+    Storage: ``k_pages [num_pages, Hkv, page_size, R]``, ``v_pages [num_pages, Hkv, page_size,
+    Dv]`` and ``basis [max_batch, Hkv, D, R]`` (the pools' dtype; row s is sequence s's basis).
+    A sequence's basis is set once, before its first keys (typically :func:`adaattn.rank_plan`
+    on the prefill, whose bases are per (batch, kv head): with GQA the Gram matrix of a kv head
+    sums its group's query heads, so no per-query-head basis has to be reduced). A plan of
+    rank ``r < R`` is stored with ``R - r`` zero columns, which add nothing to any score. ::
+
+        plan = adaattn.rank_plan(q, k)                 # prefill q [N, Hq, L, D], k [N, Hkv, L, D]
+        cache.set_basis(ids, plan.basis)
+        cache.append(ids, k, v)                        # stores k U and v
+        out = adaattn.low_rank_attn(q, k, v, plan.basis, causal=True)
+        ...
+        cache.reserve(ids, lq)                         # a decode step
+        out = adaattn.low_rank_attn_with_kvcache(
+            q, cache.k_pages, cache.v_pages, cache.basis[ids], k, v,   # k at full width D
+            cache_seqlens=cache.seqlens[ids], block_table=cache.block_table[ids])
+        cache.advance(ids, lq)
+
+    Args:
+        num_pages, page_size, heads_kv, max_batch, max_pages_per_seq, dtype, device: as
+            :class:`KVCache`.
+        head_dim: ``D`` of the queries and keys before projection.
+        rank: ``R``, the width of the stored keys, ``1 <= R <= D``.
+        head_dim_v: ``Dv`` (defaults to ``D``).
+    """
+
+    def __init__(self, num_pages: int, page_size: int, heads_kv: int, head_dim: int, rank: int,
+                 head_dim_v: Optional[int] = None, *, max_batch: int, max_pages_per_seq: int,
+                 dtype: torch.dtype = torch.float32, device=None):
+        for name, value in (("head_dim", head_dim), ("rank", rank)):
+            C.integer("LowRankKVCache", name, value)
+        C.check(1 <= rank <= head_dim, ValueError, "LowRankKVCache",
+                "rank must be in [1, head_dim = ", head_dim, "], got ", rank)
+        super().__init__(num_pages, page_size, heads_kv, rank,
+                         head_dim if head_dim_v is None else head_dim_v, max_batch=max_batch,
+                         max_pages_per_seq=max_pages_per_seq, dtype=dtype, device=device)
+        self.head_dim = head_dim
+        self.rank = rank
+        self._basis = torch.zeros(max_batch, heads_kv, head_dim, rank, dtype=dtype, device=device)
+        self._has_basis = [False] * max_batch
+
+    @property
+    def basis(self) -> torch.Tensor:
+        """``[max_batch, Hkv, D, R]`` in the pools' dtype: the bases of every row (index it with
+        the step's sequence ids for the op's ``basis``)."""
+        return self._basis
+
+    def set_basis(self, seq_ids: Sequence[int], basis: torch.Tensor) -> None:
+        """Sets the bases ``[len(seq_ids), Hkv, D, r]`` (``r <= R``; zero columns pad it to R)
+        of sequences that hold no keys yet."""
+        op = "LowRankKVCache.set_basis"
+        C.tensor(op, "basis", basis)
+        shape = (len(seq_ids), self._basis.shape[1], self.head_dim)
+        C.check(basis.dim() == 4 and tuple(basis.shape[:3]) == shape
+                and 1 <= basis.shape[3] <= self.rank, ValueError, op,
+                f"basis must be [len(seq_ids), Hkv, D, r] = [{shape[0]}, {shape[1]}, {shape[2]}, "
+                f"r] with 1 <= r <= rank = {self.rank}, got {tuple(basis.shape)}")
+        C.check(basis.dtype.is_floating_point, TypeError, op, "basis must be floating, got ",
+                basis.dtype)
+        for seq_id in seq_ids:
+            self._check_alive(seq_id)
+            C.check(self._lengths[seq_id] == 0, RuntimeError, op, "sequence ", seq_id,
+                    " already holds ", self._lengths[seq_id], " keys projected with its basis")
+        rows = torch.tensor(list(seq_ids), dtype=torch.long, device=self._basis.device)
+        self._basis[rows] = torch.nn.functional.pad(
+            basis.to(self._basis), (0, self.rank - basis.shape[3]))
+        for seq_id in seq_ids:
+            self._has_basis[seq_id] = True
+
+    def append(self, seq_ids: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
+        """Projects ``k [len(seq_ids), Hkv, L, D]`` onto the sequences' bases (in the pools'
+        dtype, as :func:`adaattn.low_rank_attn` projects in q's) and writes ``k U`` and
+        ``v [len(seq_ids), Hkv, L, Dv]`` as :meth:`KVCache.append` does."""
+        op = "LowRankKVCache.append"
+        C.tensor(op, "k", k)
+        C.check(k.dim() == 4 and k.shape[0] == len(seq_ids) and k.shape[-1] == self.head_dim,
+                ValueError, op, f"k must be [len(seq_ids) = {len(seq_ids)}, Hkv, L, D = "
+                f"{self.head_dim}] (not projected), got {tuple(k.shape)}")
+        for seq_id in seq_ids:
+            self._check_alive(seq_id)
+            C.check(self._has_basis[seq_id], RuntimeError, op, "sequence ", seq_id,
+                    " has no basis; call set_basis first")
+        rows = torch.tensor(list(seq_ids), dtype=torch.long, device=self._basis.device)
+        super().append(seq_ids, torch.matmul(k.to(self._basis), self._basis[rows]), v)
+
+    def free(self, seq_id: int) -> None:
+        """As :meth:`KVCache.free`; the row's basis must be set again before its next keys."""
+        super().free(seq_id)
+        self._has_basis[seq_id] = False
+
+    def fork(self, src: int, dst: Optional[int] = None) -> int:
+        """As :meth:`KVCache.fork`; the copy gets a copy of ``src``'s basis row."""
+        dst = super().fork(src, dst)
+        if dst != src:
+            self._basis[dst] = self._basis[src]
+            self._has_basis[dst] = self._has_basis[src]
+        return dst
