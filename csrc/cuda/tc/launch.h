@@ -3,10 +3,15 @@
 // see generate.py) so builds compile them in parallel.
 #pragma once
 
-#include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAFunctions.h>
+// The per-operator and c10 headers, not ATen.h: every generated instantiation includes this
+// file, and ATen.h alone costs each of them about 10 s of the build (CI builds on two cores).
+#include <ATen/core/Tensor.h>
+#include <ATen/cuda/CUDAContextLight.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAStream.h>
 
 #include <cstdlib>
 #include <limits>
@@ -87,7 +92,7 @@ void launch_fwd_sm90(const AttnParams& p) {
   }
   set_smem(kernel, Traits::kSmemBytes);
   const int grid = grid_size(tile_slots<false>(p, Traits::kBlockM) * p.heads_q);
-  kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, at::cuda::getCurrentCUDAStream()>>>(p);
+  kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, c10::cuda::getCurrentCUDAStream()>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -105,7 +110,7 @@ void run_fwd(const AttnParams& p) {
   auto kernel = fwd_sm80_kernel<Traits, T, DK, DV, C::kFwdMI, C::kFwdBlockN, Variant>;
   set_smem(kernel, Traits::kSmemBytes);
   const int grid = grid_size(tile_slots<false>(p, Traits::kBlockM) * p.heads_q);
-  kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, at::cuda::getCurrentCUDAStream()>>>(p);
+  kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, c10::cuda::getCurrentCUDAStream()>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -123,7 +128,7 @@ void launch_bwd_sm80(const AttnParams& p) {
   const int64_t kv_blocks = tile_slots<true>(p, KV::kBlockN) * p.heads_kv;
   const int64_t q_blocks = kAtomicDQ ? 0 : tile_slots<false>(p, Q::kBlockM) * p.heads_q;
   kernel<<<grid_size(kv_blocks + q_blocks), KV::kThreads, kSmem,
-           at::cuda::getCurrentCUDAStream()>>>(p, grid_size(kv_blocks));
+           c10::cuda::getCurrentCUDAStream()>>>(p, grid_size(kv_blocks));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -155,7 +160,7 @@ void launch_bwd_sm90(const AttnParams& p) {
                                         cudaSharedmemCarveoutMaxShared));
   }
   const int grid = grid_size(tile_slots<true>(p, Traits::kBlockN) * p.heads_kv);
-  kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, at::cuda::getCurrentCUDAStream()>>>(p);
+  kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, c10::cuda::getCurrentCUDAStream()>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -166,7 +171,7 @@ void launch_bwd_dq_sm90(const AttnParams& p) {
   auto kernel = bwd_dq_sm90_kernel<Traits, T, DK, DV, Variant>;
   set_smem(kernel, Traits::kSmemBytes);
   const int grid = grid_size(tile_slots<false>(p, Traits::kBlockM) * p.heads_q);
-  kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, at::cuda::getCurrentCUDAStream()>>>(p);
+  kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, c10::cuda::getCurrentCUDAStream()>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -233,7 +238,7 @@ template <typename T, int DK, int DV, typename Variant>
 void run_bwd(const AttnParams& p_in) {
   using Mod = typename Variant::Mod;
   constexpr bool kNormalized = Variant::kNormalized;
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   constexpr bool kSm90Dims = (DK == 32 || DK == 64 || DK == 128) && (DV == 64 || DV == 128) &&
                              DK <= DV && (kNormalized || DK == DV);
   const bool sm90 = kSm90Dims && use_sm90();

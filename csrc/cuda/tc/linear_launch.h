@@ -3,10 +3,12 @@
 // in parallel) and dispatched from csrc/cuda/linear_tc.cu.
 #pragma once
 
-#include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/cuda/CUDAContextLight.h>
+#include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAStream.h>
 
 #include <algorithm>
 #include <limits>
@@ -93,7 +95,7 @@ void launch_scan(const LinearParams& p, const Grid& g, const PrefixStates<T, D, 
     split.seg_chunks = ((longest + segs - 1) / segs + kGroup - 1) / kGroup * kGroup;
     segs = (longest + split.seg_chunks - 1) / split.seg_chunks;
   }
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const dim3 blocks(static_cast<unsigned>(grid_size(pairs)), kTiles,
                     static_cast<unsigned>(std::max<int64_t>(segs, 1)));
   if (segs > 1) {
@@ -115,7 +117,7 @@ void launch_scan(const LinearParams& p, const Grid& g, const PrefixStates<T, D, 
 template <int kSmem, typename Kernel, typename... Args>
 void launch_chunks(Kernel kernel, const LinearParams& p, const Grid& g, Args... args) {
   set_smem(kernel, kSmem);
-  kernel<<<chunk_blocks(p, g), kThreads, kSmem, at::cuda::getCurrentCUDAStream()>>>(p, g.cps,
+  kernel<<<chunk_blocks(p, g), kThreads, kSmem, c10::cuda::getCurrentCUDAStream()>>>(p, g.cps,
                                                                                    args...);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
