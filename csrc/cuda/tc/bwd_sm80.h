@@ -200,12 +200,7 @@ __device__ __forceinline__ void bwd_dkdv_block(const AttnParams& p, int block) {
       float st[MI][NT][4];
       zero(st);
       warp_gemm_nt<MI, NT, DK>(st, sK, warp_row0, sQ(buf), 0, lane);
-  #pragma unroll
-      for (int mi = 0; mi < MI; ++mi)
-  #pragma unroll
-        for (int ni = 0; ni < NT; ++ni)
-  #pragma unroll
-          for (int e = 0; e < 4; ++e) st[mi][ni][e] *= p.scale_log2;
+      scale_frag(st, p.scale_log2);
       if (!Mod::kIdentity && Mod::tile_active(p, lens, m0, n0 + warp_row0 + 16 * MI - 1)) {
         modify_scores<Mod, true>(st, p, lens, h, n0 + warp_row0, m0, lane);
       }
@@ -443,12 +438,7 @@ __device__ __forceinline__ void bwd_dq_block(const AttnParams& p, int block) {
         warp_gemm_nt<MI, NT, DK>(s, sQ, warp_row0, sK(buf), 0, lane);
         const bool full =
             tile_is_full(p, lens, m0 + warp_row0, m0 + warp_row0 + 16 * MI, n0, n0 + BN);
-  #pragma unroll
-        for (int mi = 0; mi < MI; ++mi)
-  #pragma unroll
-          for (int ni = 0; ni < NT; ++ni)
-  #pragma unroll
-            for (int e = 0; e < 4; ++e) s[mi][ni][e] = s[mi][ni][e] * p.scale_log2;
+        scale_frag(s, p.scale_log2);
         if (!Mod::kIdentity && Mod::tile_active(p, lens, m0 + warp_row0, n0 + BN - 1)) {
           modify_scores<Mod, false>(s, p, lens, h, m0 + warp_row0, n0, lane);
         }

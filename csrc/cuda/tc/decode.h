@@ -306,10 +306,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
           }
         scale = 1.f;
       } else if (!Mod::kIdentity || !(scale > 0.f)) {
-#pragma unroll
-        for (int ni = 0; ni < NT; ++ni)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) s[0][ni][e] *= scale;
+        scale_frag(s, scale);
         modify_scores<Mod, false>(s, p, lens, h_kv * group, 0, n0, lane);
         scale = 1.f;
       }

@@ -97,12 +97,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
   auto scores = [&](float (&s)[MI][NT][4], const T* sk, int n0) {
     zero(s);
     warp_gemm_nt<MI, NT, DK>(s, sQ, warp_row0, sk, 0, lane);
-#pragma unroll
-    for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-      for (int ni = 0; ni < NT; ++ni)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[mi][ni][e] *= p.scale_log2;
+    scale_frag(s, p.scale_log2);
     if (!Mod::kIdentity && Mod::tile_active(p, lens, m0 + warp_row0, n0 + BN - 1)) {
       modify_scores<Mod, false>(s, p, lens, h, m0 + warp_row0, n0, lane);
     }

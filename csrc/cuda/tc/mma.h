@@ -265,6 +265,17 @@ __device__ __forceinline__ void to_a_frags(const float (&acc)[MI][NT][4],
   }
 }
 
+// acc *= x, elementwise.
+template <int MI, int NT>
+__device__ __forceinline__ void scale_frag(float (&acc)[MI][NT][4], float x) {
+#pragma unroll
+  for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+    for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[mi][ni][e] *= x;
+}
+
 template <int MI, int NT>
 __device__ __forceinline__ void zero(float (&acc)[MI][NT][4]) {
 #pragma unroll

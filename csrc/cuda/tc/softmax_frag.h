@@ -207,12 +207,7 @@ __device__ __forceinline__ float backward_scores(float (&s)[MI][NT][4], const At
     return Mod::modify_raw_frag(s, p);
   } else {
     if (Mod::kIdentity || !active) return p.scale_log2;
-#pragma unroll
-    for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-      for (int ni = 0; ni < NT; ++ni)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[mi][ni][e] *= p.scale_log2;
+    scale_frag(s, p.scale_log2);
     modify_scores<Mod, kKeyRows>(s, p, lens, h, r0, c0, lane);
     return 1.f;
   }
@@ -244,12 +239,7 @@ __device__ __forceinline__ float fold_scores(float (&s)[MI][NT][4], const AttnPa
   float scale = p.scale_log2;
   const bool modified = !Mod::kIdentity && Mod::tile_active(p, lens, r0, n0 + NT * 8 - 1);
   if (modified || !(scale > 0.f)) {
-#pragma unroll
-    for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-      for (int ni = 0; ni < NT; ++ni)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[mi][ni][e] *= scale;
+    scale_frag(s, scale);
     if (modified) modify_scores<Mod, false>(s, p, lens, h, r0, n0, lane);
     scale = 1.f;
   }
