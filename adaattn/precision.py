@@ -375,8 +375,16 @@ def _tiled_attention(qd, kd, vd, causal: bool, scale: float, s: QuantScheme) -> 
     pq.mul_((rescale / s.p_scale).unsqueeze(-1))
     pq = pq.view(b, h, len_q, tiles * s.block_k)[..., :len_k]
     out = (pq @ vd) / denom
-    # A row that sees no key gives 0 (as adaattn.flash_attn), not 0 / 0.
-    return torch.where(denom > 0, out, torch.zeros_like(out))
+    # A row that sees no key gives 0 (as adaattn.flash_attn), not 0 / 0; a NaN row stays NaN.
+    return torch.where(denom != 0, out, torch.zeros_like(out))
+
+
+def _nonfinite_heads(q, k, v) -> torch.Tensor:
+    """bool ``[B, Hq]``: the query head's q, or its kv head's k or v, holds a NaN or Inf."""
+    group = q.shape[1] // k.shape[1]
+    bad_q = ~torch.isfinite(q).flatten(2).all(-1)
+    bad_kv = ~(torch.isfinite(k).flatten(2).all(-1) & torch.isfinite(v).flatten(2).all(-1))
+    return bad_q | bad_kv.repeat_interleave(group, dim=1)
 
 
 def fp8_attention_emulated(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
@@ -397,7 +405,9 @@ def fp8_attention_emulated(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
             (``chunk * Lq * Lk`` floats).
 
     Returns:
-        float32 ``out [B, Hq, Lq, Dv]`` (rows that see no key: 0).
+        float32 ``out [B, Hq, Lq, Dv]`` (rows that see no key: 0). A head whose q, or whose kv
+        head's k or v, holds a NaN or Inf runs the ``"bf16"`` scheme, so those values reach
+        exactly the rows and entries they reach in :func:`adaattn.flash_attn`.
 
     Raises:
         TypeError: a non-tensor or non-floating q/k/v, scheme not a str or QuantScheme, a flag
@@ -413,6 +423,11 @@ def fp8_attention_emulated(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     chunk = C.integer(op, "chunk", chunk)
     C.check(chunk >= 1, ValueError, op, "chunk must be >= 1, got ", chunk)
     qd, kd, vd = _quantize_operands(q, k, v, s)
+    # 8-bit operands cannot hold NaN/Inf and a non-finite value would set its block's scale: a
+    # head that holds one runs the bf16 scheme (the kernel's pre-pass sees a non-finite block
+    # amax and sends the head to bf16), so NaN/Inf reach exactly the rows flash_attn's reach.
+    nonfinite = _nonfinite_heads(q, k, v)
+    fallback = _quantize_operands(q, k, v, SCHEMES["bf16"]) if bool(nonfinite.any()) else None
     b, hq, len_q, _ = q.shape
     hkv = k.shape[1]
     group = hq // hkv
@@ -425,6 +440,13 @@ def fp8_attention_emulated(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
             kv = slice(h0 // group, h1 // group)
             out[bi:bi + 1, h0:h1] = _tiled_attention(
                 qd[bi:bi + 1, h0:h1], kd[bi:bi + 1, kv], vd[bi:bi + 1, kv], causal, scale, s)
+            bad = nonfinite[bi, h0:h1]
+            if fallback is not None and bool(bad.any()):
+                fq, fk, fv = fallback
+                exact = _tiled_attention(fq[bi:bi + 1, h0:h1], fk[bi:bi + 1, kv],
+                                         fv[bi:bi + 1, kv], causal, scale, SCHEMES["bf16"])
+                out[bi:bi + 1, h0:h1] = torch.where(bad.view(1, -1, 1, 1), exact,
+                                                    out[bi:bi + 1, h0:h1])
     return out
 
 
@@ -489,7 +511,7 @@ def estimate_precision_error(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         scheme: a name in :data:`SCHEMES` or a :class:`QuantScheme`.
 
     Returns:
-        float32 ``[B, Hq]``.
+        float32 ``[B, Hq]``; NaN for a head whose q, k or v holds a NaN or Inf (it runs bf16).
 
     Raises:
         As :func:`fp8_attention_emulated` (``adaattn.estimate_precision_error:``), and
@@ -519,7 +541,9 @@ def estimate_precision_error(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     eps_v2 = torch.where(v_energy > 0, mean_sq(verr).sum(-1) / v_energy,
                          torch.zeros_like(v_energy)).repeat_interleave(group, 1)
     eps_p2 = _relative_rounding_variance(s.pv)
-    return (sigma_s2 + eps_p2 + eps_v2).sqrt()
+    err = (sigma_s2 + eps_p2 + eps_v2).sqrt()
+    # No 8-bit error for a head holding NaN/Inf: it runs bf16 (fp8_attention_emulated).
+    return err.masked_fill(_nonfinite_heads(q, k, v), math.nan)
 
 
 def choose_precision(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,

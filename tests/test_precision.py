@@ -376,3 +376,23 @@ def test_bad_input(call, cls, text):
         call(*_qkv())
     message = str(info.value)
     assert message.startswith("adaattn.") and text in message, message
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("where", "qkv")
+def test_nonfinite_input_reaches_the_reference_rows(where, value, causal):
+    """A NaN/Inf in q, k or v reaches exactly the entries it reaches in the float64 reference
+    (never a silent finite or zero row); other heads are unchanged; auto picks bf16 for that head."""
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 200, 64, generator=gen) for _ in range(3))
+    clean = P.fp8_attention_emulated(q, k, v, causal=causal)
+    dict(q=q, k=k, v=v)[where][0, 0, 150, 3] = value
+    out = P.fp8_attention_emulated(q, k, v, causal=causal)
+    ref = reference.flash_attn(q.double(), k.double(), v.double(), causal=causal)
+    ref = ref[0] if isinstance(ref, tuple) else ref
+    assert (~torch.isfinite(ref)).any()
+    assert torch.equal(~torch.isfinite(out), ~torch.isfinite(ref))
+    assert torch.equal(out[:, 1], clean[:, 1])
+    assert P.choose_precision(q, k, v).tolist() == [[False, True]]
+    assert math.isnan(P.estimate_precision_error(q, k, v)[0, 0].item())
