@@ -13,6 +13,7 @@ struct RelBiasMod {
   static constexpr bool kParamGrad = true;
   static constexpr bool kPositional = true;
   static constexpr bool kFoldsScale = false;
+  static constexpr bool kAddsTerms = false;
 
   template <typename T>
   ADAATTN_HD static T apply(const AttnParams& p, int, int h, int i, int j, T x) {
@@ -63,8 +64,16 @@ struct RelBiasMod {
   // loaded once and added to the (up to) two elements at its distance.
   template <bool kKeyRows, int MI, int NT>
   __device__ __forceinline__ static void modify_frag(float (&s)[MI][NT][4], const AttnParams& p,
-                                                    const SeqLens& lens, int h, int r0, int c0,
-                                                    int lane) {
+                                                    const SeqLens& lens, int, int h, int r0,
+                                                    int c0, int lane) {
+    add_frag<kKeyRows>(s, p, lens, h, r0, c0, lane, float(M_LOG2E));
+  }
+  // modify_frag with the entries multiplied by `unit` (log2(e): added in log2 units; its
+  // negative takes them off again).
+  template <bool kKeyRows, int MI, int NT>
+  __device__ __forceinline__ static void add_frag(float (&s)[MI][NT][4], const AttnParams& p,
+                                                 const SeqLens& lens, int h, int r0, int c0,
+                                                 int lane, float unit) {
     const float* bias = p.bias + static_cast<int64_t>(h) * p.bias_window;
     const unsigned window = static_cast<unsigned>(p.bias_window);
     const int g = lane >> 2, t = lane & 3;
@@ -78,7 +87,7 @@ struct RelBiasMod {
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
           const int d = kKeyRows ? d0 + 8 * k + c : d0 + 8 * k - c;
-          const float b = static_cast<unsigned>(d) < window ? __ldg(bias + d) * float(M_LOG2E) : 0.f;
+          const float b = static_cast<unsigned>(d) < window ? __ldg(bias + d) * unit : 0.f;
           // (e/2, ni) pairs at this k: S: (0, -k) and (1, 1 - k); S^T: (0, k) and (1, k + 1).
           const int ni_top = kKeyRows ? k : -k;
           const int ni_bottom = kKeyRows ? k + 1 : 1 - k;

@@ -255,7 +255,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
       bool any_weight = false;  // non-normalised: a weight != 0 (a NaN one included)
       const bool modified = !Mod::kIdentity && Mod::tile_active(p, lens, m0, n0 + warp_row0 + 15);
       const float scale =
-          backward_scores<Mod, true>(st, p, lens, h, n0 + warp_row0, m0, lane, modified);
+          backward_scores<Mod, true>(st, p, lens, b, h, n0 + warp_row0, m0, lane, modified);
       if constexpr (kLsePass) {
         auto weights = [&](auto masked) {
 #pragma unroll
@@ -366,7 +366,12 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
                                                         tile.slot, warp_row0, lane, tid);
         }
       }
-      if constexpr (!Mod::kUnitGrad && !kGradInP<Mod>) {
+      if constexpr (Mod::kAddsTerms) {
+        raw_score_grads<Mod, true>(
+            dpt, st,
+            [&](int, int ni, int e) { return lse[ni * 8 + 2 * t + (e & 1)] * float(M_LOG2E); },
+            p, lens, b, h, n0 + warp_row0, m0, lane);
+      } else if constexpr (!Mod::kUnitGrad && !kGradInP<Mod>) {
 #pragma unroll
         for (int ni = 0; ni < NT; ++ni) {
           const float2 l = *reinterpret_cast<const float2*>(lse + ni * 8 + 2 * t);

@@ -191,9 +191,10 @@ constexpr int sm90_bwd_warpgroups() {
 // Whether the Hopper backward takes two passes (dK/dV, then dQ without a float32 accumulator)
 // instead of atomic dQ: as p.bwd_mode says (block_sparse_attn's bwd_mode, flash_attn's
 // deterministic), unless the environment forces either way (env::bwd_two_pass). Normalised
-// transforms without a learnable score table only.
+// transforms with a modifier that has no learnable score table and adds no terms only.
 template <typename Variant>
-constexpr bool kSm90TwoPassVariant = Variant::kNormalized && !Variant::Mod::kParamGrad;
+constexpr bool kSm90TwoPassVariant =
+    Variant::kNormalized && !Variant::Mod::kParamGrad && !Variant::Mod::kAddsTerms;
 
 template <typename Variant>
 inline bool sm90_two_pass(const AttnParams& p) {
@@ -206,7 +207,8 @@ inline bool sm90_two_pass(const AttnParams& p) {
 }
 
 // The variant's parameter gradients, after the dK/dV pass: the transform's per-head one from
-// the row pass's terms, the modifier's table from the CTAs' partials (`key_slots` key tiles).
+// the row pass's terms or from each row's lse and Delta, the modifier's table from the CTAs'
+// partials (`key_slots` key tiles).
 template <typename Variant>
 void reduce_param_grads(const AttnParams& p, int64_t key_slots, cudaStream_t stream) {
   using Mod = typename Variant::Mod;
@@ -215,6 +217,12 @@ void reduce_param_grads(const AttnParams& p, int64_t key_slots, cudaStream_t str
   if constexpr (Transform::kRowParamGrad) {
     if (Transform::wants_param_grad(p)) {
       reduce_row_param_grad_kernel<Transform, kThreads><<<p.heads_q, kThreads, 0, stream>>>(p);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+  }
+  if constexpr (Transform::kLseParamGrad) {
+    if (Transform::wants_lse_param_grad(p)) {
+      reduce_lse_param_grad_kernel<Transform, kThreads><<<p.heads_q, kThreads, 0, stream>>>(p);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
   }
@@ -233,7 +241,10 @@ void reduce_param_grads(const AttnParams& p, int64_t key_slots, cudaStream_t str
 // (G and Delta) otherwise. On Hopper (every compiled (D, Dv) pair): the two-pass wgmma kernels
 // (the dQ pass computes Delta, then the dK/dV pass) where sm90_two_pass says so, else the
 // wgmma kernel with atomic dQ. Elsewhere: atomic dQ where the config measured it faster and
-// p.bwd_mode is kAtomic (and the transform is normalised), else the fused two-pass kernels.
+// p.bwd_mode is kAtomic (and the transform is normalised), else the fused two-pass kernels. A
+// normalised variant without the Hopper two-pass kernels (kSm90TwoPassVariant) takes those
+// fused two-pass kernels on Hopper too when p.bwd_mode asks for two passes, so that the
+// deterministic backward stays bit-reproducible.
 template <typename T, int DK, int DV, typename Variant>
 void run_bwd(const AttnParams& p_in) {
   using Mod = typename Variant::Mod;
@@ -241,7 +252,9 @@ void run_bwd(const AttnParams& p_in) {
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   constexpr bool kSm90Dims = (DK == 32 || DK == 64 || DK == 128) && (DV == 64 || DV == 128) &&
                              DK <= DV && (kNormalized || DK == DV);
-  const bool sm90 = kSm90Dims && use_sm90();
+  constexpr bool kSm90NoTwoPass = kNormalized && !kSm90TwoPassVariant<Variant>;
+  const bool sm90 = kSm90Dims && use_sm90() &&
+                    !(kSm90NoTwoPass && p_in.bwd_mode == BwdMode::kTwoPass);
   AttnParams p = p_in;
   p.dq_accum = nullptr;
   // Scratch freed on return; the caching allocator keeps it for this stream.
@@ -264,6 +277,7 @@ void run_bwd(const AttnParams& p_in) {
       launch_bwd_dq_sm90<T, DK, DV, Variant>(p);
       launch_bwd_sm90<T, DK, DV, Variant, false>(p);
     }
+    reduce_param_grads<Variant>(p, key_slots, stream);
     return;
   }
   const bool atomic = sm90 || (kNormalized && C::kAtomicDQ && p.bwd_mode == BwdMode::kAtomic);
