@@ -117,32 +117,27 @@ struct ComposedMod {
   }
   static int64_t param_grad_items(const AttnParams& p) { return RelBiasMod::param_grad_items(p); }
 
-  // sign * (-slope[b, h] |i - j| + bias[h, i - j]) in log2 units added to score fragments.
-  // Element (mi, ni, e) is fragment row a = r0 + mi*16 + g + 8*(e/2), column c = c0 + ni*8 +
-  // 2t + e%2: (row, key) = (a, c), or (c, a) for key rows; i = row_position(row).
+  // sign * (-slope[b, h] |i - j| + bias[h, i - j]) in log2 units added to score fragments
+  // (layouts: add_by_distance). Both terms are functions of the distance alone: one pass
+  // evaluates them once per distance (a single pass over the fragment, and half the terms, of
+  // one pass per term).
   template <bool kKeyRows, int MI, int NT>
   __device__ __forceinline__ static void add_terms(float (&s)[MI][NT][4], const AttnParams& p,
                                                   const SeqLens& lens, int b, int h, int r0,
                                                   int c0, int lane, float sign) {
-    if (p.alibi_slopes != nullptr) {
-      const float slope2 =
-          -sign * p.alibi_slopes[b * p.alibi_batch_stride + h] * float(M_LOG2E);
-      const int g = lane >> 2, t = lane & 3;
-#pragma unroll
-      for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-        for (int ni = 0; ni < NT; ++ni)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int a = r0 + mi * 16 + g + 8 * (e >> 1);
-            const int c = c0 + ni * 8 + 2 * t + (e & 1);
-            const int d = kKeyRows ? row_position(lens, c) - a : row_position(lens, a) - c;
-            s[mi][ni][e] = fmaf(slope2, static_cast<float>(d < 0 ? -d : d), s[mi][ni][e]);
-          }
-    }
-    if (p.bias != nullptr) {
-      RelBiasMod::add_frag<kKeyRows>(s, p, lens, h, r0, c0, lane, sign * float(M_LOG2E));
-    }
+    const bool alibi = p.alibi_slopes != nullptr;
+    const bool table = p.bias != nullptr;
+    if (!alibi && !table) return;
+    const float unit = sign * float(M_LOG2E);
+    const float slope2 = alibi ? -unit * p.alibi_slopes[b * p.alibi_batch_stride + h] : 0.f;
+    // Without a table bias_window is 0 (the ops' AttnParams start zeroed): bias is null + 0,
+    // and window 0 keeps every distance from reading it.
+    const unsigned window = table ? static_cast<unsigned>(p.bias_window) : 0u;
+    const float* bias = p.bias + static_cast<int64_t>(h) * p.bias_window;
+    add_by_distance<kKeyRows>(s, lens, r0, c0, lane, [&](int d) {
+      const float a = slope2 * static_cast<float>(d < 0 ? -d : d);
+      return static_cast<unsigned>(d) < window ? fmaf(__ldg(bias + d), unit, a) : a;
+    });
   }
 #endif
 };
