@@ -52,7 +52,8 @@
 //   kCountsZeros   the forward can count zero weights (AttnParams::stats)
 //   kLseParamGrad  it has a per-head parameter whose gradient sums a term of each row's
 //                  finished (lse_i, Delta_i): lse_param_term(p, h, lse, delta), written to
-//                  lse_param_grad_out(p) ([Hq] float32) when wants_lse_param_grad(p)
+//                  lse_param_grad_out(p) ([Hq] float32) when wants_lse_param_grad(p) (on the
+//                  tensor cores a fixed-order reduction after the backward, bwd_common.h)
 //   row_init(p, h, max, sum)  (normalised transforms) the online softmax's state before the
 //                  first key: -inf and 0, or a sink's logit and 1 (sinks.h)
 // and, with kRowParamGrad on the tensor cores, reduce_param_grad over the row pass's terms.
