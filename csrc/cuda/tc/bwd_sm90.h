@@ -38,11 +38,14 @@ namespace tc {
 // Query rows per step of the Hopper backward (the tile its dQ reductions add).
 constexpr int kSm90BwdBlockM = 64;
 
+// kModGrads = false: without the modifier's derivative pass and its table's gradient, for
+// calls that need neither (launch.h's sm90_bwd_lean).
 template <typename T, int DK, int DV, typename Variant, bool kWithDq = true,
-          int kWarpgroupCount = 2>
+          int kWarpgroupCount = 2, bool kModGrads = true>
 struct Sm90BwdTraits {
   static constexpr bool kLsePass = !Variant::kNormalized;
-  static constexpr bool kParamGrad = Variant::Mod::kParamGrad;
+  static constexpr bool kModGrad = kModGrads;
+  static constexpr bool kParamGrad = Variant::Mod::kParamGrad && kModGrads;
   // kWithDq = false: the dK/dV pass of the two-pass backward (bwd_dq_sm90.h adds dQ).
   static constexpr bool kDq = kWithDq;
   // Warpgroups per CTA, 64 keys each. With one, two CTAs share an SM (kMinBlocks) and their
@@ -359,7 +362,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
         }
       }
       // The table's gradient takes dS of the modified scores; dK and dQ that of the raw ones.
-      if constexpr (Mod::kParamGrad) {
+      if constexpr (Traits::kParamGrad) {
         if (Mod::wants_param_grad(p) && Mod::tile_active(p, lens, m0, n0 + kBlockN - 1)) {
           Mod::template accumulate_param_grad<kBlockN, BM, kBlockN, Traits::kStageStride,
                                               kThreads>(p, lens, sStage, dpt, h, m0, n0,
@@ -367,10 +370,12 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
         }
       }
       if constexpr (Mod::kAddsTerms) {
-        raw_score_grads<Mod, true>(
+        if constexpr (Traits::kModGrad) {
+          raw_score_grads<Mod, true>(
             dpt, st,
-            [&](int, int ni, int e) { return lse[ni * 8 + 2 * t + (e & 1)] * float(M_LOG2E); },
-            p, lens, b, h, n0 + warp_row0, m0, lane);
+              [&](int, int ni, int e) { return lse[ni * 8 + 2 * t + (e & 1)] * float(M_LOG2E); },
+              p, lens, b, h, n0 + warp_row0, m0, lane);
+        }
       } else if constexpr (!Mod::kUnitGrad && !kGradInP<Mod>) {
 #pragma unroll
         for (int ni = 0; ni < NT; ++ni) {

@@ -149,10 +149,12 @@ inline int64_t dq_accum_rows(const AttnParams& p) {
 }
 
 // The Hopper dK/dV launch (bwd_sm90.h). kDq: with atomic dQ, p.dq_accum zeroed, with
-// dq_accum_rows(p) rows; else the dK/dV pass of the two-pass backward.
-template <typename T, int DK, int DV, typename Variant, bool kDq = true, int kWarpgroups = 2>
+// dq_accum_rows(p) rows; else the dK/dV pass of the two-pass backward. kModGrads: see
+// sm90_bwd_lean.
+template <typename T, int DK, int DV, typename Variant, bool kDq = true, int kWarpgroups = 2,
+          bool kModGrads = true>
 void launch_bwd_sm90(const AttnParams& p) {
-  using Traits = Sm90BwdTraits<T, DK, DV, Variant, kDq, kWarpgroups>;
+  using Traits = Sm90BwdTraits<T, DK, DV, Variant, kDq, kWarpgroups, kModGrads>;
   auto kernel = bwd_sm90_kernel<Traits, T, DK, DV, Variant>;
   set_smem(kernel, Traits::kSmemBytes);
   if constexpr (Traits::kMinBlocks > 1) {  // room for the CTAs that share an SM
@@ -186,6 +188,21 @@ template <int DK, int DV, typename Variant>
 constexpr int sm90_bwd_warpgroups() {
   if constexpr (!Variant::kNormalized || Variant::Mod::kParamGrad) return 2;
   return DK < DV || DK == 64 ? 1 : 2;
+}
+
+// Whether a call of a modifier that adds terms (kAddsTerms) can take the Hopper backward
+// compiled without the modifier's derivative pass and its table's gradient: the derivative is
+// 1 throughout (grad_active) and no table gradient is asked for. Those passes' registers make
+// the full kernel spill (sm_90a, bf16, D = 128: 384 bytes against 76 without them), which calls
+// with ALiBi or sinks alone need not pay.
+template <typename Variant>
+inline bool sm90_bwd_lean(const AttnParams& p) {
+  using Mod = typename Variant::Mod;
+  if constexpr (Mod::kAddsTerms) {
+    return !Mod::grad_active(p) && !(Mod::kParamGrad && Mod::wants_param_grad(p));
+  } else {
+    return false;
+  }
 }
 
 // Whether the Hopper backward takes two passes (dK/dV, then dQ without a float32 accumulator)
@@ -311,7 +328,14 @@ void run_bwd(const AttnParams& p_in) {
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   if (sm90) {
-    if constexpr (kSm90Dims) launch_bwd_sm90<T, DK, DV, Variant, true, kSm90Warpgroups>(p);
+    if constexpr (kSm90Dims) {
+      bool lean = false;
+      if constexpr (Mod::kAddsTerms) {
+        lean = sm90_bwd_lean<Variant>(p);
+        if (lean) launch_bwd_sm90<T, DK, DV, Variant, true, kSm90Warpgroups, false>(p);
+      }
+      if (!lean) launch_bwd_sm90<T, DK, DV, Variant, true, kSm90Warpgroups>(p);
+    }
     launch_dq_convert<T, DK, true>(p, stream);
   } else if (atomic) {
     if constexpr (C::kAtomicDQ && kNormalized) launch_bwd_sm80<T, DK, DV, Variant, true>(p);
