@@ -38,14 +38,15 @@ namespace tc {
 // Query rows per step of the Hopper backward (the tile its dQ reductions add).
 constexpr int kSm90BwdBlockM = 64;
 
-// kModGrads = false: without the modifier's derivative pass and its table's gradient, for
-// calls that need neither (launch.h's sm90_bwd_lean).
+// kWithDerivative / kWithTableGrad = false: without the pass that multiplies dS by the
+// derivative of a modifier that adds terms, or without its table's gradient, for calls that
+// need it not (launch.h's launch_bwd_sm90_atomic).
 template <typename T, int DK, int DV, typename Variant, bool kWithDq = true,
-          int kWarpgroupCount = 2, bool kModGrads = true>
+          int kWarpgroupCount = 2, bool kWithDerivative = true, bool kWithTableGrad = true>
 struct Sm90BwdTraits {
   static constexpr bool kLsePass = !Variant::kNormalized;
-  static constexpr bool kModGrad = kModGrads;
-  static constexpr bool kParamGrad = Variant::Mod::kParamGrad && kModGrads;
+  static constexpr bool kDerivative = kWithDerivative;
+  static constexpr bool kParamGrad = Variant::Mod::kParamGrad && kWithTableGrad;
   // kWithDq = false: the dK/dV pass of the two-pass backward (bwd_dq_sm90.h adds dQ).
   static constexpr bool kDq = kWithDq;
   // Warpgroups per CTA, 64 keys each. With one, two CTAs share an SM (kMinBlocks) and their
@@ -370,7 +371,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
         }
       }
       if constexpr (Mod::kAddsTerms) {
-        if constexpr (Traits::kModGrad) {
+        if constexpr (Traits::kDerivative) {
           raw_score_grads<Mod, true>(
             dpt, st,
               [&](int, int ni, int e) { return lse[ni * 8 + 2 * t + (e & 1)] * float(M_LOG2E); },

@@ -149,12 +149,12 @@ inline int64_t dq_accum_rows(const AttnParams& p) {
 }
 
 // The Hopper dK/dV launch (bwd_sm90.h). kDq: with atomic dQ, p.dq_accum zeroed, with
-// dq_accum_rows(p) rows; else the dK/dV pass of the two-pass backward. kModGrads: see
-// sm90_bwd_lean.
+// dq_accum_rows(p) rows; else the dK/dV pass of the two-pass backward. kDerivative,
+// kTableGrad: see launch_bwd_sm90_atomic.
 template <typename T, int DK, int DV, typename Variant, bool kDq = true, int kWarpgroups = 2,
-          bool kModGrads = true>
+          bool kDerivative = true, bool kTableGrad = true>
 void launch_bwd_sm90(const AttnParams& p) {
-  using Traits = Sm90BwdTraits<T, DK, DV, Variant, kDq, kWarpgroups, kModGrads>;
+  using Traits = Sm90BwdTraits<T, DK, DV, Variant, kDq, kWarpgroups, kDerivative, kTableGrad>;
   auto kernel = bwd_sm90_kernel<Traits, T, DK, DV, Variant>;
   set_smem(kernel, Traits::kSmemBytes);
   if constexpr (Traits::kMinBlocks > 1) {  // room for the CTAs that share an SM
@@ -190,21 +190,6 @@ constexpr int sm90_bwd_warpgroups() {
   return DK < DV || DK == 64 ? 1 : 2;
 }
 
-// Whether a call of a modifier that adds terms (kAddsTerms) can take the Hopper backward
-// compiled without the modifier's derivative pass and its table's gradient: the derivative is
-// 1 throughout (grad_active) and no table gradient is asked for. Those passes' registers make
-// the full kernel spill (sm_90a, bf16, D = 128: 384 bytes against 76 without them), which calls
-// with ALiBi or sinks alone need not pay.
-template <typename Variant>
-inline bool sm90_bwd_lean(const AttnParams& p) {
-  using Mod = typename Variant::Mod;
-  if constexpr (Mod::kAddsTerms) {
-    return !Mod::grad_active(p) && !(Mod::kParamGrad && Mod::wants_param_grad(p));
-  } else {
-    return false;
-  }
-}
-
 // Whether the Hopper backward takes two passes (dK/dV, then dQ without a float32 accumulator)
 // instead of atomic dQ: as p.bwd_mode says (block_sparse_attn's bwd_mode, flash_attn's
 // deterministic), unless the environment forces either way (env::bwd_two_pass). Normalised
@@ -220,6 +205,32 @@ inline bool sm90_two_pass(const AttnParams& p) {
   } else {
     const int forced = env::bwd_two_pass();
     return forced >= 0 ? forced == 1 : p.bwd_mode == BwdMode::kTwoPass;
+  }
+}
+
+// The Hopper dK/dV launch with atomic dQ. A modifier that adds terms has it compiled at D = 128
+// also without the passes a call does not need, the derivative's (grad_active false: it is 1)
+// and the table gradient's (none asked for): each holds registers across the step that the
+// full kernel spills (ptxas, sm_90a, bf16: 384 bytes of spill stores with both, 180 with the
+// derivative's alone, 140 with the table's alone, 76 with neither); at D = 64 the full kernel
+// does not spill.
+template <typename T, int DK, int DV, typename Variant, int kWarpgroups>
+void launch_bwd_sm90_atomic(const AttnParams& p) {
+  using Mod = typename Variant::Mod;
+  if constexpr (Mod::kAddsTerms && DK == 128) {
+    const bool derivative = Mod::grad_active(p);
+    const bool table = Mod::kParamGrad && Mod::wants_param_grad(p);
+    if (derivative && table) {
+      launch_bwd_sm90<T, DK, DV, Variant, true, kWarpgroups, true, true>(p);
+    } else if (derivative) {
+      launch_bwd_sm90<T, DK, DV, Variant, true, kWarpgroups, true, false>(p);
+    } else if (table) {
+      launch_bwd_sm90<T, DK, DV, Variant, true, kWarpgroups, false, true>(p);
+    } else {
+      launch_bwd_sm90<T, DK, DV, Variant, true, kWarpgroups, false, false>(p);
+    }
+  } else {
+    launch_bwd_sm90<T, DK, DV, Variant, true, kWarpgroups>(p);
   }
 }
 
@@ -328,14 +339,7 @@ void run_bwd(const AttnParams& p_in) {
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   if (sm90) {
-    if constexpr (kSm90Dims) {
-      bool lean = false;
-      if constexpr (Mod::kAddsTerms) {
-        lean = sm90_bwd_lean<Variant>(p);
-        if (lean) launch_bwd_sm90<T, DK, DV, Variant, true, kSm90Warpgroups, false>(p);
-      }
-      if (!lean) launch_bwd_sm90<T, DK, DV, Variant, true, kSm90Warpgroups>(p);
-    }
+    if constexpr (kSm90Dims) launch_bwd_sm90_atomic<T, DK, DV, Variant, kSm90Warpgroups>(p);
     launch_dq_convert<T, DK, true>(p, stream);
   } else if (atomic) {
     if constexpr (C::kAtomicDQ && kNormalized) launch_bwd_sm80<T, DK, DV, Variant, true>(p);
