@@ -373,7 +373,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
       if constexpr (Mod::kAddsTerms) {
         if constexpr (Traits::kDerivative) {
           raw_score_grads<Mod, true>(
-            dpt, st,
+              dpt, st,
               [&](int, int ni, int e) { return lse[ni * 8 + 2 * t + (e & 1)] * float(M_LOG2E); },
               p, lens, b, h, n0 + warp_row0, m0, lane);
         }
