@@ -222,7 +222,6 @@ __device__ __forceinline__ float backward_scores(float (&s)[MI][NT][4], const At
 template <typename Mod>
 constexpr bool kGradInP = Mod::kFoldsScale && !Mod::kUnitGrad && !Mod::kParamGrad;
 
-
 // raw_score_grad over a fragment, for a modifier that adds terms to its map of the score
 // (kAddsTerms): the modified scores are recovered into `prob` (s2 = log2(P) + lse2(mi, ni, e),
 // 0 where P = 0), the terms taken off (their position is the fragment's: modify_scores'
