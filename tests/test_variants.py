@@ -24,7 +24,8 @@ FC, SC = flash_tests.Case, sparse_tests.Case
 NAMES = ("out", "lse", "dq", "dk", "dv", "dsinks", "drel_bias")
 
 # Variant name -> the keyword arguments it adds (built per problem by _mods).
-VARIANTS = ("alibi", "alibi_batch", "sinks", "rel_bias", "rel_bias_long", "all")
+VARIANTS = ("alibi", "alibi_batch", "sinks", "rel_bias", "rel_bias_long", "softcap_alibi_batch",
+            "all")
 
 
 def _mods(variant, heads, batch, device, requires_grad=True):
@@ -40,7 +41,7 @@ def _mods(variant, heads, batch, device, requires_grad=True):
     if variant in ("alibi", "all"):
         mods["alibi_slopes"] = (torch.rand(heads, generator=g, dtype=torch.float64) * 0.3
                                 ).float().to(device)
-    if variant == "alibi_batch":
+    if variant in ("alibi_batch", "softcap_alibi_batch"):
         mods["alibi_slopes"] = (torch.rand(batch, heads, generator=g, dtype=torch.float64) * 0.3
                                 ).float().to(device)
     if variant in ("sinks", "all"):
@@ -51,7 +52,9 @@ def _mods(variant, heads, batch, device, requires_grad=True):
         mods["rel_bias"] = draw(heads, 16)
     if variant == "rel_bias_long":  # a table longer than every sequence
         mods["rel_bias"] = draw(heads, 300, scale=0.5)
-    if variant == "all":
+    if variant in ("softcap_alibi_batch", "all"):
+        # The softcap's derivative is read from the capped score: the added terms must not
+        # enter it.
         mods["softcap"] = 2.0
     if requires_grad:
         for name in ("sinks", "rel_bias"):
@@ -252,7 +255,7 @@ ACCURACY_SPECS = [
     (Sparse, SC(lq=17, lk=97, d=32, density=1.0, causal=True)),
 ]
 ACCURACY_CASES = [_param(f, s, v) for v in VARIANTS for f, s in ACCURACY_SPECS
-                  if not (v == "alibi_batch" and f is Dense and s.b == 1)]
+                  if not (v.endswith("alibi_batch") and f is Dense and s.b == 1)]
 
 
 @pytest.mark.parametrize("family,spec,variant", ACCURACY_CASES)
@@ -354,6 +357,48 @@ def test_row_without_keys_has_sink_lse(device):
     out, lse = adaattn.flash_attn(q, k, v, causal=True, sinks=sinks, return_lse=True)
     assert (out[:, :, :2] == 0).all()
     assert torch.equal(lse[0, :, :2], sinks.view(2, 1).expand(2, 2))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", LOW_PRECISION, ids=str)
+@pytest.mark.parametrize("d", [64, 128])
+def test_row_without_keys_has_sink_lse_tensor_cores(dtype, d):
+    """The tensor-core forward starts each row's softmax from its sink: rows that see no key
+    (a whole 128-row tile of them, and a tile that also holds rows with keys) get lse =
+    sinks[h] (up to the float32 rounding of the log2-domain state) and out = 0, and rows with
+    keys give the sink its share of the denominator."""
+    case = FC(b=2, hq=2, hkv=2, lq=200, lk=4, d=d, causal=True)  # rows 0..195 see no key
+    q, k, v, _, _ = flash_tests.make_inputs(case, dtype, "cuda", False)
+    sinks = torch.tensor([0.25, -2.0], device="cuda")
+    out, lse = adaattn.flash_attn(q, k, v, causal=True, sinks=sinks, return_lse=True)
+    assert (out[:, :, :196] == 0).all()
+    torch.testing.assert_close(lse[:, :, :196], sinks.view(1, 2, 1).expand(2, 2, 196),
+                               rtol=1e-6, atol=0)
+    ref64 = reference.flash_attn(q.double(), k.double(), v.double(), causal=True,
+                                 sinks=sinks.double())
+    ref_low = reference.flash_attn(q, k, v, causal=True, sinks=sinks.to(dtype))
+    for name, a, lo, e in zip(("out", "lse"), (out, lse), ref_low, ref64):
+        assert_low_precision_rule(name, a[:, :, 196:], lo[:, :, 196:], e[:, :, 196:])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", LOW_PRECISION, ids=str)
+def test_deterministic_backward_cuda(dtype):
+    """deterministic=True with every modifier: two backward runs give bit-identical gradients,
+    dsinks and drel_bias included (the tensor-core kernels take the two-pass dQ path)."""
+    case = FC(b=2, hq=8, hkv=2, lq=1000, lk=1025, d=128, causal=True)
+    problem = Dense(case, dtype, "cuda", "all")
+
+    def run():
+        out = adaattn.flash_attn(problem.q, problem.k, problem.v, causal=True,
+                                 deterministic=True, **problem.mods)
+        learnable = _named_learnable(problem.mods)
+        inputs = [problem.q, problem.k, problem.v] + [t for t in learnable if t is not None]
+        return torch.autograd.grad(out, inputs, problem.dout)
+
+    first, second = run(), run()
+    for i, (a, b) in enumerate(zip(first, second)):
+        assert torch.equal(a, b), f"gradient {i} differs between two runs"
 
 
 def test_alibi_matches_an_explicit_bias(device):

@@ -5,12 +5,15 @@
 //   s -= slope[b, h] |i - j|             ALiBi (flash-attn's, i the bottom-right aligned position)
 //   s += bias[h, i - j], 0 <= i - j < W  the relative-bias table (rel_bias.h), learnable
 // then the mask and the softmax. ds/dx is the softcap's (the additive terms have unit
-// derivative); the table's gradient sums dS over param_slot as RelBiasMod's.
+// derivative); the table's gradient sums dS over param_slot as RelBiasMod's. On the tensor
+// cores the backward reads the softcap's derivative from the modified score less the added
+// terms (kAddsTerms), since the additive terms would otherwise enter tanh's value.
 #pragma once
 
 #include <cmath>
 
 #include "rel_bias.h"
+#include "softcap.h"
 #include "variant.h"
 
 namespace adaattn {
@@ -21,6 +24,7 @@ struct ComposedMod {
   static constexpr bool kParamGrad = true;
   static constexpr bool kPositional = true;
   static constexpr bool kFoldsScale = false;
+  static constexpr bool kAddsTerms = true;
 
   template <typename T>
   ADAATTN_HD static T apply(const AttnParams& p, int b, int h, int i, int j, T x) {
@@ -55,6 +59,87 @@ struct ComposedMod {
     return RelBiasMod::param_key(p, i, slot);
   }
   ADAATTN_HD static float* param_grad_out(const AttnParams& p) { return p.dbias; }
+
+#if defined(__CUDACC__)
+  // ---- tensor-core hooks (fragments: csrc/cuda/tc/softmax_frag.h) ----
+
+  // Every tile under a softcap or ALiBi (|i - j| > 0 off the diagonal); the table's tiles
+  // otherwise. A call with none of the three (sinks only) modifies nothing.
+  __device__ __forceinline__ static bool tile_active(const AttnParams& p, const SeqLens& lens,
+                                                    int first_row, int last_key) {
+    return p.softcap > 0 || p.alibi_slopes != nullptr ||
+           (p.bias != nullptr && RelBiasMod::tile_active(p, lens, first_row, last_key));
+  }
+  // On scores in log2 units, in the order above. Layouts as RelBiasMod::modify_frag's (b the
+  // batch entry or packed sequence).
+  template <bool kKeyRows, int MI, int NT>
+  __device__ __forceinline__ static void modify_frag(float (&s)[MI][NT][4], const AttnParams& p,
+                                                    const SeqLens& lens, int b, int h, int r0,
+                                                    int c0, int lane) {
+    if (p.softcap > 0) SoftcapMod::modify_frag<kKeyRows>(s, p, lens, b, h, r0, c0, lane);
+    add_terms<kKeyRows>(s, p, lens, b, h, r0, c0, lane, 1.f);
+  }
+  // Takes ALiBi and the table off modified scores (log2 units): what is left is c tanh(x / c).
+  template <bool kKeyRows, int MI, int NT>
+  __device__ __forceinline__ static void subtract_terms_frag(float (&s)[MI][NT][4],
+                                                            const AttnParams& p,
+                                                            const SeqLens& lens, int b, int h,
+                                                            int r0, int c0, int lane) {
+    add_terms<kKeyRows>(s, p, lens, b, h, r0, c0, lane, -1.f);
+  }
+  // The derivative is 1 without a softcap.
+  __device__ __forceinline__ static bool grad_active(const AttnParams& p) { return p.softcap > 0; }
+  // The softcap's 1 - tanh^2 from c tanh(x / c) in log2 units.
+  __device__ __forceinline__ static float grad_log2(float s2, const AttnParams& p) {
+    return SoftcapMod::grad_log2(s2, p);
+  }
+
+  // The table's gradient: RelBiasMod's partial sums and reduction, over the tiles that read the
+  // table (the condition is the same for the whole CTA, as its barriers need).
+  static int64_t param_grad_scratch(const AttnParams& p, int64_t key_slots) {
+    return RelBiasMod::param_grad_scratch(p, key_slots);
+  }
+  static void set_param_grad_scratch(AttnParams& p, float* scratch) {
+    RelBiasMod::set_param_grad_scratch(p, scratch);
+  }
+  template <int kBlockN, int BM, int kStageKeys, int kStride, int kThreads, int MI, int NT>
+  __device__ static void accumulate_param_grad(const AttnParams& p, const SeqLens& lens,
+                                               float* sStage, const float (&ds)[MI][NT][4],
+                                               int h, int m0, int n0, int slot, int warp_row0,
+                                               int lane, int tid) {
+    if (!RelBiasMod::tile_active(p, lens, m0, n0 + kBlockN - 1)) return;
+    RelBiasMod::accumulate_param_grad<kBlockN, BM, kStageKeys, kStride, kThreads>(
+        p, lens, sStage, ds, h, m0, n0, slot, warp_row0, lane, tid);
+  }
+  template <int kThreads>
+  __device__ static void reduce_param_grad(const AttnParams& p, int64_t slots) {
+    RelBiasMod::reduce_param_grad<kThreads>(p, slots);
+  }
+  static int64_t param_grad_items(const AttnParams& p) { return RelBiasMod::param_grad_items(p); }
+
+  // sign * (-slope[b, h] |i - j| + bias[h, i - j]) in log2 units added to score fragments
+  // (layouts: add_by_distance). Both terms are functions of the distance alone: one pass
+  // evaluates them once per distance (a single pass over the fragment, and half the terms, of
+  // one pass per term).
+  template <bool kKeyRows, int MI, int NT>
+  __device__ __forceinline__ static void add_terms(float (&s)[MI][NT][4], const AttnParams& p,
+                                                  const SeqLens& lens, int b, int h, int r0,
+                                                  int c0, int lane, float sign) {
+    const bool alibi = p.alibi_slopes != nullptr;
+    const bool table = p.bias != nullptr;
+    if (!alibi && !table) return;
+    const float unit = sign * float(M_LOG2E);
+    const float slope2 = alibi ? -unit * p.alibi_slopes[b * p.alibi_batch_stride + h] : 0.f;
+    // Without a table bias_window is 0 (the ops' AttnParams start zeroed): bias is null + 0,
+    // and window 0 keeps every distance from reading it.
+    const unsigned window = table ? static_cast<unsigned>(p.bias_window) : 0u;
+    const float* bias = p.bias + static_cast<int64_t>(h) * p.bias_window;
+    add_by_distance<kKeyRows>(s, lens, r0, c0, lane, [&](int d) {
+      const float a = slope2 * static_cast<float>(d < 0 ? -d : d);
+      return static_cast<unsigned>(d) < window ? fmaf(__ldg(bias + d), unit, a) : a;
+    });
+  }
+#endif
 };
 
 }  // namespace adaattn

@@ -7,12 +7,47 @@
 
 namespace adaattn {
 
+#if defined(__CUDACC__)
+// Adds f(d) to every element of score fragments, d = i - j its distance (i the row's position).
+// kKeyRows = false: fragments laid out [rows][keys] (S), element (mi, ni, e) is row
+// r0 + mi*16 + g + 8*(e/2), key c0 + ni*8 + 2t + e%2. kKeyRows = true: laid out [keys][rows]
+// (S^T in the dK/dV pass), element (mi, ni, e) is key r0 + mi*16 + g + 8*(e/2), row
+// c0 + ni*8 + 2t + e%2. The distance of element (ni, e) is a thread constant + 8 (e/2 - ni) - e%2
+// (S; S^T: + 8 (ni - e/2) + e%2), so the 4 NT elements of a row group take 2 (NT + 1)
+// distances: f is evaluated once for each and added to the (up to) two elements at it
+// (RelBiasMod::modify_frag walks the same distances for its table alone).
+template <bool kKeyRows, int MI, int NT, typename F>
+__device__ __forceinline__ void add_by_distance(float (&s)[MI][NT][4], const SeqLens& lens,
+                                                int r0, int c0, int lane, const F& f) {
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int mi = 0; mi < MI; ++mi) {
+    // Distance of element (ni = 0, e = 0); k below is e/2 - ni (S) or ni - e/2 (S^T).
+    const int d0 = kKeyRows ? row_position(lens, c0 + 2 * t) - (r0 + mi * 16 + g)
+                            : row_position(lens, r0 + mi * 16 + g) - (c0 + 2 * t);
+#pragma unroll
+    for (int k = kKeyRows ? -1 : 1 - NT; k <= (kKeyRows ? NT - 1 : 1); ++k)
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const int d = kKeyRows ? d0 + 8 * k + c : d0 + 8 * k - c;
+        const float b = f(d);
+        // (e/2, ni) pairs at this k: S: (0, -k) and (1, 1 - k); S^T: (0, k) and (1, k + 1).
+        const int ni_top = kKeyRows ? k : -k;
+        const int ni_bottom = kKeyRows ? k + 1 : 1 - k;
+        if (ni_top >= 0 && ni_top < NT) s[mi][ni_top][c] += b;
+        if (ni_bottom >= 0 && ni_bottom < NT) s[mi][ni_bottom][2 + c] += b;
+      }
+  }
+}
+#endif
+
 struct RelBiasMod {
   static constexpr bool kIdentity = false;
   static constexpr bool kUnitGrad = true;
   static constexpr bool kParamGrad = true;
   static constexpr bool kPositional = true;
   static constexpr bool kFoldsScale = false;
+  static constexpr bool kAddsTerms = false;
 
   template <typename T>
   ADAATTN_HD static T apply(const AttnParams& p, int, int h, int i, int j, T x) {
@@ -63,8 +98,8 @@ struct RelBiasMod {
   // loaded once and added to the (up to) two elements at its distance.
   template <bool kKeyRows, int MI, int NT>
   __device__ __forceinline__ static void modify_frag(float (&s)[MI][NT][4], const AttnParams& p,
-                                                    const SeqLens& lens, int h, int r0, int c0,
-                                                    int lane) {
+                                                    const SeqLens& lens, int, int h, int r0,
+                                                    int c0, int lane) {
     const float* bias = p.bias + static_cast<int64_t>(h) * p.bias_window;
     const unsigned window = static_cast<unsigned>(p.bias_window);
     const int g = lane >> 2, t = lane & 3;

@@ -14,6 +14,7 @@ struct SoftcapMod {
   static constexpr bool kParamGrad = false;
   static constexpr bool kPositional = false;
   static constexpr bool kFoldsScale = true;
+  static constexpr bool kAddsTerms = false;
 
   template <typename T>
   ADAATTN_HD static T apply(const AttnParams& p, int, int, int, int, T x) {
@@ -39,7 +40,7 @@ struct SoftcapMod {
   // rounding of the probabilities it feeds.
   template <bool kKeyRows, int MI, int NT>
   __device__ __forceinline__ static void modify_frag(float (&s)[MI][NT][4], const AttnParams& p,
-                                                     const SeqLens&, int, int, int, int) {
+                                                     const SeqLens&, int, int, int, int, int) {
     const float cap = static_cast<float>(p.softcap * M_LOG2E);
     const float inv_cap = 1.f / cap;
 #pragma unroll

@@ -31,13 +31,18 @@
 //   apply(p, b, h, i, j, x) -> s (b the batch entry or packed sequence), grad(p, x, s) -> ds/dx,
 //   param_slot(p, i, j) -> table index or -1
 //   wants_param_grad(p)   the caller asked for the table's gradient
+//   kAddsTerms     (without kUnitGrad) the modified score is a map g(x), whose derivative
+//                  grad_log2 reads, plus terms of derivative 1 that depend on (b, h, i, j)
 // and, for the tensor-core kernels, the same on accumulator fragments: tile_active(p, lens,
-// first_row, last_key) (whether a tile needs the modifier at all), modify_frag<kKeyRows>(s, ...)
-// on scores in log2 units, without kUnitGrad grad_log2(s2, p) (the derivative from the
-// modified score in log2 units) and, with kFoldsScale, grad_raw_frag(v, p) (the derivative from
-// the value modify_raw_frag left: the Hopper backward folds it into P, softmax_frag.h
-// kGradInP), and with kParamGrad the per-CTA partial sums (accumulate_param_grad) and their
-// fixed-order reduction (reduce_param_grad).
+// first_row, last_key) (whether a tile needs the modifier at all), modify_frag<kKeyRows>(s, p,
+// lens, b, h, r0, c0, lane) on scores in log2 units, without kUnitGrad grad_log2(s2, p) (the
+// derivative from g(x) in log2 units: the modified score, less its added terms with
+// kAddsTerms), with kAddsTerms subtract_terms_frag<kKeyRows>(s2, ...) (modify_frag's arguments:
+// takes the added terms off modified scores) and grad_active(p) (false: the derivative is 1
+// throughout this problem), with kFoldsScale grad_raw_frag(v, p) (the derivative from the
+// value modify_raw_frag left: the Hopper backward folds it into P, softmax_frag.h kGradInP),
+// and with kParamGrad the per-CTA partial sums
+// (accumulate_param_grad) and their fixed-order reduction (reduce_param_grad).
 // A probability transform is a type with
 //   kNormalized    a = p (softmax): one online pass, o /= row sum, Delta = dO.o; else an lse
 //                  pass before the weights and a backward row pass for Delta (and G)
@@ -47,7 +52,8 @@
 //   kCountsZeros   the forward can count zero weights (AttnParams::stats)
 //   kLseParamGrad  it has a per-head parameter whose gradient sums a term of each row's
 //                  finished (lse_i, Delta_i): lse_param_term(p, h, lse, delta), written to
-//                  lse_param_grad_out(p) ([Hq] float32) when wants_lse_param_grad(p)
+//                  lse_param_grad_out(p) ([Hq] float32) when wants_lse_param_grad(p) (on the
+//                  tensor cores a fixed-order reduction after the backward, bwd_common.h)
 //   row_init(p, h, max, sum)  (normalised transforms) the online softmax's state before the
 //                  first key: -inf and 0, or a sink's logit and 1 (sinks.h)
 // and, with kRowParamGrad on the tensor cores, reduce_param_grad over the row pass's terms.
@@ -72,6 +78,7 @@ struct NoScoreMod {
   static constexpr bool kParamGrad = false;
   static constexpr bool kPositional = false;
   static constexpr bool kFoldsScale = false;
+  static constexpr bool kAddsTerms = false;
 
   template <typename T>
   ADAATTN_HD static T apply(const AttnParams&, int, int, int, int, T x) {
@@ -89,7 +96,7 @@ struct NoScoreMod {
   }
   template <bool kKeyRows, int MI, int NT>
   __device__ __forceinline__ static void modify_frag(float (&)[MI][NT][4], const AttnParams&,
-                                                     const SeqLens&, int, int, int, int) {}
+                                                     const SeqLens&, int, int, int, int, int) {}
 #endif
 };
 

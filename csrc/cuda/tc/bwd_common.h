@@ -100,6 +100,30 @@ __global__ void __launch_bounds__(kThreads) reduce_row_param_grad_kernel(const A
   Transform::template reduce_param_grad<kThreads>(p, partial);
 }
 
+// The fixed-order reduction of a per-head parameter gradient of the transform over each row's
+// finished lse and Delta (Transform::lse_param_term): one CTA of kThreads per query head, rows
+// strided over the threads, then a tree. Padding rows (o = 0, Delta = 0) add nothing.
+template <typename Transform, int kThreads>
+__global__ void __launch_bounds__(kThreads) reduce_lse_param_grad_kernel(const AttnParams p) {
+  __shared__ float partial[kThreads];
+  const int h = blockIdx.x;
+  float acc = 0.f;
+  for (int b = 0; b < p.batch; ++b) {
+    const SeqLens lens = seq_lens(p, b);
+    const int64_t off = row_stat_offset(p, lens, b, h);
+    for (int r = threadIdx.x; r < lens.q; r += kThreads) {
+      acc += Transform::lse_param_term(p, h, p.lse[off + r], p.delta[off + r]);
+    }
+  }
+  partial[threadIdx.x] = acc;
+  __syncthreads();
+  for (int width = kThreads / 2; width > 0; width >>= 1) {
+    if (static_cast<int>(threadIdx.x) < width) partial[threadIdx.x] += partial[threadIdx.x + width];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) Transform::lse_param_grad_out(p)[h] = partial[0];
+}
+
 // The fixed-order reduction of the score modifier's table gradient over the dK/dV CTAs'
 // partials (`slots` key tiles).
 template <typename Mod, int kThreads>

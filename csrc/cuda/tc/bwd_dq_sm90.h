@@ -67,6 +67,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_dq_sm90_kernel(const 
   using Mod = typename Variant::Mod;
   static_assert(Variant::kNormalized, "the two-pass backward takes normalised transforms");
   static_assert(!Mod::kParamGrad, "a learnable score table takes the atomic backward");
+  static_assert(!Mod::kAddsTerms, "a modifier that adds terms takes the atomic backward");
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int BN = Traits::kBlockN;
   constexpr int kConsumerThreads = Traits::kConsumerThreads;
@@ -213,7 +214,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_dq_sm90_kernel(const 
     // keeps P times its derivative).
     auto probs = [&](float (&s)[1][NT][4], int n0) {
       const float scale = backward_scores<Mod, false>(
-          s, p, lens, h, m0 + warp_row0, n0, lane,
+          s, p, lens, b, h, m0 + warp_row0, n0, lane,
           !Mod::kIdentity && Mod::tile_active(p, lens, m0 + warp_row0, n0 + BN - 1));
       auto apply = [&](auto masked) {
 #pragma unroll

@@ -126,7 +126,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_rows_sm90_kernel(cons
 
       // p where M = 1, else -1.
       const float scale =
-          fold_scores<typename Variant::Mod>(s, p, lens, rr, h, m0 + warp_row0, n0, lane);
+          fold_scores<typename Variant::Mod>(s, p, lens, rr, b, h, m0 + warp_row0, n0, lane);
 #pragma unroll
       for (int ni = 0; ni < NT; ++ni)
 #pragma unroll

@@ -202,7 +202,7 @@ __device__ __forceinline__ void bwd_dkdv_block(const AttnParams& p, int block) {
       warp_gemm_nt<MI, NT, DK>(st, sK, warp_row0, sQ(buf), 0, lane);
       scale_frag(st, p.scale_log2);
       if (!Mod::kIdentity && Mod::tile_active(p, lens, m0, n0 + warp_row0 + 16 * MI - 1)) {
-        modify_scores<Mod, true>(st, p, lens, h, n0 + warp_row0, m0, lane);
+        modify_scores<Mod, true>(st, p, lens, b, h, n0 + warp_row0, m0, lane);
       }
       const bool full =
           tile_is_full(p, lens, m0, m0 + BM, n0 + warp_row0, n0 + warp_row0 + 16 * MI);
@@ -273,7 +273,12 @@ __device__ __forceinline__ void bwd_dkdv_block(const AttnParams& p, int block) {
               p, lens, sStage, dpt, h, m0, n0, tile.slot, warp_row0, lane, tid);
         }
       }
-      if constexpr (!Mod::kUnitGrad) {
+      if constexpr (Mod::kAddsTerms) {
+        const float* lse2 = sLse(buf);
+        raw_score_grads<Mod, true>(
+            dpt, st, [&](int, int ni, int e) { return lse2[ni * 8 + 2 * t + (e & 1)]; }, p,
+            lens, b, h, n0 + warp_row0, m0, lane);
+      } else if constexpr (!Mod::kUnitGrad) {
   #pragma unroll
         for (int mi = 0; mi < MI; ++mi)
   #pragma unroll
@@ -440,7 +445,7 @@ __device__ __forceinline__ void bwd_dq_block(const AttnParams& p, int block) {
             tile_is_full(p, lens, m0 + warp_row0, m0 + warp_row0 + 16 * MI, n0, n0 + BN);
         scale_frag(s, p.scale_log2);
         if (!Mod::kIdentity && Mod::tile_active(p, lens, m0 + warp_row0, n0 + BN - 1)) {
-          modify_scores<Mod, false>(s, p, lens, h, m0 + warp_row0, n0, lane);
+          modify_scores<Mod, false>(s, p, lens, b, h, m0 + warp_row0, n0, lane);
         }
         if (!full) mask_scores(s, rr, n0, lane);
         // P, and the live mask M of a non-normalised transform kept in `live`.
@@ -490,9 +495,16 @@ __device__ __forceinline__ void bwd_dq_block(const AttnParams& p, int block) {
               for (int e = 0; e < 4; ++e) {
                 const float da =
                     !kLsePass || (live[mi] & (1u << (ni * 4 + e))) ? dp[mi][ni][e] : 0.f;
-                dp[mi][ni][e] = raw_score_grad<Mod>(s[mi][ni][e] * (da - delta[mi][e >> 1]),
-                                                    s[mi][ni][e], lse2[mi][e >> 1], p);
+                const float ds = s[mi][ni][e] * (da - delta[mi][e >> 1]);
+                dp[mi][ni][e] = Mod::kAddsTerms
+                                    ? ds
+                                    : raw_score_grad<Mod>(ds, s[mi][ni][e], lse2[mi][e >> 1], p);
               }
+          if constexpr (Mod::kAddsTerms) {
+            raw_score_grads<Mod, false>(
+                dp, s, [&](int mi, int, int e) { return lse2[mi][e >> 1]; }, p, lens, b, h,
+                m0 + warp_row0, n0, lane);
+          }
           uint32_t dsa[MI][NT / 2][4];
           to_a_frags<MI, NT, T>(dp, dsa);
           warp_gemm_rs<MI, DTK, NT / 2, DK>(dq, dsa, sK(buf), 0, lane);

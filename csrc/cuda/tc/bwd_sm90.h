@@ -38,11 +38,15 @@ namespace tc {
 // Query rows per step of the Hopper backward (the tile its dQ reductions add).
 constexpr int kSm90BwdBlockM = 64;
 
+// kWithDerivative / kWithTableGrad = false: without the pass that multiplies dS by the
+// derivative of a modifier that adds terms, or without its table's gradient, for calls that
+// need it not (launch.h's launch_bwd_sm90_atomic).
 template <typename T, int DK, int DV, typename Variant, bool kWithDq = true,
-          int kWarpgroupCount = 2>
+          int kWarpgroupCount = 2, bool kWithDerivative = true, bool kWithTableGrad = true>
 struct Sm90BwdTraits {
   static constexpr bool kLsePass = !Variant::kNormalized;
-  static constexpr bool kParamGrad = Variant::Mod::kParamGrad;
+  static constexpr bool kDerivative = kWithDerivative;
+  static constexpr bool kParamGrad = Variant::Mod::kParamGrad && kWithTableGrad;
   // kWithDq = false: the dK/dV pass of the two-pass backward (bwd_dq_sm90.h adds dQ).
   static constexpr bool kDq = kWithDq;
   // Warpgroups per CTA, 64 keys each. With one, two CTAs share an SM (kMinBlocks) and their
@@ -255,7 +259,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
       bool any_weight = false;  // non-normalised: a weight != 0 (a NaN one included)
       const bool modified = !Mod::kIdentity && Mod::tile_active(p, lens, m0, n0 + warp_row0 + 15);
       const float scale =
-          backward_scores<Mod, true>(st, p, lens, h, n0 + warp_row0, m0, lane, modified);
+          backward_scores<Mod, true>(st, p, lens, b, h, n0 + warp_row0, m0, lane, modified);
       if constexpr (kLsePass) {
         auto weights = [&](auto masked) {
 #pragma unroll
@@ -359,14 +363,21 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
         }
       }
       // The table's gradient takes dS of the modified scores; dK and dQ that of the raw ones.
-      if constexpr (Mod::kParamGrad) {
+      if constexpr (Traits::kParamGrad) {
         if (Mod::wants_param_grad(p) && Mod::tile_active(p, lens, m0, n0 + kBlockN - 1)) {
           Mod::template accumulate_param_grad<kBlockN, BM, kBlockN, Traits::kStageStride,
                                               kThreads>(p, lens, sStage, dpt, h, m0, n0,
                                                         tile.slot, warp_row0, lane, tid);
         }
       }
-      if constexpr (!Mod::kUnitGrad && !kGradInP<Mod>) {
+      if constexpr (Mod::kAddsTerms) {
+        if constexpr (Traits::kDerivative) {
+          raw_score_grads<Mod, true>(
+              dpt, st,
+              [&](int, int ni, int e) { return lse[ni * 8 + 2 * t + (e & 1)] * float(M_LOG2E); },
+              p, lens, b, h, n0 + warp_row0, m0, lane);
+        }
+      } else if constexpr (!Mod::kUnitGrad && !kGradInP<Mod>) {
 #pragma unroll
         for (int ni = 0; ni < NT; ++ni) {
           const float2 l = *reinterpret_cast<const float2*>(lse + ni * 8 + 2 * t);

@@ -307,7 +307,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
         scale = 1.f;
       } else if (!Mod::kIdentity || !(scale > 0.f)) {
         scale_frag(s, scale);
-        modify_scores<Mod, false>(s, p, lens, h_kv * group, 0, n0, lane);
+        modify_scores<Mod, false>(s, p, lens, b, h_kv * group, 0, n0, lane);
         scale = 1.f;
       }
       if (!(n0 >= all_lo && n0 + kWarpKeys <= all_hi)) mask_scores(s, rr, n0, lane);

@@ -88,8 +88,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
   for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
-      row_max[mi][hh] = -INFINITY;
-      row_sum[mi][hh] = 0.f;
+      init_row_state<Transform>(p, h, lane, row_max[mi][hh], row_sum[mi][hh]);
       lse2[mi][hh] = INFINITY;
     }
 
@@ -99,7 +98,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
     warp_gemm_nt<MI, NT, DK>(s, sQ, warp_row0, sk, 0, lane);
     scale_frag(s, p.scale_log2);
     if (!Mod::kIdentity && Mod::tile_active(p, lens, m0 + warp_row0, n0 + BN - 1)) {
-      modify_scores<Mod, false>(s, p, lens, h, m0 + warp_row0, n0, lane);
+      modify_scores<Mod, false>(s, p, lens, b, h, m0 + warp_row0, n0, lane);
     }
     if (!tile_is_full(p, lens, m0 + warp_row0, m0 + warp_row0 + 16 * MI, n0, n0 + BN)) {
       mask_scores(s, rr, n0, lane);
@@ -210,7 +209,8 @@ __global__ void __launch_bounds__(Traits::kThreads)
   }
 
   // Finalise: a normalised transform divides by the row sum, others do not. lse is the
-  // natural-log log-sum-exp of the scores; rows that saw nothing: out 0, lse -inf.
+  // natural-log log-sum-exp of the scores (and of the transform's initial state); rows that
+  // saw nothing (and no initial state): out 0, lse -inf.
   float inv[MI][2];
 #pragma unroll
   for (int mi = 0; mi < MI; ++mi)

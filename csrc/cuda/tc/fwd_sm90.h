@@ -162,8 +162,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_sm90_kernel(const Att
     }
     float o[1][DT][4];
     zero(o);
-    float row_max[1][2] = {{-INFINITY, -INFINITY}};
-    float row_sum[1][2] = {{0.f, 0.f}};
+    float row_max[1][2];
+    float row_sum[1][2];
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      init_row_state<Transform>(p, h, lane, row_max[0][hh], row_sum[0][hh]);
+    }
     float lse2[1][2] = {{INFINITY, INFINITY}};  // lse pass: log2 lse (+inf: no keys)
     WeightStats stats;
 
@@ -206,7 +210,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_sm90_kernel(const Att
       // low-rank forward 0.85 -> 0.81 ms, the block-sparse window 0.306 -> 0.295 ms.
       constexpr float kMaxSlack = 8.f;
       auto softmax_scores = [&](float (&s)[1][NT][4], int n0, float (&corr)[1][2]) {
-        const float scale = fold_scores<Mod>(s, p, lens, rr, h, m0 + warp_row0, n0, lane);
+        const float scale = fold_scores<Mod>(s, p, lens, rr, b, h, m0 + warp_row0, n0, lane);
         online_softmax<true>(s, row_max, row_sum, corr, scale, kMaxSlack);
       };
       // Turns (FA3's ping-pong; without them both warpgroups wait on the same loads and run
@@ -276,7 +280,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_sm90_kernel(const Att
         }
         release(i);
         const float scale =
-            fold_scores<Mod>(s, p, lens, rr, h, m0 + warp_row0, tiles.at(i) * BN, lane);
+            fold_scores<Mod>(s, p, lens, rr, b, h, m0 + warp_row0, tiles.at(i) * BN, lane);
         float corr[1][2];
         online_softmax<true>(s, row_max, row_sum, corr, scale);
       };
@@ -301,7 +305,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_sm90_kernel(const Att
         sm90::wgmma_wait<0>(s[0]);
         TileWeights w{true, false};  // the warp tile has a weight / entries
         uint32_t pa[1][NT / 2][4];
-        const float scale = fold_scores<Mod>(s, p, lens, rr, h, m0 + warp_row0, n0, lane);
+        const float scale = fold_scores<Mod>(s, p, lens, rr, b, h, m0 + warp_row0, n0, lane);
         if constexpr (kStats) {
           w = transform_weights<Transform, 1, NT, true>(s, lse2, row_term, stats, scale);
           to_a_frags<1, NT, T>(s, pa);
@@ -332,8 +336,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_sm90_kernel(const Att
     });
 
     // Finalise: a normalised transform divides by the row sum, others do not (their row sums
-    // were reduced after pass 1). lse is the natural-log log-sum-exp of the scores; rows
-    // that saw nothing: out 0, lse -inf.
+    // were reduced after pass 1). lse is the natural-log log-sum-exp of the scores (and of the
+    // transform's initial state); rows that saw nothing (and no initial state): out 0, lse -inf.
     T* out = out_rows<T>(p, lens, b, h, m0);
     float* lse = p.lse + row_stat_offset(p, lens, b, h);
     float inv[1][2];

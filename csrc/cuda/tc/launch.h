@@ -149,10 +149,12 @@ inline int64_t dq_accum_rows(const AttnParams& p) {
 }
 
 // The Hopper dK/dV launch (bwd_sm90.h). kDq: with atomic dQ, p.dq_accum zeroed, with
-// dq_accum_rows(p) rows; else the dK/dV pass of the two-pass backward.
-template <typename T, int DK, int DV, typename Variant, bool kDq = true, int kWarpgroups = 2>
+// dq_accum_rows(p) rows; else the dK/dV pass of the two-pass backward. kDerivative,
+// kTableGrad: see launch_bwd_sm90_atomic.
+template <typename T, int DK, int DV, typename Variant, bool kDq = true, int kWarpgroups = 2,
+          bool kDerivative = true, bool kTableGrad = true>
 void launch_bwd_sm90(const AttnParams& p) {
-  using Traits = Sm90BwdTraits<T, DK, DV, Variant, kDq, kWarpgroups>;
+  using Traits = Sm90BwdTraits<T, DK, DV, Variant, kDq, kWarpgroups, kDerivative, kTableGrad>;
   auto kernel = bwd_sm90_kernel<Traits, T, DK, DV, Variant>;
   set_smem(kernel, Traits::kSmemBytes);
   if constexpr (Traits::kMinBlocks > 1) {  // room for the CTAs that share an SM
@@ -191,9 +193,10 @@ constexpr int sm90_bwd_warpgroups() {
 // Whether the Hopper backward takes two passes (dK/dV, then dQ without a float32 accumulator)
 // instead of atomic dQ: as p.bwd_mode says (block_sparse_attn's bwd_mode, flash_attn's
 // deterministic), unless the environment forces either way (env::bwd_two_pass). Normalised
-// transforms without a learnable score table only.
+// transforms with a modifier that has no learnable score table and adds no terms only.
 template <typename Variant>
-constexpr bool kSm90TwoPassVariant = Variant::kNormalized && !Variant::Mod::kParamGrad;
+constexpr bool kSm90TwoPassVariant =
+    Variant::kNormalized && !Variant::Mod::kParamGrad && !Variant::Mod::kAddsTerms;
 
 template <typename Variant>
 inline bool sm90_two_pass(const AttnParams& p) {
@@ -205,8 +208,35 @@ inline bool sm90_two_pass(const AttnParams& p) {
   }
 }
 
+// The Hopper dK/dV launch with atomic dQ. A modifier that adds terms has it compiled at D = 128
+// also without the passes a call does not need, the derivative's (grad_active false: it is 1)
+// and the table gradient's (none asked for): each holds registers across the step that the
+// full kernel spills (ptxas, sm_90a, bf16: 384 bytes of spill stores with both, 180 with the
+// derivative's alone, 140 with the table's alone, 76 with neither); at D = 64 the full kernel
+// does not spill.
+template <typename T, int DK, int DV, typename Variant, int kWarpgroups>
+void launch_bwd_sm90_atomic(const AttnParams& p) {
+  using Mod = typename Variant::Mod;
+  if constexpr (Mod::kAddsTerms && DK == 128) {
+    const bool derivative = Mod::grad_active(p);
+    const bool table = Mod::kParamGrad && Mod::wants_param_grad(p);
+    if (derivative && table) {
+      launch_bwd_sm90<T, DK, DV, Variant, true, kWarpgroups, true, true>(p);
+    } else if (derivative) {
+      launch_bwd_sm90<T, DK, DV, Variant, true, kWarpgroups, true, false>(p);
+    } else if (table) {
+      launch_bwd_sm90<T, DK, DV, Variant, true, kWarpgroups, false, true>(p);
+    } else {
+      launch_bwd_sm90<T, DK, DV, Variant, true, kWarpgroups, false, false>(p);
+    }
+  } else {
+    launch_bwd_sm90<T, DK, DV, Variant, true, kWarpgroups>(p);
+  }
+}
+
 // The variant's parameter gradients, after the dK/dV pass: the transform's per-head one from
-// the row pass's terms, the modifier's table from the CTAs' partials (`key_slots` key tiles).
+// the row pass's terms or from each row's lse and Delta, the modifier's table from the CTAs'
+// partials (`key_slots` key tiles).
 template <typename Variant>
 void reduce_param_grads(const AttnParams& p, int64_t key_slots, cudaStream_t stream) {
   using Mod = typename Variant::Mod;
@@ -215,6 +245,12 @@ void reduce_param_grads(const AttnParams& p, int64_t key_slots, cudaStream_t str
   if constexpr (Transform::kRowParamGrad) {
     if (Transform::wants_param_grad(p)) {
       reduce_row_param_grad_kernel<Transform, kThreads><<<p.heads_q, kThreads, 0, stream>>>(p);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+  }
+  if constexpr (Transform::kLseParamGrad) {
+    if (Transform::wants_lse_param_grad(p)) {
+      reduce_lse_param_grad_kernel<Transform, kThreads><<<p.heads_q, kThreads, 0, stream>>>(p);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
   }
@@ -233,7 +269,10 @@ void reduce_param_grads(const AttnParams& p, int64_t key_slots, cudaStream_t str
 // (G and Delta) otherwise. On Hopper (every compiled (D, Dv) pair): the two-pass wgmma kernels
 // (the dQ pass computes Delta, then the dK/dV pass) where sm90_two_pass says so, else the
 // wgmma kernel with atomic dQ. Elsewhere: atomic dQ where the config measured it faster and
-// p.bwd_mode is kAtomic (and the transform is normalised), else the fused two-pass kernels.
+// p.bwd_mode is kAtomic (and the transform is normalised), else the fused two-pass kernels. A
+// normalised variant without the Hopper two-pass kernels (kSm90TwoPassVariant) takes those
+// fused two-pass kernels on Hopper too when p.bwd_mode asks for two passes, so that the
+// deterministic backward stays bit-reproducible.
 template <typename T, int DK, int DV, typename Variant>
 void run_bwd(const AttnParams& p_in) {
   using Mod = typename Variant::Mod;
@@ -241,7 +280,9 @@ void run_bwd(const AttnParams& p_in) {
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   constexpr bool kSm90Dims = (DK == 32 || DK == 64 || DK == 128) && (DV == 64 || DV == 128) &&
                              DK <= DV && (kNormalized || DK == DV);
-  const bool sm90 = kSm90Dims && use_sm90();
+  constexpr bool kSm90NoTwoPass = kNormalized && !kSm90TwoPassVariant<Variant>;
+  const bool sm90 = kSm90Dims && use_sm90() &&
+                    !(kSm90NoTwoPass && p_in.bwd_mode == BwdMode::kTwoPass);
   AttnParams p = p_in;
   p.dq_accum = nullptr;
   // Scratch freed on return; the caching allocator keeps it for this stream.
@@ -264,6 +305,7 @@ void run_bwd(const AttnParams& p_in) {
       launch_bwd_dq_sm90<T, DK, DV, Variant>(p);
       launch_bwd_sm90<T, DK, DV, Variant, false>(p);
     }
+    reduce_param_grads<Variant>(p, key_slots, stream);
     return;
   }
   const bool atomic = sm90 || (kNormalized && C::kAtomicDQ && p.bwd_mode == BwdMode::kAtomic);
@@ -297,7 +339,7 @@ void run_bwd(const AttnParams& p_in) {
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   if (sm90) {
-    if constexpr (kSm90Dims) launch_bwd_sm90<T, DK, DV, Variant, true, kSm90Warpgroups>(p);
+    if constexpr (kSm90Dims) launch_bwd_sm90_atomic<T, DK, DV, Variant, kSm90Warpgroups>(p);
     launch_dq_convert<T, DK, true>(p, stream);
   } else if (atomic) {
     if constexpr (C::kAtomicDQ && kNormalized) launch_bwd_sm80<T, DK, DV, Variant, true>(p);

@@ -173,12 +173,13 @@ __device__ __forceinline__ void flush_stats(int64_t* stats, const WeightStats& s
 
 // Applies the score modifier Mod to a tile of scores already in log2 units (scale applied).
 // kKeyRows: the fragments are S^T. Callers skip tiles that Mod::tile_active says it leaves alone.
+// b is the batch entry (packed: the sequence), h the query head.
 template <typename Mod, bool kKeyRows, int MI, int NT>
 __device__ __forceinline__ void modify_scores(float (&s)[MI][NT][4], const AttnParams& p,
-                                              const SeqLens& lens, int h, int r0, int c0,
+                                              const SeqLens& lens, int b, int h, int r0, int c0,
                                               int lane) {
   if constexpr (!Mod::kIdentity) {
-    Mod::template modify_frag<kKeyRows>(s, p, lens, h, r0, c0, lane);
+    Mod::template modify_frag<kKeyRows>(s, p, lens, b, h, r0, c0, lane);
   }
 }
 
@@ -201,14 +202,14 @@ __device__ __forceinline__ float raw_score_grad(float ds, float prob, float lse2
 // Mod::grad_raw_frag gives ds/dx (kGradInP).
 template <typename Mod, bool kKeyRows, int MI, int NT>
 __device__ __forceinline__ float backward_scores(float (&s)[MI][NT][4], const AttnParams& p,
-                                                 const SeqLens& lens, int h, int r0, int c0,
-                                                 int lane, bool active) {
+                                                 const SeqLens& lens, int b, int h, int r0,
+                                                 int c0, int lane, bool active) {
   if constexpr (Mod::kFoldsScale) {
     return Mod::modify_raw_frag(s, p);
   } else {
     if (Mod::kIdentity || !active) return p.scale_log2;
     scale_frag(s, p.scale_log2);
-    modify_scores<Mod, kKeyRows>(s, p, lens, h, r0, c0, lane);
+    modify_scores<Mod, kKeyRows>(s, p, lens, b, h, r0, c0, lane);
     return 1.f;
   }
 }
@@ -221,6 +222,53 @@ __device__ __forceinline__ float backward_scores(float (&s)[MI][NT][4], const At
 template <typename Mod>
 constexpr bool kGradInP = Mod::kFoldsScale && !Mod::kUnitGrad && !Mod::kParamGrad;
 
+// raw_score_grad over a fragment, for a modifier that adds terms to its map of the score
+// (kAddsTerms): the modified scores are recovered into `prob` (s2 = log2(P) + lse2(mi, ni, e),
+// 0 where P = 0), the terms taken off (their position is the fragment's: modify_scores'
+// arguments), and ds multiplied by the derivative of what is left. prob is overwritten. Entries
+// with P = 0 have dS = 0 and keep it (the stand-in score gives a finite derivative).
+template <typename Mod, bool kKeyRows, int MI, int NT, typename Lse2>
+__device__ __forceinline__ void raw_score_grads(float (&ds)[MI][NT][4], float (&prob)[MI][NT][4],
+                                                const Lse2& lse2, const AttnParams& p,
+                                                const SeqLens& lens, int b, int h, int r0,
+                                                int c0, int lane) {
+  static_assert(Mod::kAddsTerms, "other modifiers take raw_score_grad per score");
+  if (!Mod::grad_active(p)) return;
+#pragma unroll
+  for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+    for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float pe = prob[mi][ni][e];
+        prob[mi][ni][e] = pe > 0.f ? log2f(pe) + lse2(mi, ni, e) : 0.f;
+      }
+  Mod::template subtract_terms_frag<kKeyRows>(prob, p, lens, b, h, r0, c0, lane);
+#pragma unroll
+  for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+    for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) ds[mi][ni][e] *= Mod::grad_log2(prob[mi][ni][e], p);
+}
+
+// The online softmax's state of a row before its first key (Transform::row_init) in log2
+// units, split over the four threads of a quad that hold the row: each takes the max, one the
+// sum (the quad's sums are added at the end). Transforms with an lse pass start from nothing.
+template <typename Transform>
+__device__ __forceinline__ void init_row_state(const AttnParams& p, int h, int lane,
+                                               float& row_max, float& row_sum) {
+  if constexpr (Transform::kNormalized) {
+    float m, l;
+    Transform::template row_init<float>(p, h, m, l);
+    row_max = m * float(M_LOG2E);
+    row_sum = (lane & 3) == 0 ? l : 0.f;
+  } else {
+    row_max = -INFINITY;
+    row_sum = 0.f;
+  }
+}
+
 // Scores of a warp's 16 * MI rows from r0 against key tile n0 (NT * 8 keys) prepared for an
 // exponent with the scale folded in: the modifier applied (scaled first) and the mask. Returns
 // the scale that takes them to log2 units: the softmax scale when nothing was applied (it then
@@ -229,7 +277,7 @@ constexpr bool kGradInP = Mod::kFoldsScale && !Mod::kUnitGrad && !Mod::kParamGra
 template <typename Mod, int MI, int NT>
 __device__ __forceinline__ float fold_scores(float (&s)[MI][NT][4], const AttnParams& p,
                                              const SeqLens& lens, const RowRanges<MI>& rr,
-                                             int h, int r0, int n0, int lane) {
+                                             int b, int h, int r0, int n0, int lane) {
   const bool full = tile_is_full(p, lens, r0, r0 + 16 * MI, n0, n0 + NT * 8);
   if constexpr (Mod::kFoldsScale) {
     const float scale = Mod::modify_raw_frag(s, p);
@@ -240,7 +288,7 @@ __device__ __forceinline__ float fold_scores(float (&s)[MI][NT][4], const AttnPa
   const bool modified = !Mod::kIdentity && Mod::tile_active(p, lens, r0, n0 + NT * 8 - 1);
   if (modified || !(scale > 0.f)) {
     scale_frag(s, scale);
-    if (modified) modify_scores<Mod, false>(s, p, lens, h, r0, n0, lane);
+    if (modified) modify_scores<Mod, false>(s, p, lens, b, h, r0, n0, lane);
     scale = 1.f;
   }
   if (!full) mask_scores(s, rr, n0, lane);

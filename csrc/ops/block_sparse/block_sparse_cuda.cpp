@@ -42,14 +42,6 @@ std::tuple<at::Tensor, at::Tensor> block_sparse_fwd_cuda_op(
   const ScoreTensors mods("block_sparse_attn", q_in, q_in.size(0), alibi_slopes, sinks,
                           rel_bias);
   const VariantId variant = softmax_variant(opt, mods);
-  if (!has_tc_kernels(variant) && use_tensor_cores(q_in.scalar_type())) {
-    check_cuda_block_size(q_in, block_m, block_n);
-    auto [out, lse] = block_sparse_fwd_cuda_op(
-        q_in.to(at::kFloat), k_in.to(at::kFloat), v_in.to(at::kFloat), kv_num_blocks,
-        kv_indices, block_m, block_n, softmax_scale, causal, softcap, alibi_slopes, sinks,
-        rel_bias);
-    return {out.to(q_in.scalar_type()), lse};
-  }
   const TcLayout layout = tc_layout("block_sparse_attn", q_in, v_in, variant);
   check_cuda_block_size(q_in, block_m, block_n);
   mask = contiguous_mask(mask);
@@ -89,16 +81,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> block_spa
   const ScoreTensors mods("block_sparse_attn", q_in, q_in.size(0), alibi_slopes, sinks,
                           rel_bias);
   const VariantId variant = softmax_variant(opt, mods);
-  if (!has_tc_kernels(variant) && use_tensor_cores(q_in.scalar_type())) {
-    check_cuda_block_size(q_in, block_m, block_n);
-    const auto f = [](const at::Tensor& t) { return t.to(at::kFloat); };
-    auto [dq, dk, dv, dsinks, drel_bias] = block_sparse_bwd_cuda_op(
-        f(dout_in), f(q_in), f(k_in), f(v_in), f(out_in), lse, kv_num_blocks, kv_indices,
-        q_num_blocks, q_indices, block_m, block_n, softmax_scale, causal, bwd_mode, softcap,
-        alibi_slopes, sinks, rel_bias, param_grads);
-    const auto t = q_in.scalar_type();
-    return {dq.to(t), dk.to(t), dv.to(t), dsinks, drel_bias};
-  }
   at::Tensor dsinks = mods.grad_like(mods.sinks, param_grads, q_in);
   at::Tensor drel_bias = mods.grad_like(mods.rel_bias, param_grads, q_in);
   const TcLayout layout = tc_layout("block_sparse_attn", q_in, v_in, variant);

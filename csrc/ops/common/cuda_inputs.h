@@ -65,11 +65,6 @@ struct TcLayout {
 
 // Refuses fp16/bf16 head dims that no compiled pair of `variant` covers (naming the op and the
 // supported set: a RuntimeError, a limit of this device's kernels), then chooses the layout.
-// Whether `variant` has tensor-core kernels (any compiled (D, Dv) pair).
-inline bool has_tc_kernels(VariantId variant) {
-  return tc_kernel_head_dims(variant, 1, 1).first > 0;
-}
-
 inline TcLayout tc_layout(const char* op, const at::Tensor& q, const at::Tensor& v,
                           VariantId variant) {
   const int64_t d = q.size(-1), dv = v.size(-1);

@@ -1,8 +1,6 @@
 // CUDA registration of the flash ops: fp16/bf16 go to the tensor-core kernels (head dims without
-// a kernel of their own zero-padded, see TcLayout), fp32/fp64 to the exact kernels. A variant
-// without tensor-core kernels (alibi_slopes, sinks, rel_bias) runs fp16/bf16 on the exact
-// kernels in float32. Launches on
-// the current stream; no host synchronisation.
+// a kernel of their own zero-padded, see TcLayout), fp32/fp64 to the exact kernels. Launches
+// on the current stream; no host synchronisation.
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
@@ -36,13 +34,6 @@ std::tuple<at::Tensor, at::Tensor> flash_fwd_cuda_op(const at::Tensor& q_in,
   const ScoreTensors mods(op, q_in, batch_entries(q_in, cu_seqlens_q), alibi_slopes, sinks,
                           rel_bias);
   const VariantId variant = softmax_variant(opt, mods);
-  if (!has_tc_kernels(variant) && use_tensor_cores(q_in.scalar_type())) {
-    auto [out, lse] = flash_fwd_cuda_op(q_in.to(at::kFloat), k_in.to(at::kFloat),
-                                        v_in.to(at::kFloat), seqlens, softmax_scale, causal,
-                                        window_left, window_right, cu_seqlens_q, cu_seqlens_k,
-                                        softcap, alibi_slopes, sinks, rel_bias);
-    return {out.to(q_in.scalar_type()), lse};
-  }
   const TcLayout layout = tc_layout(op, q_in, v_in, variant);
   const at::Tensor q = layout.qk(q_in);
   const at::Tensor k = layout.qk(k_in);
@@ -84,15 +75,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> flash_bwd
   const ScoreTensors mods(op, q_in, batch_entries(q_in, cu_seqlens_q), alibi_slopes, sinks,
                           rel_bias);
   const VariantId variant = softmax_variant(opt, mods);
-  if (!has_tc_kernels(variant) && use_tensor_cores(q_in.scalar_type())) {
-    const auto f = [](const at::Tensor& t) { return t.to(at::kFloat); };
-    auto [dq, dk, dv, dsinks, drel_bias] = flash_bwd_cuda_op(
-        f(dout_in), f(q_in), f(k_in), f(v_in), f(out_in), lse, seqlens, softmax_scale, causal,
-        window_left, window_right, deterministic, cu_seqlens_q, cu_seqlens_k, softcap,
-        alibi_slopes, sinks, rel_bias, param_grads);
-    const auto t = q_in.scalar_type();
-    return {dq.to(t), dk.to(t), dv.to(t), dsinks, drel_bias};
-  }
   at::Tensor dsinks = mods.grad_like(mods.sinks, param_grads, q_in);
   at::Tensor drel_bias = mods.grad_like(mods.rel_bias, param_grads, q_in);
   const TcLayout layout = tc_layout(op, q_in, v_in, variant);
