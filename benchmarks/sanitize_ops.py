@@ -1,6 +1,6 @@
 """Small fwd+bwd calls of the CUDA kernels for compute-sanitizer (memcheck, racecheck): flash
 (D 64 and 128, GQA, causal, window, seqlens, Lq != Lk; atomic and two-pass backward; with
-softcap), block-sparse (an empty row of blocks included; atomic and two-pass backward), lazy
+softcap; ALiBi, sinks and rel_bias composed), block-sparse (an empty row of blocks included; atomic and two-pass backward), lazy
 and low-rank, bf16; shifted_cholesky_info (D 33 and 128, pivots failing and not); and the
 KV-cache decode ops (decode()).
 
@@ -23,6 +23,20 @@ def backward(out):
     out.backward(torch.randn_like(out))
 
 
+def composed(d):
+    """ALiBi, learnable sinks and rel_bias (with softcap; GQA, causal, seqlens) on the tensor cores."""
+    slopes = torch.rand(4, device="cuda")
+    sinks = torch.randn(4, device="cuda", requires_grad=True)
+    table = (0.1 * torch.randn(4, 40, device="cuda")).requires_grad_()
+    seqlens = torch.tensor([150, 3], dtype=torch.int32, device="cuda")
+    for kwargs in ({"alibi_slopes": slopes}, {"sinks": sinks, "causal": True},
+                   {"rel_bias": table, "causal": True, "deterministic": True},
+                   {"alibi_slopes": slopes, "sinks": sinks, "rel_bias": table, "softcap": 5.0},
+                   {"rel_bias": table, "sinks": sinks, "causal": True, "seqlens": seqlens}):
+        q, k, v = rand(2, 4, 197, d), rand(2, 2, 197, d), rand(2, 2, 197, d)
+        backward(adaattn.flash_attn(q, k, v, **kwargs))
+
+
 def main():
     torch.manual_seed(0)
     for d in (64, 128):
@@ -31,6 +45,7 @@ def main():
                        {"causal": True, "softcap": 5.0, "deterministic": True}):
             q, k, v = rand(2, 4, 197, d), rand(2, 2, 230, d), rand(2, 2, 230, d)
             backward(adaattn.flash_attn(q, k, v, **kwargs))
+        composed(d)
         q, k, v = rand(2, 4, 197, d), rand(2, 4, 197, d), rand(2, 4, 197, d)
         seqlens = torch.tensor([150, 3], dtype=torch.int32, device="cuda")
         for deterministic in (False, True):
