@@ -56,9 +56,8 @@ def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: boo
         rel_bias: float32 ``[Hq, W]`` learnable relative-position bias:
             ``s <- s + rel_bias[h, i - j]`` for ``0 <= i - j < W`` (positions as for ALiBi),
             added with ALiBi after softcap. Differentiable.
-            The three compose with each other, softcap, GQA, windows, causal and padding. On CUDA
-            in float16/bfloat16 they run on the exact kernels in float32 (no tensor-core kernels
-            yet).
+            The three compose with each other, softcap, GQA, windows, causal and padding, on
+            the tensor cores in float16/bfloat16 as without them.
 
     Returns:
         ``out [B, Hq, Lq, Dv]`` (dtype of q), and ``lse`` when ``return_lse``.

@@ -88,7 +88,7 @@ struct ComposedMod {
     add_terms<kKeyRows>(s, p, lens, b, h, r0, c0, lane, -1.f);
   }
   // The derivative is 1 without a softcap.
-  __device__ __forceinline__ static bool grad_active(const AttnParams& p) { return p.softcap > 0; }
+  ADAATTN_HD static bool grad_active(const AttnParams& p) { return p.softcap > 0; }
   // The softcap's 1 - tanh^2 from c tanh(x / c) in log2 units.
   __device__ __forceinline__ static float grad_log2(float s2, const AttnParams& p) {
     return SoftcapMod::grad_log2(s2, p);
