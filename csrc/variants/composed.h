@@ -66,9 +66,11 @@ struct ComposedMod {
   // Every tile under a softcap or ALiBi (|i - j| > 0 off the diagonal); the table's tiles
   // otherwise. A call with none of the three (sinks only) modifies nothing.
   __device__ __forceinline__ static bool tile_active(const AttnParams& p, const SeqLens& lens,
-                                                    int first_row, int last_key) {
+                                                    int first_row, int last_row, int first_key,
+                                                    int last_key) {
     return p.softcap > 0 || p.alibi_slopes != nullptr ||
-           (p.bias != nullptr && RelBiasMod::tile_active(p, lens, first_row, last_key));
+           (p.bias != nullptr &&
+            RelBiasMod::tile_active(p, lens, first_row, last_row, first_key, last_key));
   }
   // On scores in log2 units, in the order above. Layouts as RelBiasMod::modify_frag's (b the
   // batch entry or packed sequence).
@@ -107,7 +109,7 @@ struct ComposedMod {
                                                float* sStage, const float (&ds)[MI][NT][4],
                                                int h, int m0, int n0, int slot, int warp_row0,
                                                int lane, int tid) {
-    if (!RelBiasMod::tile_active(p, lens, m0, n0 + kBlockN - 1)) return;
+    if (!RelBiasMod::tile_active(p, lens, m0, m0 + BM - 1, n0, n0 + kBlockN - 1)) return;
     RelBiasMod::accumulate_param_grad<kBlockN, BM, kStageKeys, kStride, kThreads>(
         p, lens, sStage, ds, h, m0, n0, slot, warp_row0, lane, tid);
   }
@@ -130,12 +132,15 @@ struct ComposedMod {
     if (!alibi && !table) return;
     const float unit = sign * float(M_LOG2E);
     const float slope2 = alibi ? -unit * p.alibi_slopes[b * p.alibi_batch_stride + h] : 0.f;
-    // Without a table bias_window is 0 (the ops' AttnParams start zeroed): bias is null + 0,
-    // and window 0 keeps every distance from reading it.
-    const unsigned window = table ? static_cast<unsigned>(p.bias_window) : 0u;
+    if (!table) {  // ALiBi alone: no table bound to test per distance
+      add_by_distance<kKeyRows>(s, lens, r0, c0, lane,
+                                [&](int, float df) { return slope2 * fabsf(df); });
+      return;
+    }
+    const unsigned window = static_cast<unsigned>(p.bias_window);
     const float* bias = p.bias + static_cast<int64_t>(h) * p.bias_window;
-    add_by_distance<kKeyRows>(s, lens, r0, c0, lane, [&](int d) {
-      const float a = slope2 * static_cast<float>(d < 0 ? -d : d);
+    add_by_distance<kKeyRows>(s, lens, r0, c0, lane, [&](int d, float df) {
+      const float a = slope2 * fabsf(df);
       return static_cast<unsigned>(d) < window ? fmaf(__ldg(bias + d), unit, a) : a;
     });
   }

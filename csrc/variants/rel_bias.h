@@ -14,8 +14,10 @@ namespace adaattn {
 // (S^T in the dK/dV pass), element (mi, ni, e) is key r0 + mi*16 + g + 8*(e/2), row
 // c0 + ni*8 + 2t + e%2. The distance of element (ni, e) is a thread constant + 8 (e/2 - ni) - e%2
 // (S; S^T: + 8 (ni - e/2) + e%2), so the 4 NT elements of a row group take 2 (NT + 1)
-// distances: f is evaluated once for each and added to the (up to) two elements at it
-// (RelBiasMod::modify_frag walks the same distances for its table alone).
+// distances: f(d, df) is evaluated once for each and added to the (up to) two elements at it
+// (RelBiasMod::modify_frag walks the same distances for its table alone). df is d as a float,
+// from one conversion per row group and constant offsets: an int-to-float conversion per
+// distance would run on the pipe the softmax's exp2 already fills.
 template <bool kKeyRows, int MI, int NT, typename F>
 __device__ __forceinline__ void add_by_distance(float (&s)[MI][NT][4], const SeqLens& lens,
                                                 int r0, int c0, int lane, const F& f) {
@@ -25,12 +27,13 @@ __device__ __forceinline__ void add_by_distance(float (&s)[MI][NT][4], const Seq
     // Distance of element (ni = 0, e = 0); k below is e/2 - ni (S) or ni - e/2 (S^T).
     const int d0 = kKeyRows ? row_position(lens, c0 + 2 * t) - (r0 + mi * 16 + g)
                             : row_position(lens, r0 + mi * 16 + g) - (c0 + 2 * t);
+    const float d0f = static_cast<float>(d0);
 #pragma unroll
     for (int k = kKeyRows ? -1 : 1 - NT; k <= (kKeyRows ? NT - 1 : 1); ++k)
 #pragma unroll
       for (int c = 0; c < 2; ++c) {
-        const int d = kKeyRows ? d0 + 8 * k + c : d0 + 8 * k - c;
-        const float b = f(d);
+        const int offset = kKeyRows ? 8 * k + c : 8 * k - c;
+        const float b = f(d0 + offset, d0f + static_cast<float>(offset));
         // (e/2, ni) pairs at this k: S: (0, -k) and (1, 1 - k); S^T: (0, k) and (1, k + 1).
         const int ni_top = kKeyRows ? k : -k;
         const int ni_bottom = kKeyRows ? k + 1 : 1 - k;
@@ -82,11 +85,14 @@ struct RelBiasMod {
 #if defined(__CUDACC__)
   // ---- tensor-core hooks (fragments: csrc/cuda/tc/softmax_frag.h) ----
 
-  // True when a (rows, keys) tile holds some pair at distance i - j < W, i.e. needs the table:
-  // the smallest distance is pos(first row) - (last key).
+  // True when a (rows, keys) tile holds some pair at distance 0 <= i - j < W, i.e. needs the
+  // table: the smallest distance is pos(first row) - (last key), the largest pos(last row) -
+  // (first key).
   __device__ __forceinline__ static bool tile_active(const AttnParams& p, const SeqLens& lens,
-                                                    int first_row, int last_key) {
-    return row_position(lens, first_row) - last_key < p.bias_window;
+                                                    int first_row, int last_row, int first_key,
+                                                    int last_key) {
+    return row_position(lens, first_row) - last_key < p.bias_window &&
+           row_position(lens, last_row) - first_key >= 0;
   }
 
   // Adds the distance bias (in log2 units) to score fragments. kKeyRows = false: fragments laid

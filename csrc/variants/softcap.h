@@ -32,7 +32,8 @@ struct SoftcapMod {
 
 #if defined(__CUDACC__)
   // ---- tensor-core hooks (fragments: csrc/cuda/tc/softmax_frag.h) ----
-  __device__ __forceinline__ static bool tile_active(const AttnParams&, const SeqLens&, int, int) {
+  __device__ __forceinline__ static bool tile_active(const AttnParams&, const SeqLens&, int, int,
+                                                    int, int) {
     return true;
   }
   // On scores in log2 units: s <- C tanh(s / C) with C = softcap * log2(e) (the same map in

@@ -34,15 +34,15 @@
 //   kAddsTerms     (without kUnitGrad) the modified score is a map g(x), whose derivative
 //                  grad_log2 reads, plus terms of derivative 1 that depend on (b, h, i, j)
 // and, for the tensor-core kernels, the same on accumulator fragments: tile_active(p, lens,
-// first_row, last_key) (whether a tile needs the modifier at all), modify_frag<kKeyRows>(s, p,
-// lens, b, h, r0, c0, lane) on scores in log2 units, without kUnitGrad grad_log2(s2, p) (the
-// derivative from g(x) in log2 units: the modified score, less its added terms with
-// kAddsTerms), with kAddsTerms subtract_terms_frag<kKeyRows>(s2, ...) (modify_frag's arguments:
-// takes the added terms off modified scores) and grad_active(p) (false: the derivative is 1
-// throughout this problem), with kFoldsScale grad_raw_frag(v, p) (the derivative from the
-// value modify_raw_frag left: the Hopper backward folds it into P, softmax_frag.h kGradInP),
-// and with kParamGrad the per-CTA partial sums
-// (accumulate_param_grad) and their fixed-order reduction (reduce_param_grad).
+// first_row, last_row, first_key, last_key) (whether a tile, bounds inclusive, needs the modifier
+// at all), modify_frag<kKeyRows>(s, p, lens, b, h, r0, c0, lane) on scores in log2 units, without
+// kUnitGrad grad_log2(s2, p) (the derivative from g(x) in log2 units: the modified score, less its
+// added terms with kAddsTerms), with kAddsTerms subtract_terms_frag<kKeyRows>(s2, ...)
+// (modify_frag's arguments: takes the added terms off modified scores) and grad_active(p) (false:
+// the derivative is 1 throughout this problem), with kFoldsScale grad_raw_frag(v, p) (the
+// derivative from the value modify_raw_frag left: the Hopper backward folds it into P,
+// softmax_frag.h kGradInP), and with kParamGrad the per-CTA partial sums (accumulate_param_grad)
+// and their fixed-order reduction (reduce_param_grad).
 // A probability transform is a type with
 //   kNormalized    a = p (softmax): one online pass, o /= row sum, Delta = dO.o; else an lse
 //                  pass before the weights and a backward row pass for Delta (and G)
@@ -91,7 +91,8 @@ struct NoScoreMod {
   ADAATTN_HD static int param_slot(const AttnParams&, int, int) { return -1; }
   ADAATTN_HD static bool wants_param_grad(const AttnParams&) { return false; }
 #if defined(__CUDACC__)
-  __device__ __forceinline__ static bool tile_active(const AttnParams&, const SeqLens&, int, int) {
+  __device__ __forceinline__ static bool tile_active(const AttnParams&, const SeqLens&, int, int,
+                                                    int, int) {
     return false;
   }
   template <bool kKeyRows, int MI, int NT>

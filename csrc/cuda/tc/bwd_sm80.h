@@ -201,7 +201,8 @@ __device__ __forceinline__ void bwd_dkdv_block(const AttnParams& p, int block) {
       zero(st);
       warp_gemm_nt<MI, NT, DK>(st, sK, warp_row0, sQ(buf), 0, lane);
       scale_frag(st, p.scale_log2);
-      if (!Mod::kIdentity && Mod::tile_active(p, lens, m0, n0 + warp_row0 + 16 * MI - 1)) {
+      if (!Mod::kIdentity && Mod::tile_active(p, lens, m0, m0 + BM - 1, n0 + warp_row0,
+                                                 n0 + warp_row0 + 16 * MI - 1)) {
         modify_scores<Mod, true>(st, p, lens, b, h, n0 + warp_row0, m0, lane);
       }
       const bool full =
@@ -268,7 +269,7 @@ __device__ __forceinline__ void bwd_dkdv_block(const AttnParams& p, int block) {
 
       // The table's gradient takes dS of the modified scores; dK and dQ that of the raw ones.
       if constexpr (Mod::kParamGrad) {
-        if (param_grads && Mod::tile_active(p, lens, m0, n0 + kBlockN - 1)) {
+        if (param_grads && Mod::tile_active(p, lens, m0, m0 + BM - 1, n0, n0 + kBlockN - 1)) {
           Mod::template accumulate_param_grad<kBlockN, BM, Traits::kStageKeys, BM, kThreads>(
               p, lens, sStage, dpt, h, m0, n0, tile.slot, warp_row0, lane, tid);
         }
@@ -444,7 +445,8 @@ __device__ __forceinline__ void bwd_dq_block(const AttnParams& p, int block) {
         const bool full =
             tile_is_full(p, lens, m0 + warp_row0, m0 + warp_row0 + 16 * MI, n0, n0 + BN);
         scale_frag(s, p.scale_log2);
-        if (!Mod::kIdentity && Mod::tile_active(p, lens, m0 + warp_row0, n0 + BN - 1)) {
+        if (!Mod::kIdentity && Mod::tile_active(p, lens, m0 + warp_row0, m0 + warp_row0 + 16 * MI - 1, n0,
+                                                 n0 + BN - 1)) {
           modify_scores<Mod, false>(s, p, lens, b, h, m0 + warp_row0, n0, lane);
         }
         if (!full) mask_scores(s, rr, n0, lane);
