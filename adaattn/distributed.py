@@ -415,22 +415,52 @@ def _ring_flash_bwd(spec: _RingSpec, dout, q, k, v, out, lse, block_lse):
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
+def _as_out_rows(spec: _RingSpec, x: torch.Tensor) -> torch.Tensor:
+    """A per-(head, row) tensor in lse's layout (dense ``[B, Hq, L]``, packed ``[Hq, T]``)
+    shaped to broadcast against out (dense ``[B, Hq, L, 1]``, packed ``[T, Hq, 1]``)."""
+    return x.unsqueeze(-1) if not spec.packed else x.transpose(0, 1).unsqueeze(-1)
+
+
+def _add_sinks(spec: _RingSpec, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor):
+    """(out, lse) of the rows with each head's sink logit joining their denominators: the sink
+    is one more key, of value zero, so it only rescales the merged rows."""
+    sink = sinks.view(1, -1, 1) if not spec.packed else sinks.view(-1, 1)
+    with_sink = torch.logaddexp(lse, sink)
+    out = out * _as_out_rows(spec, torch.exp(lse - with_sink)).to(out.dtype)
+    return out, with_sink
+
+
 class _RingFlashFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, spec):
+    def forward(ctx, q, k, v, sinks, spec):
         out, lse, block_lse = _ring_flash_fwd(spec, q, k, v)
-        ctx.save_for_backward(q, k, v, out, lse, *block_lse)
+        if sinks is not None:
+            out, lse = _add_sinks(spec, out, lse, sinks)
+        ctx.save_for_backward(q, k, v, out, lse, sinks, *block_lse)
         ctx.spec = spec
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse, *block_lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks, *block_lse = ctx.saved_tensors
         if dout is None:
-            return None, None, None, None
+            return None, None, None, None, None
+        # With the sinks in lse and out, the blocks' gradients are the plain ones: the sink is
+        # a key of value zero, which adds nothing to dq, dk or dv.
         dq, dk, dv = _ring_flash_bwd(ctx.spec, dout, q, k, v, out, lse, block_lse)
-        return dq, dk, dv, None
+        dsinks = None
+        if sinks is not None and ctx.needs_input_grad[3]:
+            # d sinks[h] = -sum_i exp(sinks[h] - lse_i) dO_i.o_i over this rank's rows: the
+            # rank's share, as every replicated parameter's gradient under context parallelism
+            # (the data-parallel reduction over the group sums the shares).
+            delta = (dout.float() * out.float()).sum(-1)
+            if ctx.spec.packed:
+                delta = delta.transpose(0, 1)
+            sink = sinks.view(1, -1, 1) if not ctx.spec.packed else sinks.view(-1, 1)
+            share = -(torch.exp(sink - lse) * delta)
+            dsinks = share.sum(dim=(0, 2)) if not ctx.spec.packed else share.sum(dim=1)
+        return dq, dk, dv, dsinks, None
 
 
 def _ring_options(op, q, k, v, causal, window, softmax_scale, softcap, deterministic, return_lse,
@@ -455,7 +485,8 @@ def _ring_options(op, q, k, v, causal, window, softmax_scale, softcap, determini
 def ring_flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None,
                     layout: str = "zigzag", causal: bool = False, window=(-1, -1),
                     softmax_scale: Optional[float] = None, softcap: float = 0,
-                    deterministic: bool = False, return_lse: bool = False):
+                    sinks: Optional[torch.Tensor] = None, deterministic: bool = False,
+                    return_lse: bool = False):
     """Flash attention over a sequence sharded across a process group (ring attention).
 
     Every rank of ``group`` calls this with its shard (:func:`shard_sequence` with the same
@@ -473,6 +504,9 @@ def ring_flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=
             :func:`adaattn.flash_attn` (with ``causal``, ``right`` is 0); windowed rings call
             the op per pair of chunks, clipped to the rows and keys the window reaches.
         softmax_scale, softcap, deterministic: as in :func:`adaattn.flash_attn`.
+        sinks: float32 ``[Hq]`` attention sinks, as in :func:`adaattn.flash_attn`, joined to
+            the merged rows (the blocks run without them). Their gradient on each rank is that
+            rank's rows' share: sum it over the group as the other replicated parameters'.
         return_lse: also return the float32 ``lse [B, Hq, L / W]`` of the full rows.
 
     Returns:
@@ -482,15 +516,17 @@ def ring_flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=
     """
     op = "ring_flash_attn"
     C.tensors(op, q=q, k=k, v=v)
+    C.optional_tensors(op, sinks=sinks)
     layout = _layout(op, layout)
     world, rank = _group(op, group)
     causal, return_lse, deterministic, scale, softcap, window = _ring_options(
         op, q, k, v, causal, window, softmax_scale, softcap, deterministic, return_lse, False)
+    C.check_score_tensors(op, q, q.shape[0], None, sinks, None)
     C.check(layout == "contiguous" or q.shape[2] % 2 == 0, ValueError, op,
             "a zigzag shard holds two equal chunks: q.size(2) must be even, got ", q.shape[2])
     spec = _RingSpec(group, world, rank, layout, causal, scale, softcap, deterministic, False,
                      window=window)
-    out, lse = _RingFlashFunction.apply(q, k, v, spec)
+    out, lse = _RingFlashFunction.apply(q, k, v, sinks, spec)
     return (out, lse) if return_lse else out
 
 
@@ -498,7 +534,8 @@ def ring_flash_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            cu_seqlens: torch.Tensor, *, group=None, layout: str = "zigzag",
                            causal: bool = False, window=(-1, -1),
                            softmax_scale: Optional[float] = None, softcap: float = 0,
-                           deterministic: bool = False, return_lse: bool = False):
+                           sinks: Optional[torch.Tensor] = None, deterministic: bool = False,
+                           return_lse: bool = False):
     """Ring flash attention over packed sequences whose token dim is sharded across the group.
 
     The packed token dim (``T`` tokens of all sequences, total) is sharded like a sequence
@@ -509,7 +546,7 @@ def ring_flash_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         k: ``[T / W, Hkv, D]``; v: ``[T / W, Hkv, Dv]``.
         cu_seqlens: int32 ``[N + 1]``, the GLOBAL cumulative lengths (0, ..., ``T``), the same
             on every rank, on q's device (self-attention: queries and keys share it).
-        group, layout, causal, softmax_scale, softcap, deterministic: as
+        group, layout, causal, softmax_scale, softcap, sinks, deterministic: as
             :func:`ring_flash_attn`.
         window: only ``(-1, -1)`` (no sliding window over packed shards).
         return_lse: also return the float32 ``lse [Hq, T / W]``.
@@ -519,15 +556,17 @@ def ring_flash_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """
     op = "ring_flash_attn_varlen"
     C.tensors(op, q=q, k=k, v=v, cu_seqlens=cu_seqlens)
+    C.optional_tensors(op, sinks=sinks)
     layout = _layout(op, layout)
     world, rank = _group(op, group)
     causal, return_lse, deterministic, scale, softcap, _ = _ring_options(
         op, q, k, v, causal, window, softmax_scale, softcap, deterministic, return_lse, True,
         cu_seqlens)
+    C.check_score_tensors(op, q, cu_seqlens.shape[0] - 1, None, sinks, None)
     per_rank = len(_chunk_ids(rank, world, layout))
     C.check(q.shape[0] % per_rank == 0, ValueError, op,
             "a zigzag shard holds two equal chunks: q.size(0) must be even, got ", q.shape[0])
     spec = _RingSpec(group, world, rank, layout, causal, scale, softcap, deterministic, True,
                      cu_seqlens, q.shape[0] // per_rank)
-    out, lse = _RingFlashFunction.apply(q, k, v, spec)
+    out, lse = _RingFlashFunction.apply(q, k, v, sinks, spec)
     return (out, lse) if return_lse else out

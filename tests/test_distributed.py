@@ -7,6 +7,7 @@ op on its shard, and compares its shard of out, lse and every gradient.
 """
 import datetime
 import os
+import sys
 import socket
 import traceback
 
@@ -53,6 +54,11 @@ def _entry(rank, world, port, worker, args):
     finally:
         dist.destroy_process_group()
     assert not failures, "\n".join(failures)
+    # Passed: leave without the interpreter's teardown, in which gloo (torch 2.11) at times
+    # aborts ("terminate called without an active exception") after destroy_process_group.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _run_cases(cases):
@@ -77,8 +83,16 @@ def _compare(name, ours, expected, dtype):
 
 # ---- cases ------------------------------------------------------------------------------------
 
+def _sinks_grad(full, ring):
+    """The ring's sinks gradient summed over the group (each rank holds its rows' share)
+    against the single op's, at float32's bar (sinks are float32 whatever q's dtype)."""
+    total = ring.grad.clone()
+    dist.all_reduce(total)
+    _compare("dsinks", total, full.grad, torch.float32)
+
+
 def _dense_case(world, layout, causal, dtype, hq, hkv, transposed, softcap=0.0, seed=0,
-                window=(-1, -1)):
+                window=(-1, -1), sinks=False):
     from adaattn import flash_attn
     from adaattn.distributed import ring_flash_attn, shard_sequence, unshard
 
@@ -89,14 +103,19 @@ def _dense_case(world, layout, causal, dtype, hq, hkv, transposed, softcap=0.0, 
         k = _draw((b, hkv, length, d), dtype, "cpu", seed + 1)
         v = _draw((b, hkv, length, dv), dtype, "cpu", seed + 2)
         dout = _draw((b, hq, length, dv), dtype, "cpu", seed + 3)
+        sink = (_draw((hq,), torch.float32, "cpu", seed + 4) + 1.0) if sinks else None
+        full_sink, ring_sink = ((sink.clone().requires_grad_(), sink.clone().requires_grad_())
+                                if sinks else (None, None))
         full = [t.clone().requires_grad_() for t in (q, k, v)]
         out, lse = flash_attn(*full, causal=causal, softcap=softcap, window=window,
-                              return_lse=True)
+                              sinks=full_sink, return_lse=True)
         out.backward(dout)
         shards = [shard_sequence(t.detach(), layout=layout).requires_grad_() for t in (q, k, v)]
         r_out, r_lse = ring_flash_attn(*shards, layout=layout, causal=causal, softcap=softcap,
-                                       window=window, return_lse=True)
+                                       window=window, sinks=ring_sink, return_lse=True)
         r_out.backward(shard_sequence(dout, layout=layout))
+        if sinks:
+            _sinks_grad(full_sink, ring_sink)
         _compare("out", r_out, shard_sequence(out.detach(), layout=layout), dtype)
         _compare("lse", r_lse, shard_sequence(lse, layout=layout), dtype)
         for nm, s, f in zip(("dq", "dk", "dv"), shards, full):
@@ -133,7 +152,7 @@ def _nan_case(world, layout, causal):
     return run
 
 
-def _varlen_case(world, layout, causal, dtype, cu_list, hq=4, hkv=2, seed=10):
+def _varlen_case(world, layout, causal, dtype, cu_list, hq=4, hkv=2, seed=10, sinks=False):
     from adaattn import flash_attn_varlen
     from adaattn.distributed import ring_flash_attn_varlen, shard_sequence
 
@@ -144,14 +163,20 @@ def _varlen_case(world, layout, causal, dtype, cu_list, hq=4, hkv=2, seed=10):
         k = _draw((t, hkv, d), dtype, "cpu", seed + 1)
         v = _draw((t, hkv, d), dtype, "cpu", seed + 2)
         dout = _draw((t, hq, d), dtype, "cpu", seed + 3)
+        sink = (_draw((hq,), torch.float32, "cpu", seed + 4) + 1.0) if sinks else None
+        full_sink, ring_sink = ((sink.clone().requires_grad_(), sink.clone().requires_grad_())
+                                if sinks else (None, None))
         full = [x.clone().requires_grad_() for x in (q, k, v)]
-        out, lse = flash_attn_varlen(*full, cu, cu, causal=causal, return_lse=True)
+        out, lse = flash_attn_varlen(*full, cu, cu, causal=causal, sinks=full_sink,
+                                     return_lse=True)
         out.backward(dout)
         shards = [shard_sequence(x.detach(), dim=0, layout=layout).requires_grad_()
                   for x in (q, k, v)]
         r_out, r_lse = ring_flash_attn_varlen(*shards, cu, layout=layout, causal=causal,
-                                              return_lse=True)
+                                              sinks=ring_sink, return_lse=True)
         r_out.backward(shard_sequence(dout, dim=0, layout=layout))
+        if sinks:
+            _sinks_grad(full_sink, ring_sink)
         _compare("out", r_out, shard_sequence(out.detach(), dim=0, layout=layout), dtype)
         _compare("lse", r_lse, shard_sequence(lse, dim=1, layout=layout), dtype)
         for nm, s, f in zip(("dq", "dk", "dv"), shards, full):
@@ -246,6 +271,15 @@ def _cpu_worker(rank, world):
         for causal in (False, True):
             cases.append((f"flash varlen {layout} causal={causal} cu={cu}",
                           _varlen_case(world, layout, causal, torch.float64, cu)))
+        for causal in (False, True):
+            cases.append((f"flash {layout} causal={causal} sinks gqa",
+                          _dense_case(world, layout, causal, torch.float64, 4, 2, False,
+                                      sinks=True)))
+        cases.append((f"flash {layout} causal window sinks",
+                      _dense_case(world, layout, True, torch.float32, 4, 2, False,
+                                  window=(7, -1), sinks=True)))
+        cases.append((f"flash varlen {layout} causal sinks cu={cu}",
+                      _varlen_case(world, layout, True, torch.float64, cu, sinks=True)))
     return _run_cases(cases)
 
 
