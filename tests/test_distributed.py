@@ -297,30 +297,40 @@ def _cuda_worker(rank, world, device_type="cuda", length=1024):
     from adaattn.distributed import ring_flash_attn, shard_sequence
     dev = torch.device(device_type, rank if device_type == "cuda" else None)
 
-    def case(layout, causal, hq, hkv, length, window=(-1, -1)):
+    def case(layout, causal, hq, hkv, length, window=(-1, -1), sinks=False):
         def run():
             b, d = 2, 128
             base = [_draw(s, torch.float64, dev, i) for i, s in enumerate(
                 [(b, hq, length, d), (b, hkv, length, d), (b, hkv, length, d),
                  (b, hq, length, d)])]
             q64, k64, v64, dout = base
+            sink = _draw((hq,), torch.float64, dev, 4) + 1.0 if sinks else None
 
             def grads(fn, dtype, inputs, grad_out):
                 ts = [x.detach().to(dtype).requires_grad_() for x in inputs]
-                out, lse = fn(*ts)
+                # sinks are float32 [Hq] for every q dtype (float64 in the fp64 reference)
+                sk = (None if sink is None else
+                      sink.detach().to(torch.float64 if dtype == torch.float64 else torch.float32)
+                      .requires_grad_())
+                out, lse = fn(*ts, sinks=sk)
                 out.backward(grad_out.to(dtype))
-                return [out, lse] + [t.grad for t in ts]
+                return [out, lse] + [t.grad for t in ts] + ([] if sk is None else [sk.grad])
 
-            def ref(*t):
-                return reference.flash_attn(*t, causal=causal, window=window)
+            def ref(*t, sinks):
+                return reference.flash_attn(*t, causal=causal, window=window, sinks=sinks)
             ref64 = grads(ref, torch.float64, (q64, k64, v64), dout)
             ref_bf = grads(ref, torch.bfloat16, (q64, k64, v64), dout)
             shard = lambda x: shard_sequence(x, layout=layout)  # noqa: E731
-            ours = grads(lambda *t: ring_flash_attn(*t, layout=layout, causal=causal,
-                                                    window=window, return_lse=True),
+            ours = grads(lambda *t, sinks: ring_flash_attn(*t, layout=layout, causal=causal,
+                                                           window=window, sinks=sinks,
+                                                           return_lse=True),
                          torch.bfloat16, [shard(x) for x in (q64, k64, v64)], shard(dout))
             for nm, o, lo, hi in zip(("out", "lse", "dq", "dk", "dv"), ours, ref_bf, ref64):
                 assert_low_precision_rule(nm, o, shard(lo), shard(hi))
+            if sinks:  # each rank holds its rows' share of d sinks
+                total = ours[5].clone()
+                dist.all_reduce(total)
+                assert_low_precision_rule("dsinks", total, ref_bf[5], ref64[5])
         return run
 
     cases = [(f"cuda {layout} causal={causal} hq={hq} hkv={hkv}",
@@ -330,6 +340,9 @@ def _cuda_worker(rank, world, device_type="cuda", length=1024):
     window = (length // 3, 0)
     cases += [(f"cuda {layout} causal window={window}", case(layout, True, 8, 2, length, window))
               for layout in ("contiguous", "zigzag")]
+    cases += [(f"cuda {layout} causal={causal} sinks", case(layout, causal, 8, 2, length,
+                                                              sinks=True))
+              for layout in ("contiguous", "zigzag") for causal in (False, True)]
     return _run_cases(cases)
 
 
