@@ -346,6 +346,12 @@ def _cuda_worker(rank, world, device_type="cuda", length=1024):
     return _run_cases(cases)
 
 
+def test_ring_low_precision_worker_cpu_gloo():
+    """The NCCL test's worker (bf16 against the fp64 and bf16 references, sinks included) on
+    CPU with gloo: its checks run in CI too."""
+    _spawn(_cuda_worker, 2, "cpu", 128)
+
+
 @pytest.mark.cuda
 def test_ring_cuda_nccl():
     if torch.cuda.device_count() < 2:
