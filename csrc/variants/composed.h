@@ -60,6 +60,17 @@ struct ComposedMod {
   }
   ADAATTN_HD static float* param_grad_out(const AttnParams& p) { return p.dbias; }
 
+  // ---- launcher hooks (read on the host: see RelBiasMod's) ----
+  // The derivative is 1 without a softcap.
+  ADAATTN_HD static bool grad_active(const AttnParams& p) { return p.softcap > 0; }
+  static int64_t param_grad_scratch(const AttnParams& p, int64_t key_slots) {
+    return RelBiasMod::param_grad_scratch(p, key_slots);
+  }
+  static void set_param_grad_scratch(AttnParams& p, float* scratch) {
+    RelBiasMod::set_param_grad_scratch(p, scratch);
+  }
+  static int64_t param_grad_items(const AttnParams& p) { return RelBiasMod::param_grad_items(p); }
+
 #if defined(__CUDACC__)
   // ---- tensor-core hooks (fragments: csrc/cuda/tc/softmax_frag.h) ----
 
@@ -89,8 +100,6 @@ struct ComposedMod {
                                                             int r0, int c0, int lane) {
     add_terms<kKeyRows>(s, p, lens, b, h, r0, c0, lane, -1.f);
   }
-  // The derivative is 1 without a softcap.
-  ADAATTN_HD static bool grad_active(const AttnParams& p) { return p.softcap > 0; }
   // The softcap's 1 - tanh^2 from c tanh(x / c) in log2 units.
   __device__ __forceinline__ static float grad_log2(float s2, const AttnParams& p) {
     return SoftcapMod::grad_log2(s2, p);
@@ -98,12 +107,6 @@ struct ComposedMod {
 
   // The table's gradient: RelBiasMod's partial sums and reduction, over the tiles that read the
   // table (the condition is the same for the whole CTA, as its barriers need).
-  static int64_t param_grad_scratch(const AttnParams& p, int64_t key_slots) {
-    return RelBiasMod::param_grad_scratch(p, key_slots);
-  }
-  static void set_param_grad_scratch(AttnParams& p, float* scratch) {
-    RelBiasMod::set_param_grad_scratch(p, scratch);
-  }
   template <int kBlockN, int BM, int kStageKeys, int kStride, int kThreads, int MI, int NT>
   __device__ static void accumulate_param_grad(const AttnParams& p, const SeqLens& lens,
                                                float* sStage, const float (&ds)[MI][NT][4],
@@ -117,7 +120,6 @@ struct ComposedMod {
   __device__ static void reduce_param_grad(const AttnParams& p, int64_t slots) {
     RelBiasMod::reduce_param_grad<kThreads>(p, slots);
   }
-  static int64_t param_grad_items(const AttnParams& p) { return RelBiasMod::param_grad_items(p); }
 
   // sign * (-slope[b, h] |i - j| + bias[h, i - j]) in log2 units added to score fragments
   // (layouts: add_by_distance). Both terms are functions of the distance alone: one pass

@@ -82,6 +82,21 @@ struct RelBiasMod {
   // The table gradient, [Hq, param_count] float32 (non-null when wants_param_grad).
   ADAATTN_HD static float* param_grad_out(const AttnParams& p) { return p.dbias; }
 
+  // ---- launcher hooks (the tensor-core launch reads them on the host; outside the CUDA
+  // block, so the host-only CPU build compiles them and rejects a device-only one) ----
+
+  // Floats of the per-CTA partial sums the dK/dV CTAs write (AttnParams::dbias_partial) for
+  // `key_slots` key tiles.
+  static int64_t param_grad_scratch(const AttnParams& p, int64_t key_slots) {
+    const int64_t span = p.bias_window < p.len_k ? p.bias_window : p.len_k;
+    return p.heads_q * key_slots * span;
+  }
+  static void set_param_grad_scratch(AttnParams& p, float* scratch) { p.dbias_partial = scratch; }
+  // Table entries the reduction after the dK/dV pass writes.
+  static int64_t param_grad_items(const AttnParams& p) {
+    return static_cast<int64_t>(p.heads_q) * p.bias_window;
+  }
+
 #if defined(__CUDACC__)
   // ---- tensor-core hooks (fragments: csrc/cuda/tc/softmax_frag.h) ----
 
@@ -128,14 +143,6 @@ struct RelBiasMod {
         }
     }
   }
-
-  // Floats of the per-CTA partial sums the dK/dV CTAs write (AttnParams::dbias_partial) for
-  // `key_slots` key tiles.
-  static int64_t param_grad_scratch(const AttnParams& p, int64_t key_slots) {
-    const int64_t span = p.bias_window < p.len_k ? p.bias_window : p.len_k;
-    return p.heads_q * key_slots * span;
-  }
-  static void set_param_grad_scratch(AttnParams& p, float* scratch) { p.dbias_partial = scratch; }
 
   // dbias of one (key tile, query step) pair: the dS^T fragments of the tile's
   // kBlockN keys x BM queries are staged in fp32 ([keys][kStride], in rounds of kStageKeys keys;
@@ -210,9 +217,6 @@ struct RelBiasMod {
       for (int64_t n = 0; n < slots; ++n) acc += part[n * bias_span];
     }
     p.dbias[item] = acc;
-  }
-  static int64_t param_grad_items(const AttnParams& p) {
-    return static_cast<int64_t>(p.heads_q) * p.bias_window;
   }
 #endif
 };

@@ -43,6 +43,10 @@
 // derivative from the value modify_raw_frag left: the Hopper backward folds it into P,
 // softmax_frag.h kGradInP), and with kParamGrad the per-CTA partial sums (accumulate_param_grad)
 // and their fixed-order reduction (reduce_param_grad).
+// The hooks a launcher reads on the host (grad_active, wants_param_grad, param_grad_scratch,
+// set_param_grad_scratch, param_grad_items; a transform's wants_lse_param_grad) sit outside the
+// __CUDACC__ block: the host-only CPU build then compiles them, and rejects a __device__ one,
+// to which nvcc gives a host body of exit(1) without a warning in template code.
 // A probability transform is a type with
 //   kNormalized    a = p (softmax): one online pass, o /= row sum, Delta = dO.o; else an lse
 //                  pass before the weights and a backward row pass for Delta (and G)
