@@ -215,7 +215,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_dq_sm90_kernel(const 
     auto probs = [&](float (&s)[1][NT][4], int n0) {
       const float scale = backward_scores<Mod, false>(
           s, p, lens, b, h, m0 + warp_row0, n0, lane,
-          !Mod::kIdentity && Mod::tile_active(p, lens, m0 + warp_row0, m0 + warp_row0 + 15, n0, n0 + BN - 1));
+          !Mod::kIdentity && Mod::tile_active(p, lens, m0 + warp_row0, m0 + warp_row0 + 15, n0,
+                                              n0 + BN - 1));
       auto apply = [&](auto masked) {
 #pragma unroll
         for (int ni = 0; ni < NT; ++ni)

@@ -445,8 +445,8 @@ __device__ __forceinline__ void bwd_dq_block(const AttnParams& p, int block) {
         const bool full =
             tile_is_full(p, lens, m0 + warp_row0, m0 + warp_row0 + 16 * MI, n0, n0 + BN);
         scale_frag(s, p.scale_log2);
-        if (!Mod::kIdentity && Mod::tile_active(p, lens, m0 + warp_row0, m0 + warp_row0 + 16 * MI - 1, n0,
-                                                 n0 + BN - 1)) {
+        if (!Mod::kIdentity && Mod::tile_active(p, lens, m0 + warp_row0,
+                                                 m0 + warp_row0 + 16 * MI - 1, n0, n0 + BN - 1)) {
           modify_scores<Mod, false>(s, p, lens, b, h, m0 + warp_row0, n0, lane);
         }
         if (!full) mask_scores(s, rr, n0, lane);

@@ -257,7 +257,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
       uint32_t pa[1][NT / 2][4];
       uint32_t live = 0;  // non-normalised: bit 4 ni + e is M of st[0][ni][e]
       bool any_weight = false;  // non-normalised: a weight != 0 (a NaN one included)
-      const bool modified = !Mod::kIdentity && Mod::tile_active(p, lens, m0, m0 + BM - 1, n0 + warp_row0, n0 + warp_row0 + 15);
+      const bool modified =
+          !Mod::kIdentity &&
+          Mod::tile_active(p, lens, m0, m0 + BM - 1, n0 + warp_row0, n0 + warp_row0 + 15);
       const float scale =
           backward_scores<Mod, true>(st, p, lens, b, h, n0 + warp_row0, m0, lane, modified);
       if constexpr (kLsePass) {
@@ -364,7 +366,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
       }
       // The table's gradient takes dS of the modified scores; dK and dQ that of the raw ones.
       if constexpr (Traits::kParamGrad) {
-        if (Mod::wants_param_grad(p) && Mod::tile_active(p, lens, m0, m0 + BM - 1, n0, n0 + kBlockN - 1)) {
+        if (Mod::wants_param_grad(p) &&
+            Mod::tile_active(p, lens, m0, m0 + BM - 1, n0, n0 + kBlockN - 1)) {
           Mod::template accumulate_param_grad<kBlockN, BM, kBlockN, Traits::kStageStride,
                                               kThreads>(p, lens, sStage, dpt, h, m0, n0,
                                                         tile.slot, warp_row0, lane, tid);

@@ -97,8 +97,8 @@ __global__ void __launch_bounds__(Traits::kThreads)
     zero(s);
     warp_gemm_nt<MI, NT, DK>(s, sQ, warp_row0, sk, 0, lane);
     scale_frag(s, p.scale_log2);
-    if (!Mod::kIdentity && Mod::tile_active(p, lens, m0 + warp_row0, m0 + warp_row0 + 16 * MI - 1, n0,
-                                               n0 + BN - 1)) {
+    if (!Mod::kIdentity && Mod::tile_active(p, lens, m0 + warp_row0,
+                                               m0 + warp_row0 + 16 * MI - 1, n0, n0 + BN - 1)) {
       modify_scores<Mod, false>(s, p, lens, b, h, m0 + warp_row0, n0, lane);
     }
     if (!tile_is_full(p, lens, m0 + warp_row0, m0 + warp_row0 + 16 * MI, n0, n0 + BN)) {

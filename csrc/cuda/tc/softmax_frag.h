@@ -285,7 +285,8 @@ __device__ __forceinline__ float fold_scores(float (&s)[MI][NT][4], const AttnPa
     return scale;
   }
   float scale = p.scale_log2;
-  const bool modified = !Mod::kIdentity && Mod::tile_active(p, lens, r0, r0 + 16 * MI - 1, n0, n0 + NT * 8 - 1);
+  const bool modified =
+      !Mod::kIdentity && Mod::tile_active(p, lens, r0, r0 + 16 * MI - 1, n0, n0 + NT * 8 - 1);
   if (modified || !(scale > 0.f)) {
     scale_frag(s, scale);
     if (modified) modify_scores<Mod, false>(s, p, lens, b, h, r0, n0, lane);
