@@ -218,6 +218,11 @@ def _bad_input_cases(world):
         ("varlen cu dtype", _raises(TypeError, r"ring_flash_attn_varlen: cu_seqlens must be int32",
                                     lambda: ring_flash_attn_varlen(packed, packed, packed,
                                                                    cu.long()))),
+        ("sinks shape", _raises(ValueError, r"adaattn.ring_flash_attn: sinks",
+                                lambda: ring_flash_attn(q, q, q, sinks=torch.zeros(3)))),
+        ("sinks dtype", _raises(TypeError, r"adaattn.ring_flash_attn_varlen: sinks must be float32",
+                                lambda: ring_flash_attn_varlen(packed, packed, packed, cu,
+                                                               sinks=torch.zeros(2).double()))),
     ]
 
 
