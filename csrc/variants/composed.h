@@ -135,14 +135,30 @@ struct ComposedMod {
     const float unit = sign * float(M_LOG2E);
     const float slope2 = alibi ? -unit * p.alibi_slopes[b * p.alibi_batch_stride + h] : 0.f;
     if (!table) {  // ALiBi alone: no table bound to test per distance
-      add_by_distance<kKeyRows>(s, lens, r0, c0, lane,
-                                [&](int, float df) { return slope2 * fabsf(df); });
+      // Off the diagonal every distance of the fragment has one sign: |d| = sign * d is linear,
+      // one FFMA per distance. The fragment's rows and keys (add_by_distance's layouts):
+      const int first_row = kKeyRows ? c0 : r0;
+      const int last_row = first_row + (kKeyRows ? 8 * NT : 16 * MI) - 1;
+      const int first_key = kKeyRows ? r0 : c0;
+      const int last_key = first_key + (kKeyRows ? 16 * MI : 8 * NT) - 1;
+      const bool below = row_position(lens, first_row) - last_key >= 0;  // every d >= 0
+      const bool above = row_position(lens, last_row) - first_key <= 0;  // every d <= 0
+      if (below || above) {
+        const float signed_slope = below ? slope2 : -slope2;
+        add_by_distance<kKeyRows>(s, lens, r0, c0, lane, [&](int, float d0f, float of) {
+          return fmaf(signed_slope, of, signed_slope * d0f);
+        });
+      } else {
+        add_by_distance<kKeyRows>(s, lens, r0, c0, lane, [&](int, float d0f, float of) {
+          return slope2 * fabsf(d0f + of);
+        });
+      }
       return;
     }
     const unsigned window = static_cast<unsigned>(p.bias_window);
     const float* bias = p.bias + static_cast<int64_t>(h) * p.bias_window;
-    add_by_distance<kKeyRows>(s, lens, r0, c0, lane, [&](int d, float df) {
-      const float a = slope2 * fabsf(df);
+    add_by_distance<kKeyRows>(s, lens, r0, c0, lane, [&](int d, float d0f, float of) {
+      const float a = slope2 * fabsf(d0f + of);
       return static_cast<unsigned>(d) < window ? fmaf(__ldg(bias + d), unit, a) : a;
     });
   }

@@ -14,10 +14,11 @@ namespace adaattn {
 // (S^T in the dK/dV pass), element (mi, ni, e) is key r0 + mi*16 + g + 8*(e/2), row
 // c0 + ni*8 + 2t + e%2. The distance of element (ni, e) is a thread constant + 8 (e/2 - ni) - e%2
 // (S; S^T: + 8 (ni - e/2) + e%2), so the 4 NT elements of a row group take 2 (NT + 1)
-// distances: f(d, df) is evaluated once for each and added to the (up to) two elements at it
-// (RelBiasMod::modify_frag walks the same distances for its table alone). df is d as a float,
-// from one conversion per row group and constant offsets: an int-to-float conversion per
-// distance would run on the pipe the softmax's exp2 already fills.
+// distances: f(d, d0f, of) is evaluated once for each and added to the (up to) two elements at
+// it (RelBiasMod::modify_frag walks the same distances for its table alone). d = d0 + offset; as
+// a float it is d0f + of, from one conversion per row group (d0f) and a constant (of): an
+// int-to-float conversion per distance would run on the pipe the softmax's exp2 already fills,
+// and a term linear in d costs one FFMA per distance (a d0f product shared by the row group).
 template <bool kKeyRows, int MI, int NT, typename F>
 __device__ __forceinline__ void add_by_distance(float (&s)[MI][NT][4], const SeqLens& lens,
                                                 int r0, int c0, int lane, const F& f) {
@@ -33,7 +34,7 @@ __device__ __forceinline__ void add_by_distance(float (&s)[MI][NT][4], const Seq
 #pragma unroll
       for (int c = 0; c < 2; ++c) {
         const int offset = kKeyRows ? 8 * k + c : 8 * k - c;
-        const float b = f(d0 + offset, d0f + static_cast<float>(offset));
+        const float b = f(d0 + offset, d0f, static_cast<float>(offset));
         // (e/2, ni) pairs at this k: S: (0, -k) and (1, 1 - k); S^T: (0, k) and (1, k + 1).
         const int ni_top = kKeyRows ? k : -k;
         const int ni_bottom = kKeyRows ? k + 1 : 1 - k;
