@@ -88,6 +88,36 @@ def _lazy_bwd_fake(grad_out, q, k, v, tau, bias, out, lse, seqlens, softmax_scal
             torch.empty_like(bias, memory_format=torch.contiguous_format))
 
 
+# Block ops of ring_lazy_attn (csrc/ops/lazy/lazy_ops.h): dense, explicit positions.
+@torch.library.register_fake("adaattn::lazy_block_lse")
+def _lazy_block_lse_fake(q, k, tau, bias, softmax_scale, q_position, k_position):
+    C.check_lazy_inputs("lazy_block_lse", q, k, k, tau, bias, None, None, softmax_scale)
+    return _lse_fake(q, False)
+
+
+@torch.library.register_fake("adaattn::lazy_block_out")
+def _lazy_block_out_fake(q, k, v, tau, bias, lse, softmax_scale, q_position, k_position):
+    C.check_lazy_inputs("lazy_block_out", q, k, v, tau, bias, None, None, softmax_scale)
+    return _out_fake(q, v)
+
+
+@torch.library.register_fake("adaattn::lazy_block_row_terms")
+def _lazy_block_row_terms_fake(grad_out, q, k, v, tau, bias, lse, softmax_scale, q_position,
+                               k_position):
+    C.check_lazy_inputs("lazy_block_row_terms", q, k, v, tau, bias, None, None, softmax_scale)
+    return _lse_fake(q, False), _lse_fake(q, False)
+
+
+@torch.library.register_fake("adaattn::lazy_block_bwd")
+def _lazy_block_bwd_fake(grad_out, q, k, v, tau, bias, lse, delta, softmax_scale, q_position,
+                         k_position, bias_grad):
+    C.check_lazy_inputs("lazy_block_bwd", q, k, v, tau, bias, None, None, softmax_scale)
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            torch.empty_like(k, memory_format=torch.contiguous_format),
+            torch.empty_like(v, memory_format=torch.contiguous_format),
+            torch.empty_like(bias, memory_format=torch.contiguous_format))
+
+
 def _linear_state_fake(q, v, cu_seqlens, normalize):
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     return q.new_empty(C.linear_state_shape(q, v, cu_seqlens, normalize), dtype=dtype)

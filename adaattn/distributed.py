@@ -24,7 +24,8 @@ import torch.distributed as dist
 from . import _checks as C
 from ._ops import ops
 
-__all__ = ["LAYOUTS", "ring_flash_attn", "ring_flash_attn_varlen", "shard_sequence", "unshard"]
+__all__ = ["LAYOUTS", "ring_flash_attn", "ring_flash_attn_varlen", "ring_lazy_attn",
+           "shard_sequence", "unshard"]
 
 LAYOUTS = ("zigzag", "contiguous")
 
@@ -362,12 +363,31 @@ def _block_grad_out(spec: _RingSpec, dout: torch.Tensor, lse_block: torch.Tensor
 
 
 def _ring_flash_bwd(spec: _RingSpec, dout, q, k, v, out, lse, block_lse):
-    """dq, dk, dv: the key/value shards travel as in the forward; each shard's dk/dv partial
-    sums travel with it and reach their owner after the last step."""
-    ring = _Ring(spec.group, q.device)
+    """dq, dk, dv of ring flash attention (_ring_grads), each block against its own lse."""
     lq, lk = q.shape[spec.row_dim], k.shape[spec.row_dim]
-    acc_t = _acc_dtype(q.dtype)
     block_lse = iter(block_lse)
+
+    def block_grads(call, k_shard, v_shard):
+        qr, kr, wl, wr, cu_q, cu_k = call
+        lse_b = next(block_lse)
+        dout_b = _block_grad_out(spec, _rows(dout, spec.row_dim, qr), lse_b,
+                                 _rows(lse, spec.lse_dim, qr))
+        dq_b, dk_b, dv_b, _, _ = ops.flash_bwd(
+            dout_b, _rows(q, spec.row_dim, qr), _rows(k_shard, spec.row_dim, kr),
+            _rows(v_shard, spec.row_dim, kr), _rows(out, spec.row_dim, qr), lse_b, None,
+            spec.scale, *_mask(wl, wr), spec.deterministic, cu_q, cu_k, spec.softcap)
+        return dq_b, dk_b, dv_b
+
+    return _ring_grads(spec, q, k, v, lambda src: spec.plan(src, lq, lk), block_grads)
+
+
+def _ring_grads(spec: _RingSpec, q, k, v, calls_of, block_grads):
+    """dq, dk, dv: the key/value shards travel as in the forward; each shard's dk/dv partial
+    sums travel with it and reach their owner after the last step. ``calls_of(src)`` lists the
+    block calls against rank ``src``'s shard (query rows and key rows first),
+    ``block_grads(call, k_shard, v_shard)`` returns their ``(dq, dk, dv)``."""
+    ring = _Ring(spec.group, q.device)
+    acc_t = _acc_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc_t, device=q.device)
     kv = (k, v)
     pending_dkv = None
@@ -384,15 +404,9 @@ def _ring_flash_bwd(spec: _RingSpec, dout, q, k, v, out, lse, block_lse):
         src = (spec.rank - step) % spec.world
         pending_kv = ring.start(kv) if step < spec.world - 1 else None
         dk = dv = None
-        for qr, kr, wl, wr, cu_q, cu_k in spec.plan(src, lq, lk):
-            lse_b = next(block_lse)
-            dout_b = _block_grad_out(spec, _rows(dout, spec.row_dim, qr), lse_b,
-                                     _rows(lse, spec.lse_dim, qr))
-            dq_b, dk_b, dv_b, _, _ = ops.flash_bwd(
-                dout_b, _rows(q, spec.row_dim, qr), _rows(kv[0], spec.row_dim, kr),
-                _rows(kv[1], spec.row_dim, kr), _rows(out, spec.row_dim, qr), lse_b, None,
-                spec.scale, *_mask(wl, wr), spec.deterministic, cu_q, cu_k, spec.softcap)
-            del dout_b
+        for call in calls_of(src):
+            qr, kr = call[0], call[1]
+            dq_b, dk_b, dv_b = block_grads(call, kv[0], kv[1])
             _rows(dq, spec.row_dim, qr).add_(dq_b)
             if dk is None:  # after the first block's compute, which hid the transfer
                 dk, dv = partial_sums()
@@ -461,6 +475,170 @@ class _RingFlashFunction(torch.autograd.Function):
             share = -(torch.exp(sink - lse) * delta)
             dsinks = share.sum(dim=(0, 2)) if not ctx.spec.packed else share.sum(dim=1)
         return dq, dk, dv, dsinks, None
+
+
+# ---- ring lazy ---------------------------------------------------------------------------------
+# Lazy attention's weights a_ij = max(0, p_ij + tau_h / (i + 1)) need each row's global lse and
+# are not renormalised, so the ring runs twice: lse of every block (K travels), merged; then each
+# block's share of the output against the merged lse (K and V travel), summed. The backward
+# likewise: the row terms Delta_i and G_i (sums over the row's keys), then the gradients of every
+# block against the summed row terms. Every block call is a chunk pair with its own positions.
+
+def _lazy_plan(rank: int, src: int, world: int, layout: str, chunk: int):
+    """[(query rows, key rows, q_position, k_position)] of this rank's shard against rank
+    ``src``'s: every causal pair of chunks (the bias reaches any distance, so no pair is
+    skipped but those above the diagonal)."""
+    calls = []
+    for qi, qc in enumerate(_chunk_ids(rank, world, layout)):
+        for ki, kc in enumerate(_chunk_ids(src, world, layout)):
+            if kc <= qc:
+                calls.append((slice(qi * chunk, (qi + 1) * chunk),
+                              slice(ki * chunk, (ki + 1) * chunk), qc * chunk, kc * chunk))
+    return calls
+
+
+def _ring_lazy_fwd(spec: _RingSpec, q, k, v, tau, bias):
+    ring = _Ring(spec.group, q.device)
+    acc_t = _acc_dtype(q.dtype)
+    lse = q.new_full(q.shape[:3], float("-inf"), dtype=acc_t)
+    shard = k
+    for step in range(spec.world):
+        src = (spec.rank - step) % spec.world
+        pending = ring.start((shard,)) if step < spec.world - 1 else None
+        for qr, kr, q_pos, k_pos in spec.plan(src):
+            lse_b = ops.lazy_block_lse(q[:, :, qr], shard[:, :, kr], tau, bias, spec.scale, q_pos,
+                                       k_pos)
+            lse[:, :, qr] = torch.logaddexp(lse[:, :, qr], lse_b.to(acc_t))
+        if pending is not None:
+            shard = ring.wait(pending)[0]
+    lse32 = lse.to(torch.float32)
+    out = torch.zeros((*q.shape[:-1], v.shape[-1]), dtype=acc_t, device=q.device)
+    kv = (k, v)
+    for step in range(spec.world):
+        src = (spec.rank - step) % spec.world
+        pending = ring.start(kv) if step < spec.world - 1 else None
+        for qr, kr, q_pos, k_pos in spec.plan(src):
+            out[:, :, qr] += ops.lazy_block_out(q[:, :, qr], kv[0][:, :, kr], kv[1][:, :, kr], tau,
+                                                bias, lse32[:, :, qr].contiguous(), spec.scale,
+                                                q_pos, k_pos)
+        if pending is not None:
+            kv = tuple(ring.wait(pending))
+    return out.to(q.dtype), lse32
+
+
+def _ring_lazy_bwd(spec: _RingSpec, dout, q, k, v, tau, bias, lse, bias_grad: bool):
+    """dq, dk, dv and this rank's shares of dtau, dbias."""
+    ring = _Ring(spec.group, q.device)
+    acc_t = _acc_dtype(q.dtype)
+    delta = torch.zeros(lse.shape, dtype=acc_t, device=q.device)
+    row_g = torch.zeros(lse.shape, dtype=acc_t, device=q.device)
+    kv = (k, v)
+    for step in range(spec.world):
+        src = (spec.rank - step) % spec.world
+        pending = ring.start(kv) if step < spec.world - 1 else None
+        for qr, kr, q_pos, k_pos in spec.plan(src):
+            d_b, g_b = ops.lazy_block_row_terms(dout[:, :, qr], q[:, :, qr], kv[0][:, :, kr],
+                                                kv[1][:, :, kr], tau, bias,
+                                                lse[:, :, qr].contiguous(), spec.scale, q_pos,
+                                                k_pos)
+            delta[:, :, qr] += d_b
+            row_g[:, :, qr] += g_b
+        if pending is not None:
+            kv = tuple(ring.wait(pending))
+    delta32 = delta.to(torch.float32)
+    dbias = torch.zeros_like(bias)
+
+    def block_grads(call, k_shard, v_shard):
+        qr, kr, q_pos, k_pos = call
+        dq_b, dk_b, dv_b, dbias_b = ops.lazy_block_bwd(
+            dout[:, :, qr], q[:, :, qr], k_shard[:, :, kr], v_shard[:, :, kr], tau, bias,
+            lse[:, :, qr].contiguous(), delta32[:, :, qr].contiguous(), spec.scale, q_pos, k_pos,
+            bias_grad)
+        if bias_grad:
+            dbias.add_(dbias_b)
+        return dq_b, dk_b, dv_b
+
+    dq, dk, dv = _ring_grads(spec, q, k, v, spec.plan, block_grads)
+    # dtau_h = sum_i G_i / (i + 1): row_g holds the terms (each block's already divided).
+    dtau = row_g.sum(dim=(0, 2)).to(torch.float32)
+    return dq, dk, dv, dtau, dbias
+
+
+class _LazyRingSpec(_RingSpec):
+    """A _RingSpec (dense, causal) whose plan is _lazy_plan's chunk pairs."""
+
+    def __init__(self, group, world, rank, layout, scale, chunk):
+        super().__init__(group, world, rank, layout, True, scale, 0.0, False, False, chunk=chunk)
+
+    def plan(self, src: int, *_):
+        return _lazy_plan(self.rank, src, self.world, self.layout, self.chunk)
+
+
+class _RingLazyFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, tau, bias, spec):
+        out, lse = _ring_lazy_fwd(spec, q, k, v, tau, bias)
+        ctx.save_for_backward(q, k, v, tau, bias, lse)
+        ctx.spec = spec
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, tau, bias, lse = ctx.saved_tensors
+        if dout is None:
+            return None, None, None, None, None, None
+        dq, dk, dv, dtau, dbias = _ring_lazy_bwd(ctx.spec, dout.contiguous(), q, k, v, tau, bias,
+                                                 lse, ctx.needs_input_grad[4])
+        return (dq, dk, dv, dtau if ctx.needs_input_grad[3] else None,
+                dbias if ctx.needs_input_grad[4] else None, None)
+
+
+def ring_lazy_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tau: torch.Tensor,
+                   bias: torch.Tensor, *, group=None, layout: str = "zigzag",
+                   softmax_scale: Optional[float] = None, return_lse: bool = False):
+    """Lazy attention over a sequence sharded across a process group (two ring passes).
+
+    Every rank of ``group`` calls this with its shard (:func:`shard_sequence` with the same
+    ``layout``, ``dim=2``) of the same-length q/k/v; the result is this rank's shard of
+    :func:`adaattn.lazy_attn` on the full sequence (positions, causal mask, bias distances and
+    ``tau / (i + 1)`` all global), and so are the gradients.
+
+    Args:
+        q: ``[B, Hq, L / W, D]``, this rank's query shard (any strides, contiguous last dim).
+        k: ``[B, Hkv, L / W, D]``, ``Hq % Hkv == 0`` (GQA).
+        v: ``[B, Hkv, L / W, D]``.
+        tau: float32 ``[Hq]``; bias: float32 ``[Hq, W]``, replicated on every rank (``W`` may
+            exceed a shard). Their gradients on each rank are that rank's rows' shares: sum
+            them over the group as the other replicated parameters'.
+        group: the process group (default: the world).
+        layout: ``"zigzag"`` (balanced) or ``"contiguous"``.
+        softmax_scale: as in :func:`adaattn.lazy_attn`.
+        return_lse: also return the float32 ``lse [B, Hq, L / W]`` of the biased scores.
+
+    Returns:
+        ``out [B, Hq, L / W, D]``, and ``lse`` when ``return_lse``.
+
+    Forward: the keys travel once for the lse and the keys and values once for the weights
+    (docs/context_parallel.md); the backward makes two rounds of keys and values, the second
+    carrying the dk/dv partial sums. Every rank must call it; gloo on CPU tensors, NCCL on CUDA.
+    """
+    op = "ring_lazy_attn"
+    C.tensors(op, q=q, k=k, v=v, tau=tau, bias=bias)
+    layout = _layout(op, layout)
+    world, rank = _group(op, group)
+    return_lse = C.boolean(op, "return_lse", return_lse)
+    scale = C.optional_float(op, "softmax_scale", softmax_scale)
+    C.check_lazy_inputs(op, q, k, v, tau, bias, None, None, scale)
+    C.check(q.shape[2] == k.shape[2], ValueError, op,
+            "q and k shards must have the same length (self-attention), got ", q.shape[2],
+            " and ", k.shape[2])
+    per_rank = len(_chunk_ids(rank, world, layout))
+    C.check(q.shape[2] % per_rank == 0, ValueError, op,
+            "a zigzag shard holds two equal chunks: q.size(2) must be even, got ", q.shape[2])
+    spec = _LazyRingSpec(group, world, rank, layout, scale, q.shape[2] // per_rank)
+    out, lse = _RingLazyFunction.apply(q, k, v, tau, bias, spec)
+    return (out, lse) if return_lse else out
 
 
 def _ring_options(op, q, k, v, causal, window, softmax_scale, softcap, deterministic, return_lse,

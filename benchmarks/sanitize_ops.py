@@ -1,7 +1,8 @@
 """Small fwd+bwd calls of the CUDA kernels for compute-sanitizer (memcheck, racecheck): flash
 (D 64 and 128, GQA, causal, window, seqlens, Lq != Lk; atomic and two-pass backward; with
-softcap; ALiBi, sinks and rel_bias composed), block-sparse (an empty row of blocks included; atomic and two-pass backward), lazy
-and low-rank, bf16; shifted_cholesky_info (D 33 and 128, pivots failing and not); and the
+softcap; ALiBi, sinks and rel_bias composed), block-sparse (an empty row of blocks included;
+atomic and two-pass backward), lazy (and its ring block ops, at positions past key 0) and
+low-rank, bf16; shifted_cholesky_info (D 33 and 128, pivots failing and not); and the
 KV-cache decode ops (decode()).
 
     compute-sanitizer --tool memcheck python benchmarks/sanitize_ops.py
@@ -37,6 +38,22 @@ def composed(d):
         backward(adaattn.flash_attn(q, k, v, **kwargs))
 
 
+def lazy_blocks():
+    """ring_lazy_attn's block ops (D 64 and 128): a diagonal block and one far past its keys."""
+    ops = torch.ops.adaattn
+    for d in (64, 128):
+        q, k, v, dout = (torch.randn(2, 4, 197, d, device="cuda", dtype=torch.bfloat16)
+                         for _ in range(4))
+        k, v = k[:, :2], v[:, :2]
+        tau = torch.full((4,), -1.0, device="cuda")
+        bias = 0.1 * torch.randn(4, 300, device="cuda")
+        for q_pos, k_pos in ((197, 197), (600, 0)):
+            lse = ops.lazy_block_lse(q, k, tau, bias, None, q_pos, k_pos)
+            ops.lazy_block_out(q, k, v, tau, bias, lse, None, q_pos, k_pos)
+            delta, _ = ops.lazy_block_row_terms(dout, q, k, v, tau, bias, lse, None, q_pos, k_pos)
+            ops.lazy_block_bwd(dout, q, k, v, tau, bias, lse, delta, None, q_pos, k_pos, True)
+
+
 def main():
     torch.manual_seed(0)
     for d in (64, 128):
@@ -61,6 +78,7 @@ def main():
     tau = torch.full((2,), -1.0, device="cuda", requires_grad=True)
     bias = (0.1 * torch.randn(2, 64, device="cuda")).requires_grad_()
     backward(adaattn.lazy_attn(q, k, v, tau, bias))
+    lazy_blocks()
     basis = torch.linalg.qr(torch.randn(1, 2, 128, 32, device="cuda"))[0].bfloat16()
     backward(adaattn.low_rank_attn(q, k, v, basis.requires_grad_(), causal=True))
     for dim in (33, 128):

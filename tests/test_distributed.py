@@ -250,6 +250,43 @@ def _unshard_case(world, layout, dim):
     return run
 
 
+def _lazy_params(hq, window, dtype, device, seed):
+    """tau < 0 (clips a share of the weights) and a bias table of `window` distances."""
+    tau = (-0.3 - 0.4 * _draw((hq,), torch.float64, "cpu", seed).abs()).to(device, dtype)
+    bias = (0.5 * _draw((hq, window), torch.float64, "cpu", seed + 1)).to(device, dtype)
+    return tau, bias
+
+
+def _lazy_case(world, layout, dtype, hq, hkv, window, transposed=False, seed=20):
+    from adaattn import lazy_attn
+    from adaattn.distributed import ring_lazy_attn, shard_sequence
+
+    def run():
+        b, length, d = 2, 6 * world, 16
+        q = _draw((b, length, hq, d), dtype, "cpu", seed).transpose(1, 2) if transposed \
+            else _draw((b, hq, length, d), dtype, "cpu", seed)
+        k = _draw((b, hkv, length, d), dtype, "cpu", seed + 1)
+        v = _draw((b, hkv, length, d), dtype, "cpu", seed + 2)
+        dout = _draw((b, hq, length, d), dtype, "cpu", seed + 3)
+        tau, bias = _lazy_params(hq, window, torch.float32, "cpu", seed + 4)
+        full = [t.clone().requires_grad_() for t in (q, k, v, tau, bias)]
+        out, lse = lazy_attn(*full, return_lse=True)
+        out.backward(dout)
+        shards = [shard_sequence(t.detach(), layout=layout).requires_grad_() for t in (q, k, v)]
+        params = [t.clone().requires_grad_() for t in (tau, bias)]
+        r_out, r_lse = ring_lazy_attn(*shards, *params, layout=layout, return_lse=True)
+        r_out.backward(shard_sequence(dout, layout=layout))
+        _compare("out", r_out, shard_sequence(out.detach(), layout=layout), dtype)
+        _compare("lse", r_lse, shard_sequence(lse, layout=layout), dtype)
+        for nm, s, f in zip(("dq", "dk", "dv"), shards, full):
+            _compare(nm, s.grad, shard_sequence(f.grad, layout=layout), dtype)
+        for nm, r, f in zip(("dtau", "dbias"), params, full[3:]):
+            total = r.grad.clone()  # each rank holds its rows' share
+            dist.all_reduce(total)
+            _compare(nm, total, f.grad, torch.float32)
+    return run
+
+
 def _cpu_worker(rank, world):
     cases = _bad_input_cases(world)
     cases += [(f"unshard {layout} dim={dim}", _unshard_case(world, layout, dim))
@@ -285,6 +322,13 @@ def _cpu_worker(rank, world):
                                   window=(7, -1), sinks=True)))
         cases.append((f"flash varlen {layout} causal sinks cu={cu}",
                       _varlen_case(world, layout, True, torch.float64, cu, sinks=True)))
+        # L = 6W: W = 2 inside a chunk, 9 W + 1 beyond the whole sequence
+        for dtype in (torch.float32, torch.float64):
+            for window in (2, 9 * world + 1):
+                cases.append((f"lazy {layout} {dtype} window={window} gqa",
+                              _lazy_case(world, layout, dtype, 4, 2, window)))
+        cases.append((f"lazy {layout} mha transposed",
+                      _lazy_case(world, layout, torch.float32, 2, 2, 5, transposed=True)))
     return _run_cases(cases)
 
 
@@ -338,6 +382,40 @@ def _cuda_worker(rank, world, device_type="cuda", length=1024):
                 assert_low_precision_rule("dsinks", total, ref_bf[5], ref64[5])
         return run
 
+    def lazy_case(layout, hq, hkv, length, window):
+        from adaattn.distributed import ring_lazy_attn
+
+        def run():
+            b, d = 2, 128
+            q64, k64, v64, dout = [_draw(s, torch.float64, dev, 10 + i) for i, s in enumerate(
+                [(b, hq, length, d), (b, hkv, length, d), (b, hkv, length, d),
+                 (b, hq, length, d)])]
+            tau, bias = _lazy_params(hq, window, torch.float64, dev, 14)
+
+            def grads(fn, dtype, inputs, grad_out):
+                ts = [x.detach().to(dtype).requires_grad_() for x in inputs]
+                pdt = torch.float64 if dtype == torch.float64 else torch.float32
+                ps = [x.detach().to(pdt).requires_grad_() for x in (tau, bias)]
+                out, lse = fn(*ts, *ps)
+                out.backward(grad_out.to(dtype))
+                return [out, lse] + [t.grad for t in ts], [p.grad for p in ps]
+
+            def ref(*t):
+                return reference.lazy_attn(*t)
+            ref64, ref64_p = grads(ref, torch.float64, (q64, k64, v64), dout)
+            ref_bf, ref_bf_p = grads(ref, torch.bfloat16, (q64, k64, v64), dout)
+            shard = lambda x: shard_sequence(x, layout=layout)  # noqa: E731
+            ours, ours_p = grads(lambda *t: ring_lazy_attn(*t, layout=layout, return_lse=True),
+                                 torch.bfloat16, [shard(x) for x in (q64, k64, v64)],
+                                 shard(dout))
+            for nm, o, lo, hi in zip(("out", "lse", "dq", "dk", "dv"), ours, ref_bf, ref64):
+                assert_low_precision_rule(nm, o, shard(lo), shard(hi))
+            for nm, o, lo, hi in zip(("dtau", "dbias"), ours_p, ref_bf_p, ref64_p):
+                total = o.clone()  # each rank holds its rows' share
+                dist.all_reduce(total)
+                assert_low_precision_rule(nm, total, lo, hi)
+        return run
+
     cases = [(f"cuda {layout} causal={causal} hq={hq} hkv={hkv}",
               case(layout, causal, hq, hkv, length))
              for layout in ("contiguous", "zigzag") for causal in (False, True)
@@ -348,6 +426,9 @@ def _cuda_worker(rank, world, device_type="cuda", length=1024):
     cases += [(f"cuda {layout} causal={causal} sinks", case(layout, causal, 8, 2, length,
                                                               sinks=True))
               for layout in ("contiguous", "zigzag") for causal in (False, True)]
+    # bias windows inside a chunk and beyond the whole sequence
+    cases += [(f"cuda lazy {layout} window={w}", lazy_case(layout, 8, 2, length, w))
+              for layout in ("contiguous", "zigzag") for w in (length // 8, 2 * length)]
     return _run_cases(cases)
 
 
@@ -355,6 +436,15 @@ def test_ring_low_precision_worker_cpu_gloo():
     """The NCCL test's worker (bf16 against the fp64 and bf16 references, sinks included) on
     CPU with gloo: its checks run in CI too."""
     _spawn(_cuda_worker, 2, "cpu", 128)
+
+
+@pytest.mark.cuda
+def test_ring_cuda_nccl_one_gpu():
+    """A group of one: every block call of the ring (chunk pairs with their own positions, the
+    lazy block ops) on one GPU's kernels, against the references."""
+    if torch.cuda.device_count() < 1:
+        pytest.skip("needs a CUDA device")
+    _spawn(_cuda_worker, 1)
 
 
 @pytest.mark.cuda

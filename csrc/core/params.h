@@ -58,12 +58,29 @@ struct MaskParams {
   int block_n;    // BN, keys per block (64 or 128)
   int block_nq;   // nQ = ceil(Lq / BM): query blocks; max of block_q_num, length of a q_idx row
   int block_nkv;  // nKV = ceil(Lk / BN): key blocks; max of block_kv_num, length of a kv_idx row
+
+  // Explicit positions (dense calls without seqlens: a block of a sequence sharded over ranks):
+  // query row r sits at position q_position0 + r and key j at k_position0 + j of the sequence.
+  // Otherwise rows are bottom-right aligned (seq.h).
+  bool explicit_positions;
+  int q_position0, k_position0;
+};
+
+// What a forward of a transform with an lse pass (not kNormalized) computes. kGiven and kOnly
+// split it over the key blocks of a sharded sequence: the lse of each block first (kOnly, merged
+// by the caller), then each block's share of the output against the merged lse (kGiven); a
+// non-normalised transform's output is the plain sum of those shares.
+enum class LsePass : uint8_t {
+  kCompute,  // the lse pass, then the weights: out and lse
+  kOnly,     // the lse pass alone: lse (out is not written)
+  kGiven,    // the weights against p.lse, which the call reads: out (lse is not written)
 };
 
 struct FwdParams {
   void* out;   // [B, Hq, Lq, Dv]
   float* lse;  // [B, Hq, Lq] (packed: [Hq, Tq]) contiguous, natural log; -inf: row sees no key
   int64_t o_batch_stride, o_head_stride, o_row_stride;
+  LsePass lse_pass;
 };
 
 // How the tensor-core backward forms dQ (launch.h decides per GPU, head dims and variant).
@@ -88,6 +105,12 @@ struct BwdParams {
   // atomics and a last pass writes dq = scale * dq_accum. Null: the two-pass backward.
   float* dq_accum;
   BwdMode bwd_mode;
+  // A non-normalised transform's backward row pass (Delta_i and G_i, sums over the row's keys),
+  // split like LsePass over the key blocks of a sharded sequence: kOnly writes this block's
+  // shares of p.delta and p.row_g (nothing else), kGiven reads the caller's sums of them and
+  // computes dq, dk, dv and the modifier's table gradient (not the transform's, which is a
+  // plain sum of row_g).
+  LsePass row_pass;
 };
 
 // Arguments of the variants (variants/*.h); each variant reads only its own. A variant with

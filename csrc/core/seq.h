@@ -24,16 +24,30 @@ struct SeqLens {
   int rows_q;      // rows of q/out/lse that belong to this entry (writes stay below it)
   int rows_k;      // rows of k/v that belong to this entry (reads stay below it)
   int shift;       // row r's causal diagonal is key r + shift (Lk - Lq, bottom-right aligned)
+  int key_position;  // position of key 0 in the sequence (0 unless explicit_positions)
   int64_t q_start; // first row of this entry in q/out/dout/dq (packed: cu_seqlens_q[b])
   int64_t k_start; // first row in k/v/dk/dv (packed: cu_seqlens_k[b])
 };
 
 ADAATTN_HD bool is_packed(const AttnParams& p) { return p.cu_seqlens_q != nullptr; }
 
-// Position of query row r within its sequence, bottom-right aligned (r + Lk - Lq; packed:
-// positions restart in every sequence). Positional variants (distance biases, per-position
-// shifts) take it as i.
+// Position of query row r relative to key 0, bottom-right aligned (r + Lk - Lq; packed:
+// positions restart in every sequence): the distance of key j is row_position - j. Score
+// modifiers take it as i, with the key index as j.
 ADAATTN_HD int row_position(const SeqLens& lens, int row) { return row + lens.shift; }
+
+// Position of query row r in its sequence: row_position, unless the call is a block of a
+// sequence that starts past key 0 (explicit positions). Per-position row terms take it.
+ADAATTN_HD int query_position(const SeqLens& lens, int row) {
+  return row + lens.shift + lens.key_position;
+}
+
+// An upper bound of row_position over the problem's rows (the largest distance to key 0):
+// Lk - 1 bottom-right aligned (packed, padded and decode entries sit at most there), the last
+// row's distance to key 0 with explicit positions.
+ADAATTN_HD int max_row_position(const AttnParams& p) {
+  return p.explicit_positions ? p.q_position0 - p.k_position0 + p.len_q - 1 : p.len_k - 1;
+}
 
 // Sequence b of a packed tensor with `total` rows: cu_seqlens clamped into [0, total] and made
 // non-decreasing, so a malformed cu_seqlens can never index outside the tensor.
@@ -53,6 +67,7 @@ ADAATTN_HD SeqLens seq_lens(const AttnParams& p, int b) {
     s.rows_q = s.q;
     s.rows_k = s.k;
     s.shift = s.k - s.q;
+    s.key_position = 0;
     return s;
   }
   int q = p.len_q, k = p.len_k;
@@ -62,14 +77,17 @@ ADAATTN_HD SeqLens seq_lens(const AttnParams& p, int b) {
     // those slots may hold anything.
     const int cached = p.cache_seqlens[b] < 0 ? 0 : p.cache_seqlens[b];
     k = cached < p.len_k - p.cache_appended ? cached + p.cache_appended : p.len_k;
-    return {q, k, p.len_q, k, k - q, 0, 0};
+    return {q, k, p.len_q, k, k - q, 0, 0, 0};
   }
   if (p.seqlens != nullptr) {
     const int s = p.seqlens[b] < 0 ? 0 : p.seqlens[b];
     q = s < q ? s : q;
     k = s < k ? s : k;
   }
-  return {q, k, p.len_q, p.len_k, p.len_k - p.len_q, 0, 0};
+  if (p.explicit_positions) {
+    return {q, k, p.len_q, p.len_k, p.q_position0 - p.k_position0, p.k_position0, 0, 0};
+  }
+  return {q, k, p.len_q, p.len_k, p.len_k - p.len_q, 0, 0, 0};
 }
 
 // Offset of row 0 of (b, h) in the row-statistics layout of lse (and of the delta/row_g

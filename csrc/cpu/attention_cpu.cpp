@@ -82,7 +82,9 @@ struct Problem {
 
   int64_t row_index(int b, int h, int r) const { return row_stat_offset(p, lens, b, h) + r; }
   int position(int r) const { return row_position(lens, r); }
-  T row_term(int h, int r) const { return Transform::template row_term<T>(p, h, position(r)); }
+  T row_term(int h, int r) const {
+    return Transform::template row_term<T>(p, h, query_position(lens, r));
+  }
 
   // s[c] = Mod(scale q_r.k_j), j = n0 + c, for c in [c0, c1); key_tile holds keys
   // [n0, n0 + kBlockN) transposed. x, when given, gets the unmodified scale q_r.k_j.
@@ -189,7 +191,17 @@ void attention_fwd(const AttnParams& p) {
           for (int d = 0; d < dim_v; ++d) acc_row[d] /= row_sum[r];
         }
       } else {
-        x.row_lse(b, h, m0, rows, ranges.data(), key_tile.data(), scores.data(), lse.data());
+        if (p.lse_pass == LsePass::kGiven) {
+          for (int r = 0; r < rows; ++r) lse[r] = p.lse[x.row_index(b, h, m0 + r)];
+        } else {
+          x.row_lse(b, h, m0, rows, ranges.data(), key_tile.data(), scores.data(), lse.data());
+        }
+        if (p.lse_pass == LsePass::kOnly) {
+          for (int r = 0; r < rows; ++r) {
+            p.lse[x.row_index(b, h, m0 + r)] = static_cast<float>(lse[r]);
+          }
+          continue;
+        }
         for (int r = 0; r < rows; ++r) term[r] = x.row_term(h, m0 + r);
         int64_t zero_weights = 0, attended = 0, skipped = 0, visited = 0;
         for_each_key_tile(p, lens, b, h, m0, rows, [&](int n0, int cols) {
@@ -227,7 +239,9 @@ void attention_fwd(const AttnParams& p) {
 
       for (int r = 0; r < rows; ++r) {
         std::copy_n(acc.data() + static_cast<size_t>(r) * dim_v, dim_v, out.row(b, h, m0 + r));
-        p.lse[x.row_index(b, h, m0 + r)] = static_cast<float>(lse[r]);
+        if (p.lse_pass != LsePass::kGiven) {
+          p.lse[x.row_index(b, h, m0 + r)] = static_cast<float>(lse[r]);
+        }
       }
     }
   });
@@ -266,7 +280,12 @@ void attention_bwd(const AttnParams& p) {
                           p.dv_row_stride};
   bool mod_grad = false, row_grad = false;
   if constexpr (Mod::kParamGrad) mod_grad = Mod::wants_param_grad(p);
-  if constexpr (Transform::kRowParamGrad) row_grad = Transform::wants_param_grad(p);
+  if constexpr (Transform::kRowParamGrad) {
+    row_grad = Transform::wants_param_grad(p) && p.row_pass == LsePass::kCompute;
+  }
+  // A block of a sharded row (LsePass::kOnly / kGiven) normalises by the whole row's lse, which
+  // the caller passes (float32 is then as fine as it gets).
+  const bool given_lse = p.row_pass != LsePass::kCompute;
   std::vector<T> row_stats(static_cast<size_t>(row_items<false>(p)) * kStats);
 
   // ---- row pass: per row tile, the row statistics and dq --------------------------------------
@@ -331,14 +350,15 @@ void attention_bwd(const AttnParams& p) {
           }
         }
       } else {
-        if constexpr (std::is_same_v<T, float>) {
+        if (std::is_same_v<T, float> || given_lse) {
           for (int r = 0; r < rows; ++r) lse[r] = p.lse[x.row_index(b, h, m0 + r)];
         } else {
           x.row_lse(b, h, m0, rows, ranges.data(), key_tile.data(), scores.data(), lse.data());
         }
+        const bool given_delta = p.row_pass == LsePass::kGiven;
         for (int r = 0; r < rows; ++r) {
           term[r] = x.row_term(h, m0 + r);
-          delta[r] = 0;
+          delta[r] = given_delta ? static_cast<T>(p.delta[x.row_index(b, h, m0 + r)]) : T(0);
           row_g[r] = 0;
         }
         std::fill(y_acc.begin(), y_acc.end(), T(0));
@@ -361,12 +381,21 @@ void attention_bwd(const AttnParams& p) {
               if (Transform::live(prob, term[r])) {
                 const T pd = prob * dprobs[c];
                 row_g[r] += dprobs[c];
-                delta[r] += pd;
+                if (!given_delta) delta[r] += pd;
                 axpy(pd * sg, k_row, x_row, dim);
               }
             }
           }
         });
+        if (p.row_pass == LsePass::kOnly) {
+          for (int r = 0; r < rows; ++r) {
+            const int64_t i = x.row_index(b, h, m0 + r);
+            p.delta[i] = static_cast<float>(delta[r]);
+            p.row_g[i] = static_cast<float>(
+                row_g[r] * Transform::template row_term_grad<T>(p, query_position(lens, m0 + r)));
+          }
+          continue;
+        }
         for (int r = 0; r < rows; ++r) {
           const T* x_row = dq_acc.data() + static_cast<size_t>(r) * dim;
           const T* y_row = y_acc.data() + static_cast<size_t>(r) * dim;
@@ -383,6 +412,8 @@ void attention_bwd(const AttnParams& p) {
       }
     }
   });
+
+  if (p.row_pass == LsePass::kOnly) return;
 
   // ---- key pass: per key tile(s) of one kv head, dk, dv and the table-gradient partials -----
   const int key_blocks = ceil_div(max_entry_rows<true>(p), kBlockN);
@@ -487,7 +518,7 @@ void attention_bwd(const AttnParams& p) {
           const Problem<V, T> x = problem.entry(b);
           for (int r = 0; r < x.lens.rows_q; ++r) {
             sum += row_stats[kStats * x.row_index(b, h, r) + 2] *
-                   Transform::template row_term_grad<T>(p, x.position(r));
+                   Transform::template row_term_grad<T>(p, query_position(x.lens, r));
           }
         }
         Transform::param_grad_out(p)[h] = static_cast<float>(sum);

@@ -153,8 +153,13 @@ __global__ void __launch_bounds__(kThreads) attention_fwd_exact_kernel(const Att
       for (int s = 0; s < kSlots; ++s) acc[s] = seen ? acc[s] / row_sum : acc[s];
       lse = seen ? static_cast<T>(row_lse(row_max, row_sum)) : kNegInf<T>;
     } else {
-      lse = row_logsumexp<T>(p, b, h, r, range, lane, scores);
-      const T c = Transform::template row_term<T>(p, h, pos);
+      lse = p.lse_pass == LsePass::kGiven ? static_cast<T>(p.lse[row])
+                                           : row_logsumexp<T>(p, b, h, r, range, lane, scores);
+      if (p.lse_pass == LsePass::kOnly) {
+        if (lane == 0) p.lse[row] = static_cast<float>(lse);
+        return;
+      }
+      const T c = Transform::template row_term<T>(p, h, query_position(lens, r));
       int64_t attended = 0, zeros = 0, tiles = 0, skipped = 0;
       for_each_key_span(p, b, h, r, range, [&](int lo, int hi) {
         attended += hi - lo;
@@ -188,7 +193,7 @@ __global__ void __launch_bounds__(kThreads) attention_fwd_exact_kernel(const Att
       }
     }
     store_slice(acc, out_rows<T>(p, lens, b, h, r), p.head_dim_v, lane);
-    if (lane == 0) p.lse[row] = static_cast<float>(lse);
+    if (lane == 0 && p.lse_pass != LsePass::kGiven) p.lse[row] = static_cast<float>(lse);
   });
 }
 
@@ -265,27 +270,43 @@ __global__ void __launch_bounds__(kThreads)
       for (int s = 0; s < kSlots; ++s) dq_acc[s] = (seen ? dq_acc[s] / row_sum : dq_acc[s]) * scale;
       lse = seen ? static_cast<T>(row_lse(row_max, row_sum)) : kNegInf<T>;
     } else {
-      lse = row_logsumexp<T>(p, b, h, r, range, lane, [&](int n0, int count) {
-        T x = kNegInf<T>, unused;
-        chunk_dot(q_reg, keys, scale, n0, count, lane, x);
-        return chunk_scores<Mod>(p, b, h, pos, n0, count, lane, x, unused);
-      });
-      const T c = Transform::template row_term<T>(p, h, pos);
-      T g_part = 0, delta_part = 0;
-      for_each_key_span(p, b, h, r, range, [&](int lo, int hi) {
-        for (int n0 = lo; n0 < hi; n0 += kWarp) {
-          const int count = min(kWarp, hi - n0);
-          T s, d_weight, ds_dx;
-          chunk(n0, count, s, d_weight, ds_dx);
-          const T prob = prob_from_lse(s, lse);
-          if (lane < count && Transform::live(prob, c)) {
-            if constexpr (Transform::kRowParamGrad) g_part += d_weight;
-            delta_part += prob * d_weight;
+      // A block of a sharded row (LsePass::kOnly / kGiven) takes the whole row's lse.
+      lse = p.row_pass != LsePass::kCompute
+                ? static_cast<T>(p.lse[row])
+                : row_logsumexp<T>(p, b, h, r, range, lane, [&](int n0, int count) {
+                    T x = kNegInf<T>, unused;
+                    chunk_dot(q_reg, keys, scale, n0, count, lane, x);
+                    return chunk_scores<Mod>(p, b, h, pos, n0, count, lane, x, unused);
+                  });
+      const int i_pos = query_position(lens, r);
+      const T c = Transform::template row_term<T>(p, h, i_pos);
+      if (p.row_pass == LsePass::kGiven) {
+        delta = static_cast<T>(p.delta[row]);
+      } else {
+        T g_part = 0, delta_part = 0;
+        for_each_key_span(p, b, h, r, range, [&](int lo, int hi) {
+          for (int n0 = lo; n0 < hi; n0 += kWarp) {
+            const int count = min(kWarp, hi - n0);
+            T s, d_weight, ds_dx;
+            chunk(n0, count, s, d_weight, ds_dx);
+            const T prob = prob_from_lse(s, lse);
+            if (lane < count && Transform::live(prob, c)) {
+              if constexpr (Transform::kRowParamGrad) g_part += d_weight;
+              delta_part += prob * d_weight;
+            }
           }
+        });
+        delta = warp_sum(delta_part);
+        if constexpr (Transform::kRowParamGrad) row_g = warp_sum(g_part);
+      }
+      if (p.row_pass == LsePass::kOnly) {
+        if (lane == 0) {
+          p.delta[row] = static_cast<float>(delta);
+          p.row_g[row] = static_cast<float>(
+              row_g * Transform::template row_term_grad<T>(p, i_pos));
         }
-      });
-      delta = warp_sum(delta_part);
-      if constexpr (Transform::kRowParamGrad) row_g = warp_sum(g_part);
+        return;
+      }
       for_each_key_span(p, b, h, r, range, [&](int lo, int hi) {
         for (int n0 = lo; n0 < hi; n0 += kWarp) {
           const int count = min(kWarp, hi - n0);
@@ -356,7 +377,7 @@ __global__ void __launch_bounds__(kThreads)
                 const T s = modified_score<Mod>(p, b, h, pos, j, my_x, ds_dx);
                 const T* stats = head_stats + kRowStats<V> * i;
                 const T prob = prob_from_lse(s, stats[0]);
-                const T c = Transform::template row_term<T>(p, h, pos);
+                const T c = Transform::template row_term<T>(p, h, query_position(lens, i));
                 my_weight = Transform::weight(prob, c);
                 my_dscore = prob * ((Transform::live(prob, c) ? my_dweight : T(0)) - stats[1]);
                 if constexpr (!Mod::kUnitGrad) my_dscore *= ds_dx;
@@ -415,7 +436,7 @@ __global__ void __launch_bounds__(kThreads)
         const T s = modified_score<Mod>(p, b, h, pos, j, dot * scale, unused);
         const T* stats = head_stats + kRowStats<V> * r;
         const T prob = prob_from_lse(s, stats[0]);
-        const T c = Transform::template row_term<T>(p, h, pos);
+        const T c = Transform::template row_term<T>(p, h, query_position(lens, r));
         acc += prob * ((Transform::live(prob, c) ? d_weight : T(0)) - stats[1]);
       }
     }
@@ -437,7 +458,7 @@ __global__ void attention_bwd_row_grad_exact_kernel(const AttnParams p, const T*
     const T* head_stats = row_stats + kRowStats<V> * row_stat_offset(p, lens, b, h);
     for (int r = lane; r < lens.q; r += kWarp) {
       acc += head_stats[kRowStats<V> * r + 2] *
-             Transform::template row_term_grad<T>(p, row_position(lens, r));
+             Transform::template row_term_grad<T>(p, query_position(lens, r));
     }
   }
   acc = warp_sum(acc);
@@ -482,7 +503,8 @@ void launch_bwd(const AttnParams& p) {
   using Mod = typename V::Mod;
   using Transform = typename V::Transform;
   const bool table_grad = Mod::kParamGrad && Mod::wants_param_grad(p);
-  const bool row_grad = Transform::kRowParamGrad && Transform::wants_param_grad(p);
+  const bool row_grad = Transform::kRowParamGrad && Transform::wants_param_grad(p) &&
+                        p.row_pass == LsePass::kCompute;
   bool lse_grad = false;
   if constexpr (Transform::kLseParamGrad) lse_grad = Transform::wants_lse_param_grad(p);
   const int64_t rows_total = row_items<false>(p);
@@ -503,12 +525,13 @@ void launch_bwd(const AttnParams& p) {
           <<<grid_for(rows_total), kThreads, 0, stream>>>(p, row_stats);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
-    if (keys_total > 0) {
+    if (keys_total > 0 && p.row_pass != LsePass::kOnly) {
       attention_bwd_dkdv_exact_kernel<V, T, kSlots>
           <<<grid_for(keys_total), kThreads, 0, stream>>>(p, row_stats);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
   });
+  if (p.row_pass == LsePass::kOnly) return;
   if constexpr (Mod::kParamGrad) {
     const int64_t entries = static_cast<int64_t>(p.heads_q) * Mod::param_count(p);
     if (table_grad && entries > 0) {

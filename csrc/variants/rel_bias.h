@@ -70,10 +70,12 @@ struct RelBiasMod {
     return d >= 0 && d < p.bias_window ? d : -1;
   }
   ADAATTN_HD static bool wants_param_grad(const AttnParams& p) { return p.dbias != nullptr; }
-  // Slots param_slot can return in this problem: i - j <= Lk - 1, so min(W, Lk) (the size of a
-  // partial table; the entries past it get a zero gradient).
+  // Slots param_slot can return in this problem: i - j <= max_row_position (Lk - 1 bottom-right
+  // aligned), so min(W, that + 1), the size of a partial table; entries past it get a zero
+  // gradient.
   ADAATTN_HD static int param_slots(const AttnParams& p) {
-    return p.bias_window < p.len_k ? p.bias_window : p.len_k;
+    const int reach = max_row_position(p) + 1;
+    return reach < 0 ? 0 : (p.bias_window < reach ? p.bias_window : reach);
   }
   // Entries per head of the table.
   ADAATTN_HD static int param_count(const AttnParams& p) { return p.bias_window; }
@@ -89,8 +91,7 @@ struct RelBiasMod {
   // Floats of the per-CTA partial sums the dK/dV CTAs write (AttnParams::dbias_partial) for
   // `key_slots` key tiles.
   static int64_t param_grad_scratch(const AttnParams& p, int64_t key_slots) {
-    const int64_t span = p.bias_window < p.len_k ? p.bias_window : p.len_k;
-    return p.heads_q * key_slots * span;
+    return p.heads_q * key_slots * param_slots(p);
   }
   static void set_param_grad_scratch(AttnParams& p, float* scratch) { p.dbias_partial = scratch; }
   // Table entries the reduction after the dK/dV pass writes.
@@ -156,7 +157,7 @@ struct RelBiasMod {
                                                       int h, int m0, int n0, int slot,
                                                       int warp_row0, int lane, int tid) {
     static_assert(kStride % 2 == 0 && kStride >= BM, "paired stores of whole query rows");
-    const int bias_span = p.bias_window < p.len_k ? p.bias_window : p.len_k;  // distances < Lk
+    const int bias_span = param_slots(p);
     float* partial = p.dbias_partial +
                      (h * tile_slots<true>(p, kBlockN) + slot) * static_cast<int64_t>(bias_span);
     const int base = row_position(lens, m0) - n0;
@@ -204,10 +205,10 @@ struct RelBiasMod {
   }
 
   // dbias[h, d] = sum over the key tile slots of the partials, in a fixed order; distances
-  // >= min(W, Lk) never occur and get 0.
+  // >= param_slots never occur and get 0.
   template <int kThreads>
   __device__ static void reduce_param_grad(const AttnParams& p, int64_t slots) {
-    const int bias_span = p.bias_window < p.len_k ? p.bias_window : p.len_k;
+    const int bias_span = param_slots(p);
     const int64_t item = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
     if (item >= static_cast<int64_t>(p.heads_q) * p.bias_window) return;
     const int h = static_cast<int>(item / p.bias_window);

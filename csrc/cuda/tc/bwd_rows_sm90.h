@@ -73,7 +73,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_rows_sm90_kernel(cons
     rr.lo[0][hh] = r.lo;
     rr.hi[0][hh] = r.hi;
     lse2[hh] = lse_log2(p.lse + lse_off, row, lens.rows_q);
-    row_term[hh] = Transform::template row_term<float>(p, h, row_position(lens, row));
+    row_term[hh] = Transform::template row_term<float>(p, h, query_position(lens, row));
   }
 
   if (tiles.count > 0) {
@@ -158,7 +158,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_rows_sm90_kernel(cons
     const int row = m0 + warp_row0 + g + 8 * hh;
     if ((lane & 3) == 0 && row < lens.rows_q) {
       Transform::row_grad_terms(p)[lse_off + row] =
-          gs * Transform::template row_term_grad<float>(p, row_position(lens, row));
+          gs * Transform::template row_term_grad<float>(p, query_position(lens, row));
       p.delta[lse_off + row] = ds;
     }
   }

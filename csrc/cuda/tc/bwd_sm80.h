@@ -172,7 +172,7 @@ __device__ __forceinline__ void bwd_dkdv_block(const AttnParams& p, int block) {
         sDelta(buf)[i] = valid ? p.delta[lse_off + m0 + i] : 0.f;
         if (kLsePass) {
           sRowTerm(buf)[i] =
-              valid ? Transform::template row_term<float>(p, h, row_position(lens, m0 + i)) : 0.f;
+              valid ? Transform::template row_term<float>(p, h, query_position(lens, m0 + i)) : 0.f;
         }
       }
     };
@@ -405,7 +405,7 @@ __device__ __forceinline__ void bwd_dq_block(const AttnParams& p, int block) {
       lse2[mi][hh] = lse_log2(p.lse + lse_off, row, lens.rows_q);
       delta[mi][hh] = !kRowPass && row < lens.rows_q ? p.delta[lse_off + row] : 0.f;
       if (kLsePass) {
-        row_term[mi][hh] = Transform::template row_term<float>(p, h, row_position(lens, row));
+        row_term[mi][hh] = Transform::template row_term<float>(p, h, query_position(lens, row));
       }
       row_g[mi][hh] = 0.f;
       row_dl[mi][hh] = 0.f;
@@ -534,7 +534,7 @@ __device__ __forceinline__ void bwd_dq_block(const AttnParams& p, int block) {
         const int row = m0 + warp_row0 + mi * 16 + g + 8 * hh;
         if ((lane & 3) == 0 && row < lens.rows_q) {
           Transform::row_grad_terms(p)[lse_off + row] =
-              gs * Transform::template row_term_grad<float>(p, row_position(lens, row));
+              gs * Transform::template row_term_grad<float>(p, query_position(lens, row));
           p.delta[lse_off + row] = ds;
         }
       }

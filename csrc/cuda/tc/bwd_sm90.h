@@ -167,7 +167,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
         cp_async4(sDelta0 + buf * BM + tid, p.delta + (valid ? off : 0), valid);
         if (kLsePass) {
           sRowTerm0[buf * BM + tid] =
-              valid ? Transform::template row_term<float>(p, h, row_position(lens, m0 + tid))
+              valid ? Transform::template row_term<float>(p, h, query_position(lens, m0 + tid))
                     : 0.f;
         }
       }

@@ -76,7 +76,9 @@ __global__ void __launch_bounds__(Traits::kThreads)
       const KeyRange r = key_range(p, lens, row);
       rr.lo[mi][hh] = r.lo;
       rr.hi[mi][hh] = r.hi;
-      if (kLsePass) row_term[mi][hh] = Transform::template row_term<float>(p, h, row_position(lens, row));
+      if (kLsePass) {
+        row_term[mi][hh] = Transform::template row_term<float>(p, h, query_position(lens, row));
+      }
     }
 
   float o[MI][DT][4];
@@ -126,7 +128,14 @@ __global__ void __launch_bounds__(Traits::kThreads)
       load_k(sK, tiles.at(0));
       cp_async_commit();
 
-      if constexpr (kLsePass) {
+      if (kLsePass && p.lse_pass == LsePass::kGiven) {
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh) {
+            lse2[mi][hh] = lse_log2(lse, m0 + warp_row0 + mi * 16 + g + 8 * hh, lens.rows_q);
+          }
+      } else if constexpr (kLsePass) {
         // Pass 1: row max and sum only; sK and sV double-buffer K.
         for (int i = 0; i < tiles.count; ++i) {
           const int n0 = tiles.at(i) * BN;
@@ -152,6 +161,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
             row_sum[mi][hh] = l;
             if (row_saw_keys(l)) lse2[mi][hh] = row_max[mi][hh] + log2f(l);
           }
+        if (p.lse_pass == LsePass::kOnly) return;
         __syncthreads();  // every warp is done with sK/sV before pass 2 refills them
         load_k(sK, tiles.at(0));
         cp_async_commit();
@@ -224,11 +234,12 @@ __global__ void __launch_bounds__(Traits::kThreads)
       }
       inv[mi][hh] = kLsePass ? 1.f : (row_saw_keys(l) ? 1.f / l : 0.f);
       const int row = m0 + warp_row0 + mi * 16 + g + 8 * hh;
-      if ((lane & 3) == 0 && row < lens.rows_q) {
+      if ((lane & 3) == 0 && row < lens.rows_q && (!kLsePass || p.lse_pass != LsePass::kGiven)) {
         lse[row] = row_saw_keys(l) ? (row_max[mi][hh] + log2f(l)) * float(M_LN2) : -INFINITY;
       }
     }
   if (kLsePass && Transform::kCountsZeros && p.stats != nullptr) flush_stats(p.stats, stats);
+  if (kLsePass && p.lse_pass == LsePass::kOnly) return;
   // Each warp stages its rows in a [kBlockM][DV] tile at the start of shared memory, over
   // sQ/sK/sV, which nobody reads after this barrier.
   __syncthreads();

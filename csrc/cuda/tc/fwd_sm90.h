@@ -123,16 +123,18 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_sm90_kernel(const Att
     with_tiles([&](const auto& tiles) {
       // No key tiles: the consumers write zeros over sQ without waiting, so nothing may load.
       if (tiles.count == 0) return;
-      const int groups = kLsePass ? 2 * tiles.count : tiles.count + 1;
+      const int lse_groups = kLsePass && p.lse_pass != LsePass::kGiven ? tiles.count : 0;
+      const int groups = !kLsePass ? tiles.count + 1
+                                   : lse_groups + (p.lse_pass == LsePass::kOnly ? 0 : tiles.count);
       for (int j = 0; j < groups; ++j) {
         if (j >= 2) sm90::mbar_wait(&empty[j % 2], ((j - 2) >> 1) & 1);
         if (j == 0) {
           sm90::load_tile_gmma<kBlockM, DK, 128>(sQ, q, p.q_row_stride, valid_q, ptid);
         }
         if (kLsePass) {
-          const int i = j < tiles.count ? j : j - tiles.count;
+          const int i = j < lse_groups ? j : j - lse_groups;
           load_k(j % 2, tiles.at(i));
-          if (j >= tiles.count) load_v(j % 2, tiles.at(i));
+          if (j >= lse_groups) load_v(j % 2, tiles.at(i));
         } else {
           if (j < tiles.count) load_k(j % 2, tiles.at(j));
           if (j > 0) load_v((j - 1) % 2, tiles.at(j - 1));
@@ -157,7 +159,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_sm90_kernel(const Att
       rr.lo[0][hh] = r.lo;
       rr.hi[0][hh] = r.hi;
       if (kLsePass) {
-        row_term[0][hh] = Transform::template row_term<float>(p, h, row_position(lens, row));
+        row_term[0][hh] = Transform::template row_term<float>(p, h, query_position(lens, row));
       }
     }
     float o[1][DT][4];
@@ -261,43 +263,54 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_sm90_kernel(const Att
       sm90::fence_operand(pa[0]);
     };
 
-    // Other transforms: pass 1 (lse), then pass 2 (weights).
+    // Other transforms: pass 1 (lse), then pass 2 (weights); either alone with p.lse_pass
+    // (kOnly: the lse; kGiven: the weights against p.lse).
     auto two_pass_mainloop = [&](const auto& tiles) {
       const int n = tiles.count;
       // Whether a masked score (p = 0) could get a non-zero weight in this thread's rows.
       const bool masked_weights = Transform::weight(0.f, row_term[0][0]) != 0.f ||
                                   Transform::weight(0.f, row_term[0][1]) != 0.f;
-      float s_even[1][NT][4], s_odd[1][NT][4];
-      wait_full(0);
-      issue_scores(s_even, 0);
-      auto lse_step = [&](float (&s)[1][NT][4], float (&s_next)[1][NT][4], int i) {
-        if (i + 1 < n) {
-          wait_full(i + 1);
-          issue_scores(s_next, (i + 1) % 2);
-          sm90::wgmma_wait<1>(s[0]);
-        } else {
-          sm90::wgmma_wait<0>(s[0]);
-        }
-        release(i);
-        const float scale =
-            fold_scores<Mod>(s, p, lens, rr, b, h, m0 + warp_row0, tiles.at(i) * BN, lane);
-        float corr[1][2];
-        online_softmax<true>(s, row_max, row_sum, corr, scale);
-      };
-      for (int i = 0; i < n; i += 2) {
-        lse_step(s_even, s_odd, i);
-        if (i + 1 < n) lse_step(s_odd, s_even, i + 1);
-      }
+      const int lse_groups = p.lse_pass == LsePass::kGiven ? 0 : n;
+      if (lse_groups == 0) {
+        const float* lse = p.lse + row_stat_offset(p, lens, b, h);
 #pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        float l = row_sum[0][hh];
-        l += __shfl_xor_sync(0xffffffff, l, 1);
-        l += __shfl_xor_sync(0xffffffff, l, 2);
-        row_sum[0][hh] = l;
-        if (row_saw_keys(l)) lse2[0][hh] = row_max[0][hh] + log2f(l);
+        for (int hh = 0; hh < 2; ++hh) {
+          lse2[0][hh] = lse_log2(lse, m0 + warp_row0 + g + 8 * hh, lens.rows_q);
+        }
+      } else {
+        float s_even[1][NT][4], s_odd[1][NT][4];
+        wait_full(0);
+        issue_scores(s_even, 0);
+        auto lse_step = [&](float (&s)[1][NT][4], float (&s_next)[1][NT][4], int i) {
+          if (i + 1 < n) {
+            wait_full(i + 1);
+            issue_scores(s_next, (i + 1) % 2);
+            sm90::wgmma_wait<1>(s[0]);
+          } else {
+            sm90::wgmma_wait<0>(s[0]);
+          }
+          release(i);
+          const float scale =
+              fold_scores<Mod>(s, p, lens, rr, b, h, m0 + warp_row0, tiles.at(i) * BN, lane);
+          float corr[1][2];
+          online_softmax<true>(s, row_max, row_sum, corr, scale);
+        };
+        for (int i = 0; i < n; i += 2) {
+          lse_step(s_even, s_odd, i);
+          if (i + 1 < n) lse_step(s_odd, s_even, i + 1);
+        }
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          float l = row_sum[0][hh];
+          l += __shfl_xor_sync(0xffffffff, l, 1);
+          l += __shfl_xor_sync(0xffffffff, l, 2);
+          row_sum[0][hh] = l;
+          if (row_saw_keys(l)) lse2[0][hh] = row_max[0][hh] + log2f(l);
+        }
       }
+      if (p.lse_pass == LsePass::kOnly) return;
       for (int i = 0; i < n; ++i) {
-        const int j = n + i;
+        const int j = lse_groups + i;
         const int n0 = tiles.at(i) * BN;
         wait_full(j);
         float s[1][NT][4];
@@ -350,11 +363,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_sm90_kernel(const Att
       }
       inv[0][hh] = kLsePass ? 1.f : (row_saw_keys(l) ? 1.f / l : 0.f);
       const int row = m0 + warp_row0 + g + 8 * hh;
-      if ((lane & 3) == 0 && row < lens.rows_q) {
+      if ((lane & 3) == 0 && row < lens.rows_q && (!kLsePass || p.lse_pass != LsePass::kGiven)) {
         lse[row] = row_saw_keys(l) ? (row_max[0][hh] + log2f(l)) * float(M_LN2) : -INFINITY;
       }
     }
     if (kStats) flush_stats(p.stats, stats);
+    if (kLsePass && p.lse_pass == LsePass::kOnly) return;
     // Output rows are staged over sQ/sK, which no consumer reads after this barrier (every load
     // has landed: the consumers waited for the last group).
     sm90::named_sync(kOutputBarrier, kConsumerThreads);

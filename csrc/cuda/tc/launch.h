@@ -266,10 +266,11 @@ void reduce_param_grads(const AttnParams& p, int64_t key_slots, cudaStream_t str
 
 // dK/dV/dQ and the variant's parameter gradients. The row term first: Delta = dO.O (the delta
 // kernel, which also zeroes the atomic dQ accumulator) for a normalised transform, the row pass
-// (G and Delta) otherwise. On Hopper (every compiled (D, Dv) pair): the two-pass wgmma kernels
-// (the dQ pass computes Delta, then the dK/dV pass) where sm90_two_pass says so, else the
-// wgmma kernel with atomic dQ. Elsewhere: atomic dQ where the config measured it faster and
-// p.bwd_mode is kAtomic (and the transform is normalised), else the fused two-pass kernels. A
+// (G and Delta) otherwise, or only that (p.row_pass kOnly), or the caller's (kGiven). On Hopper
+// (every compiled (D, Dv) pair): the two-pass wgmma kernels (the dQ pass computes Delta, then
+// the dK/dV pass) where sm90_two_pass says so, else the wgmma kernel with atomic dQ.
+// Elsewhere: atomic dQ where the config measured it faster and p.bwd_mode is kAtomic (and the
+// transform is normalised), else the fused two-pass kernels. A
 // normalised variant without the Hopper two-pass kernels (kSm90TwoPassVariant) takes those
 // fused two-pass kernels on Hopper too when p.bwd_mode asks for two passes, so that the
 // deterministic backward stays bit-reproducible.
@@ -310,7 +311,7 @@ void run_bwd(const AttnParams& p_in) {
   }
   const bool atomic = sm90 || (kNormalized && C::kAtomicDQ && p.bwd_mode == BwdMode::kAtomic);
   at::Tensor accum;
-  if (atomic) {
+  if (atomic && p.row_pass != LsePass::kOnly) {
     // The delta kernel zeroes it; the row pass does not.
     accum = kNormalized ? at::empty({dq_accum_rows(p) * DK}, f32)
                         : at::zeros({dq_accum_rows(p) * DK}, f32);
@@ -321,6 +322,8 @@ void run_bwd(const AttnParams& p_in) {
     const int row_grid = grid_size((row_items<false>(p) + kRowsPerBlock - 1) / kRowsPerBlock);
     bwd_delta_kernel<T, DV><<<row_grid, kRowsPerBlock * 32, 0, stream>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
+  } else if (p.row_pass == LsePass::kGiven) {
+    // The caller's Delta and G (sums over every block of the row): no row pass.
   } else if (sm90) {
     if constexpr (kSm90Dims) {
       using Rows = Sm90RowsTraits<T, DK>;
@@ -338,6 +341,7 @@ void run_bwd(const AttnParams& p_in) {
     kernel<<<grid_size(q_blocks), Q::kThreads, Q::kSmemBytes, stream>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
+  if (p.row_pass == LsePass::kOnly) return;  // this block's shares of Delta and G only
   if (sm90) {
     if constexpr (kSm90Dims) launch_bwd_sm90_atomic<T, DK, DV, Variant, kSm90Warpgroups>(p);
     launch_dq_convert<T, DK, true>(p, stream);

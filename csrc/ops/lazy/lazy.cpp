@@ -81,6 +81,55 @@ AttnParams make_lazy_params(const char* op, const at::Tensor& q, const at::Tenso
   return p;
 }
 
+void check_lazy_block_inputs(const char* op, const at::Tensor& q, const at::Tensor& k,
+                             const at::Tensor& v, const at::Tensor& tau, const at::Tensor& bias,
+                             std::optional<double> softmax_scale, int64_t q_position,
+                             int64_t k_position) {
+  check_lazy_inputs(op, q, k, v, tau, bias, std::nullopt, std::nullopt, softmax_scale);
+  const int64_t int_max = std::numeric_limits<int>::max();
+  ADAATTN_CHECK_VALUE(q_position >= 0 && q_position <= int_max - q.size(2),
+                      "q_position must be >= 0 with q_position + Lq in int32, got ", q_position);
+  ADAATTN_CHECK_VALUE(k_position >= 0 && k_position <= int_max - k.size(2),
+                      "k_position must be >= 0 with k_position + Lk in int32, got ", k_position);
+}
+
+void check_lazy_row_stat(const char* op, const char* name, const at::Tensor& t,
+                         const at::Tensor& q) {
+  const std::vector<int64_t> expected = lse_shape(q, false);
+  ADAATTN_CHECK_TYPE(t.scalar_type() == at::kFloat, name, " must be float32, got ",
+                     t.scalar_type());
+  ADAATTN_CHECK_VALUE(t.sizes() == at::IntArrayRef(expected), name,
+                      " must have shape [B, Hq, Lq] = ", at::IntArrayRef(expected), ", got ",
+                      t.sizes());
+  ADAATTN_CHECK_VALUE(t.is_contiguous(), name, " must be contiguous");
+  ADAATTN_CHECK_DEVICE(t.device() == q.device(), name, " must be on q's device ", q.device(),
+                       ", got ", t.device());
+}
+
+AttnParams make_lazy_block_params(const char* op, const at::Tensor& q, const at::Tensor& k,
+                                  const at::Tensor& v, const at::Tensor& tau,
+                                  const at::Tensor& bias, std::optional<double> softmax_scale,
+                                  int64_t q_position, int64_t k_position) {
+  AttnParams p = make_lazy_params(op, q, k, v, tau, bias, std::nullopt, std::nullopt,
+                                  softmax_scale);
+  p.explicit_positions = true;
+  p.q_position0 = static_cast<int>(q_position);
+  p.k_position0 = static_cast<int>(k_position);
+  return p;
+}
+
+void set_lazy_block_row_pass(AttnParams& p, const at::Tensor& dout, const at::Tensor& lse,
+                             at::Tensor& delta, at::Tensor& row_g) {
+  p.dout = dout.data_ptr();
+  p.do_batch_stride = dout.stride(0);
+  p.do_head_stride = dout.stride(1);
+  p.do_row_stride = dout.stride(2);
+  p.lse = const_cast<float*>(lse.data_ptr<float>());
+  p.delta = delta.data_ptr<float>();
+  p.row_g = row_g.data_ptr<float>();
+  p.row_pass = LsePass::kOnly;
+}
+
 namespace {
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> lazy_fwd_cpu_op(
@@ -142,6 +191,98 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lazy_bwd_
   }
   const auto t = q_in.scalar_type();
   return {dq.to(t), dk.to(t), dv.to(t), dtau, dbias};
+}
+
+// ---- block ops (ring_lazy_attn) ---------------------------------------------------------------
+// The lse of the block's scores (LsePass::kOnly); v is not read (k stands in for it).
+at::Tensor lazy_block_lse_cpu_op(const at::Tensor& q_in, const at::Tensor& k_in,
+                                 const at::Tensor& tau, const at::Tensor& bias,
+                                 std::optional<double> softmax_scale, int64_t q_position,
+                                 int64_t k_position) {
+  const char* op = "lazy_block_lse";
+  check_lazy_block_inputs(op, q_in, k_in, k_in, tau, bias, softmax_scale, q_position, k_position);
+  const at::Tensor q = cpu_compute(q_in), k = cpu_compute(k_in);
+  at::Tensor lse = at::empty(lse_shape(q, false), q.options().dtype(at::kFloat));
+  if (q.numel() == 0) return lse.fill_(-std::numeric_limits<float>::infinity());
+  AttnParams p = make_lazy_block_params(op, q, k, k, tau, bias, softmax_scale, q_position,
+                                        k_position);
+  p.lse = lse.data_ptr<float>();  // out is not written
+  p.lse_pass = LsePass::kOnly;
+  attention_fwd_cpu(VariantId::kLazy, p, q.scalar_type());
+  return lse;
+}
+
+// The block's share of the output against the whole row's lse (LsePass::kGiven).
+at::Tensor lazy_block_out_cpu_op(const at::Tensor& q_in, const at::Tensor& k_in,
+                                 const at::Tensor& v_in, const at::Tensor& tau,
+                                 const at::Tensor& bias, const at::Tensor& lse,
+                                 std::optional<double> softmax_scale, int64_t q_position,
+                                 int64_t k_position) {
+  const char* op = "lazy_block_out";
+  check_lazy_block_inputs(op, q_in, k_in, v_in, tau, bias, softmax_scale, q_position, k_position);
+  check_lazy_row_stat(op, "lse", lse, q_in);
+  const at::Tensor q = cpu_compute(q_in), k = cpu_compute(k_in), v = cpu_compute(v_in);
+  at::Tensor out = at::zeros(out_shape(q, v), q.options());
+  if (q.numel() > 0) {
+    AttnParams p = make_lazy_block_params(op, q, k, v, tau, bias, softmax_scale, q_position,
+                                          k_position);
+    at::Tensor lse_in = lse;
+    set_fwd_outputs(p, out, lse_in);
+    p.lse_pass = LsePass::kGiven;
+    attention_fwd_cpu(VariantId::kLazy, p, q.scalar_type());
+  }
+  return out.to(q_in.scalar_type());
+}
+
+// The block's shares of each row's Delta and G * d c_i / d tau (LsePass::kOnly row pass).
+std::tuple<at::Tensor, at::Tensor> lazy_block_row_terms_cpu_op(
+    const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in,
+    const at::Tensor& v_in, const at::Tensor& tau, const at::Tensor& bias, const at::Tensor& lse,
+    std::optional<double> softmax_scale, int64_t q_position, int64_t k_position) {
+  const char* op = "lazy_block_row_terms";
+  check_lazy_block_inputs(op, q_in, k_in, v_in, tau, bias, softmax_scale, q_position, k_position);
+  check_flash_bwd_inputs(op, dout_in, q_in, v_in, dout_in, lse, false);
+  const at::Tensor q = cpu_compute(q_in), k = cpu_compute(k_in), v = cpu_compute(v_in);
+  const at::Tensor dout = cpu_compute(dout_in);
+  at::Tensor delta = at::zeros(lse.sizes(), lse.options());
+  at::Tensor row_g = at::zeros(lse.sizes(), lse.options());
+  if (q.numel() > 0 && k.numel() > 0) {
+    AttnParams p = make_lazy_block_params(op, q, k, v, tau, bias, softmax_scale, q_position,
+                                          k_position);
+    set_lazy_block_row_pass(p, dout, lse, delta, row_g);
+    attention_bwd_cpu(VariantId::kLazy, p, q.scalar_type());
+  }
+  return {delta, row_g};
+}
+
+// dq, dk, dv and dbias of the block against the whole row's lse and Delta (LsePass::kGiven).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> lazy_block_bwd_cpu_op(
+    const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in,
+    const at::Tensor& v_in, const at::Tensor& tau, const at::Tensor& bias, const at::Tensor& lse,
+    const at::Tensor& delta, std::optional<double> softmax_scale, int64_t q_position,
+    int64_t k_position, bool bias_grad) {
+  const char* op = "lazy_block_bwd";
+  check_lazy_block_inputs(op, q_in, k_in, v_in, tau, bias, softmax_scale, q_position, k_position);
+  check_flash_bwd_inputs(op, dout_in, q_in, v_in, dout_in, lse, false);
+  check_lazy_row_stat(op, "delta", delta, q_in);
+  const at::Tensor q = cpu_compute(q_in), k = cpu_compute(k_in), v = cpu_compute(v_in);
+  const at::Tensor dout = cpu_compute(dout_in);
+  at::Tensor dq = at::zeros(q.sizes(), q.options());
+  at::Tensor dk = at::zeros(k.sizes(), k.options());
+  at::Tensor dv = at::zeros(v.sizes(), v.options());
+  at::Tensor dbias = at::zeros(bias.sizes(), bias.options());
+  if (q.numel() > 0 && k.numel() > 0) {
+    AttnParams p = make_lazy_block_params(op, q, k, v, tau, bias, softmax_scale, q_position,
+                                          k_position);
+    at::Tensor delta_in = delta;
+    // Without normalisation the backward never reads out (dout stands in for it).
+    set_bwd_tensors(p, dout, dout, lse, dq, dk, dv, delta_in);
+    p.row_pass = LsePass::kGiven;
+    if (bias_grad) p.dbias = dbias.data_ptr<float>();
+    attention_bwd_cpu(VariantId::kLazy, p, q.scalar_type());
+  }
+  const auto t = q_in.scalar_type();
+  return {dq.to(t), dk.to(t), dv.to(t), dbias};
 }
 
 using torch::autograd::AutogradContext;
@@ -232,11 +373,31 @@ TORCH_LIBRARY_FRAGMENT(adaattn, m) {
       "Tensor out, Tensor lse, Tensor? seqlens, float? softmax_scale, bool param_grads, "
       "Tensor? cu_seqlens=None) -> (Tensor grad_q, Tensor grad_k, Tensor grad_v, "
       "Tensor grad_tau, Tensor grad_bias)");
+  // Blocks of a sequence sharded over ranks (ring_lazy_attn): explicit positions, and the lse
+  // pass, the weights, the row terms and the gradients as separate calls (see lazy_ops.h).
+  m.def(
+      "lazy_block_lse(Tensor q, Tensor k, Tensor tau, Tensor bias, float? softmax_scale, "
+      "int q_position, int k_position) -> Tensor lse");
+  m.def(
+      "lazy_block_out(Tensor q, Tensor k, Tensor v, Tensor tau, Tensor bias, Tensor lse, "
+      "float? softmax_scale, int q_position, int k_position) -> Tensor out");
+  m.def(
+      "lazy_block_row_terms(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor tau, "
+      "Tensor bias, Tensor lse, float? softmax_scale, int q_position, int k_position) -> "
+      "(Tensor delta, Tensor row_g)");
+  m.def(
+      "lazy_block_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor tau, Tensor bias, "
+      "Tensor lse, Tensor delta, float? softmax_scale, int q_position, int k_position, "
+      "bool bias_grad) -> (Tensor grad_q, Tensor grad_k, Tensor grad_v, Tensor grad_bias)");
 }
 
 TORCH_LIBRARY_IMPL(adaattn, CPU, m) {
   m.impl("lazy_fwd", &lazy_fwd_cpu_op);
   m.impl("lazy_bwd", &lazy_bwd_cpu_op);
+  m.impl("lazy_block_lse", &lazy_block_lse_cpu_op);
+  m.impl("lazy_block_out", &lazy_block_out_cpu_op);
+  m.impl("lazy_block_row_terms", &lazy_block_row_terms_cpu_op);
+  m.impl("lazy_block_bwd", &lazy_block_bwd_cpu_op);
 }
 
 TORCH_LIBRARY_IMPL(adaattn, Autograd, m) { m.impl("lazy_attn", &lazy_attn_autograd); }

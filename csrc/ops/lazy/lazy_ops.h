@@ -41,4 +41,30 @@ AttnParams make_lazy_params(const char* op, const at::Tensor& q, const at::Tenso
                             const std::optional<at::Tensor>& cu_seqlens,
                             std::optional<double> softmax_scale);
 
+// The block ops of ring_lazy_attn (adaattn/distributed.py): one block of a sequence sharded over
+// ranks, dense q [B, Hq, Lq, D] against k/v [B, Hkv, Lk, D] with query row r at position
+// q_position + r and key j at k_position + j (causal on those positions, the bias on their
+// distance, tau / (i + 1) on the query's). Validates the inputs as check_lazy_inputs (no
+// seqlens) plus the positions (>= 0, int32).
+void check_lazy_block_inputs(const char* op, const at::Tensor& q, const at::Tensor& k,
+                             const at::Tensor& v, const at::Tensor& tau, const at::Tensor& bias,
+                             std::optional<double> softmax_scale, int64_t q_position,
+                             int64_t k_position);
+
+// Validates a per-row float32 statistic (lse, delta) given to a block op: [B, Hq, Lq] like q's
+// rows, contiguous, on q's device. Errors name `name`.
+void check_lazy_row_stat(const char* op, const char* name, const at::Tensor& t,
+                         const at::Tensor& q);
+
+// make_lazy_params with the block's positions.
+AttnParams make_lazy_block_params(const char* op, const at::Tensor& q, const at::Tensor& k,
+                                  const at::Tensor& v, const at::Tensor& tau,
+                                  const at::Tensor& bias, std::optional<double> softmax_scale,
+                                  int64_t q_position, int64_t k_position);
+
+// The tensors of a block's backward row pass alone (LsePass::kOnly): grad_out and lse read,
+// delta and row_g written; nothing else is touched.
+void set_lazy_block_row_pass(AttnParams& p, const at::Tensor& dout, const at::Tensor& lse,
+                             at::Tensor& delta, at::Tensor& row_g);
+
 }  // namespace adaattn
