@@ -25,6 +25,7 @@ struct ComposedMod {
   static constexpr bool kPositional = true;
   static constexpr bool kFoldsScale = false;
   static constexpr bool kAddsTerms = true;
+  static constexpr bool kScaledTerms = true;
 
   template <typename T>
   ADAATTN_HD static T apply(const AttnParams& p, int b, int h, int i, int j, T x) {
@@ -83,14 +84,18 @@ struct ComposedMod {
            (p.bias != nullptr &&
             RelBiasMod::tile_active(p, lens, first_row, last_row, first_key, last_key));
   }
-  // On scores in log2 units, in the order above. Layouts as RelBiasMod::modify_frag's (b the
-  // batch entry or packed sequence).
+  // ALiBi and the table are terms of the score; a softcap maps it first (kScaledTerms).
+  __device__ __forceinline__ static bool terms_only(const AttnParams& p) {
+    return !(p.softcap > 0);
+  }
+  // On scores in log2 units, in the order above (with terms_only, `scale` may take raw scores
+  // there). Layouts as RelBiasMod::modify_frag's (b the batch entry or packed sequence).
   template <bool kKeyRows, int MI, int NT>
   __device__ __forceinline__ static void modify_frag(float (&s)[MI][NT][4], const AttnParams& p,
                                                     const SeqLens& lens, int b, int h, int r0,
-                                                    int c0, int lane) {
+                                                    int c0, int lane, float scale = 1.f) {
     if (p.softcap > 0) SoftcapMod::modify_frag<kKeyRows>(s, p, lens, b, h, r0, c0, lane);
-    add_terms<kKeyRows>(s, p, lens, b, h, r0, c0, lane, 1.f);
+    add_terms<kKeyRows>(s, p, lens, b, h, r0, c0, lane, 1.f, scale);
   }
   // Takes ALiBi and the table off modified scores (log2 units): what is left is c tanh(x / c).
   template <bool kKeyRows, int MI, int NT>
@@ -128,10 +133,21 @@ struct ComposedMod {
   template <bool kKeyRows, int MI, int NT>
   __device__ __forceinline__ static void add_terms(float (&s)[MI][NT][4], const AttnParams& p,
                                                   const SeqLens& lens, int b, int h, int r0,
-                                                  int c0, int lane, float sign) {
+                                                  int c0, int lane, float sign,
+                                                  float scale = 1.f) {
     const bool alibi = p.alibi_slopes != nullptr;
     const bool table = p.bias != nullptr;
-    if (!alibi && !table) return;
+    if (!alibi && !table) {
+      if (scale != 1.f) {
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+          for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[mi][ni][e] *= scale;
+      }
+      return;
+    }
     const float unit = sign * float(M_LOG2E);
     const float slope2 = alibi ? -unit * p.alibi_slopes[b * p.alibi_batch_stride + h] : 0.f;
     if (!table) {  // ALiBi alone: no table bound to test per distance
@@ -147,11 +163,11 @@ struct ComposedMod {
         const float signed_slope = below ? slope2 : -slope2;
         add_by_distance<kKeyRows>(s, lens, r0, c0, lane, [&](int, float d0f, float of) {
           return fmaf(signed_slope, of, signed_slope * d0f);
-        });
+        }, scale);
       } else {
         add_by_distance<kKeyRows>(s, lens, r0, c0, lane, [&](int, float d0f, float of) {
           return slope2 * fabsf(d0f + of);
-        });
+        }, scale);
       }
       return;
     }
@@ -160,7 +176,7 @@ struct ComposedMod {
     add_by_distance<kKeyRows>(s, lens, r0, c0, lane, [&](int d, float d0f, float of) {
       const float a = slope2 * fabsf(d0f + of);
       return static_cast<unsigned>(d) < window ? fmaf(__ldg(bias + d), unit, a) : a;
-    });
+    }, scale);
   }
 #endif
 };

@@ -21,7 +21,8 @@ namespace adaattn {
 // and a term linear in d costs one FFMA per distance (a d0f product shared by the row group).
 template <bool kKeyRows, int MI, int NT, typename F>
 __device__ __forceinline__ void add_by_distance(float (&s)[MI][NT][4], const SeqLens& lens,
-                                                int r0, int c0, int lane, const F& f) {
+                                                int r0, int c0, int lane, const F& f,
+                                                float scale = 1.f) {
   const int g = lane >> 2, t = lane & 3;
 #pragma unroll
   for (int mi = 0; mi < MI; ++mi) {
@@ -38,8 +39,10 @@ __device__ __forceinline__ void add_by_distance(float (&s)[MI][NT][4], const Seq
         // (e/2, ni) pairs at this k: S: (0, -k) and (1, 1 - k); S^T: (0, k) and (1, k + 1).
         const int ni_top = kKeyRows ? k : -k;
         const int ni_bottom = kKeyRows ? k + 1 : 1 - k;
-        if (ni_top >= 0 && ni_top < NT) s[mi][ni_top][c] += b;
-        if (ni_bottom >= 0 && ni_bottom < NT) s[mi][ni_bottom][2 + c] += b;
+        if (ni_top >= 0 && ni_top < NT) s[mi][ni_top][c] = fmaf(s[mi][ni_top][c], scale, b);
+        if (ni_bottom >= 0 && ni_bottom < NT) {
+          s[mi][ni_bottom][2 + c] = fmaf(s[mi][ni_bottom][2 + c], scale, b);
+        }
       }
   }
 }
@@ -52,6 +55,7 @@ struct RelBiasMod {
   static constexpr bool kPositional = true;
   static constexpr bool kFoldsScale = false;
   static constexpr bool kAddsTerms = false;
+  static constexpr bool kScaledTerms = true;
 
   template <typename T>
   ADAATTN_HD static T apply(const AttnParams& p, int, int h, int i, int j, T x) {
@@ -119,10 +123,13 @@ struct RelBiasMod {
   // The distance of element (ni, e) is a thread constant + 8 (e/2 - ni) - e%2 (S; S^T: + 8 (ni -
   // e/2) + e%2), so the 4 NT elements of a row group take 2 (NT + 1) table entries: each is
   // loaded once and added to the (up to) two elements at its distance.
+  // The table is a term of the score alone (kScaledTerms).
+  __device__ __forceinline__ static bool terms_only(const AttnParams&) { return true; }
+
   template <bool kKeyRows, int MI, int NT>
   __device__ __forceinline__ static void modify_frag(float (&s)[MI][NT][4], const AttnParams& p,
                                                     const SeqLens& lens, int, int h, int r0,
-                                                    int c0, int lane) {
+                                                    int c0, int lane, float scale = 1.f) {
     const float* bias = p.bias + static_cast<int64_t>(h) * p.bias_window;
     const unsigned window = static_cast<unsigned>(p.bias_window);
     const int g = lane >> 2, t = lane & 3;
@@ -140,8 +147,10 @@ struct RelBiasMod {
           // (e/2, ni) pairs at this k: S: (0, -k) and (1, 1 - k); S^T: (0, k) and (1, k + 1).
           const int ni_top = kKeyRows ? k : -k;
           const int ni_bottom = kKeyRows ? k + 1 : 1 - k;
-          if (ni_top >= 0 && ni_top < NT) s[mi][ni_top][c] += b;
-          if (ni_bottom >= 0 && ni_bottom < NT) s[mi][ni_bottom][2 + c] += b;
+          if (ni_top >= 0 && ni_top < NT) s[mi][ni_top][c] = fmaf(s[mi][ni_top][c], scale, b);
+          if (ni_bottom >= 0 && ni_bottom < NT) {
+            s[mi][ni_bottom][2 + c] = fmaf(s[mi][ni_bottom][2 + c], scale, b);
+          }
         }
     }
   }

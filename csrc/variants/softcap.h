@@ -15,6 +15,7 @@ struct SoftcapMod {
   static constexpr bool kPositional = false;
   static constexpr bool kFoldsScale = true;
   static constexpr bool kAddsTerms = false;
+  static constexpr bool kScaledTerms = false;
 
   template <typename T>
   ADAATTN_HD static T apply(const AttnParams& p, int, int, int, int, T x) {

@@ -25,6 +25,10 @@
 //                  [Hq, param_count] float32 gradient) and param_slots(p) (how many leading
 //                  slots param_slot can return in this problem: partial tables need no more)
 //   kPositional    it reads the positions (i, j), not only x
+//   kScaledTerms   on the tensor cores, where terms_only(p) (it adds terms of (b, h, i, j) and
+//                  maps x by nothing), modify_frag's last argument `scale` takes raw scores q.k:
+//                  each becomes scale * s + terms in one FFMA (the softmax scale costs no pass
+//                  of its own); modify_frag with scale 1 is the plain form
 //   kFoldsScale    on the tensor cores it takes raw scores q.k and returns the factor that takes
 //                  its output to log2 units (modify_raw_frag(s, p)), which the exponent's FMA
 //                  then applies: the softmax scale never costs a pass of its own
@@ -83,6 +87,7 @@ struct NoScoreMod {
   static constexpr bool kPositional = false;
   static constexpr bool kFoldsScale = false;
   static constexpr bool kAddsTerms = false;
+  static constexpr bool kScaledTerms = false;
 
   template <typename T>
   ADAATTN_HD static T apply(const AttnParams&, int, int, int, int, T x) {

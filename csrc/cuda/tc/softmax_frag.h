@@ -196,6 +196,21 @@ __device__ __forceinline__ float raw_score_grad(float ds, float prob, float lse2
   }
 }
 
+// scale * s + the modifier's terms (log2 units) in one FFMA per score where the modifier adds
+// terms only (variant.h, kScaledTerms); false: nothing done (the caller scales, then modifies).
+template <typename Mod, bool kKeyRows, int MI, int NT>
+__device__ __forceinline__ bool scaled_terms(float (&s)[MI][NT][4], const AttnParams& p,
+                                             const SeqLens& lens, int b, int h, int r0, int c0,
+                                             int lane, float scale) {
+  if constexpr (Mod::kScaledTerms) {
+    if (Mod::terms_only(p)) {
+      Mod::template modify_frag<kKeyRows>(s, p, lens, b, h, r0, c0, lane, scale);
+      return true;
+    }
+  }
+  return false;
+}
+
 // The backward's scores: Mod applied to a tile of raw scores q.k (kKeyRows: S^T) where it is
 // active; returns the scale that takes them to log2 units in the exponent's FMA. A modifier
 // that folds the scale (kFoldsScale) leaves its own value in the fragment, from which
@@ -208,8 +223,10 @@ __device__ __forceinline__ float backward_scores(float (&s)[MI][NT][4], const At
     return Mod::modify_raw_frag(s, p);
   } else {
     if (Mod::kIdentity || !active) return p.scale_log2;
-    scale_frag(s, p.scale_log2);
-    modify_scores<Mod, kKeyRows>(s, p, lens, b, h, r0, c0, lane);
+    if (!scaled_terms<Mod, kKeyRows>(s, p, lens, b, h, r0, c0, lane, p.scale_log2)) {
+      scale_frag(s, p.scale_log2);
+      modify_scores<Mod, kKeyRows>(s, p, lens, b, h, r0, c0, lane);
+    }
     return 1.f;
   }
 }
@@ -270,7 +287,8 @@ __device__ __forceinline__ void init_row_state(const AttnParams& p, int h, int l
 }
 
 // Scores of a warp's 16 * MI rows from r0 against key tile n0 (NT * 8 keys) prepared for an
-// exponent with the scale folded in: the modifier applied (scaled first) and the mask. Returns
+// exponent with the scale folded in: the modifier applied (scaled first, or with the scale in
+// one FFMA: scaled_terms) and the mask. Returns
 // the scale that takes them to log2 units: the softmax scale when nothing was applied (it then
 // goes into the exponent's FMA), the modifier's factor when it folds the scale itself
 // (kFoldsScale), else 1 (also for a scale <= 0).
@@ -288,8 +306,10 @@ __device__ __forceinline__ float fold_scores(float (&s)[MI][NT][4], const AttnPa
   const bool modified =
       !Mod::kIdentity && Mod::tile_active(p, lens, r0, r0 + 16 * MI - 1, n0, n0 + NT * 8 - 1);
   if (modified || !(scale > 0.f)) {
-    scale_frag(s, scale);
-    if (modified) modify_scores<Mod, false>(s, p, lens, b, h, r0, n0, lane);
+    if (!(modified && scaled_terms<Mod, false>(s, p, lens, b, h, r0, n0, lane, scale))) {
+      scale_frag(s, scale);
+      if (modified) modify_scores<Mod, false>(s, p, lens, b, h, r0, n0, lane);
+    }
     scale = 1.f;
   }
   if (!full) mask_scores(s, rr, n0, lane);
