@@ -175,9 +175,9 @@ void attention_decode_tc_cuda(VariantId variant, const AttnParams& p, int num_sp
                     static_cast<unsigned>((rows + Traits::kRows - 1) / Traits::kRows),
                     static_cast<unsigned>(num_splits));
     const int64_t all_rows = static_cast<int64_t>(p.batch) * p.heads_q * p.len_q;
-    auto run = [&](auto pass) {
+    auto run = [&](auto pass, auto scores_in) {
       constexpr tc::DecodePass kPass = decltype(pass)::value;
-      constexpr auto kernel = tc::decode_kernel<T, Traits, V, kPass>;
+      constexpr auto kernel = tc::decode_kernel<T, Traits, V, kPass, decltype(scores_in)::value>;
       set_smem<kernel>(Traits::kSmemBytes);
       kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(p, sp);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -188,12 +188,20 @@ void attention_decode_tc_cuda(VariantId variant, const AttnParams& p, int num_sp
       }
     };
     using Pass = tc::DecodePass;
+    const std::false_type no_scores;
     if constexpr (V::kNormalized) {
-      run(std::integral_constant<Pass, Pass::kOnline>{});
+      run(std::integral_constant<Pass, Pass::kOnline>{}, no_scores);
     } else {
-      // The weight pass reads the lse that the lse pass (and its merge) left in p.lse.
-      run(std::integral_constant<Pass, Pass::kLse>{});
-      run(std::integral_constant<Pass, Pass::kWeights>{});
+      // The weight pass reads the lse that the lse pass (and its merge) left in p.lse, and the
+      // scores it cached where decode_score_cache_stride chose to.
+      run(std::integral_constant<Pass, Pass::kLse>{}, no_scores);
+      if constexpr (Traits::kCanCacheScores) {
+        if (scores != nullptr) {
+          run(std::integral_constant<Pass, Pass::kWeights>{}, std::true_type{});
+          return;
+        }
+      }
+      run(std::integral_constant<Pass, Pass::kWeights>{}, no_scores);
     }
   });
   TORCH_CHECK(found, "adaattn: no decode kernel for head dims (", p.head_dim, ", ",

@@ -98,7 +98,9 @@ __device__ __forceinline__ int64_t cache_offset(const AttnParams& p, int block, 
   return block * batch_stride + h * head_stride + slot * row_stride;
 }
 
-template <typename T, typename Traits, typename Variant, DecodePass kPass>
+// kScoresIn: the weight pass reads the scores the lse pass cached (DecodeSplits::scores)
+// instead of K.
+template <typename T, typename Traits, typename Variant, DecodePass kPass, bool kScoresIn = false>
 __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     decode_kernel(const AttnParams p, const DecodeSplits sp) {
   constexpr int D = Traits::kChunksPerRow * 8;
@@ -114,7 +116,18 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   constexpr int kRows = Traits::kRows;
   constexpr int kKeyWarps = Traits::kKeyWarps;
   constexpr int kWarpKeys = Traits::kWarpKeys;
-  constexpr int kStages = Traits::kStages;
+  static_assert(!kScoresIn || (kPass == DecodePass::kWeights && Traits::kCanCacheScores),
+                "cached scores feed the weight pass");
+  // A stage holds the tile's K (or its cached scores) and V; a pass that loads less (the lse
+  // pass: K alone; the weight pass over cached scores: the scores and V) packs more stages into
+  // the same shared memory, so that as many bytes are in flight as in the online pass (with
+  // half-empty stages each pass streamed the cache below the online pass's rate).
+  constexpr int kKeyAreaElems = kScoresIn ? kRows * Traits::kScoreStride * 2 : BN * D;
+  constexpr int kStageElems = kKeyAreaElems + (kLoadV ? BN * DV : 0);
+  constexpr int kPackedStages = Traits::kStagesBytes / (kStageElems * 2);
+  constexpr int kStages = kPackedStages > Traits::kStages ? kPackedStages : Traits::kStages;
+  static_assert(kStages * kStageElems * 2 <= Traits::kStagesBytes, "stages fit");
+  static_assert(kKeyAreaElems * 2 % 128 == 0, "stage areas stay 128-byte aligned");
   constexpr int NT = kWarpKeys / 8;
   constexpr int DT = DV / 8;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -200,13 +213,12 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   // The weight pass over cached scores loads them (into the K area) instead of K.
   constexpr bool kScoreCache = kPass != DecodePass::kOnline && Traits::kCanCacheScores;
   const bool cached = kScoreCache && sp.scores != nullptr;
-  const bool read_scores = kPass == DecodePass::kWeights && cached;
   const int64_t scores_row0 =
       ((static_cast<int64_t>(b) * p.heads_kv + h_kv) * rows + row0) * sp.scores_stride;
   auto load_stage = [&](int tile, int stage) {
-    T* sK = sStages + stage * Traits::kStageElems;
-    T* sV = sK + BN * D;
-    if (read_scores) {
+    T* sK = sStages + stage * kStageElems;
+    T* sV = sK + kKeyAreaElems;
+    if constexpr (kScoresIn) {
       float* sS = reinterpret_cast<float*>(sK);
       constexpr int kChunks = kRows * BN / 4;
 #pragma unroll
@@ -225,7 +237,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
       const bool valid = j < lens.k;
       const int jj = valid ? j : 0;
       const int block = clamp_block(p, blocks[i]);
-      if (!read_scores) {
+      if constexpr (!kScoresIn) {
         cp_async16(sK + swz<D>(r, my_col),
                    static_cast<const T*>(p.k) +
                        cache_offset(p, block, p.k_batch_stride, p.k_head_stride,
@@ -270,13 +282,13 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
       lookup(tile + kStages);
     }
     cp_async_commit();
-    const T* sK = sStages + (i % kStages) * Traits::kStageElems;
-    const T* sV = sK + BN * D;
+    const T* sK = sStages + (i % kStages) * kStageElems;
+    const T* sV = sK + kKeyAreaElems;
 
     float s[1][NT][4];
     const int n0 = tile * BN + key_warp * kWarpKeys;
     float scale = p.scale_log2;
-    if (read_scores) {
+    if constexpr (kScoresIn) {
       const float* sS = reinterpret_cast<const float*>(sK);
 #pragma unroll
       for (int ni = 0; ni < NT; ++ni)
