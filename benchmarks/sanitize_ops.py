@@ -93,7 +93,7 @@ def main():
 
 def decode():
     """KV-cache decode: contiguous and paged (pages of 16 and 64), one and several splits, Lq 1
-    and 16, lazy; cache_seqlens past the capacity and block-table entries out of range, which the
+    and 16, lazy, keys narrower than values; cache_seqlens past the capacity and block-table entries out of range, which the
     kernels must clamp without reading or writing outside the caches."""
     dt = torch.bfloat16
     for d, lq in ((128, 1), (64, 16)):
@@ -121,6 +121,16 @@ def decode():
         tau = torch.full((8,), -1.0, device="cuda")
         bias = 0.1 * torch.randn(8, 64, device="cuda")
         adaattn.lazy_attn_with_kvcache(q, cache_k, cache_v, k, v, tau, bias, cache_seqlens=lens)
+    # Narrow keys (a low-rank key cache, D = 32 < Dv = 128), contiguous and paged (page 16).
+    q = torch.randn(3, 8, 1, 32, device="cuda", dtype=dt)
+    lens = torch.tensor([0, 200, 1023], dtype=torch.int32, device="cuda")
+    cache_k = torch.randn(3, 2, 1024, 32, device="cuda", dtype=dt)
+    cache_v = torch.randn(3, 2, 1024, 128, device="cuda", dtype=dt)
+    for splits in (1, 5):
+        adaattn.flash_attn_with_kvcache(q, cache_k, cache_v, cache_seqlens=lens, num_splits=splits)
+    table = torch.randperm(3 * 64, device="cuda").int().view(3, 64)
+    adaattn.flash_attn_with_kvcache(q, cache_k.view(-1, 2, 16, 32), cache_v.view(-1, 2, 16, 128),
+                                    cache_seqlens=lens, block_table=table)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@
 #include <array>
 #include <atomic>
 #include <cstdint>
+#include <type_traits>
 
 #include "../attention_api.h"
 #include "../core/seq.h"
@@ -27,19 +28,28 @@ int row_warps(const AttnParams& p) { return p.heads_q / p.heads_kv * p.len_q > 1
 // contiguous cache (3-6% faster there, up to 15% slower paged); 4 stages, 8-warp CTAs, 32-key
 // tiles and occupancy floors were slower on the decode shapes of bench_decode.py (H200,
 // docs/lab/decode.md).
-template <int D>
-using NarrowCfg = tc::DecodeTraits<D, D, 1, 4, 64, 2>;
-template <int D>
-using DeepNarrowCfg = tc::DecodeTraits<D, D, 1, 4, 64, 3>;
-template <int D>
-using WideCfg = tc::DecodeTraits<D, D, 4, 1, 64, 2>;
+template <int D, int DV>
+using NarrowCfg = tc::DecodeTraits<D, DV, 1, 4, 64, 2>;
+template <int D, int DV>
+using DeepNarrowCfg = tc::DecodeTraits<D, DV, 1, 4, 64, 3>;
+template <int D, int DV>
+using WideCfg = tc::DecodeTraits<D, DV, 4, 1, 64, 2>;
+
+template <int N>
+using Int = std::integral_constant<int, N>;
+
+// The (D, Dv) pairs with a decode kernel: D = Dv in {64, 128} for every variant with one, and
+// the narrow keys of a low-rank key cache (D in {32, 64}, Dv = 128) for plain flash attention.
+bool decode_dims(bool plain, int d, int dv) {
+  return (d == dv && (d == 64 || d == 128)) || (plain && dv == 128 && (d == 32 || d == 64));
+}
 
 // Calls f(T{}, Traits{}, Variant{}) for the compiled decode kernel of the arguments; returns
 // false when there is none.
 template <typename F>
 bool with_decode_kernel(VariantId variant, int d, int dv, c10::ScalarType dtype, int rw,
                         bool paged, F&& f) {
-  if (d != dv || (d != 64 && d != 128)) return false;
+  if (!decode_dims(variant == VariantId::kPlain, d, dv)) return false;
   if (dtype != c10::kBFloat16 && dtype != c10::kHalf) return false;
   return with_variant(variant, [&](auto v) {
     using V = decltype(v);
@@ -48,16 +58,20 @@ bool with_decode_kernel(VariantId variant, int d, int dv, c10::ScalarType dtype,
     } else {
       auto by_dtype = [&](auto t) {
         using T = decltype(t);
-        auto by_dim = [&](auto dim) {
-          constexpr int D = decltype(dim)::value;
+        auto by_dims = [&](auto dim, auto dim_v) {
+          constexpr int D = decltype(dim)::value, DV = decltype(dim_v)::value;
           if constexpr (V::kNormalized) {
-            if (rw == 1 && !paged) return f(T{}, DeepNarrowCfg<D>{}, V{});
+            if (rw == 1 && !paged) return f(T{}, DeepNarrowCfg<D, DV>{}, V{});
           }
-          if (rw == 1) return f(T{}, NarrowCfg<D>{}, V{});
-          return f(T{}, WideCfg<D>{}, V{});
+          if (rw == 1) return f(T{}, NarrowCfg<D, DV>{}, V{});
+          return f(T{}, WideCfg<D, DV>{}, V{});
         };
-        if (d == 64) return by_dim(std::integral_constant<int, 64>{});
-        return by_dim(std::integral_constant<int, 128>{});
+        if constexpr (std::is_same_v<V, PlainVariant>) {
+          if (d == 32) return by_dims(Int<32>{}, Int<128>{});
+          if (d == 64 && dv == 128) return by_dims(Int<64>{}, Int<128>{});
+        }
+        if (d == 64) return by_dims(Int<64>{}, Int<64>{});
+        return by_dims(Int<128>{}, Int<128>{});
       };
       if (dtype == c10::kBFloat16) {
         by_dtype(__nv_bfloat16{});
@@ -165,7 +179,7 @@ void attention_decode_tc_cuda(VariantId variant, const AttnParams& p, int num_sp
                                         [&](auto t, auto traits, auto v) {
     using T = decltype(t);
     using Traits = decltype(traits);
-    constexpr int D = Traits::kChunksPerRow * 8;
+    constexpr int DV = Traits::kDV;
     using V = decltype(v);
     const int tiles = key_tiles<Traits>(p);
     const tc::DecodeSplits sp{o_part, lse_part, num_splits,
@@ -182,7 +196,7 @@ void attention_decode_tc_cuda(VariantId variant, const AttnParams& p, int num_sp
       kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(p, sp);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       if (num_splits > 1) {
-        tc::decode_combine_kernel<T, D, kPass>
+        tc::decode_combine_kernel<T, DV, kPass>
             <<<static_cast<unsigned>((all_rows + 3) / 4), 128, 0, stream>>>(p, sp);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       }

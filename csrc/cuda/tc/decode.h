@@ -54,9 +54,11 @@ struct DecodeTraits {
   static constexpr int kRows = 16 * kRowWarps;
   static constexpr int kWarpKeys = kBlockN / kKeyWarps;
   static_assert(kWarpKeys % 16 == 0, "each warp's key slice is a multiple of 16");
-  static_assert(D == DV, "a K row and a V row share their cache position and page");
-  // Cache rows each thread copies per tile (16-byte chunks of K, and as many of V).
-  static constexpr int kChunksPerRow = D / 8;
+  static constexpr int kD = D, kDV = DV;
+  static_assert(D <= DV && DV % D == 0, "K rows (D <= Dv, low-rank keys) ride with V rows");
+  // Cache rows each thread copies per tile: 16-byte chunks of a V row and, in the same columns,
+  // of the K row (its first D), so a thread's K and V rows share their cache position and page.
+  static constexpr int kChunksPerRow = DV / 8;
   static constexpr int kRowsPerThread = kBlockN * kChunksPerRow / kThreads;
   static_assert(kBlockN * kChunksPerRow % kThreads == 0, "tile chunks divide among threads");
   // Cached scores of a tile, [kRows][kScoreStride] float32 in a stage's K area (the weight
@@ -103,8 +105,8 @@ __device__ __forceinline__ int64_t cache_offset(const AttnParams& p, int block, 
 template <typename T, typename Traits, typename Variant, DecodePass kPass, bool kScoresIn = false>
 __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     decode_kernel(const AttnParams p, const DecodeSplits sp) {
-  constexpr int D = Traits::kChunksPerRow * 8;
-  constexpr int DV = D;
+  constexpr int D = Traits::kD;
+  constexpr int DV = Traits::kDV;
   constexpr int kThreads = Traits::kThreads;
   constexpr int kRowWarps = Traits::kRowWarps;
   using Mod = typename Variant::Mod;
@@ -237,7 +239,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
       const bool valid = j < lens.k;
       const int jj = valid ? j : 0;
       const int block = clamp_block(p, blocks[i]);
-      if constexpr (!kScoresIn) {
+      if (!kScoresIn && (D == DV || my_col < D)) {
         cp_async16(sK + swz<D>(r, my_col),
                    static_cast<const T*>(p.k) +
                        cache_offset(p, block, p.k_batch_stride, p.k_head_stride,
