@@ -173,9 +173,11 @@ def low_rank_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     head dim R with the given or default full-D scale; positions, appending in place and the
     causal mask are its. No host synchronisation; no gradients (inference).
 
-    On CUDA the split-KV decode kernel exists for fp16/bf16 with ``R == Dv in {64, 128}`` only;
-    other ``(R, Dv)`` (e.g. R = 32, Dv = 128) run the prefill kernels on the cache, a paged cache
-    gathered to a dense copy first, so this is not yet faster than a full-width cache there.
+    On CUDA the split-KV decode kernel runs fp16/bf16 with ``R == Dv in {64, 128}`` and with
+    ``R in {32, 64}``, ``Dv = 128``; other ``(R, Dv)`` run the prefill kernels on the cache (a
+    paged cache gathered to a dense copy first). Measured (H100, bf16, GQA 32/8, Lq = 1, D = 128,
+    docs/lab/decode.md): R = 32 takes 0.79x the full-width cache's time at B = 32, Lk = 8k and
+    B = 1, Lk = 128k, about the same at B = 128, Lk = 2k and on a paged cache.
 
     Args:
         q: ``[B, Hq, Lq, D]``, contiguous last dim; query head ``h`` uses the basis of kv head
