@@ -192,8 +192,10 @@ def _raises(cls, text, fn):
 
 
 def _bad_input_cases(world):
-    from adaattn.distributed import ring_flash_attn, ring_flash_attn_varlen, shard_sequence
+    from adaattn.distributed import (ring_flash_attn, ring_flash_attn_varlen, ring_lazy_attn,
+                                     shard_sequence)
     q = torch.randn(1, 2, 4, 8)
+    tau, bias = torch.full((2,), -1.0), torch.zeros(2, 4)
     odd = torch.randn(1, 2, 3, 8)
     packed = torch.randn(4, 2, 8)
     cu = torch.tensor([0, 4 * world], dtype=torch.int32)
@@ -223,6 +225,14 @@ def _bad_input_cases(world):
         ("sinks dtype", _raises(TypeError, r"adaattn.ring_flash_attn_varlen: sinks must be float32",
                                 lambda: ring_flash_attn_varlen(packed, packed, packed, cu,
                                                                sinks=torch.zeros(2).double()))),
+        ("lazy tau shape", _raises(ValueError, r"adaattn.ring_lazy_attn: tau must have shape",
+                                   lambda: ring_lazy_attn(q, q, q, tau[:1], bias))),
+        ("lazy bias dtype", _raises(TypeError, r"adaattn.ring_lazy_attn: bias must be float32",
+                                    lambda: ring_lazy_attn(q, q, q, tau, bias.double()))),
+        ("lazy odd zigzag shard", _raises(ValueError, r"ring_lazy_attn: .*q.size\(2\) must be even",
+                                          lambda: ring_lazy_attn(odd, odd, odd, tau, bias))),
+        ("lazy layout", _raises(ValueError, r"adaattn.ring_lazy_attn: layout must be one of",
+                                lambda: ring_lazy_attn(q, q, q, tau, bias, layout="ring"))),
     ]
 
 
