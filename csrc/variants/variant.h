@@ -4,7 +4,10 @@
 //
 //   s_ij = Mod(scale * q_i.k_j; h, i, j)      score modifier (i = row_position, j = key)
 //   p_ij = exp(s_ij - lse_i)                  softmax over the row's attended keys
-//   a_ij = Transform::weight(p_ij, c_i)       probability transform, c_i = row_term(h, i)
+//   a_ij = Transform::weight(p_ij, c_i)       probability transform, c_i = row_term(h, pos_i)
+//                                             (pos_i = query_position: the row's place in the
+//                                             sequence; row_position plus the position of key 0
+//                                             for a block of a sharded sequence, seq.h)
 //   o_i  = sum_j a_ij v_j   (divided by the row sum when Transform::kNormalized)
 //
 // Backward, with dA_ij = dO_i.v_j and M_ij = Transform::live(p_ij, c_i):
