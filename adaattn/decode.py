@@ -175,9 +175,8 @@ def low_rank_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 
     On CUDA the split-KV decode kernel runs fp16/bf16 with ``R == Dv in {64, 128}`` and with
     ``R in {32, 64}``, ``Dv = 128``; other ``(R, Dv)`` run the prefill kernels on the cache (a
-    paged cache gathered to a dense copy first). Measured (H100, bf16, GQA 32/8, Lq = 1, D = 128,
-    docs/lab/decode.md): R = 32 takes 0.79x the full-width cache's time at B = 32, Lk = 8k and
-    B = 1, Lk = 128k, about the same at B = 128, Lk = 2k and on a paged cache.
+    paged cache gathered to a dense copy first). It is faster than a full-width cache on some
+    decode shapes only (docs/lab/decode.md).
 
     Args:
         q: ``[B, Hq, Lq, D]``, contiguous last dim; query head ``h`` uses the basis of kv head

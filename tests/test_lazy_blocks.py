@@ -1,7 +1,7 @@
 """The block ops of ring_lazy_attn (torch.ops.adaattn.lazy_block_lse/out/row_terms/bwd): lazy
 attention over a sequence cut into chunks, every causal pair of chunks one call with its own
-positions, equals lazy_attn on the whole sequence; schemas and fake kernels (opcheck); bad
-positions.
+positions, equals lazy_attn on the whole sequence (also where a key is NaN, and for empty
+sequences); schemas and fake kernels (opcheck); bad positions.
 
 The pieces are combined as ring_lazy_attn does (adaattn/distributed.py): block lse merged with
 logaddexp, block outputs summed against the merged lse, row terms (Delta, G / (i + 1)) summed,
@@ -93,6 +93,31 @@ def test_blocks_equal_lazy_attn_cpu(dtype, chunk, window):
     for name, ours, full in zip(NAMES, _blockwise(*inputs, chunk), _whole(*inputs)):
         assert_rel_close(name, ours, full, RTOL[torch.float32 if name in ("dtau", "dbias")
                                                 else dtype])
+
+
+def test_blocks_nan_key_cpu():
+    """A NaN key reaches the same entries through the blocks as through lazy_attn."""
+    q, k, v, dout, tau, bias = _inputs(torch.float64, "cpu")
+    k = k.clone()
+    k[0, 1, 5, 3] = float("nan")
+    for name, ours, full in zip(NAMES, _blockwise(q, k, v, dout, tau, bias, 8),
+                                _whole(q, k, v, dout, tau, bias)):
+        assert torch.isnan(full).any() or name == "dtau", name
+        assert torch.equal(torch.isnan(ours), torch.isnan(full)), name
+        finite = ~torch.isnan(full)
+        assert_rel_close(name, ours[finite], full[finite], RTOL[torch.float32])
+
+
+def test_blocks_empty_cpu():
+    q, k, v, dout, tau, bias = _inputs(torch.float32, "cpu", length=0)
+    assert ops.lazy_block_lse(q, k, tau, bias, None, 0, 0).shape == (2, 4, 0)
+    lse = torch.empty(2, 4, 0)
+    assert ops.lazy_block_out(q, k, v, tau, bias, lse, None, 0, 0).shape == (2, 4, 0, 16)
+    delta, row_g = ops.lazy_block_row_terms(dout, q, k, v, tau, bias, lse, None, 0, 0)
+    assert delta.shape == row_g.shape == (2, 4, 0)
+    dq, dk, dv, dbias = ops.lazy_block_bwd(dout, q, k, v, tau, bias, lse, delta, None, 0, 0, True)
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+    assert torch.equal(dbias, torch.zeros_like(bias))
 
 
 @pytest.mark.cuda
