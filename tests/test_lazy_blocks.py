@@ -129,8 +129,8 @@ def test_blocks_low_precision_cuda(d):
                                        d=d, window=150)
 
     def ref(dtype):
-        ts = [t.to(dtype).requires_grad_() for t in (q, k, v)]
-        ps = [t.double().requires_grad_() if dtype == torch.float64 else t.clone()
+        ts = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+        ps = [t.detach().to(torch.float64 if dtype == torch.float64 else t.dtype)
               .requires_grad_() for t in (tau, bias)]
         out, lse = reference.lazy_attn(*ts, *ps, upcast=dtype == torch.float64)
         out.backward(dout.to(dtype))
