@@ -20,6 +20,7 @@ with the variant ("alibi D=128 L=4096 ...").
 """
 import argparse
 import os
+import statistics
 import sys
 import warnings
 from typing import Callable, Dict, List, Optional
@@ -135,6 +136,27 @@ PEERS: Dict[str, Callable[[ba.Config], Callable]] = {
 }
 
 
+def _median(xs: List[Optional[float]]) -> Optional[float]:
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def _measure_rounds(peers: List[str], cfg: ba.Config, args) -> List[ba.Row]:
+    """Each peer's row with the medians over ``args.rounds`` rounds that measure every peer in
+    turn: a variant's cost is a ratio to plain flash, and the GPU's clock drifts over a run
+    (one pass per peer read plain flash 15% slower than its neighbours in one run), so the
+    peers share each round's conditions."""
+    rounds = [[ba.measure(peer, cfg, args) for peer in peers] for _ in range(args.rounds)]
+    merged = []
+    for i, peer in enumerate(peers):
+        runs = [r[i] for r in rounds]
+        row = ba.Row(cfg, peer, note=runs[0].note, peak_mib=runs[0].peak_mib)
+        row.fwd_ms = _median([r.fwd_ms for r in runs])
+        row.fwdbwd_ms = _median([r.fwdbwd_ms for r in runs])
+        merged.append(row)
+    return merged
+
+
 def _variant_json_rows(rows: List[ba.Row], variants: List[str]) -> List[dict]:
     """One results row per (variant, config, direction): adaattn-V as "adaattn", plain flash and
     flex-V of the same run as peers; the case name starts with the variant."""
@@ -158,6 +180,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                              "when listed in --peers)")
     parser.add_argument("--warmup", type=int, default=25, help="do_bench warmup, ms")
     parser.add_argument("--rep", type=int, default=100, help="do_bench measuring time, ms")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="rounds over all peers; each time is the median over rounds")
     results_io.add_arguments(parser, "variants, or variants-quick with --quick")
     args = parser.parse_args(argv[1:])
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
@@ -183,11 +207,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     title = (f"score variants: softcap = {SOFTCAP}, ALiBi, learnable sinks, learnable rel_bias "
              f"[H, {REL_BIAS_WINDOW}]; bf16, B·L = {ba.TOKENS}, H·D = {ba.HIDDEN}")
     setup = (f"adaattn = flash_attn(<variant>) per case, vs flash_attn() and FlexAttention in the "
-             f"same run; {ba.TIMING}")
+             f"same run; {ba.TIMING}, median over {args.rounds} rounds that each measure every "
+             f"peer in turn")
     rows: List[ba.Row] = []
     for cfg in configs(args.quick):
-        for peer in peers:
-            row = ba.measure(peer, cfg, args)
+        for row in _measure_rounds(peers, cfg, args):
             rows.append(row)
             print(ba.render_table([row]).splitlines()[-1], flush=True)
         if not args.no_write:

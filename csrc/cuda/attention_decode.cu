@@ -143,14 +143,17 @@ int decode_num_splits(VariantId variant, const AttnParams& p, c10::ScalarType dt
       splits = static_cast<int>(std::min<int64_t>(requested, most));
       return;
     }
-    // About two CTAs per SM, each with as many key tiles as that leaves: two were enough to
-    // stream the cache at full speed, and more splits only add partial writes and merging
-    // (H200, B = 1, Lk = 128k, 8 kv heads: 33 splits 0.158 ms, 66 0.19-0.22, 132 0.21).
+    // As many CTAs as stream the cache at full speed, each with as many key tiles as that
+    // leaves; more splits only add partial writes and merging. Three-stage tiles (the online
+    // pass over a contiguous cache) need one CTA per SM, the others two (H100, B = 1,
+    // Lk = 128k, 8 kv heads: contiguous 16 splits 0.206 ms, 32 0.214; paged 16 splits 0.323,
+    // 32 0.220; H200: 33 splits 0.158 ms, 66 0.19-0.22, 132 0.21).
     const int64_t rows = static_cast<int64_t>(p.heads_q / p.heads_kv) * p.len_q;
     const int64_t ctas = static_cast<int64_t>(p.batch) * p.heads_kv *
                          ((rows + Traits::kRows - 1) / Traits::kRows);
     const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-    splits = static_cast<int>(std::clamp<int64_t>(2 * sms / ctas, 1, most));
+    const int64_t ctas_per_sm = Traits::kStages >= 3 ? 1 : 2;
+    splits = static_cast<int>(std::clamp<int64_t>(ctas_per_sm * sms / ctas, 1, most));
   });
   return splits;
 }
