@@ -24,10 +24,10 @@ namespace {
 int row_warps(const AttnParams& p) { return p.heads_q / p.heads_kv * p.len_q > 16 ? 4 : 1; }
 
 // The tile configurations: 16 rows: four warps split each tile's keys; 64 rows: each warp owns
-// 16 rows of the whole tile. Tiles of 64 keys in two stages, or three for the online pass over a
-// contiguous cache (3-6% faster there, up to 15% slower paged); 4 stages, 8-warp CTAs, 32-key
-// tiles and occupancy floors were slower on the decode shapes of bench_decode.py (H200,
-// docs/lab/decode.md).
+// 16 rows of the whole tile. Tiles of 64 keys in two stages, or three for the online pass (3-6%
+// faster on a contiguous cache; paged, with a block-table lookup per tile, 1-5% faster at two
+// CTAs per SM, H100); 4 stages, 8-warp CTAs, 32-key tiles and occupancy floors were slower on
+// the decode shapes of bench_decode.py (H200, docs/lab/decode.md).
 template <int D, int DV>
 using NarrowCfg = tc::DecodeTraits<D, DV, 1, 4, 64, 2>;
 template <int D, int DV>
@@ -48,7 +48,7 @@ bool decode_dims(bool plain, int d, int dv) {
 // false when there is none.
 template <typename F>
 bool with_decode_kernel(VariantId variant, int d, int dv, c10::ScalarType dtype, int rw,
-                        bool paged, F&& f) {
+                        F&& f) {
   if (!decode_dims(variant == VariantId::kPlain, d, dv)) return false;
   if (dtype != c10::kBFloat16 && dtype != c10::kHalf) return false;
   return with_variant(variant, [&](auto v) {
@@ -61,7 +61,7 @@ bool with_decode_kernel(VariantId variant, int d, int dv, c10::ScalarType dtype,
         auto by_dims = [&](auto dim, auto dim_v) {
           constexpr int D = decltype(dim)::value, DV = decltype(dim_v)::value;
           if constexpr (V::kNormalized) {
-            if (rw == 1 && !paged) return f(T{}, DeepNarrowCfg<D, DV>{}, V{});
+            if (rw == 1) return f(T{}, DeepNarrowCfg<D, DV>{}, V{});
           }
           if (rw == 1) return f(T{}, NarrowCfg<D, DV>{}, V{});
           return f(T{}, WideCfg<D, DV>{}, V{});
@@ -127,7 +127,7 @@ __global__ void append_kernel(const AttnParams p, const KvAppendParams a) {
 }  // namespace
 
 bool decode_tc_supported(VariantId variant, int head_dim, int head_dim_v) {
-  return with_decode_kernel(variant, head_dim, head_dim_v, c10::kBFloat16, 1, false,
+  return with_decode_kernel(variant, head_dim, head_dim_v, c10::kBFloat16, 1,
                             [](auto, auto, auto) {});
 }
 
@@ -135,7 +135,7 @@ int decode_num_splits(VariantId variant, const AttnParams& p, c10::ScalarType dt
                       int64_t requested) {
   int splits = 1;
   with_decode_kernel(variant, p.head_dim, p.head_dim_v, dtype, row_warps(p),
-                     p.block_table != nullptr, [&](auto, auto traits, auto) {
+                     [&](auto, auto traits, auto) {
     using Traits = decltype(traits);
     const int tiles = key_tiles<Traits>(p);
     const int most = std::min(tiles, 128);
@@ -144,15 +144,16 @@ int decode_num_splits(VariantId variant, const AttnParams& p, c10::ScalarType dt
       return;
     }
     // As many CTAs as stream the cache at full speed, each with as many key tiles as that
-    // leaves; more splits only add partial writes and merging. Three-stage tiles (the online
-    // pass over a contiguous cache) need one CTA per SM, the others two (H100, B = 1,
-    // Lk = 128k, 8 kv heads: contiguous 16 splits 0.206 ms, 32 0.214; paged 16 splits 0.323,
-    // 32 0.220; H200: 33 splits 0.158 ms, 66 0.19-0.22, 132 0.21).
+    // leaves; more splits only add partial writes and merging. Three-stage tiles over a
+    // contiguous cache need one CTA per SM, the others (a paged cache's lookups, two-stage
+    // tiles) two (H100, B = 1, Lk = 128k, 8 kv heads, HBM fraction: contiguous 0.85-0.86 at
+    // one CTA per SM, 0.81 at two; paged 0.82 at two, 0.56 at one; H200: 33 splits 0.158 ms,
+    // 66 0.19-0.22, 132 0.21).
     const int64_t rows = static_cast<int64_t>(p.heads_q / p.heads_kv) * p.len_q;
     const int64_t ctas = static_cast<int64_t>(p.batch) * p.heads_kv *
                          ((rows + Traits::kRows - 1) / Traits::kRows);
     const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-    const int64_t ctas_per_sm = Traits::kStages >= 3 ? 1 : 2;
+    const int64_t ctas_per_sm = Traits::kStages >= 3 && p.block_table == nullptr ? 1 : 2;
     splits = static_cast<int>(std::clamp<int64_t>(ctas_per_sm * sms / ctas, 1, most));
   });
   return splits;
@@ -162,7 +163,7 @@ int64_t decode_score_cache_stride(VariantId variant, const AttnParams& p,
                                   c10::ScalarType dtype) {
   int64_t stride = 0;
   with_decode_kernel(variant, p.head_dim, p.head_dim_v, dtype, row_warps(p),
-                     p.block_table != nullptr, [&](auto, auto traits, auto v) {
+                     [&](auto, auto traits, auto v) {
     using Traits = decltype(traits);
     const int64_t rows = static_cast<int64_t>(p.heads_q / p.heads_kv) * p.len_q;
     // Written and read once: 8 bytes per row and key, against a K row of 2 * D bytes.
@@ -178,7 +179,6 @@ void attention_decode_tc_cuda(VariantId variant, const AttnParams& p, int num_sp
                               int64_t scores_stride, c10::ScalarType dtype) {
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const bool found = with_decode_kernel(variant, p.head_dim, p.head_dim_v, dtype, row_warps(p),
-                                        p.block_table != nullptr,
                                         [&](auto t, auto traits, auto v) {
     using T = decltype(t);
     using Traits = decltype(traits);
