@@ -1,17 +1,17 @@
 // Hopper backward (dQ by atomic bulk reductions; Dv in {64, 128}, D = Dv or, for low-rank
-// scores, D in {32, 64} below it): the dK/dV pass of bwd_sm80.h on warpgroup MMAs. A CTA owns 128 keys of one (batch,
-// kv head), 64 per warpgroup (or 64 keys and one warpgroup, two CTAs per SM: Sm90BwdTraits),
-// and walks the query tiles (64 rows, every query head of its GQA group) that meet them, with
-// Q and dO double-buffered through cp.async. Per step and warpgroup:
+// scores, D in {32, 64} below it): the dK/dV pass of bwd_sm80.h on warpgroup MMAs. A CTA owns
+// 128 keys of one (batch, kv head), 64 per warpgroup (or 64 keys and one warpgroup, two CTAs per
+// SM: Sm90BwdTraits), and walks the query tiles (64 rows, every query head of its GQA group)
+// that meet them, with Q and dO double-buffered through cp.async. Per step and warpgroup:
 //   S^T = K Q^T, dP^T = V dO^T        (both operands in shared memory)
 //   P^T, dS^T = P^T (dP^T - Delta)    (registers: the accumulator rows are keys)
 //   dV += P^T dO, dK += dS^T Q        (P^T, dS^T as register A operands; dO, Q read transposed)
-//   dQ += dS K                        (dS^T staged in shared memory by both warpgroups; at D = 128
-//                                      warpgroup w adds its 64 columns of the product over all
-//                                      128 keys to the fp32 accumulator, at D <= 64 all columns
-//                                      over its own 64 keys: the step's rows are staged in fp32
-//                                      and added by one bulk reduction per tile after the next
-//                                      step's barrier)
+//   dQ += dS K                        (dS^T staged in shared memory by both warpgroups; with two
+//                                      warpgroups and D >= 64 warpgroup w adds its half of the
+//                                      columns over all 128 keys to the fp32 accumulator,
+//                                      otherwise all columns over its own 64 keys: the step's
+//                                      rows are staged in fp32 and added by one bulk reduction
+//                                      per tile after the next step's barrier)
 // Five products per tile pair, as FlashAttention-2/3. dK/dV stay in registers; the dQ
 // accumulator is scaled and converted by bwd_dq_convert_kernel. Without the dQ product
 // (Sm90BwdTraits::kDq = false) this is the dK/dV pass of the two-pass backward, whose dQ pass
@@ -61,13 +61,14 @@ struct Sm90BwdTraits {
   static constexpr int kQElems = kBlockM * DK;
   static constexpr int kDoElems = kBlockM * DV;
   static constexpr int kDsElems = kDq ? kBlockN * kBlockM : 0;
-  // dQ: at DK = 128 warpgroup w adds columns [64w, 64w + 64) over all 128 keys; at DK <= 64 it
-  // adds all DK columns over its own 64 keys (both add to the same rows).
-  static constexpr bool kDqSplitCols = DK == 128;
+  // dQ: with two warpgroups and DK >= 64, warpgroup w adds columns [w DK / 2, (w + 1) DK / 2)
+  // over all 128 keys (one tile per step to reduce); otherwise all DK columns over its own 64
+  // keys (both add to the same rows).
+  static constexpr bool kDqSplitCols = kWarpgroups == 2 && DK >= 64;
   static constexpr int kDqKeys = kDqSplitCols ? kBlockN : 64;
-  static constexpr int kDqCols = kDqSplitCols ? 64 : DK;
-  // The step's fp32 dQ rows, staged for the bulk reductions: at DK = 128 one [BM][DK] tile (the
-  // two warpgroups' column halves), at DK <= 64 one [BM][DK] tile per warpgroup. Rows are
+  static constexpr int kDqCols = kDqSplitCols ? DK / 2 : DK;
+  // The step's fp32 dQ rows, staged for the bulk reductions: split columns, one [BM][DK] tile
+  // (the two warpgroups' column halves), else one [BM][DK] tile per warpgroup. Rows are
   // stored as the accumulator holds them (dq_swizzle), so that a tile is one contiguous copy.
   static constexpr int kDqStageFloats = kDq ? kWarpgroups * kBlockM * kDqCols : 0;
   // K, V, two stages of Q and dO, dS^T, then lse and delta (non-normalised: and the row term)
@@ -183,8 +184,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     int prev_h = h, prev_m0 = m0;  // the step whose dQ is staged
     int next_h = h, next_m0 = m0;
     if (steps > 1) query.at(p, 1, next_h, next_m0);
-    // dQ of a step is staged at its end and added after the next barrier, by thread 0 (DK =
-    // 128: the whole tile) or the first thread of each warpgroup (DK <= 64: its own tile).
+    // dQ of a step is staged at its end and added after the next barrier, by thread 0 (split
+    // columns: the whole tile) or the first thread of each warpgroup (its own tile).
     constexpr bool kDqSplit = Traits::kDqSplitCols;
     const bool dq_issuer = kDqSplit ? tid == 0 : tid % 128 == 0;
     auto add_staged_dq = [&](int dq_h, int dq_m0) {
@@ -430,18 +431,20 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
         sm90::fence_proxy_async();
         __syncthreads();  // both warpgroups' dS^T rows are staged
         // dQ += dS K (Traits::kDqSplitCols): A = dS^T staged [key][query] (MN-major), B = K
-        // [key][DK] (MN-major): at DK = 128 all keys and column block wg, at DK <= 64 the
-        // warpgroup's own 64 keys.
+        // [key][DK] (MN-major): split, all keys and column half wg (at DK = 64 the half starts
+        // inside a 128-byte swizzle row: the swizzle is a function of the absolute address, so
+        // the descriptor may start there), else the warpgroup's own 64 keys.
         constexpr int kDqCols = Traits::kDqCols;
         float dq[kDqCols / 8][4];
         sm90::wgmma_fence();
         constexpr int kDqKeys = Traits::kDqKeys;
         const int dq_key0 = Traits::kDqSplitCols ? 0 : wg * 64;
-        const int dq_col0 = Traits::kDqSplitCols ? wg * 64 : 0;
+        const int dq_col0 = Traits::kDqSplitCols ? wg * kDqCols : 0;
         const uint64_t ds_desc =
             sm90::opaque(sm90::gmma_desc_mn<kBlockN, BM>(sdS + dq_key0 * 64));
         const uint64_t k_t_desc = sm90::opaque(sm90::gmma_desc_mn<kBlockN, DK>(
-            sK + (dq_col0 / kKWidth) * (kBlockN * kKWidth) + dq_key0 * kKWidth));
+            sK + (dq_col0 / kKWidth) * (kBlockN * kKWidth) + dq_col0 % kKWidth +
+            dq_key0 * kKWidth));
 #pragma unroll
         for (int kt = 0; kt < kDqKeys / 16; ++kt) {
           sm90::wgmma_ss<T, kDqCols / 8, 1, 1>(dq, sm90::desc_at<T>(ds_desc, kt * 16 * 64),

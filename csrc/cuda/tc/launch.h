@@ -179,15 +179,17 @@ void launch_bwd_dq_sm90(const AttnParams& p) {
 
 // Warpgroups per CTA of the Hopper backward with atomic dQ. One (64-key CTAs, two per SM) where
 // a step's products are short: the narrow scores of low_rank_attn (query/key width below the
-// value width) and D = 64. There a step's dependent chain (products, exponentials, the dS^T
-// barrier, the dQ product) leaves the SM idle in a way a second, independent CTA fills, while
-// one CTA of more warpgroups keeps them in step (H100, fwd+bwd: low-rank R = 32 9% faster,
-// flash D = 64 4-7%; docs/lab). Variants with a learnable score table or a non-normalised
-// transform keep two.
+// value width). There a step's dependent chain (products, exponentials, the dS^T barrier, the
+// dQ product) leaves the SM idle in a way a second, independent CTA fills, while one CTA of
+// more warpgroups keeps them in step (H100, fwd+bwd: low-rank R = 32 9% faster). Two elsewhere:
+// at D >= 64 the warpgroups split dQ's columns over the CTA's 128 keys, which halves the dQ
+// reductions and the Q/dO reloads per key (H100, D = 64 fwd+bwd: flash 3% / 5% faster than one
+// warpgroup, non-causal / causal; lazy, ALiBi and rel_bias 4-6% faster than two warpgroups
+// with a dQ tile each).
 template <int DK, int DV, typename Variant>
 constexpr int sm90_bwd_warpgroups() {
   if constexpr (!Variant::kNormalized || Variant::Mod::kParamGrad) return 2;
-  return DK < DV || DK == 64 ? 1 : 2;
+  return DK < DV ? 1 : 2;
 }
 
 // Whether the Hopper backward takes two passes (dK/dV, then dQ without a float32 accumulator)
