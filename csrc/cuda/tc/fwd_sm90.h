@@ -17,9 +17,21 @@
 namespace adaattn {
 namespace tc {
 
-template <typename T, int DK, int DV>
+// Consumer warpgroups of the Hopper forward: three at D = 64, whose products are too short for
+// two to cover each other's softmax (where launch_fwd_sm90 says the rows allow it), else two.
+template <int DK, int DV>
+constexpr int sm90_fwd_warpgroups() {
+  return DK == 64 && DV == 64 ? 3 : 2;
+}
+
+template <typename T, int DK, int DV, int kWarpgroupCount>
 struct Sm90FwdTraits {
-  static constexpr int kWarpgroups = 2;
+  static constexpr int kWarpgroups = kWarpgroupCount;
+  // setmaxnreg's split of the register file: the producer keeps what its copies need.
+  static constexpr int kProducerRegs = 32;
+  static constexpr int kConsumerRegs = kWarpgroups == 3 ? 160 : 232;
+  static_assert(kWarpgroups * 128 * kConsumerRegs + 128 * kProducerRegs <= 65536,
+                "the register split fits the register file");
   static constexpr int kConsumerThreads = kWarpgroups * 128;
   static constexpr int kThreads = kConsumerThreads + 128;  // and a producer warpgroup
   static constexpr int kBlockM = kWarpgroups * 64;
@@ -48,9 +60,10 @@ struct Sm90FwdTraits {
 //   has landed. ptxas moves the product's wait above the softmax (SASS), so within a
 //   warpgroup they do not overlap; a rotated loop that keeps them apart was 1-5% faster on
 //   dense rows and 3-5% slower on masked ones (docs/lab).
-//   The two warpgroups take turns issuing their products (ping-pong, named barriers 4 and 5),
-//   so that one's softmax runs under the other's products (7% at D = 128 on the H100; too
-//   short to cover a softmax at the 32-wide low-rank scores, where it neither helps nor hurts).
+//   The warpgroups take turns issuing their products (ping-pong, one named barrier each), so
+//   that one's softmax runs under the others' products (7% at D = 128 on the H100; too short
+//   to cover a softmax at the 32-wide low-rank scores, where it neither helps nor hurts). At
+//   D = 64 three warpgroups take turns (sm90_fwd_warpgroups).
 // * Other transforms (kStats: the weight pass counts into p.stats, a separate instantiation):
 //   groups 0..n-1 hold K_i for the lse pass, whose S_{i+1} is issued before the softmax of S_i;
 //   groups n..2n-1 hold K_i and V_i for the weight pass, which skips the A V product of a
@@ -71,11 +84,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_sm90_kernel(const Att
   constexpr int NT = BN / 8;  // score n-tiles per warp
   constexpr int DT = DV / 8;  // output n-tiles per warp
   constexpr int kQWidth = sm90::GmmaLayout<DK>::kWidth;
-  // Named barrier after the mainloop: every consumer is done with Q and K (1 and 2 are
-  // warpgroup_any's).
-  constexpr int kOutputBarrier = 3;
-  // Named barriers 4 + wg: warpgroup wg's turn to issue its products (softmax mainloop).
-  constexpr int kTurnBarrier = 4;
+  // Named barrier after the mainloop: every consumer is done with Q and K (1 to kWarpgroups
+  // are warpgroup_any's).
+  constexpr int kOutputBarrier = 1 + Traits::kWarpgroups;
+  // Named barriers kTurnBarrier + wg: warpgroup wg's turn to issue its products (softmax
+  // mainloop; the waiting warpgroup and the one passing the turn meet there).
+  constexpr int kTurnBarrier = 2 + Traits::kWarpgroups;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ uint64_t full[Traits::kStages], empty[Traits::kStages];
   // The 128-byte swizzle is a function of address bits 4-9: tiles start 1024-byte aligned.
@@ -103,7 +117,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_sm90_kernel(const Att
   };
 
   if (warp >= kConsumerThreads / 32) {
-    sm90::regs_dealloc<32>();
+    sm90::regs_dealloc<Traits::kProducerRegs>();
     const int ptid = tid - kConsumerThreads;
     const T* q = q_rows<T>(p, lens, b, h, m0);
     const T* k = k_rows<T>(p, lens, b, h_kv, 0);
@@ -146,7 +160,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_sm90_kernel(const Att
       }
     });
   } else {
-    sm90::regs_alloc<232>();
+    sm90::regs_alloc<Traits::kConsumerRegs>();
     const int wg = warp / 4;
     const int warp_row0 = warp * 16;  // = 64 * wg + 16 * (warp % 4)
     const int g = lane >> 2;
@@ -215,12 +229,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_sm90_kernel(const Att
         const float scale = fold_scores<Mod>(s, p, lens, rr, b, h, m0 + warp_row0, n0, lane);
         online_softmax<true>(s, row_max, row_sum, corr, scale, kMaxSlack);
       };
-      // Turns (FA3's ping-pong; without them both warpgroups wait on the same loads and run
-      // their softmaxes at once). Warpgroup 1 gives warpgroup 0 the first turn and passes none
-      // after its last product, so that every arrival is consumed.
-      auto take_turn = [&] { sm90::named_sync(kTurnBarrier + wg, kConsumerThreads); };
-      auto pass_turn = [&] { sm90::named_arrive(kTurnBarrier + 1 - wg, kConsumerThreads); };
-      if (wg == 1) pass_turn();
+      // Turns (FA3's ping-pong; without them the warpgroups wait on the same loads and run
+      // their softmaxes at once), passed round the warpgroups in order. The last gives
+      // warpgroup 0 the first turn and passes none after its last product, so that every
+      // arrival is consumed.
+      constexpr int kWgs = Traits::kWarpgroups;
+      auto take_turn = [&] { sm90::named_sync(kTurnBarrier + wg, 256); };
+      auto pass_turn = [&] { sm90::named_arrive(kTurnBarrier + (wg + 1) % kWgs, 256); };
+      if (wg == kWgs - 1) pass_turn();
       uint32_t pa[1][NT / 2][4];
       {
         wait_full(0);
@@ -258,7 +274,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_sm90_kernel(const Att
       wait_full(tiles.count);
       take_turn();
       issue_pv(pa[0], (tiles.count - 1) % 2);
-      if (wg == 0) pass_turn();
+      if (wg != kWgs - 1) pass_turn();
       sm90::wgmma_wait<0>(o[0]);
       sm90::fence_operand(pa[0]);
     };
