@@ -58,7 +58,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_rows_sm90_kernel(cons
   const T* k = k_rows<T>(p, lens, b, h_kv, 0);
   const T* v = v_rows<T>(p, lens, b, h_kv, 0);
   const int64_t lse_off = row_stat_offset(p, lens, b, h);
-  const int valid_q = lens.rows_q - m0;
 
   const int warp_row0 = warp * 16;
   const int g = lane >> 2;
