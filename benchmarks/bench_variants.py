@@ -184,6 +184,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="rounds over all peers; each time is the median over rounds")
     results_io.add_arguments(parser, "variants, or variants-quick with --quick")
     args = parser.parse_args(argv[1:])
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     if set(variants) - set(VARIANT_NAMES):
         parser.error(f"unknown variants {sorted(set(variants) - set(VARIANT_NAMES))}; choose "

@@ -17,13 +17,7 @@
 namespace adaattn {
 namespace tc {
 
-// Consumer warpgroups of the Hopper forward: three at D = 64, whose products are too short for
-// two to cover each other's softmax (where launch_fwd_sm90 says the rows allow it), else two.
-template <int DK, int DV>
-constexpr int sm90_fwd_warpgroups() {
-  return DK == 64 && DV == 64 ? 3 : 2;
-}
-
+// kWarpgroupCount: consumer warpgroups, 2 or 3 (launch.h's sm90_fwd_warpgroups).
 template <typename T, int DK, int DV, int kWarpgroupCount>
 struct Sm90FwdTraits {
   static constexpr int kWarpgroups = kWarpgroupCount;
@@ -234,8 +228,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_sm90_kernel(const Att
       // warpgroup 0 the first turn and passes none after its last product, so that every
       // arrival is consumed.
       constexpr int kWgs = Traits::kWarpgroups;
-      auto take_turn = [&] { sm90::named_sync(kTurnBarrier + wg, 256); };
-      auto pass_turn = [&] { sm90::named_arrive(kTurnBarrier + (wg + 1) % kWgs, 256); };
+      constexpr int kTurnThreads = 2 * 128;  // the warpgroup waiting and the one passing
+      auto take_turn = [&] { sm90::named_sync(kTurnBarrier + wg, kTurnThreads); };
+      auto pass_turn = [&] { sm90::named_arrive(kTurnBarrier + (wg + 1) % kWgs, kTurnThreads); };
       if (wg == kWgs - 1) pass_turn();
       uint32_t pa[1][NT / 2][4];
       {

@@ -83,7 +83,7 @@ inline bool use_sm90() {
 #endif
 }
 
-// kWarpgroups: consumer warpgroups (sm90_fwd_warpgroups).
+// kWarpgroups: consumer warpgroups (sm90_fwd_warpgroups below).
 template <typename T, int DK, int DV, typename Variant, int kWarpgroups>
 void launch_fwd_sm90_with(const AttnParams& p) {
   using Traits = Sm90FwdTraits<T, DK, DV, kWarpgroups>;
@@ -97,16 +97,23 @@ void launch_fwd_sm90_with(const AttnParams& p) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// Three consumer warpgroups (192-row tiles, sm90_fwd_warpgroups) for the online softmax of
-// whole, unpacked rows: D = 64 on the H100, non-causal, 1.19 / 4.46 ms against 1.29 / 4.95 ms
-// with two at L = 4k / 16k (1.00x / 1.07x cuDNN), while causal rows at L = 1k were 12% slower
-// (the diagonal's partial tiles grow with the tile) and L = 4k-16k 0-2% faster. Block lists are
-// laid out in 128-row blocks; a transform with an lse pass keeps two tiles of scores live and
-// a score modifier its temporaries, which spill at 160 registers a thread.
+// Consumer warpgroups of the Hopper forward for rows that allow more than two (launch_fwd_sm90):
+// three for the plain softmax at D = 64, whose products are too short for two to cover each
+// other's softmax. A transform with an lse pass keeps two tiles of scores live and a score
+// modifier its temporaries, which spill at the 160 registers a thread three leave.
+template <int DK, int DV, typename Variant>
+constexpr int sm90_fwd_warpgroups() {
+  return DK == 64 && DV == 64 && Variant::kNormalized && Variant::Mod::kIdentity ? 3 : 2;
+}
+
+// Three consumer warpgroups (192-row tiles) only for whole, unpacked rows: D = 64 on the H100,
+// non-causal, 1.19 / 4.46 ms against 1.29 / 4.95 ms with two at L = 4k / 16k (1.00x / 1.07x
+// cuDNN), while causal rows at L = 1k were 12% slower (the diagonal's partial tiles grow with
+// the tile) and L = 4k-16k 0-2% faster. Block lists are laid out in 128-row blocks.
 template <typename T, int DK, int DV, typename Variant>
 void launch_fwd_sm90(const AttnParams& p) {
-  constexpr int kWarpgroups = sm90_fwd_warpgroups<DK, DV>();
-  if constexpr (kWarpgroups != 2 && Variant::kNormalized && Variant::Mod::kIdentity) {
+  constexpr int kWarpgroups = sm90_fwd_warpgroups<DK, DV, Variant>();
+  if constexpr (kWarpgroups != 2) {
     const bool whole_rows = p.window_left < 0 && p.window_right < 0 &&
                             p.block_kv_num == nullptr && p.cu_seqlens_q == nullptr;
     if (whole_rows) {
