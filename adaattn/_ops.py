@@ -50,6 +50,31 @@ def _flash_fwd_fake(q, k, v, seqlens, softmax_scale, causal, window_left, window
     return out, _lse_fake(q, cu_seqlens_q is not None)
 
 
+@torch.library.register_fake("adaattn::flash_fwd_fp8")
+def _flash_fwd_fp8_fake(q, k, v, softmax_scale=None, causal=False, window_left=-1,
+                        window_right=-1, head_fp8=None):
+    C.check_flash_inputs("flash_attn", q, k, v, None, None, None)
+    C.check_flash_options("flash_attn", softmax_scale, window_left, window_right, 0.0)
+    C.check(softmax_scale is None or softmax_scale > 0, ValueError, "flash_attn",
+            "precision='fp8' needs softmax_scale > 0, got ", softmax_scale)
+    return _out_fake(q, v), _lse_fake(q, False), q.new_empty(q.shape[:2], dtype=torch.bool)
+
+
+@torch.library.register_kernel("adaattn::flash_fwd_fp8", "cpu")
+def _flash_fwd_fp8_cpu(q, k, v, softmax_scale=None, causal=False, window_left=-1,
+                       window_right=-1, head_fp8=None):
+    """The CPU kernel of the 8-bit forward: its emulation (one definition of the scheme)."""
+    from .precision import fp8_attention_emulated
+    C.check_flash_inputs("flash_attn", q, k, v, None, None, None)
+    C.check_flash_options("flash_attn", softmax_scale, window_left, window_right, 0.0)
+    C.check(softmax_scale is None or softmax_scale > 0, ValueError, "flash_attn",
+            "precision='fp8' needs softmax_scale > 0, got ", softmax_scale)
+    out, lse, ran_fp8 = fp8_attention_emulated(
+        q, k, v, causal=causal, scale=softmax_scale, window=(window_left, window_right),
+        head_fp8=head_fp8, return_lse=True)
+    return out.to(q.dtype), lse, ran_fp8
+
+
 @torch.library.register_fake("adaattn::flash_bwd")
 def _flash_bwd_fake(grad_out, q, k, v, out, lse, seqlens, softmax_scale, causal, window_left,
                     window_right, deterministic, cu_seqlens_q=None, cu_seqlens_k=None,

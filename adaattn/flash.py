@@ -17,8 +17,8 @@ def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: boo
                seqlens: Optional[torch.Tensor] = None, return_lse: bool = False,
                deterministic: bool = False, softcap: float = 0,
                alibi_slopes: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None,
-               rel_bias: Optional[torch.Tensor] = None
-               ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+               rel_bias: Optional[torch.Tensor] = None, precision: str = "bf16",
+               fp8_tol: Optional[float] = None, return_precision: bool = False):
     """Exact softmax attention with O(L) memory (tiled, online softmax, recomputing backward).
 
     Args:
@@ -58,9 +58,23 @@ def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: boo
             added with ALiBi after softcap. Differentiable.
             The three compose with each other, softcap, GQA, windows, causal and padding, on
             the tensor cores in float16/bfloat16 as without them.
+        precision: ``"bf16"`` (default: the operands' own precision), ``"fp8"`` or ``"auto"``
+            (forward only, for inference and prefill: refused when a gradient is wanted).
+            ``"fp8"`` runs every head on 8-bit operands (adaattn.precision's default scheme:
+            K smoothed, Q and K Hadamard-rotated and int8 per 128-row block, P and V e4m3; on
+            CUDA the Hopper kernel, on the CPU its emulation
+            :func:`adaattn.precision.fp8_attention_emulated`); ``"auto"`` only the heads whose
+            estimated error (:func:`adaattn.precision.choose_precision`) is within ``fp8_tol``,
+            the others at the operands' precision. A head holding NaN/Inf always runs at the
+            operands' precision. Dense float16/bfloat16 inputs, ``D = Dv`` in {64, 128}, with
+            causal/window/GQA; not with seqlens, softcap, alibi_slopes, sinks or rel_bias.
+        fp8_tol: ``"auto"``'s tolerance (estimated relative L2 error per head); default
+            :data:`adaattn.precision.FP8_TOL`.
+        return_precision: also return the bool ``[B, Hq]`` of the heads that ran 8-bit (last).
 
     Returns:
-        ``out [B, Hq, Lq, Dv]`` (dtype of q), and ``lse`` when ``return_lse``.
+        ``out [B, Hq, Lq, Dv]`` (dtype of q), and ``lse`` when ``return_lse``, and the heads
+        that ran 8-bit when ``return_precision``.
 
     Non-finite inputs propagate as in ``adaattn.reference``: a NaN or ``+inf`` score makes its
     row's ``out`` and ``lse`` NaN, a ``-inf`` score weighs 0 (docs/ops.md).
@@ -83,12 +97,30 @@ def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: boo
     C.optional_tensors(op, seqlens=seqlens, alibi_slopes=alibi_slopes, sinks=sinks,
                        rel_bias=rel_bias)
     return_lse = C.boolean(op, "return_lse", return_lse)
+    return_precision = C.boolean(op, "return_precision", return_precision)
     left, right = C.window_pair(op, window)
     scale = C.optional_float(op, "softmax_scale", softmax_scale)
-    out, lse = ops.flash_attn(q, k, v, seqlens, scale, C.boolean(op, "causal", causal), left, right,
-                              C.boolean(op, "deterministic", deterministic), None, None,
-                              C.softcap_value(op, softcap), alibi_slopes, sinks, rel_bias)
-    return (out, lse) if return_lse else out
+    causal = C.boolean(op, "causal", causal)
+    softcap = C.softcap_value(op, softcap)
+    if precision not in ("bf16", "fp8", "auto"):
+        C.fail(ValueError, op, "precision must be 'bf16', 'fp8' or 'auto', got ", repr(precision))
+    if precision != "bf16":
+        from .precision import low_precision_forward
+        out, lse, head_fp8 = low_precision_forward(
+            op, q, k, v, precision=precision, fp8_tol=fp8_tol, causal=causal, scale=scale,
+            window=(left, right), seqlens=seqlens, softcap=softcap, alibi_slopes=alibi_slopes,
+            sinks=sinks, rel_bias=rel_bias)
+    else:
+        out, lse = ops.flash_attn(q, k, v, seqlens, scale, causal, left, right,
+                                  C.boolean(op, "deterministic", deterministic), None, None,
+                                  softcap, alibi_slopes, sinks, rel_bias)
+        head_fp8 = None
+    result = (out, lse) if return_lse else (out,)
+    if return_precision:
+        if head_fp8 is None:
+            head_fp8 = torch.zeros(q.shape[:2], dtype=torch.bool, device=q.device)
+        result = result + (head_fp8,)
+    return result[0] if len(result) == 1 else result
 
 
 def flash_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

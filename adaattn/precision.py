@@ -141,8 +141,8 @@ def _fmt(op: str, name: str, value, allowed) -> str:
 
 
 def _round(x: torch.Tensor, fmt: str) -> torch.Tensor:
-    """``x`` (a float32 temporary, already divided by its scale; overwritten) rounded to ``fmt``,
-    stored in ``fmt``."""
+    """``x`` (a float32 temporary, already multiplied by the float32 reciprocal of its scale, as
+    the kernel's pre-pass forms it; overwritten) rounded to ``fmt``, stored in ``fmt``."""
     if fmt == "e4m3":
         return x.clamp_(-448.0, 448.0).to(torch.float8_e4m3fn)
     if fmt == "int8":
@@ -193,14 +193,15 @@ def quantize(x: torch.Tensor, fmt: str = "e4m3", *, granularity: str = "block",
     b, h, length, dim = xf.shape
     if granularity == "channel":
         scales = _safe_scale(xf.abs().amax(2) if length else xf.new_zeros(b, h, dim), fmt)
-        return Quantized(_round(xf / scales.unsqueeze(2), fmt), scales, granularity, block)
+        return Quantized(_round(xf * scales.reciprocal().unsqueeze(2), fmt), scales, granularity,
+                         block)
     nblocks = -(-length // block)
     padded = torch.nn.functional.pad(xf, (0, 0, 0, nblocks * block - length))
     amax = padded.view(b, h, nblocks, block * dim).abs().amax(-1) if nblocks else \
         xf.new_zeros(b, h, 0)
     scales = _safe_scale(amax, fmt)
-    per_row = scales.repeat_interleave(block, dim=2)[:, :, :length].unsqueeze(-1)
-    return Quantized(_round(xf / per_row, fmt), scales, granularity, block)
+    per_row = scales.reciprocal().repeat_interleave(block, dim=2)[:, :, :length].unsqueeze(-1)
+    return Quantized(_round(xf * per_row, fmt), scales, granularity, block)
 
 
 def dequantize(qx: Quantized) -> torch.Tensor:
@@ -276,8 +277,18 @@ def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
     if dim == 0:
         return xf
     block = dim & -dim
-    mat = hadamard_matrix(block, xf.device, xf.dtype)
-    return (xf.reshape(*xf.shape[:-1], dim // block, block) @ mat).reshape(xf.shape)
+    # The fast Walsh-Hadamard butterfly over index bits 1, 2, 4, ... of each block, then the
+    # norm: the kernel's pre-pass forms the same sums in the same order (so the int8 codes
+    # agree), and it is O(D log D) per row instead of a D x D product.
+    y = xf.reshape(-1, block)
+    half = 1
+    while half < block:
+        pairs = y.view(-1, block // (2 * half), 2, half)
+        y = torch.stack((pairs[:, :, 0] + pairs[:, :, 1], pairs[:, :, 0] - pairs[:, :, 1]),
+                        dim=2).view(-1, block)
+        half *= 2
+    norm = torch.tensor(1.0 / math.sqrt(block), dtype=xf.dtype, device=xf.device)
+    return (y * norm).view(xf.shape)
 
 
 def _scheme(op: str, scheme) -> QuantScheme:
@@ -342,13 +353,15 @@ def _quantize_operands(q, k, v, s: QuantScheme):
     return qd, kd, vd
 
 
-def _tiled_attention(qd, kd, vd, causal: bool, scale: float, s: QuantScheme) -> torch.Tensor:
+def _tiled_attention(qd, kd, vd, causal: bool, scale: float, s: QuantScheme,
+                     window: Tuple[int, int] = (-1, -1)) -> Tuple[torch.Tensor, torch.Tensor]:
     """The kernel's main loop on dequantised operands (float32), all key tiles at once.
 
     The running max after tile t is the cumulative max of the tile maxima, so P of tile t is
     ``exp(S - m_t)`` exactly as the kernel forms it before quantising; the kernel's rescaling
     ``acc * exp(m_{t-1} - m_t)`` telescopes to weighting tile t by ``exp(m_t - m_last)``, which
-    is applied here before the PV product (equal up to float32 rounding order).
+    is applied here before the PV product (equal up to float32 rounding order). Returns
+    ``(out, lse)``: lse is the natural-log log-sum-exp of the scaled scores (``-inf``: no key).
     """
     group = qd.shape[1] // kd.shape[1]
     kd = kd.repeat_interleave(group, dim=1)
@@ -358,9 +371,18 @@ def _tiled_attention(qd, kd, vd, causal: bool, scale: float, s: QuantScheme) -> 
     # In place where possible: the scores are the only L x L tensor, and the CPU emulation of
     # long sequences is bound by passes over it.
     scores = torch.matmul(qd, kd.transpose(-1, -2)).mul_(scale)
+    left, right = window
     if causal:
+        right = 0 if right < 0 else min(right, 0)
+    if left >= 0 or right >= 0:
         rows = torch.arange(len_q, device=qd.device).view(-1, 1) + (len_k - len_q)
-        scores.masked_fill_(torch.arange(len_k, device=qd.device) > rows, -math.inf)
+        keys = torch.arange(len_k, device=qd.device)
+        hidden = torch.zeros(len_q, len_k, dtype=torch.bool, device=qd.device)
+        if right >= 0:
+            hidden |= keys > rows + right
+        if left >= 0:
+            hidden |= keys < rows - left
+        scores.masked_fill_(hidden, -math.inf)
     tiles = -(-len_k // s.block_k)
     if tiles * s.block_k != len_k:
         scores = torch.nn.functional.pad(scores, (0, tiles * s.block_k - len_k), value=-math.inf)
@@ -375,8 +397,11 @@ def _tiled_attention(qd, kd, vd, causal: bool, scale: float, s: QuantScheme) -> 
     pq.mul_((rescale / s.p_scale).unsqueeze(-1))
     pq = pq.view(b, h, len_q, tiles * s.block_k)[..., :len_k]
     out = (pq @ vd) / denom
+    m_last = m[..., -1] if tiles else torch.zeros_like(denom[..., 0])
+    lse = torch.where(denom[..., 0] != 0, m_last + denom[..., 0].log(),
+                      torch.full_like(denom[..., 0], -math.inf))
     # A row that sees no key gives 0 (as adaattn.flash_attn), not 0 / 0; a NaN row stays NaN.
-    return torch.where(denom != 0, out, torch.zeros_like(out))
+    return torch.where(denom != 0, out, torch.zeros_like(out)), lse
 
 
 def _nonfinite_heads(q, k, v) -> torch.Tensor:
@@ -390,7 +415,9 @@ def _nonfinite_heads(q, k, v) -> torch.Tensor:
 def fp8_attention_emulated(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                            causal: bool = False, scale: Optional[float] = None,
                            scheme: Union[str, QuantScheme] = DEFAULT_SCHEME,
-                           chunk: int = 8) -> torch.Tensor:
+                           window: Tuple[int, int] = (-1, -1),
+                           head_fp8: Optional[torch.Tensor] = None, return_lse: bool = False,
+                           chunk: int = 8):
     """Attention computed the way the FP8 kernel does, on CPU or CUDA: the pre-pass quantisation
     of Q, K, V, the per-tile quantisation of P, float32 everything else (module docstring).
 
@@ -401,53 +428,83 @@ def fp8_attention_emulated(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         causal: bottom-right aligned causal mask.
         scale: multiplies ``q @ k^T``; defaults to ``D ** -0.5``.
         scheme: a name in :data:`SCHEMES` or a :class:`QuantScheme`.
+        window: ``(left, right)`` sliding window as :func:`adaattn.flash_attn`'s.
+        head_fp8: bool ``[B, Hq]`` or None (every head): the heads to run on ``scheme``; the
+            others run the ``"bf16"`` scheme.
+        return_lse: also return the float32 lse ``[B, Hq, Lq]`` (natural log, ``-inf``: no key)
+            and the bool ``[B, Hq]`` of the heads that ran ``scheme``.
         chunk: (batch x query head) pairs per step: the scores of a chunk are materialised
             (``chunk * Lq * Lk`` floats).
 
     Returns:
-        float32 ``out [B, Hq, Lq, Dv]`` (rows that see no key: 0). A head whose q, or whose kv
-        head's k or v, holds a NaN or Inf runs the ``"bf16"`` scheme, so those values reach
-        exactly the rows and entries they reach in :func:`adaattn.flash_attn`.
+        float32 ``out [B, Hq, Lq, Dv]`` (rows that see no key: 0), or ``(out, lse, head_fp8)``
+        with ``return_lse``. A head whose q, or whose kv head's k or v, holds a NaN or Inf runs
+        the ``"bf16"`` scheme, so those values reach exactly the rows and entries they reach in
+        :func:`adaattn.flash_attn`.
 
     Raises:
         TypeError: a non-tensor or non-floating q/k/v, scheme not a str or QuantScheme, a flag
-            not a bool. ValueError: ranks, batch, heads, head dims, an unknown scheme name or
-            format, a non-finite scale. RuntimeError: tensors on different devices. Messages
-            start ``adaattn.fp8_attention_emulated:`` and name the argument.
+            not a bool, head_fp8 not bool. ValueError: ranks, batch, heads, head dims, an
+            unknown scheme name or format, a non-finite scale, a window entry < -1, head_fp8
+            not ``[B, Hq]``. RuntimeError: tensors on different devices. Messages start
+            ``adaattn.fp8_attention_emulated:`` and name the argument.
     """
     op = "fp8_attention_emulated"
     _check_qkv(op, q, k, v)
     causal = C.boolean(op, "causal", causal)
+    return_lse = C.boolean(op, "return_lse", return_lse)
     s = _scheme(op, scheme)
     scale = _scale(op, scale, q)
+    window = _window(op, window)
     chunk = C.integer(op, "chunk", chunk)
     C.check(chunk >= 1, ValueError, op, "chunk must be >= 1, got ", chunk)
+    b, hq, len_q, _ = q.shape
+    if head_fp8 is not None:
+        C.tensor(op, "head_fp8", head_fp8)
+        if head_fp8.dtype != torch.bool:
+            C.fail(TypeError, op, "head_fp8 must be bool, got ", C._dtype(head_fp8))
+        C.check(tuple(head_fp8.shape) == (b, hq), ValueError, op, "head_fp8 must have shape ",
+                C._list((b, hq)), ", got ", C._list(head_fp8.shape))
     qd, kd, vd = _quantize_operands(q, k, v, s)
     # 8-bit operands cannot hold NaN/Inf and a non-finite value would set its block's scale: a
     # head that holds one runs the bf16 scheme (the kernel's pre-pass sees a non-finite block
     # amax and sends the head to bf16), so NaN/Inf reach exactly the rows flash_attn's reach.
-    nonfinite = _nonfinite_heads(q, k, v)
-    fallback = _quantize_operands(q, k, v, SCHEMES["bf16"]) if bool(nonfinite.any()) else None
-    b, hq, len_q, _ = q.shape
+    use_bf16 = _nonfinite_heads(q, k, v)
+    if head_fp8 is not None:
+        use_bf16 = use_bf16 | ~head_fp8.to(use_bf16.device)
+    fallback = _quantize_operands(q, k, v, SCHEMES["bf16"]) if bool(use_bf16.any()) else None
     hkv = k.shape[1]
     group = hq // hkv
     out = qd.new_empty(b, hq, len_q, v.shape[3])
+    lse = qd.new_empty(b, hq, len_q)
     # Chunks of whole kv-head groups so K/V are not expanded to Hq for the whole tensor.
     heads = max(1, chunk // group) * group
     for bi in range(b):
         for h0 in range(0, hq, heads):
             h1 = min(hq, h0 + heads)
             kv = slice(h0 // group, h1 // group)
-            out[bi:bi + 1, h0:h1] = _tiled_attention(
-                qd[bi:bi + 1, h0:h1], kd[bi:bi + 1, kv], vd[bi:bi + 1, kv], causal, scale, s)
-            bad = nonfinite[bi, h0:h1]
+            rows = (slice(bi, bi + 1), slice(h0, h1))
+            out[rows], lse[rows] = _tiled_attention(
+                qd[rows], kd[bi:bi + 1, kv], vd[bi:bi + 1, kv], causal, scale, s, window)
+            bad = use_bf16[bi, h0:h1]
             if fallback is not None and bool(bad.any()):
                 fq, fk, fv = fallback
-                exact = _tiled_attention(fq[bi:bi + 1, h0:h1], fk[bi:bi + 1, kv],
-                                         fv[bi:bi + 1, kv], causal, scale, SCHEMES["bf16"])
-                out[bi:bi + 1, h0:h1] = torch.where(bad.view(1, -1, 1, 1), exact,
-                                                    out[bi:bi + 1, h0:h1])
+                exact, exact_lse = _tiled_attention(fq[rows], fk[bi:bi + 1, kv], fv[bi:bi + 1, kv],
+                                                    causal, scale, SCHEMES["bf16"], window)
+                out[rows] = torch.where(bad.view(1, -1, 1, 1), exact, out[rows])
+                lse[rows] = torch.where(bad.view(1, -1, 1), exact_lse, lse[rows])
+    if return_lse:
+        return out, lse, ~use_bf16
     return out
+
+
+def _window(op: str, window) -> Tuple[int, int]:
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        C.fail(TypeError, op, "window must be a pair (left, right) of ints, got ", repr(window))
+    left, right = (C.integer(op, "window", w) for w in window)
+    C.check(left >= -1 and right >= -1, ValueError, op, "window entries must be >= -1, got ",
+            C._list((left, right)))
+    return left, right
 
 
 def _scale(op: str, scale, q) -> float:
@@ -572,3 +629,46 @@ def choose_precision(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     _estimable(op, _scheme(op, scheme))
     _scale(op, scale, q)
     return estimate_precision_error(q, k, v, scale=scale, scheme=scheme) <= tol
+
+
+def low_precision_forward(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                          precision: str, fp8_tol: Optional[float], causal: bool,
+                          scale: Optional[float], window: Tuple[int, int], seqlens=None,
+                          softcap: float = 0, alibi_slopes=None, sinks=None, rel_bias=None):
+    """:func:`adaattn.flash_attn`'s ``precision="fp8"`` / ``"auto"`` path (arguments already
+    validated as flash_attn's): ``(out [B, Hq, Lq, Dv], lse [B, Hq, Lq], head_fp8 [B, Hq])``,
+    head_fp8 the bool of the heads that ran 8-bit.
+
+    Raises:
+        ValueError: an option the 8-bit forward does not take, softmax_scale <= 0, fp8_tol
+            without "auto" (or not finite and >= 0). TypeError: q not float16/bfloat16. RuntimeError: a gradient
+            wanted (the 8-bit forward is for inference); CUDA without sm_90 or head dims
+            other than D = Dv in {64, 128} (from the op).
+    """
+    others = [name for name, value in (("seqlens", seqlens), ("alibi_slopes", alibi_slopes),
+                                       ("sinks", sinks), ("rel_bias", rel_bias))
+              if value is not None]
+    if softcap:
+        others.append("softcap")
+    if others:
+        C.fail(ValueError, op, "precision=", repr(precision), " does not take ",
+               ", ".join(others), "; use precision='bf16' with them")
+    if scale is not None and not scale > 0:
+        C.fail(ValueError, op, "precision=", repr(precision), " needs softmax_scale > 0, got ",
+               C._num(scale))
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        C.fail(TypeError, op, "precision=", repr(precision),
+               " takes float16 or bfloat16 q, k, v, got ", C._dtype(q))
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        C.fail(RuntimeError, op, "precision=", repr(precision), " is forward-only (inference "
+               "and prefill): call it under torch.no_grad() / torch.inference_mode(), or train "
+               "with precision='bf16'")
+    head_fp8 = None
+    if precision == "auto":
+        tol = FP8_TOL if fp8_tol is None else fp8_tol
+        head_fp8 = choose_precision(q, k, v, fp8_tol=tol, scale=scale)
+    elif fp8_tol is not None:
+        C.fail(ValueError, op, "fp8_tol applies to precision='auto', got precision=",
+               repr(precision))
+    from ._ops import ops
+    return ops.flash_fwd_fp8(q, k, v, scale, causal, window[0], window[1], head_fp8)

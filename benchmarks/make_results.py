@@ -20,8 +20,8 @@ RESULTS_DIR = os.path.join(HERE, "results")
 RESULTS_MD = os.path.join(HERE, "RESULTS.md")
 # The order of the sections; families not listed follow in alphabetical order.
 FAMILY_ORDER = ("flash", "flash-quick", "head-dims", "variants", "variants-quick", "varlen-d128",
-                "varlen-d64", "lazy", "lazy-quick", "decode", "block-sparse",
-                "block-sparse-scaling", "low-rank", "rank", "linear", "hf")
+                "varlen-d64", "lazy", "lazy-quick", "decode", "precision", "precision-quick",
+                "block-sparse", "block-sparse-scaling", "low-rank", "rank", "linear", "hf")
 DIRECTIONS = ("fwd", "fwd+bwd")
 # Row keys with a column of their own (the rest: scalar extras get one column each).
 ROW_KEYS = ("case", "direction", "ms", "tflops", "peak_mib", "note", "config")

@@ -8,6 +8,10 @@
 
 #include <utility>
 
+#ifdef ADAATTN_WITH_CUDA
+#include <ATen/core/Tensor.h>
+#endif
+
 #include "core/params.h"
 #include "variants/table.h"
 
@@ -61,6 +65,23 @@ struct KvAppendParams {
   int64_t v_batch_stride, v_head_stride, v_row_stride;
 };
 void kvcache_append_cuda(const AttnParams& p, const KvAppendParams& a, c10::ScalarType dtype);
+
+// precision="fp8" (cuda/attention_q8.cu, tc/fwd_q8_sm90.h). The pre-pass's operands of the
+// 8-bit forward from fp16/bf16 q [B, Hq, Lq, D], k [B, Hkv, Lk, D], v [B, Hkv, Lk, Dv] (last
+// dims contiguous, 16-byte aligned rows), (D, Dv) in {(64, 64), (128, 128)}.
+struct Q8Operands {
+  at::Tensor q;        // int8 [B, Hq, Lq, D]: Q rotated, per 128-row block scaled
+  at::Tensor k;        // int8 [B, Hkv, Lk, D]: K smoothed, rotated, per 128-key block scaled
+  at::Tensor vt;       // float8_e4m3fn [B, Hkv, Dv, 128 * ceil(Lk / 128)]: V^T, keys permuted
+  at::Tensor q_scale;  // float32 [B, Hq, ceil(Lq / 128)]
+  at::Tensor k_scale;  // float32 [B, Hkv, ceil(Lk / 128)]
+  at::Tensor v_scale;  // float32 [B, Hkv, Dv]
+};
+Q8Operands quantize_q8_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v);
+// The 8-bit forward: p's q, k, v and scales point at a Q8Operands (strides in bytes), out is
+// out_dtype (fp16/bf16). Needs an sm_90 device (q8_forward_available).
+void attention_fwd_q8_cuda(const AttnParams& p, c10::ScalarType out_dtype);
+bool q8_forward_available();
 #endif
 
 }  // namespace adaattn

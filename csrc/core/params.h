@@ -163,6 +163,19 @@ struct KvCacheParams {
   int num_pages;
 };
 
-struct AttnParams : QkvParams, MaskParams, FwdParams, BwdParams, VariantParams, KvCacheParams {};
+// The 8-bit forward (precision="fp8", cuda/tc/fwd_q8_sm90.h): q and k are int8, v is e4m3 V^T
+// (rows are channels), each with float32 scales from the pre-pass (cuda/attention_q8.cu).
+struct QuantParams {
+  const float* q_scale;  // [B, Hq, q_scale_blocks]: one per 128 query rows
+  const float* k_scale;  // [B, Hkv, k_scale_blocks]: one per 128 keys
+  const float* v_scale;  // [B, Hkv, Dv]: one per channel
+  int q_scale_blocks;
+  int k_scale_blocks;
+  // [B, Hq] uint8, or null: 1 where the 8-bit kernel computes the head, 0 where the 16-bit
+  // forward does (both are launched over every head and skip the others' heads).
+  const uint8_t* head_q8;
+};
+struct AttnParams : QkvParams, MaskParams, FwdParams, BwdParams, VariantParams, KvCacheParams,
+                    QuantParams {};
 
 }  // namespace adaattn

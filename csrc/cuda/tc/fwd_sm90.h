@@ -95,7 +95,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_sm90_kernel(const Att
   const int warp = tid / 32;
   const int lane = tid % 32;
   const RowTile tile = row_tile<kBlockM>(p, blockIdx.x);
-  if (!tile.valid) return;
+  if (!tile.valid || q8_owns_head(p, tile.b, tile.h)) return;
   const int b = tile.b, h = tile.h, h_kv = tile.h_kv, m0 = tile.m0;
   const SeqLens lens = tile.lens;
   const int valid_q = lens.rows_q - m0;

@@ -56,7 +56,8 @@ __device__ __forceinline__ float fold_pairwise(float (&x)[N], Op op) {
 // s (kRaw = false) or scale * s with scale > 0 (kRaw = true: the max is taken on the raw scores
 // and each exponent is one FMA, which saves the scaling pass). The running max moves only when
 // the tile's exceeds it by more than `slack` (then corr = 1 and the caller may skip the
-// rescale); exponents stay below 2^slack.
+// rescale); exponents stay below 2^slack. The probabilities (and the row sum) come out
+// multiplied by 2^log2_gain (the 8-bit forward's fixed P scale, folded into the exponent).
 // With one row group per warp (MI = 1, the Hopper kernels' wgmma accumulators: two rows per
 // thread) the row max and row sum are trees, and the sum is taken after all the exponentials:
 // a chain of adds interleaved with them made the warp wait on each exponential's latency, and
@@ -67,10 +68,14 @@ __device__ __forceinline__ float fold_pairwise(float (&x)[N], Op op) {
 // interleaved with the exponentials instead: no gain (0.754-0.776 and 0.877-0.908 ms). MI = 2
 // (the SM80 kernels) keeps one chain per row, four per thread: the trees' temporaries made the
 // SM80 forward spill 292 instead of 208 bytes.
-template <bool kRaw = false, int MI, int NT>
+// kBiasedInt (with kRaw): the raw scores are integers x held as the floats 1.5 * 2^23 + x
+// (s32_to_float without its subtraction), whose order is x's; the bias leaves through the
+// exponent's FMA (one rounding of a per-row constant).
+template <bool kRaw = false, bool kBiasedInt = false, int MI, int NT>
 __device__ __forceinline__ void online_softmax(float (&s)[MI][NT][4], float (&row_max)[MI][2],
                                                float (&row_sum)[MI][2], float (&corr)[MI][2],
-                                               float scale = 1.f, float slack = 0.f) {
+                                               float scale = 1.f, float slack = 0.f,
+                                               float log2_gain = 0.f) {
   if constexpr (!kRaw) scale = 1.f;
   constexpr bool kTrees = MI == 1;
 #pragma unroll
@@ -92,18 +97,20 @@ __device__ __forceinline__ void online_softmax(float (&s)[MI][NT][4], float (&ro
       }
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
-      if constexpr (kRaw) mx = fmaxf(row_max[mi][hh], mx * scale);
+      constexpr float kIntBias = 12582912.f;
+      if constexpr (kRaw) mx = fmaxf(row_max[mi][hh], (kBiasedInt ? mx - kIntBias : mx) * scale);
       if (!(mx - row_max[mi][hh] > slack)) mx = row_max[mi][hh];
       const float base = mx == -INFINITY ? 0.f : mx;
       corr[mi][hh] = exp2f(row_max[mi][hh] - base);
       row_max[mi][hh] = mx;
+      const float shift = kBiasedInt ? fmaf(kIntBias, scale, base - log2_gain) : base - log2_gain;
       float sum = 0.f;
 #pragma unroll
       for (int ni = 0; ni < NT; ++ni)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          const float pe = kRaw ? exp2f(fmaf(s[mi][ni][2 * hh + e], scale, -base))
-                                : exp2f(s[mi][ni][2 * hh + e] - base);
+          const float pe = kRaw ? exp2f(fmaf(s[mi][ni][2 * hh + e], scale, -shift))
+                                : exp2f(s[mi][ni][2 * hh + e] - shift);
           s[mi][ni][2 * hh + e] = pe;
           if constexpr (!kTrees) sum += pe;
         }

@@ -36,6 +36,12 @@ __device__ __forceinline__ RowTile row_tile(const AttnParams& p, int64_t block) 
   return t;
 }
 
+// Whether the 8-bit forward computes head h of entry b (AttnParams::head_q8; every head when
+// the call has no per-head choice is the 16-bit forward's).
+__device__ __forceinline__ bool q8_owns_head(const AttnParams& p, int b, int h) {
+  return p.head_q8 != nullptr && p.head_q8[static_cast<int64_t>(b) * p.heads_q + h] != 0;
+}
+
 // Key tiles of BN keys for one row tile: tile at(i) for i in [0, count).
 struct KeyTiles {
   int begin;      // dense: first tile

@@ -296,27 +296,28 @@ __device__ __forceinline__ void bulk_wait() { ADAATTN_SM90_ASM("cp.async.bulk.wa
   "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
   "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
   "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
-#define ADAATTN_WGMMA_ACC4 \
-  "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), \
-  "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), \
-  "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), \
-  "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
-#define ADAATTN_WGMMA_ACC8 \
-  ADAATTN_WGMMA_ACC4, \
-  "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), \
-  "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), \
-  "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), \
-  "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
-#define ADAATTN_WGMMA_ACC16 \
-  ADAATTN_WGMMA_ACC8, \
-  "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), \
-  "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), \
-  "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), \
-  "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), \
-  "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), \
-  "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), \
-  "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), \
-  "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
+// Accumulator operand lists, C the constraint: "+f" for float accumulators, "+r" for s32.
+#define ADAATTN_WGMMA_ACC4(C) \
+  C(d[0][0]), C(d[0][1]), C(d[0][2]), C(d[0][3]), \
+  C(d[1][0]), C(d[1][1]), C(d[1][2]), C(d[1][3]), \
+  C(d[2][0]), C(d[2][1]), C(d[2][2]), C(d[2][3]), \
+  C(d[3][0]), C(d[3][1]), C(d[3][2]), C(d[3][3])
+#define ADAATTN_WGMMA_ACC8(C) \
+  ADAATTN_WGMMA_ACC4(C), \
+  C(d[4][0]), C(d[4][1]), C(d[4][2]), C(d[4][3]), \
+  C(d[5][0]), C(d[5][1]), C(d[5][2]), C(d[5][3]), \
+  C(d[6][0]), C(d[6][1]), C(d[6][2]), C(d[6][3]), \
+  C(d[7][0]), C(d[7][1]), C(d[7][2]), C(d[7][3])
+#define ADAATTN_WGMMA_ACC16(C) \
+  ADAATTN_WGMMA_ACC8(C), \
+  C(d[8][0]), C(d[8][1]), C(d[8][2]), C(d[8][3]), \
+  C(d[9][0]), C(d[9][1]), C(d[9][2]), C(d[9][3]), \
+  C(d[10][0]), C(d[10][1]), C(d[10][2]), C(d[10][3]), \
+  C(d[11][0]), C(d[11][1]), C(d[11][2]), C(d[11][3]), \
+  C(d[12][0]), C(d[12][1]), C(d[12][2]), C(d[12][3]), \
+  C(d[13][0]), C(d[13][1]), C(d[13][2]), C(d[13][3]), \
+  C(d[14][0]), C(d[14][1]), C(d[14][2]), C(d[14][3]), \
+  C(d[15][0]), C(d[15][1]), C(d[15][2]), C(d[15][3])
 
 // wgmma with both operands in shared memory; A, B, S, TA, TB: the operand numbers of the two
 // descriptors, scale_d and the two transpose immediates.
@@ -346,22 +347,22 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[NT][4], uint64_t desc_a, uin
 #ifdef ADAATTN_SM90A_DEVICE
   constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
   if constexpr (NT == 16 && kBf16) {
-    ADAATTN_WGMMA_SS("m64n128k16", "bf16", ADAATTN_WGMMA_D64, ADAATTN_WGMMA_ACC16,
+    ADAATTN_WGMMA_SS("m64n128k16", "bf16", ADAATTN_WGMMA_D64, ADAATTN_WGMMA_ACC16("+f"),
                      "64", "65", "66", "67", "68");
   } else if constexpr (NT == 16) {
-    ADAATTN_WGMMA_SS("m64n128k16", "f16", ADAATTN_WGMMA_D64, ADAATTN_WGMMA_ACC16,
+    ADAATTN_WGMMA_SS("m64n128k16", "f16", ADAATTN_WGMMA_D64, ADAATTN_WGMMA_ACC16("+f"),
                      "64", "65", "66", "67", "68");
   } else if constexpr (NT == 8 && kBf16) {
-    ADAATTN_WGMMA_SS("m64n64k16", "bf16", ADAATTN_WGMMA_D32, ADAATTN_WGMMA_ACC8,
+    ADAATTN_WGMMA_SS("m64n64k16", "bf16", ADAATTN_WGMMA_D32, ADAATTN_WGMMA_ACC8("+f"),
                      "32", "33", "34", "35", "36");
   } else if constexpr (NT == 8) {
-    ADAATTN_WGMMA_SS("m64n64k16", "f16", ADAATTN_WGMMA_D32, ADAATTN_WGMMA_ACC8,
+    ADAATTN_WGMMA_SS("m64n64k16", "f16", ADAATTN_WGMMA_D32, ADAATTN_WGMMA_ACC8("+f"),
                      "32", "33", "34", "35", "36");
   } else if constexpr (kBf16) {
-    ADAATTN_WGMMA_SS("m64n32k16", "bf16", ADAATTN_WGMMA_D16, ADAATTN_WGMMA_ACC4,
+    ADAATTN_WGMMA_SS("m64n32k16", "bf16", ADAATTN_WGMMA_D16, ADAATTN_WGMMA_ACC4("+f"),
                      "16", "17", "18", "19", "20");
   } else {
-    ADAATTN_WGMMA_SS("m64n32k16", "f16", ADAATTN_WGMMA_D16, ADAATTN_WGMMA_ACC4,
+    ADAATTN_WGMMA_SS("m64n32k16", "f16", ADAATTN_WGMMA_D16, ADAATTN_WGMMA_ACC4("+f"),
                      "16", "17", "18", "19", "20");
   }
 #endif
@@ -376,25 +377,102 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[NT][4], const uint32_t (&a)[
 #ifdef ADAATTN_SM90A_DEVICE
   constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
   if constexpr (NT == 16 && kBf16) {
-    ADAATTN_WGMMA_RS("m64n128k16", "bf16", ADAATTN_WGMMA_D64, ADAATTN_WGMMA_ACC16,
+    ADAATTN_WGMMA_RS("m64n128k16", "bf16", ADAATTN_WGMMA_D64, ADAATTN_WGMMA_ACC16("+f"),
                      "64", "65", "66", "67", "68", "69");
   } else if constexpr (NT == 16) {
-    ADAATTN_WGMMA_RS("m64n128k16", "f16", ADAATTN_WGMMA_D64, ADAATTN_WGMMA_ACC16,
+    ADAATTN_WGMMA_RS("m64n128k16", "f16", ADAATTN_WGMMA_D64, ADAATTN_WGMMA_ACC16("+f"),
                      "64", "65", "66", "67", "68", "69");
   } else if constexpr (NT == 8 && kBf16) {
-    ADAATTN_WGMMA_RS("m64n64k16", "bf16", ADAATTN_WGMMA_D32, ADAATTN_WGMMA_ACC8,
+    ADAATTN_WGMMA_RS("m64n64k16", "bf16", ADAATTN_WGMMA_D32, ADAATTN_WGMMA_ACC8("+f"),
                      "32", "33", "34", "35", "36", "37");
   } else if constexpr (NT == 8) {
-    ADAATTN_WGMMA_RS("m64n64k16", "f16", ADAATTN_WGMMA_D32, ADAATTN_WGMMA_ACC8,
+    ADAATTN_WGMMA_RS("m64n64k16", "f16", ADAATTN_WGMMA_D32, ADAATTN_WGMMA_ACC8("+f"),
                      "32", "33", "34", "35", "36", "37");
   } else if constexpr (kBf16) {
-    ADAATTN_WGMMA_RS("m64n32k16", "bf16", ADAATTN_WGMMA_D16, ADAATTN_WGMMA_ACC4,
+    ADAATTN_WGMMA_RS("m64n32k16", "bf16", ADAATTN_WGMMA_D16, ADAATTN_WGMMA_ACC4("+f"),
                      "16", "17", "18", "19", "20", "21");
   } else {
-    ADAATTN_WGMMA_RS("m64n32k16", "f16", ADAATTN_WGMMA_D16, ADAATTN_WGMMA_ACC4,
+    ADAATTN_WGMMA_RS("m64n32k16", "f16", ADAATTN_WGMMA_D16, ADAATTN_WGMMA_ACC4("+f"),
                      "16", "17", "18", "19", "20", "21");
   }
 #endif
+}
+
+
+// 8-bit operands (k = 32 per instruction; both operands K-major, the only layout 8-bit wgmma
+// reads from shared memory). A k = 32 step of an 8-bit tile covers the bytes of a k = 16 step
+// of a 16-bit tile, so the tiles are GmmaLayout<D / 2> tiles of 16-bit units and their
+// descriptors those of 16-bit tiles half as wide.
+
+// d[N/8][4] (+)= A B^T over k = 32, s8 x s8 -> s32 (exact), both operands in shared memory,
+// N = 128. scale_d = 0 overwrites d.
+template <int NT>
+__device__ __forceinline__ void wgmma_ss_s8(int32_t (&d)[NT][4], uint64_t desc_a,
+                                            uint64_t desc_b, int scale_d) {
+  static_assert(NT == 16, "wgmma_ss_s8 covers N = 128");
+#ifdef ADAATTN_SM90A_DEVICE
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8 " ADAATTN_WGMMA_D64
+               ", %64, %65, p;\n}\n"
+               : ADAATTN_WGMMA_ACC16("+r")
+               : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+#endif
+}
+
+// d[N/8][4] += A B^T over k = 32, e4m3 x e4m3 -> f32: A in registers (four 32-bit registers of
+// four e4m3 each: rows g and g + 8 of the warp's 16, reduction columns 4t .. 4t + 3 and
+// 16 + 4t .. 16 + 4t + 3, t = lane % 4), B = N rows of 32 reduction bytes, K-major in shared
+// memory; N in {64, 128}.
+template <int NT>
+__device__ __forceinline__ void wgmma_rs_e4m3(float (&d)[NT][4], const uint32_t (&a)[4],
+                                              uint64_t desc_b) {
+  static_assert(NT == 8 || NT == 16, "wgmma_rs_e4m3 covers N = 64 and 128");
+#ifdef ADAATTN_SM90A_DEVICE
+  if constexpr (NT == 16) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 " ADAATTN_WGMMA_D64
+                 ", {%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
+                 : ADAATTN_WGMMA_ACC16("+f")
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+  } else {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 " ADAATTN_WGMMA_D32
+                 ", {%32, %33, %34, %35}, %36, p, 1, 1;\n}\n"
+                 : ADAATTN_WGMMA_ACC8("+f")
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+  }
+#endif
+}
+
+// Waits as wgmma_wait for an s32 accumulator.
+template <int N, int NT>
+__device__ __forceinline__ void wgmma_wait(int32_t (&d)[NT][4]) {
+#ifdef ADAATTN_SM90A_DEVICE
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+#pragma unroll
+  for (int j = 0; j < NT; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(d[j][e])::"memory");
+#endif
+}
+
+// Two floats to e4m3 (round to nearest even, saturating at +-448; NaN stays NaN), lo in the low
+// byte.
+__device__ __forceinline__ uint16_t pack_e4m3x2(float lo, float hi) {
+#ifdef ADAATTN_SM90A_DEVICE
+  uint16_t r;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(r) : "f"(hi), "f"(lo));
+  return r;
+#else
+  return 0;
+#endif
+}
+
+// An s32 product of two 8-bit tiles as the float 1.5 * 2^23 + x, exact and ordered as x for
+// |x| < 2^22 (D <= 128: |x| <= 127^2 * 128 < 2^21): one integer add instead of I2F, which
+// issues at a quarter of the float rate (softmax_frag.h's online_softmax takes the bias out).
+__device__ __forceinline__ float s32_as_biased_float(int32_t x) {
+  return __int_as_float(x + 0x4B400000);
 }
 
 }  // namespace sm90

@@ -1,0 +1,397 @@
+// precision="fp8" on CUDA: the pre-pass that quantises Q, K and V as adaattn/precision.py's
+// default scheme (int8-e4m3-hadamard) does, and the launch of the 8-bit Hopper forward
+// (tc/fwd_q8_sm90.h). The pre-pass reads each operand once more than the forward would (K
+// twice: its per-channel mean is needed before any block of it is quantised) and writes half
+// the bytes; its three kernels are memory-bound:
+//   1. column_partials: per (b, kv head, chunk of keys) the per-channel sums of K and the
+//      per-channel maxima of |V| (no atomics: the next kernels reduce the chunks in order);
+//   2. quantize_rows: per (b, head, 128-row block) of Q or K: K minus its mean, the rotation
+//      by the normalised Hadamard matrix (a butterfly), one int8 scale per block (amax / 127;
+//      codes round(x * (1 / scale)), to nearest even);
+//   3. quantize_vt: per (b, kv head, 128-key tile) V / (amax_c / 448) to e4m3, written
+//      transposed and with the keys of each 16 in the order the kernel's P operand reads them.
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include <cmath>
+
+#include "../attention_api.h"
+#include "tc/fwd_q8_sm90.h"
+#include "tc/launch.h"
+
+namespace adaattn {
+namespace {
+
+constexpr int kPartialRows = 256;  // keys per column_partials CTA
+constexpr int kPartialThreads = 256;
+
+template <typename T>
+__device__ __forceinline__ float to_float(T x) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    return __bfloat162float(x);
+  } else {
+    return __half2float(x);
+  }
+}
+
+// max(a, b) that carries a NaN b (fmaxf drops NaN; a NaN must reach the scale).
+__device__ __forceinline__ float nan_max(float a, float b) { return b > a || b != b ? b : a; }
+
+// Per-channel sums of K and maxima of |V| over keys [chunk * kPartialRows, ...) of (b, kv head)
+// bh: k_sum[bh][chunk][D], v_amax[bh][chunk][Dv]. A NaN in V makes its channel's max NaN.
+template <typename T, int D, int DV>
+__global__ void __launch_bounds__(kPartialThreads) column_partials(
+    const T* __restrict__ k, const T* __restrict__ v, int heads_kv, int len,
+    int64_t k_bs, int64_t k_hs, int64_t k_rs, int64_t v_bs, int64_t v_hs, int64_t v_rs,
+    float* __restrict__ k_sum, float* __restrict__ v_amax) {
+  constexpr int kCols = D > DV ? D : DV;
+  constexpr int kLanes = kCols / 8;  // threads per row, 8 channels each
+  constexpr int kRowsPar = kPartialThreads / kLanes;
+  __shared__ float red[kRowsPar][kCols];
+  const int bh = blockIdx.x, chunk = blockIdx.y, chunks = gridDim.y;
+  const int b = bh / heads_kv, h = bh % heads_kv;
+  const int c0 = (threadIdx.x % kLanes) * 8;
+  const int r0 = threadIdx.x / kLanes;
+  const int row_end = min(len, (chunk + 1) * kPartialRows);
+  for (int pass = 0; pass < 2; ++pass) {
+    const int width = pass == 0 ? D : DV;
+    const T* base = pass == 0 ? k + b * k_bs + h * k_hs : v + b * v_bs + h * v_hs;
+    const int64_t rs = pass == 0 ? k_rs : v_rs;
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    if (c0 < width) {
+      for (int r = chunk * kPartialRows + r0; r < row_end; r += kRowsPar) {
+        const uint4 raw = *reinterpret_cast<const uint4*>(base + r * rs + c0);
+        const T* x = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          const float f = to_float(x[e]);
+          // fmaxf would drop a NaN; the max must carry it to the scale.
+          acc[e] = pass == 0 ? acc[e] + f : nan_max(acc[e], fabsf(f));
+        }
+      }
+#pragma unroll
+      for (int e = 0; e < 8; ++e) red[r0][c0 + e] = acc[e];
+    }
+    __syncthreads();
+    for (int c = threadIdx.x; c < width; c += kPartialThreads) {
+      float x = red[0][c];
+      for (int r = 1; r < kRowsPar; ++r) {
+        const float y = red[r][c];
+        x = pass == 0 ? x + y : nan_max(x, y);
+      }
+      float* dst = pass == 0 ? k_sum + (static_cast<int64_t>(bh) * chunks + chunk) * D
+                             : v_amax + (static_cast<int64_t>(bh) * chunks + chunk) * DV;
+      dst[c] = x;
+    }
+    __syncthreads();
+  }
+}
+
+// amax / fmt_max, or 1 where the block is all zeros (as adaattn.precision._safe_scale). A
+// non-finite amax stays non-finite: the op sends heads with a non-finite scale to the 16-bit
+// forward, as the emulation sends heads holding NaN/Inf to the bf16 scheme.
+__device__ __forceinline__ float safe_scale(float amax, float fmt_max) {
+  const float s = amax / fmt_max;
+  return s > 0.f || !isfinite(s) ? s : 1.f;
+}
+
+// K's per-channel means of (b, kv head) bh from column_partials' chunks, summed in order.
+template <int D>
+__global__ void __launch_bounds__(D) k_means(const float* __restrict__ k_sum, int chunks,
+                                             int len, float* __restrict__ mean) {
+  const int bh = blockIdx.x, c = threadIdx.x;
+  float sum = 0.f;
+  for (int k = 0; k < chunks; ++k) sum += k_sum[(static_cast<int64_t>(bh) * chunks + k) * D + c];
+  mean[static_cast<int64_t>(bh) * D + c] = __fdiv_rn(sum, static_cast<float>(len));
+}
+
+// 8 consecutive 16-bit values as float32 (one 16-byte load).
+template <typename T>
+__device__ __forceinline__ void load8(const T* src, float* v) {
+  const uint4 raw = *reinterpret_cast<const uint4*>(src);
+  const T* x = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+  for (int e = 0; e < 8; ++e) v[e] = to_float(x[e]);
+}
+
+// round(x) (to nearest even) as the low byte of the result, for |x| < 2^22: the float bias trick
+// (an add instead of a conversion).
+__device__ __forceinline__ uint32_t rounded_byte(float x) {
+  return static_cast<uint32_t>(__float_as_int(__fadd_rn(x, 12582912.f))) & 0xFFu;
+}
+
+constexpr int kRowsThreads = 256;
+
+// One 128-row block of (b, h) of Q or K (k_mean non-null: K, smoothed by its mean) to int8 in
+// one pass: D / 32 lanes per row, each holding 32 consecutive channels (kPasses rows per
+// thread in registers), so that the butterfly of the Hadamard rotation runs over index bits
+// 1..16 inside a thread and the higher bits across lanes, in the order of
+// adaattn.precision.hadamard_rotate; the block's amax, then codes = round(x * (1 / scale)).
+template <typename T, int D>
+__global__ void __launch_bounds__(kRowsThreads) quantize_rows(
+    const T* __restrict__ x, int heads, int len, int64_t bs, int64_t hs, int64_t rs,
+    const float* __restrict__ k_mean, int8_t* __restrict__ out, float* __restrict__ scales,
+    int blocks) {
+  static_assert(D == 64 || D == 128, "D in {64, 128}");
+  constexpr int kLanesPerRow = D / 32;
+  constexpr int kRowsPerPass = kRowsThreads / kLanesPerRow;
+  constexpr int kPasses = tc::kQ8Block / kRowsPerPass;
+  constexpr int kWarps = kRowsThreads / 32;
+  __shared__ float warp_amax[kWarps];
+  const int blk = blockIdx.x % blocks;
+  const int bh = blockIdx.x / blocks;
+  const int b = bh / heads, h = bh % heads;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int part = threadIdx.x % kLanesPerRow;  // channels [32 * part, 32 * part + 32)
+  const int row_in_pass = threadIdx.x / kLanesPerRow;
+  const int row0 = blk * tc::kQ8Block;
+  const int rows_here = min(tc::kQ8Block, len - row0);
+  float mean[32];
+#pragma unroll
+  for (int e = 0; e < 32; ++e) mean[e] = 0.f;
+  if (k_mean != nullptr) {
+#pragma unroll
+    for (int c = 0; c < 8; ++c) {
+      const float* m = k_mean + static_cast<int64_t>(bh) * D + part * 32 + 4 * c;
+      const float4 m4 = *reinterpret_cast<const float4*>(m);
+      mean[4 * c] = m4.x;
+      mean[4 * c + 1] = m4.y;
+      mean[4 * c + 2] = m4.z;
+      mean[4 * c + 3] = m4.w;
+    }
+  }
+  // fp32(1 / sqrt(D)), as the emulation.
+  const float norm = static_cast<float>(D == 64 ? 0.125 : 0.08838834764831845);
+  const T* src = x + b * bs + h * hs + static_cast<int64_t>(row0) * rs + part * 32;
+  float v[kPasses][32];
+  float amax = 0.f;
+#pragma unroll
+  for (int i = 0; i < kPasses; ++i) {
+    const int r = row_in_pass + i * kRowsPerPass;
+    if (r < rows_here) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) load8(src + r * rs + 8 * c, &v[i][8 * c]);
+    } else {
+#pragma unroll
+      for (int e = 0; e < 32; ++e) v[i][e] = mean[e];  // zero after smoothing
+    }
+#pragma unroll
+    for (int e = 0; e < 32; ++e) v[i][e] = __fsub_rn(v[i][e], mean[e]);
+#pragma unroll
+    for (int m = 1; m < 32; m <<= 1)
+#pragma unroll
+      for (int e = 0; e < 32; ++e)
+        if ((e & m) == 0) {
+          const float a = v[i][e], c = v[i][e + m];
+          v[i][e] = __fadd_rn(a, c);
+          v[i][e + m] = __fsub_rn(a, c);
+        }
+#pragma unroll
+    for (int m = 1; m < kLanesPerRow; m <<= 1) {
+      const float sign = (part & m) ? -1.f : 1.f;  // the upper partner keeps a - b
+#pragma unroll
+      for (int e = 0; e < 32; ++e) {
+        const float y = __shfl_xor_sync(0xffffffff, v[i][e], m);
+        v[i][e] = __fmaf_rn(sign, v[i][e], y);
+      }
+    }
+#pragma unroll
+    for (int e = 0; e < 32; ++e) {
+      v[i][e] = __fmul_rn(v[i][e], norm);
+      amax = nan_max(amax, fabsf(v[i][e]));
+    }
+  }
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) amax = nan_max(amax, __shfl_xor_sync(0xffffffff, amax, m));
+  if (lane == 0) warp_amax[warp] = amax;
+  __syncthreads();
+  amax = warp_amax[0];
+#pragma unroll
+  for (int w = 1; w < kWarps; ++w) amax = nan_max(amax, warp_amax[w]);
+  const float scale = safe_scale(amax, 127.f);
+  if (threadIdx.x == 0) scales[static_cast<int64_t>(bh) * blocks + blk] = scale;
+  const float inv = __frcp_rn(scale);
+  int8_t* dst = out + (static_cast<int64_t>(bh) * len + row0) * D + part * 32;
+#pragma unroll
+  for (int i = 0; i < kPasses; ++i) {
+    const int r = row_in_pass + i * kRowsPerPass;
+    if (r >= rows_here) continue;
+    uint32_t words[8];
+#pragma unroll
+    for (int w = 0; w < 8; ++w) {
+      uint32_t word = 0;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        // |x * inv| <= 127 up to rounding: no clamp needed (a NaN block runs 16-bit).
+        word |= rounded_byte(__fmul_rn(v[i][4 * w + j], inv)) << (8 * j);
+      }
+      words[w] = word;
+    }
+    uint4* o = reinterpret_cast<uint4*>(dst + r * D);
+    o[0] = make_uint4(words[0], words[1], words[2], words[3]);
+    o[1] = make_uint4(words[4], words[5], words[6], words[7]);
+  }
+}
+
+// One 128-key tile of (b, kv head) of V to e4m3 V^T: vt[bh][c][tile * 128 + position] with
+// position tc::q8_vt_position of the key within its 16; keys past len are zero. A thread
+// writes 32 positions (two 16-key groups) of one channel with one 32-byte store.
+template <typename T, int DV>
+__global__ void __launch_bounds__(256) quantize_vt(
+    const T* __restrict__ v, int heads_kv, int len, int64_t bs, int64_t hs, int64_t rs,
+    const float* __restrict__ v_amax, int chunks, uint8_t* __restrict__ vt, int64_t padded_len,
+    float* __restrict__ v_scale, int tiles) {
+  __shared__ float channel_inv[DV];
+  __shared__ __align__(16) T tile_v[tc::kQ8Block][DV];
+  const int tile = blockIdx.x % tiles;
+  const int bh = blockIdx.x / tiles;
+  const int b = bh / heads_kv, h = bh % heads_kv;
+  for (int c = threadIdx.x; c < DV; c += blockDim.x) {
+    float amax = 0.f;
+    for (int k = 0; k < chunks; ++k) {
+      amax = nan_max(amax, v_amax[(static_cast<int64_t>(bh) * chunks + k) * DV + c]);
+    }
+    const float scale = safe_scale(amax, 448.f);
+    channel_inv[c] = __frcp_rn(scale);
+    if (tile == 0) v_scale[static_cast<int64_t>(bh) * DV + c] = scale;
+  }
+  const int key0 = tile * tc::kQ8Block;
+  const int keys = min(tc::kQ8Block, len - key0);
+  const T* src = v + b * bs + h * hs + static_cast<int64_t>(key0) * rs;
+  for (int i = threadIdx.x; i < tc::kQ8Block * DV / 8; i += blockDim.x) {
+    const int r = i / (DV / 8), c = (i % (DV / 8)) * 8;
+    uint4 raw = make_uint4(0, 0, 0, 0);
+    if (r < keys) raw = *reinterpret_cast<const uint4*>(src + r * rs + c);
+    *reinterpret_cast<uint4*>(&tile_v[r][c]) = raw;
+  }
+  __syncthreads();
+  uint8_t* dst = vt + static_cast<int64_t>(bh) * DV * padded_len + key0;
+  // Consecutive threads take consecutive channels (conflict-free reads of a key's row).
+  for (int i = threadIdx.x; i < DV * tc::kQ8Block / 32; i += blockDim.x) {
+    const int c = i % DV;
+    const int pos0 = (i / DV) * 32;
+    const float inv = channel_inv[c];
+    uint32_t words[8];
+#pragma unroll
+    for (int w = 0; w < 8; ++w) {
+      // Positions pos0 + 4w .. + 3 hold keys 2t, 2t + 1, 8 + 2t, 9 + 2t of their 16
+      // (q8_vt_position's inverse), t = w % 4.
+      const int key = pos0 + (w / 4) * 16 + 2 * (w % 4);
+      float x[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int kj = key + (j % 2) + 8 * (j / 2);
+        x[j] = kj < keys ? __fmul_rn(to_float(tile_v[kj][c]), inv) : 0.f;
+      }
+      const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(x[0], x[1]), __NV_SATFINITE,
+                                                   __NV_E4M3);
+      const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(x[2], x[3]), __NV_SATFINITE,
+                                                   __NV_E4M3);
+      words[w] = lo | hi << 16;
+    }
+    uint4* out = reinterpret_cast<uint4*>(dst + static_cast<int64_t>(c) * padded_len + pos0);
+    out[0] = make_uint4(words[0], words[1], words[2], words[3]);
+    out[1] = make_uint4(words[4], words[5], words[6], words[7]);
+  }
+}
+
+template <typename T, int D, int DV>
+Q8Operands quantize_q8_typed(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  const int64_t B = q.size(0), Hq = q.size(1), Lq = q.size(2);
+  const int64_t Hkv = k.size(1), Lk = k.size(2);
+  const auto f32 = q.options().dtype(at::kFloat);
+  const int chunks = static_cast<int>((Lk + kPartialRows - 1) / kPartialRows);
+  const int q_blocks = static_cast<int>((Lq + tc::kQ8Block - 1) / tc::kQ8Block);
+  const int k_blocks = static_cast<int>((Lk + tc::kQ8Block - 1) / tc::kQ8Block);
+  Q8Operands r;
+  r.q = at::empty({B, Hq, Lq, D}, q.options().dtype(at::kChar));
+  r.k = at::empty({B, Hkv, Lk, D}, q.options().dtype(at::kChar));
+  r.vt = at::empty({B, Hkv, DV, static_cast<int64_t>(k_blocks) * tc::kQ8Block},
+                   q.options().dtype(at::kFloat8_e4m3fn));
+  r.q_scale = at::empty({B, Hq, q_blocks}, f32);
+  r.k_scale = at::empty({B, Hkv, k_blocks}, f32);
+  r.v_scale = at::empty({B, Hkv, DV}, f32);
+  if (B * Hkv * Lk == 0) {
+    r.v_scale.fill_(1.f);
+  }
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const T* qp = static_cast<const T*>(q.data_ptr());
+  const T* kp = static_cast<const T*>(k.data_ptr());
+  const T* vp = static_cast<const T*>(v.data_ptr());
+  at::Tensor k_sum, v_amax;
+  if (B * Hkv * Lk > 0) {
+    k_sum = at::empty({B * Hkv, chunks, D}, f32);
+    v_amax = at::empty({B * Hkv, chunks, DV}, f32);
+    column_partials<T, D, DV><<<dim3(B * Hkv, chunks), kPartialThreads, 0, stream>>>(
+        kp, vp, Hkv, Lk, k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
+        v.stride(2), k_sum.data_ptr<float>(), v_amax.data_ptr<float>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  auto rows_kernel = quantize_rows<T, D>;
+  if (B * Hq * Lq > 0) {
+    rows_kernel<<<B * Hq * q_blocks, kRowsThreads, 0, stream>>>(
+        qp, Hq, Lq, q.stride(0), q.stride(1), q.stride(2), nullptr, r.q.data_ptr<int8_t>(),
+        r.q_scale.data_ptr<float>(), q_blocks);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  if (B * Hkv * Lk > 0) {
+    const at::Tensor k_mean = at::empty({B * Hkv, D}, f32);
+    k_means<D><<<B * Hkv, D, 0, stream>>>(k_sum.data_ptr<float>(), chunks, Lk,
+                                          k_mean.data_ptr<float>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    rows_kernel<<<B * Hkv * k_blocks, kRowsThreads, 0, stream>>>(
+        kp, Hkv, Lk, k.stride(0), k.stride(1), k.stride(2), k_mean.data_ptr<float>(),
+        r.k.data_ptr<int8_t>(), r.k_scale.data_ptr<float>(), k_blocks);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    quantize_vt<T, DV><<<B * Hkv * k_blocks, 256, 0, stream>>>(
+        vp, Hkv, Lk, v.stride(0), v.stride(1), v.stride(2), v_amax.data_ptr<float>(), chunks,
+        static_cast<uint8_t*>(r.vt.data_ptr()), r.vt.size(3), r.v_scale.data_ptr<float>(),
+        k_blocks);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  return r;
+}
+
+template <typename T>
+Q8Operands quantize_q8_dims(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  const int64_t d = q.size(3), dv = v.size(3);
+  if (d == 128 && dv == 128) return quantize_q8_typed<T, 128, 128>(q, k, v);
+  if (d == 64 && dv == 64) return quantize_q8_typed<T, 64, 64>(q, k, v);
+  TORCH_CHECK(false, "adaattn: the 8-bit forward has (D, Dv) in {(64, 64), (128, 128)}, got (",
+              d, ", ", dv, ")");
+}
+
+template <typename T, int D>
+void launch_q8(const AttnParams& p) {
+  using Traits = tc::Sm90Q8FwdTraits<D, D>;
+  auto kernel = tc::fwd_q8_sm90_kernel<Traits, T, D, D>;
+  tc::set_smem(kernel, Traits::kSmemBytes);
+  const int grid = tc::grid_size(tile_slots<false>(p, Traits::kBlockM) * p.heads_q);
+  kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, at::cuda::getCurrentCUDAStream()>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+bool q8_forward_available() { return tc::use_sm90(); }
+
+Q8Operands quantize_q8_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  if (q.scalar_type() == at::kBFloat16) return quantize_q8_dims<__nv_bfloat16>(q, k, v);
+  return quantize_q8_dims<__half>(q, k, v);
+}
+
+void attention_fwd_q8_cuda(const AttnParams& p, c10::ScalarType out_dtype) {
+  TORCH_CHECK(tc::use_sm90(), "adaattn: the 8-bit forward needs an sm_90 GPU (H100/H200)");
+  const bool bf16 = out_dtype == at::kBFloat16;
+  if (p.head_dim == 128) {
+    bf16 ? launch_q8<__nv_bfloat16, 128>(p) : launch_q8<__half, 128>(p);
+  } else {
+    bf16 ? launch_q8<__nv_bfloat16, 64>(p) : launch_q8<__half, 64>(p);
+  }
+}
+
+}  // namespace adaattn
