@@ -52,7 +52,7 @@ def _flash_fwd_fake(q, k, v, seqlens, softmax_scale, causal, window_left, window
 
 @torch.library.register_fake("adaattn::flash_fwd_fp8")
 def _flash_fwd_fp8_fake(q, k, v, softmax_scale=None, causal=False, window_left=-1,
-                        window_right=-1, head_fp8=None):
+                        window_right=-1, fp8_tol=None):
     C.check_flash_inputs("flash_attn", q, k, v, None, None, None)
     C.check_flash_options("flash_attn", softmax_scale, window_left, window_right, 0.0)
     C.check(softmax_scale is None or softmax_scale > 0, ValueError, "flash_attn",
@@ -62,13 +62,16 @@ def _flash_fwd_fp8_fake(q, k, v, softmax_scale=None, causal=False, window_left=-
 
 @torch.library.register_kernel("adaattn::flash_fwd_fp8", "cpu")
 def _flash_fwd_fp8_cpu(q, k, v, softmax_scale=None, causal=False, window_left=-1,
-                       window_right=-1, head_fp8=None):
-    """The CPU kernel of the 8-bit forward: its emulation (one definition of the scheme)."""
-    from .precision import fp8_attention_emulated
+                       window_right=-1, fp8_tol=None):
+    """The CPU kernel of the 8-bit forward: its emulation (one definition of the scheme), with
+    the heads chosen by choose_precision when fp8_tol is given."""
+    from .precision import choose_precision, fp8_attention_emulated
     C.check_flash_inputs("flash_attn", q, k, v, None, None, None)
     C.check_flash_options("flash_attn", softmax_scale, window_left, window_right, 0.0)
     C.check(softmax_scale is None or softmax_scale > 0, ValueError, "flash_attn",
             "precision='fp8' needs softmax_scale > 0, got ", softmax_scale)
+    head_fp8 = None if fp8_tol is None else choose_precision(q, k, v, fp8_tol=fp8_tol,
+                                                             scale=softmax_scale)
     out, lse, ran_fp8 = fp8_attention_emulated(
         q, k, v, causal=causal, scale=softmax_scale, window=(window_left, window_right),
         head_fp8=head_fp8, return_lse=True)

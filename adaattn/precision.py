@@ -663,12 +663,15 @@ def low_precision_forward(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Te
         C.fail(RuntimeError, op, "precision=", repr(precision), " is forward-only (inference "
                "and prefill): call it under torch.no_grad() / torch.inference_mode(), or train "
                "with precision='bf16'")
-    head_fp8 = None
+    tol = None
     if precision == "auto":
-        tol = FP8_TOL if fp8_tol is None else fp8_tol
-        head_fp8 = choose_precision(q, k, v, fp8_tol=tol, scale=scale)
+        tol = FP8_TOL if fp8_tol is None else C.real(op, "fp8_tol", fp8_tol)
+        C.check(math.isfinite(tol) and tol >= 0, ValueError, op,
+                "fp8_tol must be finite and >= 0, got ", C._num(tol))
     elif fp8_tol is not None:
         C.fail(ValueError, op, "fp8_tol applies to precision='auto', got precision=",
                repr(precision))
     from ._ops import ops
-    return ops.flash_fwd_fp8(q, k, v, scale, causal, window[0], window[1], head_fp8)
+    # "auto": the op estimates each head's error (estimate_precision_error's model) from
+    # statistics its pre-pass gathers while quantising, so the choice costs no extra pass.
+    return ops.flash_fwd_fp8(q, k, v, scale, causal, window[0], window[1], tol)

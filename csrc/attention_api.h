@@ -76,8 +76,13 @@ struct Q8Operands {
   at::Tensor q_scale;  // float32 [B, Hq, ceil(Lq / 128)]
   at::Tensor k_scale;  // float32 [B, Hkv, ceil(Lk / 128)]
   at::Tensor v_scale;  // float32 [B, Hkv, Dv]
+  // With `stats`: per block (tile) and channel, the sums of the rotated (smoothed) values'
+  // squares and of their squared rounding errors: float32 [B, Hq, ceil(Lq / 128), 2, D],
+  // [B, Hkv, ceil(Lk / 128), 2, D], [B, Hkv, ceil(Lk / 128), 2, Dv] (precision="auto").
+  at::Tensor q_stats, k_stats, v_stats;
 };
-Q8Operands quantize_q8_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v);
+Q8Operands quantize_q8_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            bool stats);
 // The 8-bit forward: p's q, k, v and scales point at a Q8Operands (strides in bytes), out is
 // out_dtype (fp16/bf16). Needs an sm_90 device (q8_forward_available).
 void attention_fwd_q8_cuda(const AttnParams& p, c10::ScalarType out_dtype);

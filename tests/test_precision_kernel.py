@@ -148,6 +148,23 @@ def test_nonfinite_heads_run_bf16(where, value):
 
 
 @needs_sm90
+@pytest.mark.parametrize("kind", ["normal", "outlier"])
+@pytest.mark.parametrize("dim", [64, 128])
+def test_auto_choice_is_choose_precision(kind, dim):
+    # The op's in-pre-pass estimate is estimate_precision_error's model: the same choice on
+    # heads whose estimates straddle the tolerance.
+    q, k, v = inputs(1, 8, 4, 600, 600, dim, "cuda", seed=dim, kind=kind)
+    q[:, ::3] *= 3
+    est = P.estimate_precision_error(q, k, v)
+    tol = est.median().item()
+    with torch.no_grad():
+        _, heads = adaattn.flash_attn(q, k, v, precision="auto", fp8_tol=tol,
+                                      return_precision=True)
+    margin = (est - tol).abs() > 1e-3 * tol  # heads at the tolerance may fall either way
+    assert torch.equal(heads[margin].cpu(), (est <= tol)[margin].cpu())
+
+
+@needs_sm90
 def test_auto_runs_scaled_heads_bf16():
     q, k, v = inputs(2, 8, 8, 512, 512, 128, "cuda", seed=5)
     q[:, 4:] *= 4

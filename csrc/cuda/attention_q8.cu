@@ -131,11 +131,16 @@ constexpr int kRowsThreads = 256;
 // thread in registers), so that the butterfly of the Hadamard rotation runs over index bits
 // 1..16 inside a thread and the higher bits across lanes, in the order of
 // adaattn.precision.hadamard_rotate; the block's amax, then codes = round(x * (1 / scale)).
-template <typename T, int D>
+//
+// stats (non-null: precision="auto"): per channel, the block's sums of x^2 and of the squared
+// rounding error (code * scale - x)^2 of the rotated rows, at stats[bh][blk][0 / 1][D]: the
+// statistics of adaattn.precision.estimate_precision_error (K's variance over the keys is its
+// mean square once smoothed).
+template <typename T, int D, bool kStats>
 __global__ void __launch_bounds__(kRowsThreads) quantize_rows(
     const T* __restrict__ x, int heads, int len, int64_t bs, int64_t hs, int64_t rs,
     const float* __restrict__ k_mean, int8_t* __restrict__ out, float* __restrict__ scales,
-    int blocks) {
+    int blocks, float* __restrict__ stats) {
   static_assert(D == 64 || D == 128, "D in {64, 128}");
   constexpr int kLanesPerRow = D / 32;
   constexpr int kRowsPerPass = kRowsThreads / kLanesPerRow;
@@ -215,6 +220,45 @@ __global__ void __launch_bounds__(kRowsThreads) quantize_rows(
   const float scale = safe_scale(amax, 127.f);
   if (threadIdx.x == 0) scales[static_cast<int64_t>(bh) * blocks + blk] = scale;
   const float inv = __frcp_rn(scale);
+  if constexpr (kStats) {
+    // Rows past the block's end hold 0 (code 0): they add nothing.
+    float sq[32], err[32];
+#pragma unroll
+    for (int e = 0; e < 32; ++e) sq[e] = err[e] = 0.f;
+#pragma unroll
+    for (int i = 0; i < kPasses; ++i)
+#pragma unroll
+      for (int e = 0; e < 32; ++e) {
+        const float x = v[i][e];
+        const float code = __fsub_rn(__fadd_rn(__fmul_rn(x, inv), 12582912.f), 12582912.f);
+        const float d = __fsub_rn(__fmul_rn(code, scale), x);
+        sq[e] = __fmaf_rn(x, x, sq[e]);
+        err[e] = __fmaf_rn(d, d, err[e]);
+      }
+    // Over the lanes that hold the same channels, then over the warps.
+#pragma unroll
+    for (int m = kLanesPerRow; m < 32; m <<= 1)
+#pragma unroll
+      for (int e = 0; e < 32; ++e) {
+        sq[e] += __shfl_xor_sync(0xffffffff, sq[e], m);
+        err[e] += __shfl_xor_sync(0xffffffff, err[e], m);
+      }
+    __shared__ float warp_stats[kWarps][2][D];
+    if (lane < kLanesPerRow) {
+#pragma unroll
+      for (int e = 0; e < 32; ++e) {
+        warp_stats[warp][0][part * 32 + e] = sq[e];
+        warp_stats[warp][1][part * 32 + e] = err[e];
+      }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < 2 * D; i += kRowsThreads) {
+      float sum = 0.f;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) sum += warp_stats[w][i / D][i % D];
+      stats[(static_cast<int64_t>(bh) * blocks + blk) * 2 * D + i] = sum;
+    }
+  }
   int8_t* dst = out + (static_cast<int64_t>(bh) * len + row0) * D + part * 32;
 #pragma unroll
   for (int i = 0; i < kPasses; ++i) {
@@ -240,12 +284,16 @@ __global__ void __launch_bounds__(kRowsThreads) quantize_rows(
 // One 128-key tile of (b, kv head) of V to e4m3 V^T: vt[bh][c][tile * 128 + position] with
 // position tc::q8_vt_position of the key within its 16; keys past len are zero. A thread
 // writes 32 positions (two 16-key groups) of one channel with one 32-byte store.
+// stats (non-null): per channel the tile's sums of v^2 and of the squared rounding error
+// (e4m3(v / scale) * scale - v)^2, at stats[bh][tile][0 / 1][DV].
 template <typename T, int DV>
 __global__ void __launch_bounds__(256) quantize_vt(
     const T* __restrict__ v, int heads_kv, int len, int64_t bs, int64_t hs, int64_t rs,
     const float* __restrict__ v_amax, int chunks, uint8_t* __restrict__ vt, int64_t padded_len,
-    float* __restrict__ v_scale, int tiles) {
-  __shared__ float channel_inv[DV];
+    float* __restrict__ v_scale, int tiles, float* __restrict__ stats) {
+  static_assert(DV * tc::kQ8Block / 32 <= 2 * 256 && 256 % DV == 0, "two items per thread");
+  __shared__ float tile_stats[256 / DV][2][DV];
+  __shared__ float channel_inv[DV], channel_scale[DV];
   __shared__ __align__(16) T tile_v[tc::kQ8Block][DV];
   const int tile = blockIdx.x % tiles;
   const int bh = blockIdx.x / tiles;
@@ -257,6 +305,7 @@ __global__ void __launch_bounds__(256) quantize_vt(
     }
     const float scale = safe_scale(amax, 448.f);
     channel_inv[c] = __frcp_rn(scale);
+    channel_scale[c] = scale;
     if (tile == 0) v_scale[static_cast<int64_t>(bh) * DV + c] = scale;
   }
   const int key0 = tile * tc::kQ8Block;
@@ -271,6 +320,7 @@ __global__ void __launch_bounds__(256) quantize_vt(
   __syncthreads();
   uint8_t* dst = vt + static_cast<int64_t>(bh) * DV * padded_len + key0;
   // Consecutive threads take consecutive channels (conflict-free reads of a key's row).
+  float sq = 0.f, err = 0.f;
   for (int i = threadIdx.x; i < DV * tc::kQ8Block / 32; i += blockDim.x) {
     const int c = i % DV;
     const int pos0 = (i / DV) * 32;
@@ -292,15 +342,39 @@ __global__ void __launch_bounds__(256) quantize_vt(
       const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(x[2], x[3]), __NV_SATFINITE,
                                                    __NV_E4M3);
       words[w] = lo | hi << 16;
+      if (stats != nullptr) {
+        const float scale = channel_scale[c];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const __half_raw h = __nv_cvt_fp8_to_halfraw(
+              static_cast<__nv_fp8_storage_t>(words[w] >> (8 * j)), __NV_E4M3);
+          const float value = to_float(tile_v[key + j % 2 + 8 * (j / 2)][c]);  // 0 past len
+          const float d = __half2float(__half(h)) * scale - value;
+          sq = fmaf(value, value, sq);
+          err = fmaf(d, d, err);
+        }
+      }
     }
     uint4* out = reinterpret_cast<uint4*>(dst + static_cast<int64_t>(c) * padded_len + pos0);
     out[0] = make_uint4(words[0], words[1], words[2], words[3]);
     out[1] = make_uint4(words[4], words[5], words[6], words[7]);
   }
+  if (stats != nullptr) {
+    tile_stats[threadIdx.x / DV][0][threadIdx.x % DV] = sq;
+    tile_stats[threadIdx.x / DV][1][threadIdx.x % DV] = err;
+    __syncthreads();
+    for (int i = threadIdx.x; i < 2 * DV; i += blockDim.x) {
+      float sum = 0.f;
+#pragma unroll
+      for (int g = 0; g < 256 / DV; ++g) sum += tile_stats[g][i / DV][i % DV];
+      stats[(static_cast<int64_t>(bh) * tiles + tile) * 2 * DV + i] = sum;
+    }
+  }
 }
 
 template <typename T, int D, int DV>
-Q8Operands quantize_q8_typed(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+Q8Operands quantize_q8_typed(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             bool stats) {
   const int64_t B = q.size(0), Hq = q.size(1), Lq = q.size(2);
   const int64_t Hkv = k.size(1), Lk = k.size(2);
   const auto f32 = q.options().dtype(at::kFloat);
@@ -315,6 +389,12 @@ Q8Operands quantize_q8_typed(const at::Tensor& q, const at::Tensor& k, const at:
   r.q_scale = at::empty({B, Hq, q_blocks}, f32);
   r.k_scale = at::empty({B, Hkv, k_blocks}, f32);
   r.v_scale = at::empty({B, Hkv, DV}, f32);
+  if (stats) {
+    r.q_stats = at::empty({B, Hq, q_blocks, 2, D}, f32);
+    r.k_stats = at::empty({B, Hkv, k_blocks, 2, D}, f32);
+    r.v_stats = at::empty({B, Hkv, k_blocks, 2, DV}, f32);
+  }
+  auto stats_ptr = [&](const at::Tensor& t) { return stats ? t.data_ptr<float>() : nullptr; };
   if (B * Hkv * Lk == 0) {
     r.v_scale.fill_(1.f);
   }
@@ -331,11 +411,12 @@ Q8Operands quantize_q8_typed(const at::Tensor& q, const at::Tensor& k, const at:
         v.stride(2), k_sum.data_ptr<float>(), v_amax.data_ptr<float>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
-  auto rows_kernel = quantize_rows<T, D>;
+  // The statistics' registers would halve the occupancy of the plain pre-pass.
+  auto rows_kernel = stats ? quantize_rows<T, D, true> : quantize_rows<T, D, false>;
   if (B * Hq * Lq > 0) {
     rows_kernel<<<B * Hq * q_blocks, kRowsThreads, 0, stream>>>(
         qp, Hq, Lq, q.stride(0), q.stride(1), q.stride(2), nullptr, r.q.data_ptr<int8_t>(),
-        r.q_scale.data_ptr<float>(), q_blocks);
+        r.q_scale.data_ptr<float>(), q_blocks, stats_ptr(r.q_stats));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   if (B * Hkv * Lk > 0) {
@@ -345,22 +426,23 @@ Q8Operands quantize_q8_typed(const at::Tensor& q, const at::Tensor& k, const at:
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     rows_kernel<<<B * Hkv * k_blocks, kRowsThreads, 0, stream>>>(
         kp, Hkv, Lk, k.stride(0), k.stride(1), k.stride(2), k_mean.data_ptr<float>(),
-        r.k.data_ptr<int8_t>(), r.k_scale.data_ptr<float>(), k_blocks);
+        r.k.data_ptr<int8_t>(), r.k_scale.data_ptr<float>(), k_blocks, stats_ptr(r.k_stats));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     quantize_vt<T, DV><<<B * Hkv * k_blocks, 256, 0, stream>>>(
         vp, Hkv, Lk, v.stride(0), v.stride(1), v.stride(2), v_amax.data_ptr<float>(), chunks,
         static_cast<uint8_t*>(r.vt.data_ptr()), r.vt.size(3), r.v_scale.data_ptr<float>(),
-        k_blocks);
+        k_blocks, stats_ptr(r.v_stats));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   return r;
 }
 
 template <typename T>
-Q8Operands quantize_q8_dims(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+Q8Operands quantize_q8_dims(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            bool stats) {
   const int64_t d = q.size(3), dv = v.size(3);
-  if (d == 128 && dv == 128) return quantize_q8_typed<T, 128, 128>(q, k, v);
-  if (d == 64 && dv == 64) return quantize_q8_typed<T, 64, 64>(q, k, v);
+  if (d == 128 && dv == 128) return quantize_q8_typed<T, 128, 128>(q, k, v, stats);
+  if (d == 64 && dv == 64) return quantize_q8_typed<T, 64, 64>(q, k, v, stats);
   TORCH_CHECK(false, "adaattn: the 8-bit forward has (D, Dv) in {(64, 64), (128, 128)}, got (",
               d, ", ", dv, ")");
 }
@@ -379,9 +461,10 @@ void launch_q8(const AttnParams& p) {
 
 bool q8_forward_available() { return tc::use_sm90(); }
 
-Q8Operands quantize_q8_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-  if (q.scalar_type() == at::kBFloat16) return quantize_q8_dims<__nv_bfloat16>(q, k, v);
-  return quantize_q8_dims<__half>(q, k, v);
+Q8Operands quantize_q8_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            bool stats) {
+  if (q.scalar_type() == at::kBFloat16) return quantize_q8_dims<__nv_bfloat16>(q, k, v, stats);
+  return quantize_q8_dims<__half>(q, k, v, stats);
 }
 
 void attention_fwd_q8_cuda(const AttnParams& p, c10::ScalarType out_dtype) {

@@ -4,6 +4,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <cmath>
 #include <limits>
 
 #include "../../attention_api.h"
@@ -13,21 +14,48 @@
 namespace adaattn {
 namespace {
 
-// Heads that run 8-bit: asked for (head_fp8) and with finite scales (finite q, k and v).
-at::Tensor heads_to_quantize(const Q8Operands& ops, const std::optional<at::Tensor>& head_fp8,
-                             int64_t heads_q) {
+// adaattn.precision.estimate_precision_error from the pre-pass's statistics (the same model;
+// tests/test_precision_kernel.py checks the choice against it): float32 [B, Hq].
+at::Tensor estimate_error(const Q8Operands& ops, int64_t len_q, int64_t len_k, double scale) {
+  // Per-channel mean square over the sequence of statistic `which`: [B, H, D].
+  auto mean_sq = [](const at::Tensor& stats, int64_t len, int64_t which) {
+    const at::Tensor sum = stats.select(3, which).sum(2);
+    return len > 0 ? sum / static_cast<double>(len) : at::zeros_like(sum);
+  };
+  const int64_t group = ops.q.size(1) / ops.k.size(1);
+  auto per_query_head = [group](const at::Tensor& t) { return t.repeat_interleave(group, 1); };
+  const at::Tensor k_var = per_query_head(mean_sq(ops.k_stats, len_k, 0));
+  const at::Tensor k_err = per_query_head(mean_sq(ops.k_stats, len_k, 1));
+  const at::Tensor sigma_s2 =
+      scale * scale * ((mean_sq(ops.q_stats, len_q, 1) * k_var).sum(-1) +
+                       (mean_sq(ops.q_stats, len_q, 0) * k_err).sum(-1));
+  const at::Tensor v_energy = mean_sq(ops.v_stats, len_k, 0).sum(-1);
+  const at::Tensor eps_v2 = per_query_head(at::where(
+      v_energy > 0, mean_sq(ops.v_stats, len_k, 1).sum(-1) / v_energy, at::zeros_like(v_energy)));
+  // e4m3 P: the mean squared relative rounding error of 3 mantissa bits, log-uniform mantissas.
+  const double eps_p2 = std::pow(4.0, -3.0) / 12.0 * (3.0 / (8.0 * std::log(2.0)));
+  return (sigma_s2 + eps_v2 + eps_p2).sqrt();
+}
+
+// Heads that run 8-bit: finite scales (finite q, k and v) and, with fp8_tol, an estimated
+// error within it.
+at::Tensor heads_to_quantize(const Q8Operands& ops, std::optional<double> fp8_tol,
+                             int64_t len_q, int64_t len_k, double scale) {
+  const int64_t heads_q = ops.q.size(1);
   const at::Tensor q_ok = at::isfinite(ops.q_scale).all(-1);
   const at::Tensor kv_ok =
       at::logical_and(at::isfinite(ops.k_scale).all(-1), at::isfinite(ops.v_scale).all(-1));
   at::Tensor ok = at::logical_and(q_ok, kv_ok.repeat_interleave(heads_q / kv_ok.size(1), 1));
-  if (head_fp8.has_value()) ok = at::logical_and(ok, *head_fp8);
+  if (fp8_tol.has_value()) {
+    ok = at::logical_and(ok, estimate_error(ops, len_q, len_k, scale) <= *fp8_tol);
+  }
   return ok;
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_fwd_fp8_cuda_op(
     const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
     std::optional<double> softmax_scale, bool causal, int64_t window_left, int64_t window_right,
-    const std::optional<at::Tensor>& head_fp8) {
+    std::optional<double> fp8_tol) {
   const char* op = "flash_attn";
   check_flash_inputs(op, q_in, k_in, v_in, std::nullopt, std::nullopt, std::nullopt);
   TORCH_CHECK_TYPE(use_tensor_cores(q_in.scalar_type()), "adaattn.", op,
@@ -39,16 +67,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_fwd_fp8_cuda_op(
                     d, ", Dv = v.size(-1) = ", dv);
   TORCH_CHECK(q8_forward_available(), "adaattn.", op,
               ": precision='fp8' needs an sm_90 GPU (H100/H200); use precision='bf16' here");
-  if (head_fp8.has_value()) {
-    const at::Tensor& hf = *head_fp8;
-    TORCH_CHECK_TYPE(hf.scalar_type() == at::kBool, "adaattn.", op,
-                     ": head_fp8 must be bool, got ", hf.scalar_type());
-    TORCH_CHECK_VALUE(hf.dim() == 2 && hf.size(0) == q_in.size(0) && hf.size(1) == q_in.size(1),
-                      "adaattn.", op, ": head_fp8 must have shape [B, Hq] = [", q_in.size(0),
-                      ", ", q_in.size(1), "], got ", hf.sizes());
-    TORCH_CHECK(hf.device() == q_in.device(), "adaattn.", op,
-                ": head_fp8 must be on q's device ", q_in.device(), ", got ", hf.device());
-  }
+  TORCH_CHECK_VALUE(!fp8_tol.has_value() || (std::isfinite(*fp8_tol) && *fp8_tol >= 0),
+                    "adaattn.", op, ": fp8_tol must be finite and >= 0, got ",
+                    fp8_tol.value_or(0.0));
   const FlashOptions opt = resolve_flash_options(op, q_in, softmax_scale, causal, window_left,
                                                  window_right, BwdMode::kAtomic, 0.0);
   TORCH_CHECK_VALUE(opt.scale > 0, "adaattn.", op,
@@ -62,8 +83,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_fwd_fp8_cuda_op(
   if (no_rows(q, std::nullopt)) {
     return {out, lse, at::zeros({q.size(0), q.size(1)}, q.options().dtype(at::kBool))};
   }
-  const Q8Operands ops = quantize_q8_cuda(q, k, v);
-  const at::Tensor run_q8 = heads_to_quantize(ops, head_fp8, q.size(1));
+  const Q8Operands ops = quantize_q8_cuda(q, k, v, fp8_tol.has_value());
+  const at::Tensor run_q8 = heads_to_quantize(ops, fp8_tol, q.size(2), k.size(2), opt.scale);
   const at::Tensor head_q8 = run_q8.to(at::kByte).contiguous();
   AttnParams p = make_params(q, k, v, std::nullopt, std::nullopt, std::nullopt, opt);
   set_fwd_outputs(p, out, lse);
