@@ -641,9 +641,9 @@ def low_precision_forward(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Te
 
     Raises:
         ValueError: an option the 8-bit forward does not take, softmax_scale <= 0, fp8_tol
-            without "auto" (or not finite and >= 0). TypeError: q not float16/bfloat16. RuntimeError: a gradient
-            wanted (the 8-bit forward is for inference); CUDA without sm_90 or head dims
-            other than D = Dv in {64, 128} (from the op).
+            without "auto" (or not finite and >= 0); CUDA head dims other than D = Dv in
+            {64, 128} (from the op). TypeError: q not float16/bfloat16. RuntimeError: a
+            gradient wanted (the 8-bit forward is for inference); CUDA without sm_90.
     """
     others = [name for name, value in (("seqlens", seqlens), ("alibi_slopes", alibi_slopes),
                                        ("sinks", sinks), ("rel_bias", rel_bias))

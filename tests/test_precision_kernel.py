@@ -243,3 +243,18 @@ def test_refuses_float32():
     q, k, v = inputs(1, 2, 2, 16, 16, 64, "cpu", dtype=torch.float32)
     with torch.no_grad(), pytest.raises(TypeError, match="float16 or bfloat16"):
         adaattn.flash_attn(q, k, v, precision="fp8")
+
+
+def test_example_runs_and_keeps_large_logit_heads_at_bf16(capsys):
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "adaptive_precision.py"
+    spec = importlib.util.spec_from_file_location("adaptive_precision", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    assert example.main(["--device", "cpu", "--length", "256", "--no-plot"]) == 0
+    lines = [l.split() for l in capsys.readouterr().out.splitlines() if l.strip().endswith(
+        tuple("0123456789")) and l.split()[0].isdigit()]
+    assert len(lines) == 8
+    assert all(l[5] == "bf16" for l in lines if l[1] == "x4")
+    assert all(l[5] == "fp8" for l in lines if l[1] == "plain")
