@@ -70,14 +70,14 @@ void kvcache_append_cuda(const AttnParams& p, const KvAppendParams& a, c10::Scal
 // 8-bit forward from fp16/bf16 q [B, Hq, Lq, D], k [B, Hkv, Lk, D], v [B, Hkv, Lk, Dv] (last
 // dims contiguous, 16-byte aligned rows), (D, Dv) in {(64, 64), (128, 128)}.
 struct Q8Operands {
-  at::Tensor q;        // int8 [B, Hq, Lq, D]: Q rotated, per 128-row block scaled
+  at::Tensor q;        // int8 [B, Hq, Lq, D]: Q rotated, per 64-row block scaled
   at::Tensor k;        // int8 [B, Hkv, Lk, D]: K smoothed, rotated, per 128-key block scaled
   at::Tensor vt;       // float8_e4m3fn [B, Hkv, Dv, 128 * ceil(Lk / 128)]: V^T, keys permuted
-  at::Tensor q_scale;  // float32 [B, Hq, ceil(Lq / 128)]
+  at::Tensor q_scale;  // float32 [B, Hq, ceil(Lq / 64)]
   at::Tensor k_scale;  // float32 [B, Hkv, ceil(Lk / 128)]
   at::Tensor v_scale;  // float32 [B, Hkv, Dv]
   // With `stats`: per block (tile) and channel, the sums of the rotated (smoothed) values'
-  // squares and of their squared rounding errors: float32 [B, Hq, ceil(Lq / 128), 2, D],
+  // squares and of their squared rounding errors: float32 [B, Hq, ceil(Lq / 64), 2, D],
   // [B, Hkv, ceil(Lk / 128), 2, D], [B, Hkv, ceil(Lk / 128), 2, Dv] (precision="auto").
   at::Tensor q_stats, k_stats, v_stats;
 };

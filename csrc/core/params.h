@@ -166,7 +166,7 @@ struct KvCacheParams {
 // The 8-bit forward (precision="fp8", cuda/tc/fwd_q8_sm90.h): q and k are int8, v is e4m3 V^T
 // (rows are channels), each with float32 scales from the pre-pass (cuda/attention_q8.cu).
 struct QuantParams {
-  const float* q_scale;  // [B, Hq, q_scale_blocks]: one per 128 query rows
+  const float* q_scale;  // [B, Hq, q_scale_blocks]: one per 64 query rows
   const float* k_scale;  // [B, Hkv, k_scale_blocks]: one per 128 keys
   const float* v_scale;  // [B, Hkv, Dv]: one per channel
   int q_scale_blocks;

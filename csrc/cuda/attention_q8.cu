@@ -5,9 +5,9 @@
 // the bytes; its three kernels are memory-bound:
 //   1. column_partials: per (b, kv head, chunk of keys) the per-channel sums of K and the
 //      per-channel maxima of |V| (no atomics: the next kernels reduce the chunks in order);
-//   2. quantize_rows: per (b, head, 128-row block) of Q or K: K minus its mean, the rotation
-//      by the normalised Hadamard matrix (a butterfly), one int8 scale per block (amax / 127;
-//      codes round(x * (1 / scale)), to nearest even);
+//   2. quantize_rows: per (b, head, block of 64 Q rows or 128 K rows): K minus its mean, the
+//      rotation by the normalised Hadamard matrix (a butterfly), one int8 scale per block
+//      (amax / 127; codes round(x * (1 / scale)), to nearest even);
 //   3. quantize_vt: per (b, kv head, 128-key tile) V / (amax_c / 448) to e4m3, written
 //      transposed and with the keys of each 16 in the order the kernel's P operand reads them.
 #include <ATen/ATen.h>
@@ -124,9 +124,13 @@ __device__ __forceinline__ uint32_t rounded_byte(float x) {
   return static_cast<uint32_t>(__float_as_int(__fadd_rn(x, 12582912.f))) & 0xFFu;
 }
 
-constexpr int kRowsThreads = 256;
+// Threads of a quantize_rows CTA for blocks of kBlock rows: every row's lanes, at most 256.
+template <int D, int kBlock>
+constexpr int rows_threads() {
+  return kBlock * (D / 32) < 256 ? kBlock * (D / 32) : 256;
+}
 
-// One 128-row block of (b, h) of Q or K (k_mean non-null: K, smoothed by its mean) to int8 in
+// One kBlock-row block (64 for Q, 128 for K) of (b, h) of Q or K (k_mean non-null: K, smoothed by its mean) to int8 in
 // one pass: D / 32 lanes per row, each holding 32 consecutive channels (kPasses rows per
 // thread in registers), so that the butterfly of the Hadamard rotation runs over index bits
 // 1..16 inside a thread and the higher bits across lanes, in the order of
@@ -136,15 +140,17 @@ constexpr int kRowsThreads = 256;
 // rounding error (code * scale - x)^2 of the rotated rows, at stats[bh][blk][0 / 1][D]: the
 // statistics of adaattn.precision.estimate_precision_error (K's variance over the keys is its
 // mean square once smoothed).
-template <typename T, int D, bool kStats>
-__global__ void __launch_bounds__(kRowsThreads) quantize_rows(
+template <typename T, int D, int kBlock, bool kStats>
+__global__ void __launch_bounds__(rows_threads<D, kBlock>()) quantize_rows(
     const T* __restrict__ x, int heads, int len, int64_t bs, int64_t hs, int64_t rs,
     const float* __restrict__ k_mean, int8_t* __restrict__ out, float* __restrict__ scales,
     int blocks, float* __restrict__ stats) {
   static_assert(D == 64 || D == 128, "D in {64, 128}");
+  constexpr int kRowsThreads = rows_threads<D, kBlock>();
   constexpr int kLanesPerRow = D / 32;
   constexpr int kRowsPerPass = kRowsThreads / kLanesPerRow;
-  constexpr int kPasses = tc::kQ8Block / kRowsPerPass;
+  constexpr int kPasses = kBlock / kRowsPerPass;
+  static_assert(kPasses * kRowsPerPass == kBlock, "whole passes");
   constexpr int kWarps = kRowsThreads / 32;
   __shared__ float warp_amax[kWarps];
   const int blk = blockIdx.x % blocks;
@@ -153,8 +159,8 @@ __global__ void __launch_bounds__(kRowsThreads) quantize_rows(
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int part = threadIdx.x % kLanesPerRow;  // channels [32 * part, 32 * part + 32)
   const int row_in_pass = threadIdx.x / kLanesPerRow;
-  const int row0 = blk * tc::kQ8Block;
-  const int rows_here = min(tc::kQ8Block, len - row0);
+  const int row0 = blk * kBlock;
+  const int rows_here = min(kBlock, len - row0);
   float mean[32];
 #pragma unroll
   for (int e = 0; e < 32; ++e) mean[e] = 0.f;
@@ -379,7 +385,7 @@ Q8Operands quantize_q8_typed(const at::Tensor& q, const at::Tensor& k, const at:
   const int64_t Hkv = k.size(1), Lk = k.size(2);
   const auto f32 = q.options().dtype(at::kFloat);
   const int chunks = static_cast<int>((Lk + kPartialRows - 1) / kPartialRows);
-  const int q_blocks = static_cast<int>((Lq + tc::kQ8Block - 1) / tc::kQ8Block);
+  const int q_blocks = static_cast<int>((Lq + tc::kQ8QBlock - 1) / tc::kQ8QBlock);
   const int k_blocks = static_cast<int>((Lk + tc::kQ8Block - 1) / tc::kQ8Block);
   Q8Operands r;
   r.q = at::empty({B, Hq, Lq, D}, q.options().dtype(at::kChar));
@@ -412,9 +418,11 @@ Q8Operands quantize_q8_typed(const at::Tensor& q, const at::Tensor& k, const at:
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   // The statistics' registers would halve the occupancy of the plain pre-pass.
-  auto rows_kernel = stats ? quantize_rows<T, D, true> : quantize_rows<T, D, false>;
+  constexpr int kQ = tc::kQ8QBlock, kK = tc::kQ8Block;
+  auto q_kernel = stats ? quantize_rows<T, D, kQ, true> : quantize_rows<T, D, kQ, false>;
+  auto k_kernel = stats ? quantize_rows<T, D, kK, true> : quantize_rows<T, D, kK, false>;
   if (B * Hq * Lq > 0) {
-    rows_kernel<<<B * Hq * q_blocks, kRowsThreads, 0, stream>>>(
+    q_kernel<<<B * Hq * q_blocks, rows_threads<D, kQ>(), 0, stream>>>(
         qp, Hq, Lq, q.stride(0), q.stride(1), q.stride(2), nullptr, r.q.data_ptr<int8_t>(),
         r.q_scale.data_ptr<float>(), q_blocks, stats_ptr(r.q_stats));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -424,7 +432,7 @@ Q8Operands quantize_q8_typed(const at::Tensor& q, const at::Tensor& k, const at:
     k_means<D><<<B * Hkv, D, 0, stream>>>(k_sum.data_ptr<float>(), chunks, Lk,
                                           k_mean.data_ptr<float>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    rows_kernel<<<B * Hkv * k_blocks, kRowsThreads, 0, stream>>>(
+    k_kernel<<<B * Hkv * k_blocks, rows_threads<D, kK>(), 0, stream>>>(
         kp, Hkv, Lk, k.stride(0), k.stride(1), k.stride(2), k_mean.data_ptr<float>(),
         r.k.data_ptr<int8_t>(), r.k_scale.data_ptr<float>(), k_blocks, stats_ptr(r.k_stats));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -447,9 +455,12 @@ Q8Operands quantize_q8_dims(const at::Tensor& q, const at::Tensor& k, const at::
               d, ", ", dv, ")");
 }
 
+// Three consumer warpgroups at D = 64, where a warpgroup's products are too short for two to
+// cover each other's softmax; two at D = 128 (three would leave 160 registers a thread, below
+// the 168 it uses).
 template <typename T, int D>
 void launch_q8(const AttnParams& p) {
-  using Traits = tc::Sm90Q8FwdTraits<D, D>;
+  using Traits = tc::Sm90Q8FwdTraits<D, D, D == 64 ? 3 : 2>;
   auto kernel = tc::fwd_q8_sm90_kernel<Traits, T, D, D>;
   tc::set_smem(kernel, Traits::kSmemBytes);
   const int grid = tc::grid_size(tile_slots<false>(p, Traits::kBlockM) * p.heads_q);

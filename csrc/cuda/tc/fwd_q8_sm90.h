@@ -2,14 +2,14 @@
 // "int8-e4m3-hadamard"): S = Q K^T on s8 wgmma (exact s32), online softmax in float32, P
 // quantised to e4m3 with the fixed per-row scale 448 and O += P V^T on e4m3 wgmma, both
 // products at the 8-bit rate. The operands come from the pre-pass (cuda/attention_q8.cu):
-//   p.q: int8 Q (rotated), [B, Hq, Lq, D], one scale per 128 rows in p.q_scale;
+//   p.q: int8 Q (rotated), [B, Hq, Lq, D], one scale per 64 rows in p.q_scale;
 //   p.k: int8 K (smoothed, rotated), [B, Hkv, Lk, D], one scale per 128 keys in p.k_scale;
 //   p.v: e4m3 V^T, [B, Hkv, Dv, Lk rounded up to 128] (v_row_stride: the padded length), keys
 //        permuted within each 16 so that the score accumulator's registers are P's A
 //        operand as they stand (kVtKeyOrder below), one scale per channel in p.v_scale.
 // Strides of p.q/p.k/p.v are in bytes (elements). The structure is fwd_sm90.h's normalised
-// mainloop (warp-specialised, two consumer warpgroups of 64 rows taking turns, two load
-// stages), with the tile's scale sq * sk * softmax scale folded into the exponent's FMA and no
+// mainloop (warp-specialised, two or three consumer warpgroups of 64 rows taking turns, two
+// load stages), with the tile's scale sq * sk * softmax scale folded into the exponent's FMA and no
 // max slack (the quantised P must be exp(S - m) <= 1 times 448, as the emulation forms it).
 #pragma once
 
@@ -27,9 +27,10 @@ namespace tc {
 // The fixed scale of P before its e4m3 rounding (P <= 1 uses e4m3's range up to 448), as an
 // exponent offset: log2(448).
 constexpr float kLog2PScale = 8.807354922057604f;
-// Rows per Q scale and keys per K scale: the kernel's tiles (adaattn.precision's block_q,
-// block_k).
+// Keys per K scale (and per V^T tile): the kernel's key tile (adaattn.precision's block_k).
 constexpr int kQ8Block = 128;
+// Query rows per Q scale: a consumer warpgroup's rows (block_q).
+constexpr int kQ8QBlock = 64;
 
 // Where key kappa (0..15) of each 16-key group of V^T sits: a thread's accumulator holds keys
 // 2t, 2t + 1, 8 + 2t, 9 + 2t of a 16-key group of its rows, which an e4m3 A operand reads as
@@ -38,11 +39,14 @@ __host__ __device__ constexpr int q8_vt_position(int kappa) {
   return 4 * ((kappa % 8) / 2) + kappa % 2 + 2 * (kappa / 8);
 }
 
-template <int DK, int DV>
+// kWarpgroupCount: consumer warpgroups (64 rows each), 2 or 3 (launch_q8).
+template <int DK, int DV, int kWarpgroupCount>
 struct Sm90Q8FwdTraits {
-  static constexpr int kWarpgroups = 2;
+  static constexpr int kWarpgroups = kWarpgroupCount;
   static constexpr int kProducerRegs = 32;
-  static constexpr int kConsumerRegs = 232;
+  static constexpr int kConsumerRegs = kWarpgroups == 3 ? 160 : 232;
+  static_assert(kWarpgroups * 128 * kConsumerRegs + 128 * kProducerRegs <= 65536,
+                "the register split fits the register file");
   static constexpr int kConsumerThreads = kWarpgroups * 128;
   static constexpr int kThreads = kConsumerThreads + 128;
   static constexpr int kBlockM = kWarpgroups * 64;
@@ -53,7 +57,7 @@ struct Sm90Q8FwdTraits {
   static constexpr int kKUnits = kBlockN * DK / 2;
   static constexpr int kVUnits = DV * kBlockN / 2;
   static constexpr int kSmemBytes = (kQUnits + kStages * (kKUnits + kVUnits)) * 2 + 1024;
-  static_assert(kBlockM == kQ8Block && kBlockN == kQ8Block, "one scale per tile");
+  static_assert(kBlockN == kQ8Block, "one K scale per key tile");
   static_assert((DK == 64 || DK == 128) && (DV == 64 || DV == 128), "D, Dv in {64, 128}");
   // The bf16 output rows are staged over the tiles.
   static_assert(kBlockM * DV <= kQUnits + kStages * (kKUnits + kVUnits), "staging fits");
@@ -138,7 +142,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_q8_sm90_kernel(const 
     float row_sum[1][2] = {{0.f, 0.f}};
     // The scores' scale of key tile n: sq * sk[n] * softmax scale, in log2 units.
     const float q_scale_log2 =
-        p.q_scale[(static_cast<int64_t>(b) * p.heads_q + h) * p.q_scale_blocks + m0 / kQ8Block] *
+        p.q_scale[(static_cast<int64_t>(b) * p.heads_q + h) * p.q_scale_blocks +
+                  (m0 + 64 * wg) / kQ8QBlock] *
         p.scale_log2;
     const float* k_scale = p.k_scale + (static_cast<int64_t>(b) * p.heads_kv + h_kv) *
                                            p.k_scale_blocks;
