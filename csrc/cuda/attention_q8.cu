@@ -130,11 +130,12 @@ constexpr int rows_threads() {
   return kBlock * (D / 32) < 256 ? kBlock * (D / 32) : 256;
 }
 
-// One kBlock-row block (64 for Q, 128 for K) of (b, h) of Q or K (k_mean non-null: K, smoothed by its mean) to int8 in
-// one pass: D / 32 lanes per row, each holding 32 consecutive channels (kPasses rows per
-// thread in registers), so that the butterfly of the Hadamard rotation runs over index bits
-// 1..16 inside a thread and the higher bits across lanes, in the order of
-// adaattn.precision.hadamard_rotate; the block's amax, then codes = round(x * (1 / scale)).
+// One kBlock-row block (64 for Q, 128 for K) of (b, h) of Q or K (k_mean non-null: K,
+// smoothed by its mean) to int8 in one pass: D / 32 lanes per row, each holding 32
+// consecutive channels (kPasses rows per thread in registers), so that the butterfly of the
+// Hadamard rotation runs over index bits 1..16 inside a thread and the higher bits across
+// lanes, in the order of adaattn.precision.hadamard_rotate; the block's amax, then
+// codes = round(x * (1 / scale)).
 //
 // stats (non-null: precision="auto"): per channel, the block's sums of x^2 and of the squared
 // rounding error (code * scale - x)^2 of the rotated rows, at stats[bh][blk][0 / 1][D]: the
@@ -287,6 +288,18 @@ __global__ void __launch_bounds__(rows_threads<D, kBlock>()) quantize_rows(
   }
 }
 
+// The key at position pos of its 16 in V^T: the inverse of tc::q8_vt_position.
+__host__ __device__ constexpr int q8_vt_key(int pos) {
+  return pos % 4 < 2 ? 2 * (pos / 4) + pos % 4 : 8 + 2 * (pos / 4) + pos % 4 - 2;
+}
+constexpr bool q8_vt_order_inverts() {
+  for (int pos = 0; pos < 16; ++pos) {
+    if (tc::q8_vt_position(q8_vt_key(pos)) != pos) return false;
+  }
+  return true;
+}
+static_assert(q8_vt_order_inverts(), "V^T's key order is the P operand's");
+
 // One 128-key tile of (b, kv head) of V to e4m3 V^T: vt[bh][c][tile * 128 + position] with
 // position tc::q8_vt_position of the key within its 16; keys past len are zero. A thread
 // writes 32 positions (two 16-key groups) of one channel with one 32-byte store.
@@ -334,13 +347,12 @@ __global__ void __launch_bounds__(256) quantize_vt(
     uint32_t words[8];
 #pragma unroll
     for (int w = 0; w < 8; ++w) {
-      // Positions pos0 + 4w .. + 3 hold keys 2t, 2t + 1, 8 + 2t, 9 + 2t of their 16
-      // (q8_vt_position's inverse), t = w % 4.
-      const int key = pos0 + (w / 4) * 16 + 2 * (w % 4);
+      // Positions pos0 + 4w .. pos0 + 4w + 3.
+      const int group = pos0 + (w / 4) * 16;
       float x[4];
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        const int kj = key + (j % 2) + 8 * (j / 2);
+        const int kj = group + q8_vt_key(4 * (w % 4) + j);
         x[j] = kj < keys ? __fmul_rn(to_float(tile_v[kj][c]), inv) : 0.f;
       }
       const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(x[0], x[1]), __NV_SATFINITE,
@@ -354,7 +366,8 @@ __global__ void __launch_bounds__(256) quantize_vt(
         for (int j = 0; j < 4; ++j) {
           const __half_raw h = __nv_cvt_fp8_to_halfraw(
               static_cast<__nv_fp8_storage_t>(words[w] >> (8 * j)), __NV_E4M3);
-          const float value = to_float(tile_v[key + j % 2 + 8 * (j / 2)][c]);  // 0 past len
+          // v (0 past len, as the zero-filled tile holds).
+          const float value = to_float(tile_v[group + q8_vt_key(4 * (w % 4) + j)][c]);
           const float d = __half2float(__half(h)) * scale - value;
           sq = fmaf(value, value, sq);
           err = fmaf(d, d, err);

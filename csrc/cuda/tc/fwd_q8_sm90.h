@@ -143,7 +143,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_q8_sm90_kernel(const 
     // The scores' scale of key tile n: sq * sk[n] * softmax scale, in log2 units.
     const float q_scale_log2 =
         p.q_scale[(static_cast<int64_t>(b) * p.heads_q + h) * p.q_scale_blocks +
-                  (m0 + 64 * wg) / kQ8QBlock] *
+                  (m0 + kQ8QBlock * wg) / kQ8QBlock] *
         p.scale_log2;
     const float* k_scale = p.k_scale + (static_cast<int64_t>(b) * p.heads_kv + h_kv) *
                                            p.k_scale_blocks;
