@@ -119,23 +119,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_q8_sm90_kernel(const 
         sm90::load_tile_gmma<DV, kVK, 128>(sV + ((j - 1) % 2) * Traits::kVUnits,
                                            vt + n * kVK, p.v_row_stride / 2, DV, ptid);
       }
-      cp_async_commit();
-      cp_async_wait<0>();
-      sm90::fence_proxy_async();
-      sm90::mbar_arrive(&full[j % 2]);
+      sm90::publish_stage(&full[j % 2]);
     }
   } else {
     sm90::regs_alloc<Traits::kConsumerRegs>();
     const int wg = warp / 4;
     const int warp_row0 = warp * 16;
     const int g = lane >> 2;
-    RowRanges<1> rr;
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const KeyRange r = key_range(p, lens, m0 + warp_row0 + g + 8 * hh);
-      rr.lo[0][hh] = r.lo;
-      rr.hi[0][hh] = r.hi;
-    }
+    const RowRanges<1> rr = warp_row_ranges(p, lens, m0 + warp_row0, lane);
     float o[DT][4];
     zero<1, DT>(reinterpret_cast<float(&)[1][DT][4]>(o));
     float row_max[1][2] = {{-INFINITY, -INFINITY}};
@@ -203,11 +194,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_q8_sm90_kernel(const 
     };
 
     constexpr int kWgs = Traits::kWarpgroups;
-    constexpr int kTurnThreads = 2 * 128;
-    auto take_turn = [&] { sm90::named_sync(kTurnBarrier + wg, kTurnThreads); };
-    auto pass_turn = [&] { sm90::named_arrive(kTurnBarrier + (wg + 1) % kWgs, kTurnThreads); };
+    const sm90::WarpgroupTurns<kWgs, kTurnBarrier> turns{wg};
     if (tiles.count > 0) {
-      if (wg == kWgs - 1) pass_turn();
+      if (wg == kWgs - 1) turns.pass();
       // The softmax does not run under this warpgroup's own P V product: ptxas schedules the
       // wait for it at the top of the softmax's basic block (docs/lab/fp8-kernel.md). The
       // other warpgroup's products cover it (the turns above).
@@ -215,9 +204,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_q8_sm90_kernel(const 
       {
         wait_full(0);
         int32_t si[NT][4];
-        take_turn();
+        turns.take();
         issue_scores(si, 0);
-        pass_turn();
+        turns.pass();
         sm90::wgmma_wait<0>(si);
         release(0);
         float s[1][NT][4];
@@ -228,10 +217,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_q8_sm90_kernel(const 
       for (int i = 1; i < tiles.count; ++i) {
         wait_full(i);
         int32_t si[NT][4];
-        take_turn();
+        turns.take();
         issue_scores(si, i % 2);
         issue_pv(pa, (i - 1) % 2);
-        pass_turn();
+        turns.pass();
         sm90::wgmma_wait<1>(si);
         float s[1][NT][4];
         float corr[1][2];
@@ -248,9 +237,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_q8_sm90_kernel(const 
         quantize_p(s, pa);
       }
       wait_full(tiles.count);
-      take_turn();
+      turns.take();
       issue_pv(pa, (tiles.count - 1) % 2);
-      if (wg != kWgs - 1) pass_turn();
+      if (wg != kWgs - 1) turns.pass();
       sm90::wgmma_wait<0>(o);
       sm90::fence_operand(pa);
     }

@@ -147,10 +147,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_sm90_kernel(const Att
           if (j < tiles.count) load_k(j % 2, tiles.at(j));
           if (j > 0) load_v((j - 1) % 2, tiles.at(j - 1));
         }
-        cp_async_commit();
-        cp_async_wait<0>();
-        sm90::fence_proxy_async();
-        sm90::mbar_arrive(&full[j % 2]);
+        sm90::publish_stage(&full[j % 2]);
       }
     });
   } else {
@@ -158,15 +155,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_sm90_kernel(const Att
     const int wg = warp / 4;
     const int warp_row0 = warp * 16;  // = 64 * wg + 16 * (warp % 4)
     const int g = lane >> 2;
-    RowRanges<1> rr;
+    const RowRanges<1> rr = warp_row_ranges(p, lens, m0 + warp_row0, lane);
     float row_term[1][2];  // the transform's c_i of each row
+    if (kLsePass) {
 #pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const int row = m0 + warp_row0 + g + 8 * hh;
-      const KeyRange r = key_range(p, lens, row);
-      rr.lo[0][hh] = r.lo;
-      rr.hi[0][hh] = r.hi;
-      if (kLsePass) {
+      for (int hh = 0; hh < 2; ++hh) {
+        const int row = m0 + warp_row0 + g + 8 * hh;
         row_term[0][hh] = Transform::template row_term<float>(p, h, query_position(lens, row));
       }
     }
@@ -228,17 +222,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_sm90_kernel(const Att
       // warpgroup 0 the first turn and passes none after its last product, so that every
       // arrival is consumed.
       constexpr int kWgs = Traits::kWarpgroups;
-      constexpr int kTurnThreads = 2 * 128;  // the warpgroup waiting and the one passing
-      auto take_turn = [&] { sm90::named_sync(kTurnBarrier + wg, kTurnThreads); };
-      auto pass_turn = [&] { sm90::named_arrive(kTurnBarrier + (wg + 1) % kWgs, kTurnThreads); };
-      if (wg == kWgs - 1) pass_turn();
+      const sm90::WarpgroupTurns<kWgs, kTurnBarrier> turns{wg};
+      if (wg == kWgs - 1) turns.pass();
       uint32_t pa[1][NT / 2][4];
       {
         wait_full(0);
         float s[1][NT][4];
-        take_turn();
+        turns.take();
         issue_scores(s, 0);
-        pass_turn();
+        turns.pass();
         sm90::wgmma_wait<0>(s[0]);
         release(0);
         float corr[1][2];  // O is still 0
@@ -248,10 +240,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_sm90_kernel(const Att
       for (int i = 1; i < tiles.count; ++i) {
         wait_full(i);
         float s[1][NT][4];
-        take_turn();
+        turns.take();
         issue_scores(s, i % 2);
         issue_pv(pa[0], (i - 1) % 2);
-        pass_turn();
+        turns.pass();
         sm90::wgmma_wait<1>(s[0]);
         float corr[1][2];
         softmax_scores(s, tiles.at(i) * BN, corr);
@@ -267,9 +259,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_sm90_kernel(const Att
         to_a_frags<1, NT, T>(s, pa);
       }
       wait_full(tiles.count);
-      take_turn();
+      turns.take();
       issue_pv(pa[0], (tiles.count - 1) % 2);
-      if (wg != kWgs - 1) pass_turn();
+      if (wg != kWgs - 1) turns.pass();
       sm90::wgmma_wait<0>(o[0]);
       sm90::fence_operand(pa[0]);
     };

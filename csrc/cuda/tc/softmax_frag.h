@@ -23,6 +23,19 @@ struct RowRanges {
   int hi[MI][2];
 };
 
+// The key ranges of rows row0 + g and row0 + g + 8 (g = lane / 4) of a warp's 16.
+__device__ __forceinline__ RowRanges<1> warp_row_ranges(const AttnParams& p, const SeqLens& lens,
+                                                        int row0, int lane) {
+  RowRanges<1> rr;
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const KeyRange r = key_range(p, lens, row0 + (lane >> 2) + 8 * hh);
+    rr.lo[0][hh] = r.lo;
+    rr.hi[0][hh] = r.hi;
+  }
+  return rr;
+}
+
 // Sets scores outside each row's key range to -inf. Scores are [MI][NT] fragments whose column
 // n-tile ni starts at key n0 + 8 * ni.
 template <int MI, int NT>

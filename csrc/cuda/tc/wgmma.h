@@ -221,6 +221,15 @@ __device__ __forceinline__ void init_load_ring(uint64_t (&full)[kStages],
   __syncthreads();
 }
 
+// The producer's end of load group j of a load ring: waits for its cp.async copies, orders
+// them before the consumers' wgmma reads, and arrives on the stage's `full` barrier.
+__device__ __forceinline__ void publish_stage(uint64_t* full) {
+  cp_async_commit();
+  cp_async_wait<0>();
+  fence_proxy_async();
+  mbar_arrive(full);
+}
+
 // Moves this warpgroup's register budget (setmaxnreg, sm_90a): a warp-specialised kernel's
 // producer gives registers up for its consumers.
 template <int N>
@@ -251,6 +260,18 @@ __device__ __forceinline__ void named_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 #endif
 }
+
+// Turns passed round kWarpgroups consumer warpgroups in order (FA3's ping-pong): warpgroup wg
+// waits on named barrier kFirstBarrier + wg for its turn and passes it to the next on that
+// one's barrier; each barrier counts the warpgroup waiting and the one passing.
+template <int kWarpgroups, int kFirstBarrier>
+struct WarpgroupTurns {
+  int wg;
+  __device__ __forceinline__ void take() const { named_sync(kFirstBarrier + wg, 2 * 128); }
+  __device__ __forceinline__ void pass() const {
+    named_arrive(kFirstBarrier + (wg + 1) % kWarpgroups, 2 * 128);
+  }
+};
 
 // Whether pred holds for any thread of warpgroup wg (all 128 threads must call it): a reduction
 // on named barrier 1 + wg, which __syncthreads (barrier 0) never uses.
