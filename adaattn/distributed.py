@@ -293,6 +293,7 @@ class _RingSpec:
         self.cu_seqlens, self.chunk = cu_seqlens, chunk
         self.row_dim = 0 if packed else 2   # sequence dim of q/k/v/out
         self.lse_dim = 1 if packed else 2   # sequence dim of lse
+        self.heads = [(_ALL, _ALL)]  # (query heads, kv heads) of each ring: _head_groups
 
     def plan(self, src: int, lq: int, lk: int):
         """[(query rows, key rows, window_left, window_right, cu_seqlens_q, cu_seqlens_k)]."""
@@ -307,6 +308,54 @@ class _RingSpec:
         return [(*call, None, None)
                 for call in _dense_plan(self.rank, src, self.world, self.layout, self.causal,
                                         lq, lk)]
+
+
+# ---- head groups -------------------------------------------------------------------------------
+# Heads are independent, so a ring call may run its heads in groups, one whole ring per group:
+# every buffer the ring adds to the single-GPU op (received K/V, fp32 accumulators, travelling
+# dK/dV partials, the block calls' outputs) then holds one group's heads. The transfers shrink
+# with the compute, so the ring hides them as well as before; each group's kernels must still
+# fill the GPU, hence the automatic choice below.
+
+# The automatic choice: at most this many groups (the ring's extra memory, about 13 bf16 shard
+# tensors for MHA (docs/context_parallel.md), falls to about 13 / G of one), each keeping at
+# least _MIN_WAVES 128-row tiles per streaming multiprocessor busy.
+_AUTO_MAX_HEAD_GROUPS = 8
+_MIN_WAVES = 4
+
+
+def _auto_head_groups(q: torch.Tensor, hq: int, hkv: int, rows: int, batch: int) -> int:
+    if q.device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    tiles = batch * -(-rows // 128)
+    best = 1
+    for groups in range(1, min(hkv, _AUTO_MAX_HEAD_GROUPS) + 1):
+        if hkv % groups == 0 and tiles * (hq // groups) >= _MIN_WAVES * sms:
+            best = groups
+    return best
+
+
+def _head_groups(op: str, head_chunks, q: torch.Tensor, hq: int, hkv: int, rows: int,
+                 batch: int) -> List[tuple]:
+    """[(query head slice, kv head slice)] of ``head_chunks`` groups (None: automatic); a
+    group's query heads are those of its kv heads (GQA)."""
+    if head_chunks is None:
+        groups = _auto_head_groups(q, hq, hkv, rows, batch)
+    else:
+        C.check(isinstance(head_chunks, int) and not isinstance(head_chunks, bool)
+                and head_chunks >= 1 and hkv % head_chunks == 0, ValueError, op,
+                "head_chunks must be None or a positive divisor of the kv heads (", hkv,
+                "), got ", repr(head_chunks))
+        groups = head_chunks
+    per_q, per_kv = hq // groups, hkv // groups
+    return [(slice(g * per_q, (g + 1) * per_q), slice(g * per_kv, (g + 1) * per_kv))
+            for g in range(groups)]
+
+
+def _lse_heads(spec, lse: torch.Tensor, heads: slice) -> torch.Tensor:
+    """The rows of ``heads`` in an lse tensor (dense ``[B, Hq, L]``, packed ``[Hq, T]``)."""
+    return lse[heads] if spec.packed else lse[:, heads]
 
 
 def _mask(window_left: int, window_right: int):
@@ -447,11 +496,25 @@ def _add_sinks(spec: _RingSpec, out: torch.Tensor, lse: torch.Tensor, sinks: tor
 class _RingFlashFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, spec):
-        out, lse, block_lse = _ring_flash_fwd(spec, q, k, v)
+        if len(spec.heads) == 1:
+            out, lse, block_lse = _ring_flash_fwd(spec, q, k, v)
+            counts = [len(block_lse)]
+        else:
+            out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+            lse = q.new_empty((q.shape[1], q.shape[0]) if spec.packed else q.shape[:3],
+                              dtype=torch.float32)
+            block_lse, counts = [], []
+            for qh, kh in spec.heads:
+                out_g, lse_g, block_g = _ring_flash_fwd(spec, q[:, qh], k[:, kh], v[:, kh])
+                out[:, qh] = out_g
+                _lse_heads(spec, lse, qh).copy_(lse_g)
+                block_lse += block_g
+                counts.append(len(block_g))
         if sinks is not None:
             out, lse = _add_sinks(spec, out, lse, sinks)
         ctx.save_for_backward(q, k, v, out, lse, sinks, *block_lse)
         ctx.spec = spec
+        ctx.counts = counts
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -460,20 +523,30 @@ class _RingFlashFunction(torch.autograd.Function):
         q, k, v, out, lse, sinks, *block_lse = ctx.saved_tensors
         if dout is None:
             return None, None, None, None, None
+        spec = ctx.spec
         # With the sinks in lse and out, the blocks' gradients are the plain ones: the sink is
         # a key of value zero, which adds nothing to dq, dk or dv.
-        dq, dk, dv = _ring_flash_bwd(ctx.spec, dout, q, k, v, out, lse, block_lse)
+        if len(spec.heads) == 1:
+            dq, dk, dv = _ring_flash_bwd(spec, dout, q, k, v, out, lse, block_lse)
+        else:
+            dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+            first = 0
+            for (qh, kh), count in zip(spec.heads, ctx.counts):
+                dq[:, qh], dk[:, kh], dv[:, kh] = _ring_flash_bwd(
+                    spec, dout[:, qh], q[:, qh], k[:, kh], v[:, kh], out[:, qh],
+                    _lse_heads(spec, lse, qh), block_lse[first:first + count])
+                first += count
         dsinks = None
         if sinks is not None and ctx.needs_input_grad[3]:
             # d sinks[h] = -sum_i exp(sinks[h] - lse_i) dO_i.o_i over this rank's rows: the
             # rank's share, as every replicated parameter's gradient under context parallelism
             # (the data-parallel reduction over the group sums the shares).
             delta = (dout.float() * out.float()).sum(-1)
-            if ctx.spec.packed:
+            if spec.packed:
                 delta = delta.transpose(0, 1)
-            sink = sinks.view(1, -1, 1) if not ctx.spec.packed else sinks.view(-1, 1)
+            sink = sinks.view(1, -1, 1) if not spec.packed else sinks.view(-1, 1)
             share = -(torch.exp(sink - lse) * delta)
-            dsinks = share.sum(dim=(0, 2)) if not ctx.spec.packed else share.sum(dim=1)
+            dsinks = share.sum(dim=(0, 2)) if not spec.packed else share.sum(dim=1)
         return dq, dk, dv, dsinks, None
 
 
@@ -577,7 +650,14 @@ class _LazyRingSpec(_RingSpec):
 class _RingLazyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, tau, bias, spec):
-        out, lse = _ring_lazy_fwd(spec, q, k, v, tau, bias)
+        if len(spec.heads) == 1:
+            out, lse = _ring_lazy_fwd(spec, q, k, v, tau, bias)
+        else:
+            out = torch.empty_like(q)
+            lse = q.new_empty(q.shape[:3], dtype=torch.float32)
+            for qh, kh in spec.heads:
+                out[:, qh], lse[:, qh] = _ring_lazy_fwd(spec, q[:, qh], k[:, kh], v[:, kh],
+                                                        tau[qh], bias[qh])
         ctx.save_for_backward(q, k, v, tau, bias, lse)
         ctx.spec = spec
         ctx.mark_non_differentiable(lse)
@@ -588,15 +668,26 @@ class _RingLazyFunction(torch.autograd.Function):
         q, k, v, tau, bias, lse = ctx.saved_tensors
         if dout is None:
             return None, None, None, None, None, None
-        dq, dk, dv, dtau, dbias = _ring_lazy_bwd(ctx.spec, dout.contiguous(), q, k, v, tau, bias,
-                                                 lse, ctx.needs_input_grad[4])
+        spec, bias_grad = ctx.spec, ctx.needs_input_grad[4]
+        dout = dout.contiguous()
+        if len(spec.heads) == 1:
+            dq, dk, dv, dtau, dbias = _ring_lazy_bwd(spec, dout, q, k, v, tau, bias, lse,
+                                                     bias_grad)
+        else:
+            dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+            dtau, dbias = torch.empty_like(tau), torch.empty_like(bias)
+            for qh, kh in spec.heads:
+                dq[:, qh], dk[:, kh], dv[:, kh], dtau[qh], dbias[qh] = _ring_lazy_bwd(
+                    spec, dout[:, qh], q[:, qh], k[:, kh], v[:, kh], tau[qh], bias[qh],
+                    lse[:, qh], bias_grad)
         return (dq, dk, dv, dtau if ctx.needs_input_grad[3] else None,
-                dbias if ctx.needs_input_grad[4] else None, None)
+                dbias if bias_grad else None, None)
 
 
 def ring_lazy_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tau: torch.Tensor,
                    bias: torch.Tensor, *, group=None, layout: str = "zigzag",
-                   softmax_scale: Optional[float] = None, return_lse: bool = False):
+                   softmax_scale: Optional[float] = None, return_lse: bool = False,
+                   head_chunks: Optional[int] = None):
     """Lazy attention over a sequence sharded across a process group (two ring passes).
 
     Every rank of ``group`` calls this with its shard (:func:`shard_sequence` with the same
@@ -615,6 +706,10 @@ def ring_lazy_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tau: torch
         layout: ``"zigzag"`` (balanced) or ``"contiguous"``.
         softmax_scale: as in :func:`adaattn.lazy_attn`.
         return_lse: also return the float32 ``lse [B, Hq, L / W]`` of the biased scores.
+        head_chunks: run the heads in this many groups, one ring each (a divisor of the kv
+            heads), so that the ring's buffers beyond the single-GPU op hold one group's heads;
+            ``None`` picks it: on CUDA up to 8 groups while each keeps the GPU busy (at least
+            4 waves of 128-row tiles), else 1 (docs/context_parallel.md, memory).
 
     Returns:
         ``out [B, Hq, L / W, D]``, and ``lse`` when ``return_lse``.
@@ -637,6 +732,7 @@ def ring_lazy_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tau: torch
     C.check(q.shape[2] % per_rank == 0, ValueError, op,
             "a zigzag shard holds two equal chunks: q.size(2) must be even, got ", q.shape[2])
     spec = _LazyRingSpec(group, world, rank, layout, scale, q.shape[2] // per_rank)
+    spec.heads = _head_groups(op, head_chunks, q, q.shape[1], k.shape[1], q.shape[2], q.shape[0])
     out, lse = _RingLazyFunction.apply(q, k, v, tau, bias, spec)
     return (out, lse) if return_lse else out
 
@@ -664,7 +760,7 @@ def ring_flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=
                     layout: str = "zigzag", causal: bool = False, window=(-1, -1),
                     softmax_scale: Optional[float] = None, softcap: float = 0,
                     sinks: Optional[torch.Tensor] = None, deterministic: bool = False,
-                    return_lse: bool = False):
+                    return_lse: bool = False, head_chunks: Optional[int] = None):
     """Flash attention over a sequence sharded across a process group (ring attention).
 
     Every rank of ``group`` calls this with its shard (:func:`shard_sequence` with the same
@@ -686,6 +782,10 @@ def ring_flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=
             the merged rows (the blocks run without them). Their gradient on each rank is that
             rank's rows' share: sum it over the group as the other replicated parameters'.
         return_lse: also return the float32 ``lse [B, Hq, L / W]`` of the full rows.
+        head_chunks: run the heads in this many groups, one ring each (a divisor of the kv
+            heads), so that the ring's buffers beyond the single-GPU op hold one group's heads;
+            ``None`` picks it: on CUDA up to 8 groups while each keeps the GPU busy (at least
+            4 waves of 128-row tiles), else 1 (docs/context_parallel.md, memory).
 
     Returns:
         ``out [B, Hq, L / W, Dv]``, and ``lse`` when ``return_lse``.
@@ -704,6 +804,7 @@ def ring_flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=
             "a zigzag shard holds two equal chunks: q.size(2) must be even, got ", q.shape[2])
     spec = _RingSpec(group, world, rank, layout, causal, scale, softcap, deterministic, False,
                      window=window)
+    spec.heads = _head_groups(op, head_chunks, q, q.shape[1], k.shape[1], q.shape[2], q.shape[0])
     out, lse = _RingFlashFunction.apply(q, k, v, sinks, spec)
     return (out, lse) if return_lse else out
 
@@ -713,7 +814,7 @@ def ring_flash_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            causal: bool = False, window=(-1, -1),
                            softmax_scale: Optional[float] = None, softcap: float = 0,
                            sinks: Optional[torch.Tensor] = None, deterministic: bool = False,
-                           return_lse: bool = False):
+                           return_lse: bool = False, head_chunks: Optional[int] = None):
     """Ring flash attention over packed sequences whose token dim is sharded across the group.
 
     The packed token dim (``T`` tokens of all sequences, total) is sharded like a sequence
@@ -724,7 +825,7 @@ def ring_flash_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         k: ``[T / W, Hkv, D]``; v: ``[T / W, Hkv, Dv]``.
         cu_seqlens: int32 ``[N + 1]``, the GLOBAL cumulative lengths (0, ..., ``T``), the same
             on every rank, on q's device (self-attention: queries and keys share it).
-        group, layout, causal, softmax_scale, softcap, sinks, deterministic: as
+        group, layout, causal, softmax_scale, softcap, sinks, deterministic, head_chunks: as
             :func:`ring_flash_attn`.
         window: only ``(-1, -1)`` (no sliding window over packed shards).
         return_lse: also return the float32 ``lse [Hq, T / W]``.
@@ -746,5 +847,6 @@ def ring_flash_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             "a zigzag shard holds two equal chunks: q.size(0) must be even, got ", q.shape[0])
     spec = _RingSpec(group, world, rank, layout, causal, scale, softcap, deterministic, True,
                      cu_seqlens, q.shape[0] // per_rank)
+    spec.heads = _head_groups(op, head_chunks, q, q.shape[1], k.shape[1], q.shape[0], 1)
     out, lse = _RingFlashFunction.apply(q, k, v, sinks, spec)
     return (out, lse) if return_lse else out

@@ -46,6 +46,9 @@ def parse_args():
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--layouts", default="zigzag,contiguous",
                     help="comma-separated ring layouts to measure (zigzag is the bar's)")
+    ap.add_argument("--head-chunks", default="auto",
+                    help="comma-separated head_chunks of the ring ops to measure: auto (the "
+                         "ops' own choice, the bar's) or a divisor of the heads")
     ap.add_argument("--ops", default="flash,lazy",
                     help="comma-separated ring ops to measure: flash, lazy")
     ap.add_argument("--warmup", type=int, default=3)
@@ -119,7 +122,7 @@ def inputs(b, h, length, d, dev, seed, shard=None):
 
 def run_op(args, rank, world, dev, op_name, single_op, ring_op, bar, rows, notes, table, save):
     """The single-GPU row and the ring rows (one per layout) of one op."""
-    from adaattn.distributed import shard_sequence
+    from adaattn.distributed import _head_groups, shard_sequence
     b, h, d, lg = args.batch, args.heads, args.head_dim, args.tokens_per_gpu
     total = lg * world
     # single-GPU op at the per-GPU length (rank 0 alone)
@@ -148,7 +151,10 @@ def run_op(args, rank, world, dev, op_name, single_op, ring_op, bar, rows, notes
             notes.append(f"single-gpu {op_name} failed: {type(e).__name__}: {e}")
     dist.barrier()
 
-    for layout in [x for x in args.layouts.split(",") if x]:
+    variants = [(layout, None if hc == "auto" else int(hc))
+                for hc in args.head_chunks.split(",") if hc
+                for layout in args.layouts.split(",") if layout]
+    for layout, head_chunks in variants:
         def shard(t, layout=layout):
             return shard_sequence(t, layout=layout)
 
@@ -161,22 +167,23 @@ def run_op(args, rank, world, dev, op_name, single_op, ring_op, bar, rows, notes
 
             def fwd():
                 with torch.no_grad():
-                    ring_op(q, k, v, layout)
+                    ring_op(q, k, v, layout, head_chunks)
 
             def fwdbwd():
-                out = ring_op(q, k, v, layout)
+                out = ring_op(q, k, v, layout, head_chunks)
                 torch.autograd.grad(out, (q, k, v), dout)
 
+            groups = len(_head_groups("bench", head_chunks, q, h, h, q.shape[2], b))
             ring = {"fwd": timed(fwd, args.warmup, args.iters, sync_group=True),
                     "fwd+bwd": timed(fwdbwd, args.warmup, args.iters, sync_group=True)}
             del q, k, v, dout
             mem = peak_mib(full_inputs, lambda q, k, v, dout: torch.autograd.grad(
-                ring_op(q, k, v, layout), (q, k, v), dout))
+                ring_op(q, k, v, layout, head_chunks), (q, k, v), dout))
             failed = 0.0
         except Exception as e:  # noqa: BLE001 - a rank-local failure (e.g. out of memory)
             traceback.print_exc()
             print(f"rank {rank}: ring_{op_name} {layout} failed: {type(e).__name__}: {e}", flush=True)
-            ring, mem, failed = {}, None, 1.0
+            ring, mem, failed, groups = {}, None, 1.0, None
         # every rank reaches this collective whether or not its case failed
         stat = torch.tensor([failed, mem or 0.0], device=dev, dtype=torch.float64)
         dist.all_reduce(stat, op=dist.ReduceOp.MAX)
@@ -195,7 +202,8 @@ def run_op(args, rank, world, dev, op_name, single_op, ring_op, bar, rows, notes
             if direction == "fwd+bwd" and mem and single.get("mem fwd+bwd"):
                 mem_ratio = mem / single["mem fwd+bwd"]
             tflops = (flops(b, h, total, d, direction) / world / t_ring / 1e9) if t_ring else None
-            case = f"ring_{op_name} {layout} causal {lg}/GPU x{world}"
+            case = f"ring_{op_name} {layout} causal {lg}/GPU x{world}" + (
+                f" head_chunks={head_chunks}" if head_chunks is not None else "")
             rows.append(results_io.row(
                 case, direction, {"adaattn": t_ring, "single-gpu": t_single},
                 tflops_per_gpu=round(tflops, 1) if tflops else None,
@@ -205,7 +213,9 @@ def run_op(args, rank, world, dev, op_name, single_op, ring_op, bar, rows, notes
                                  if direction == "fwd+bwd" and single.get("mem fwd+bwd")
                                  else None),
                 peak_mem_ratio=round(mem_ratio, 3) if mem_ratio else None,
-                config={"world": world, "layout": layout, "B": b, "H": h, "D": d,
+                config={"world": world, "layout": layout, "head_groups": groups,
+                        "head_chunks": "auto" if head_chunks is None else head_chunks,
+                        "B": b, "H": h, "D": d,
                         "tokens_per_gpu": lg, "dtype": "bf16", "causal": True,
                         "bar_per_gpu_throughput_ratio": bar}))
             table.append((case, direction, t_ring, t_single, ratio, mem_ratio))
@@ -261,12 +271,15 @@ def main():
     tau = torch.full((h,), -1.0, device=dev)
     bias = 0.1 * torch.randn(h, 512, device=dev, generator=torch.Generator(device=dev)
                              .manual_seed(2))
-    # (single-GPU op, ring op, bar) per op; the ops take (q, k, v) and the ring ones a layout
+    # (single-GPU op, ring op, bar) per op; the ops take (q, k, v), the ring ones also a layout
+    # and head_chunks
     op_fns = {
         "flash": (lambda q, k, v: adaattn.flash_attn(q, k, v, causal=True),
-                  lambda q, k, v, lay: ring_flash_attn(q, k, v, layout=lay, causal=True), 0.85),
+                  lambda q, k, v, lay, hc: ring_flash_attn(q, k, v, layout=lay, causal=True,
+                                                           head_chunks=hc), 0.85),
         "lazy": (lambda q, k, v: adaattn.lazy_attn(q, k, v, tau, bias),
-                 lambda q, k, v, lay: ring_lazy_attn(q, k, v, tau, bias, layout=lay), 0.80),
+                 lambda q, k, v, lay, hc: ring_lazy_attn(q, k, v, tau, bias, layout=lay,
+                                                         head_chunks=hc), 0.80),
     }
     for op_name in [x for x in args.ops.split(",") if x]:
         single_op, ring_op, bar = op_fns[op_name]

@@ -92,7 +92,7 @@ def _sinks_grad(full, ring):
 
 
 def _dense_case(world, layout, causal, dtype, hq, hkv, transposed, softcap=0.0, seed=0,
-                window=(-1, -1), sinks=False):
+                window=(-1, -1), sinks=False, head_chunks=None):
     from adaattn import flash_attn
     from adaattn.distributed import ring_flash_attn, shard_sequence, unshard
 
@@ -112,7 +112,8 @@ def _dense_case(world, layout, causal, dtype, hq, hkv, transposed, softcap=0.0, 
         out.backward(dout)
         shards = [shard_sequence(t.detach(), layout=layout).requires_grad_() for t in (q, k, v)]
         r_out, r_lse = ring_flash_attn(*shards, layout=layout, causal=causal, softcap=softcap,
-                                       window=window, sinks=ring_sink, return_lse=True)
+                                       window=window, sinks=ring_sink, return_lse=True,
+                                       head_chunks=head_chunks)
         r_out.backward(shard_sequence(dout, layout=layout))
         if sinks:
             _sinks_grad(full_sink, ring_sink)
@@ -152,7 +153,8 @@ def _nan_case(world, layout, causal):
     return run
 
 
-def _varlen_case(world, layout, causal, dtype, cu_list, hq=4, hkv=2, seed=10, sinks=False):
+def _varlen_case(world, layout, causal, dtype, cu_list, hq=4, hkv=2, seed=10, sinks=False,
+                 head_chunks=None):
     from adaattn import flash_attn_varlen
     from adaattn.distributed import ring_flash_attn_varlen, shard_sequence
 
@@ -173,7 +175,8 @@ def _varlen_case(world, layout, causal, dtype, cu_list, hq=4, hkv=2, seed=10, si
         shards = [shard_sequence(x.detach(), dim=0, layout=layout).requires_grad_()
                   for x in (q, k, v)]
         r_out, r_lse = ring_flash_attn_varlen(*shards, cu, layout=layout, causal=causal,
-                                              sinks=ring_sink, return_lse=True)
+                                              sinks=ring_sink, return_lse=True,
+                                              head_chunks=head_chunks)
         r_out.backward(shard_sequence(dout, dim=0, layout=layout))
         if sinks:
             _sinks_grad(full_sink, ring_sink)
@@ -233,6 +236,14 @@ def _bad_input_cases(world):
                                           lambda: ring_lazy_attn(odd, odd, odd, tau, bias))),
         ("lazy layout", _raises(ValueError, r"adaattn.ring_lazy_attn: layout must be one of",
                                 lambda: ring_lazy_attn(q, q, q, tau, bias, layout="ring"))),
+        ("head_chunks divisor", _raises(ValueError, r"ring_flash_attn: head_chunks must be None "
+                                        r"or a positive divisor of the kv heads \(2\), got 3",
+                                        lambda: ring_flash_attn(q, q, q, head_chunks=3))),
+        ("head_chunks zero", _raises(ValueError, r"ring_lazy_attn: head_chunks must be",
+                                     lambda: ring_lazy_attn(q, q, q, tau, bias, head_chunks=0))),
+        ("head_chunks type", _raises(ValueError, r"ring_flash_attn_varlen: head_chunks must be",
+                                     lambda: ring_flash_attn_varlen(packed, packed, packed, cu,
+                                                                    head_chunks=1.0))),
     ]
 
 
@@ -267,7 +278,8 @@ def _lazy_params(hq, window, dtype, device, seed):
     return tau, bias
 
 
-def _lazy_case(world, layout, dtype, hq, hkv, window, transposed=False, seed=20):
+def _lazy_case(world, layout, dtype, hq, hkv, window, transposed=False, seed=20,
+               head_chunks=None):
     from adaattn import lazy_attn
     from adaattn.distributed import ring_lazy_attn, shard_sequence
 
@@ -284,7 +296,8 @@ def _lazy_case(world, layout, dtype, hq, hkv, window, transposed=False, seed=20)
         out.backward(dout)
         shards = [shard_sequence(t.detach(), layout=layout).requires_grad_() for t in (q, k, v)]
         params = [t.clone().requires_grad_() for t in (tau, bias)]
-        r_out, r_lse = ring_lazy_attn(*shards, *params, layout=layout, return_lse=True)
+        r_out, r_lse = ring_lazy_attn(*shards, *params, layout=layout, return_lse=True,
+                                      head_chunks=head_chunks)
         r_out.backward(shard_sequence(dout, layout=layout))
         _compare("out", r_out, shard_sequence(out.detach(), layout=layout), dtype)
         _compare("lse", r_lse, shard_sequence(lse, layout=layout), dtype)
@@ -339,6 +352,21 @@ def _cpu_worker(rank, world):
                               _lazy_case(world, layout, dtype, 4, 2, window)))
         cases.append((f"lazy {layout} mha transposed",
                       _lazy_case(world, layout, torch.float32, 2, 2, 5, transposed=True)))
+        # heads in groups, one ring each: GQA groups (2 query heads per kv head), B = 2 (head
+        # slices are not contiguous), sinks and softcap per group, packed heads
+        for chunks in (1, 2):
+            cases.append((f"flash {layout} causal sinks softcap head_chunks={chunks}",
+                          _dense_case(world, layout, True, torch.float64, 4, 2, False,
+                                      softcap=5.0, sinks=True, head_chunks=chunks)))
+            cases.append((f"flash {layout} transposed head_chunks={chunks}",
+                          _dense_case(world, layout, False, torch.float32, 4, 4, True,
+                                      head_chunks=2 * chunks)))
+            cases.append((f"flash varlen {layout} causal sinks head_chunks={chunks}",
+                          _varlen_case(world, layout, True, torch.float64, cu, sinks=True,
+                                       head_chunks=chunks)))
+            cases.append((f"lazy {layout} gqa head_chunks={chunks}",
+                          _lazy_case(world, layout, torch.float64, 4, 2, 5,
+                                     head_chunks=chunks)))
     return _run_cases(cases)
 
 
@@ -356,7 +384,7 @@ def _cuda_worker(rank, world, device_type="cuda", length=1024):
     from adaattn.distributed import ring_flash_attn, shard_sequence
     dev = torch.device(device_type, rank if device_type == "cuda" else None)
 
-    def case(layout, causal, hq, hkv, length, window=(-1, -1), sinks=False):
+    def case(layout, causal, hq, hkv, length, window=(-1, -1), sinks=False, head_chunks=None):
         def run():
             b, d = 2, 128
             base = [_draw(s, torch.float64, dev, i) for i, s in enumerate(
@@ -382,7 +410,8 @@ def _cuda_worker(rank, world, device_type="cuda", length=1024):
             shard = lambda x: shard_sequence(x, layout=layout)  # noqa: E731
             ours = grads(lambda *t, sinks: ring_flash_attn(*t, layout=layout, causal=causal,
                                                            window=window, sinks=sinks,
-                                                           return_lse=True),
+                                                           return_lse=True,
+                                                           head_chunks=head_chunks),
                          torch.bfloat16, [shard(x) for x in (q64, k64, v64)], shard(dout))
             for nm, o, lo, hi in zip(("out", "lse", "dq", "dk", "dv"), ours, ref_bf, ref64):
                 assert_low_precision_rule(nm, o, shard(lo), shard(hi))
@@ -392,7 +421,7 @@ def _cuda_worker(rank, world, device_type="cuda", length=1024):
                 assert_low_precision_rule("dsinks", total, ref_bf[5], ref64[5])
         return run
 
-    def lazy_case(layout, hq, hkv, length, window):
+    def lazy_case(layout, hq, hkv, length, window, head_chunks=None):
         from adaattn.distributed import ring_lazy_attn
 
         def run():
@@ -415,7 +444,8 @@ def _cuda_worker(rank, world, device_type="cuda", length=1024):
             ref64, ref64_p = grads(ref, torch.float64, (q64, k64, v64), dout)
             ref_bf, ref_bf_p = grads(ref, torch.bfloat16, (q64, k64, v64), dout)
             shard = lambda x: shard_sequence(x, layout=layout)  # noqa: E731
-            ours, ours_p = grads(lambda *t: ring_lazy_attn(*t, layout=layout, return_lse=True),
+            ours, ours_p = grads(lambda *t: ring_lazy_attn(*t, layout=layout, return_lse=True,
+                                                           head_chunks=head_chunks),
                                  torch.bfloat16, [shard(x) for x in (q64, k64, v64)],
                                  shard(dout))
             for nm, o, lo, hi in zip(("out", "lse", "dq", "dk", "dv"), ours, ref_bf, ref64):
@@ -439,6 +469,10 @@ def _cuda_worker(rank, world, device_type="cuda", length=1024):
     # bias windows inside a chunk and beyond the whole sequence
     cases += [(f"cuda lazy {layout} window={w}", lazy_case(layout, 8, 2, length, w))
               for layout in ("contiguous", "zigzag") for w in (length // 8, 2 * length)]
+    cases += [("cuda zigzag causal sinks head_chunks=2", case("zigzag", True, 8, 2, length,
+                                                               sinks=True, head_chunks=2)),
+              ("cuda lazy zigzag head_chunks=2", lazy_case("zigzag", 8, 2, length,
+                                                            length // 8, head_chunks=2))]
     return _run_cases(cases)
 
 
