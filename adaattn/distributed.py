@@ -321,7 +321,7 @@ class _RingSpec:
 # tensors for MHA (docs/context_parallel.md), falls to about 13 / G of one), each keeping at
 # least _MIN_WAVES 128-row tiles per streaming multiprocessor busy.
 _AUTO_MAX_HEAD_GROUPS = 8
-_MIN_WAVES = 4
+_MIN_WAVES = 2
 
 
 def _auto_head_groups(q: torch.Tensor, hq: int, hkv: int, rows: int, batch: int) -> int:
@@ -709,7 +709,7 @@ def ring_lazy_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tau: torch
         head_chunks: run the heads in this many groups, one ring each (a divisor of the kv
             heads), so that the ring's buffers beyond the single-GPU op hold one group's heads;
             ``None`` picks it: on CUDA up to 8 groups while each keeps the GPU busy (at least
-            4 waves of 128-row tiles), else 1 (docs/context_parallel.md, memory).
+            2 waves of 128-row tiles), else 1 (docs/context_parallel.md, memory).
 
     Returns:
         ``out [B, Hq, L / W, D]``, and ``lse`` when ``return_lse``.
@@ -785,7 +785,7 @@ def ring_flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=
         head_chunks: run the heads in this many groups, one ring each (a divisor of the kv
             heads), so that the ring's buffers beyond the single-GPU op hold one group's heads;
             ``None`` picks it: on CUDA up to 8 groups while each keeps the GPU busy (at least
-            4 waves of 128-row tiles), else 1 (docs/context_parallel.md, memory).
+            2 waves of 128-row tiles), else 1 (docs/context_parallel.md, memory).
 
     Returns:
         ``out [B, Hq, L / W, Dv]``, and ``lse`` when ``return_lse``.
