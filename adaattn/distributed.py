@@ -324,10 +324,9 @@ _AUTO_MAX_HEAD_GROUPS = 8
 _MIN_WAVES = 2
 
 
-def _auto_head_groups(q: torch.Tensor, hq: int, hkv: int, rows: int, batch: int) -> int:
-    if q.device.type != "cuda":
-        return 1
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+def _auto_head_groups(hq: int, hkv: int, rows: int, batch: int, sms: int) -> int:
+    """The most head groups (a divisor of ``hkv``, at most _AUTO_MAX_HEAD_GROUPS) whose 128-row
+    tiles still fill ``sms`` streaming multiprocessors _MIN_WAVES times over."""
     tiles = batch * -(-rows // 128)
     best = 1
     for groups in range(1, min(hkv, _AUTO_MAX_HEAD_GROUPS) + 1):
@@ -341,7 +340,10 @@ def _head_groups(op: str, head_chunks, q: torch.Tensor, hq: int, hkv: int, rows:
     """[(query head slice, kv head slice)] of ``head_chunks`` groups (None: automatic); a
     group's query heads are those of its kv heads (GQA)."""
     if head_chunks is None:
-        groups = _auto_head_groups(q, hq, hkv, rows, batch)
+        groups = 1
+        if q.device.type == "cuda":
+            sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+            groups = _auto_head_groups(hq, hkv, rows, batch, sms)
     else:
         C.check(isinstance(head_chunks, int) and not isinstance(head_chunks, bool)
                 and head_chunks >= 1 and hkv % head_chunks == 0, ValueError, op,

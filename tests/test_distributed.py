@@ -247,6 +247,18 @@ def _bad_input_cases(world):
     ]
 
 
+def test_auto_head_groups():
+    """The default head_chunks: the most groups (a divisor of Hkv, at most 8) that keep two
+    waves of 128-row tiles per group on the GPU."""
+    from adaattn.distributed import _auto_head_groups
+    assert _auto_head_groups(16, 16, 32768, 1, 132) == 8  # 2 heads x 256 tiles >= 264
+    assert _auto_head_groups(16, 16, 16384, 1, 132) == 4  # 4 heads x 128 tiles
+    assert _auto_head_groups(16, 16, 4096, 1, 132) == 1   # 2 groups: 8 x 32 tiles < 264
+    assert _auto_head_groups(32, 8, 8192, 1, 132) == 4    # 8 groups: 4 x 64 tiles < 264
+    assert _auto_head_groups(12, 6, 65536, 2, 132) == 6   # a divisor of 6, not 8
+    assert _auto_head_groups(8, 1, 10 ** 6, 4, 132) == 1  # one kv head: one group
+
+
 def test_not_initialised():
     from adaattn.distributed import ring_flash_attn
     if dist.is_initialized():
