@@ -127,10 +127,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_dq_sm90_kernel(const 
         sm90::load_tile_gmma<BN, DV, 128>(sV + (j % 2) * Traits::kVElems,
                                           v + static_cast<int64_t>(n0) * p.v_row_stride,
                                           p.v_row_stride, lens.k - n0, ptid);
-        cp_async_commit();
-        cp_async_wait<0>();
-        sm90::fence_proxy_async();
-        sm90::mbar_arrive(&full[j % 2]);
+        sm90::publish_stage(&full[j % 2]);
       }
     });
   } else {

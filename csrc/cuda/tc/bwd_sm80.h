@@ -156,7 +156,7 @@ __device__ __forceinline__ void bwd_dkdv_block(const AttnParams& p, int block) {
   // with a plain range, so the block-list lookup costs them nothing.
   auto mainloop = [&](const auto& query) {
     const int steps = query.count;
-    const bool param_grads = Mod::kParamGrad && Mod::wants_param_grad(p);
+    [[maybe_unused]] const bool param_grads = Mod::kParamGrad && Mod::wants_param_grad(p);
 
     auto issue_step = [&](int s, int buf) {
       int h, m0;
