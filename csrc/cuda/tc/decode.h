@@ -91,9 +91,9 @@ __device__ __forceinline__ int cache_block(const AttnParams& p, int b, int j) {
 }
 
 // Element offset of key j of kv head h in block `block` (cache_block) of a cache operand.
-__device__ __forceinline__ int64_t cache_offset(const AttnParams& p, int block, int64_t batch_stride,
-                                                int64_t head_stride, int64_t row_stride, int h,
-                                                int j) {
+__device__ __forceinline__ int64_t cache_offset(const AttnParams& p, int block,
+                                                int64_t batch_stride, int64_t head_stride,
+                                                int64_t row_stride, int h, int j) {
   const int slot = p.block_table == nullptr ? j
                    : p.page_shift >= 0      ? j & (p.page_size - 1)
                                             : j % p.page_size;
@@ -437,31 +437,31 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
         sp.lse_part[static_cast<int64_t>(split) * p.batch * p.heads_q * p.len_q + stat] = lse;
       }
     }
-    return;
-  }
-  for (int idx = tid; idx < valid_rows * DV; idx += kThreads) {
-    const int r = idx / DV, col = idx % DV;
-    float acc = 0.f;
+  } else {
+    for (int idx = tid; idx < valid_rows * DV; idx += kThreads) {
+      const int r = idx / DV, col = idx % DV;
+      float acc = 0.f;
 #pragma unroll
-    for (int w = 0; w < kKeyWarps; ++w) acc += sO[(w * kRows + r) * DV + col];
-    const int row = row0 + r;
-    const int h = h_kv * group + row / p.len_q, q_row = row % p.len_q;
-    const int64_t stat = (static_cast<int64_t>(b) * p.heads_q + h) * p.len_q + q_row;
-    float lse = 0.f;
-    if (kPass == DecodePass::kOnline && col == 0) {
-      float m, l;
-      row_stats(r, m, l);
-      lse = row_saw_keys(l) ? (m + log2f(l)) * float(M_LN2) : -INFINITY;
-    }
-    if (sp.num_splits == 1) {
-      T* out = static_cast<T*>(p.out) + b * p.o_batch_stride + h * p.o_head_stride +
-               q_row * p.o_row_stride;
-      out[col] = from_float<T>(acc);
-      if (kPass == DecodePass::kOnline && col == 0) p.lse[stat] = lse;
-    } else {
-      const int64_t part = static_cast<int64_t>(split) * p.batch * p.heads_q * p.len_q + stat;
-      sp.o_part[part * DV + col] = acc;
-      if (kPass == DecodePass::kOnline && col == 0) sp.lse_part[part] = lse;
+      for (int w = 0; w < kKeyWarps; ++w) acc += sO[(w * kRows + r) * DV + col];
+      const int row = row0 + r;
+      const int h = h_kv * group + row / p.len_q, q_row = row % p.len_q;
+      const int64_t stat = (static_cast<int64_t>(b) * p.heads_q + h) * p.len_q + q_row;
+      float lse = 0.f;
+      if (kPass == DecodePass::kOnline && col == 0) {
+        float m, l;
+        row_stats(r, m, l);
+        lse = row_saw_keys(l) ? (m + log2f(l)) * float(M_LN2) : -INFINITY;
+      }
+      if (sp.num_splits == 1) {
+        T* out = static_cast<T*>(p.out) + b * p.o_batch_stride + h * p.o_head_stride +
+                 q_row * p.o_row_stride;
+        out[col] = from_float<T>(acc);
+        if (kPass == DecodePass::kOnline && col == 0) p.lse[stat] = lse;
+      } else {
+        const int64_t part = static_cast<int64_t>(split) * p.batch * p.heads_q * p.len_q + stat;
+        sp.o_part[part * DV + col] = acc;
+        if (kPass == DecodePass::kOnline && col == 0) sp.lse_part[part] = lse;
+      }
     }
   }
 }
