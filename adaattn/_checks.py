@@ -24,6 +24,7 @@ _DTYPE_NAMES = {
     torch.float64: "Double", torch.int8: "Char", torch.int16: "Short", torch.int32: "Int",
     torch.int64: "Long", torch.uint8: "Byte", torch.bool: "Bool",
     torch.complex64: "ComplexFloat", torch.complex128: "ComplexDouble",
+    torch.float8_e4m3fn: "Float8_e4m3fn",
 }
 _INT32_MAX = 2 ** 31 - 1
 
@@ -488,12 +489,16 @@ def check_linear_grads(grad_out, grad_state, q, v, cu_seqlens, normalize):
 
 # ---- KV-cache decode (csrc/ops/decode/decode.cpp) ---------------------------------------------
 
-def _cache_operand(op, t, name, q):
+def _cache_operand(op, t, name, q, fp8_cache=False):
     check(t.dim() == 4, ValueError, op, name,
           " must have 4 dims ([B, Hkv, L, D], or paged [num_pages, Hkv, page_size, D]), got ",
           t.dim(), " dims (shape ", _list(t.shape), ")")
-    check(t.dtype == q.dtype, TypeError, op, name, " must have q's dtype ", _dtype(q), ", got ",
-          _dtype(t))
+    if fp8_cache:
+        check(t.dtype == torch.float8_e4m3fn, TypeError, op, name,
+              " must be float8_e4m3fn as the other cache operand, got ", _dtype(t))
+    else:
+        check(t.dtype == q.dtype, TypeError, op, name, " must have q's dtype ", _dtype(q),
+              ", got ", _dtype(t))
     check(t.device == q.device, RuntimeError, op, name, " must be on q's device ", q.device,
           ", got ", t.device)
     check(t.shape[-1] == 0 or t.stride(-1) == 1, ValueError, op, name,
@@ -508,15 +513,47 @@ def _index_tensor(op, t, name, shape, q):
           " must be contiguous; call .contiguous() on it")
 
 
-def check_kvcache_inputs(op, q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits):
+def is_fp8_cache(k_cache, v_cache):
+    """Whether either cache operand is 8-bit (float8_e4m3fn), as the C++ op decides."""
+    return torch.float8_e4m3fn in (k_cache.dtype, v_cache.dtype)
+
+
+def check_fp8_cache(op, q, k_cache, k, block_table, k_scale, v_scale, fp8_cache):
+    """An 8-bit cache: paged, float32 [num_pages, Hkv] scales, nothing appended in the op."""
+    if not fp8_cache:
+        check(k_scale is None and v_scale is None, ValueError, op,
+              "k_scale and v_scale belong to an 8-bit (float8_e4m3fn) cache; the caches have "
+              "dtype ", _dtype(k_cache))
+        return
+    check(block_table is not None, ValueError, op,
+          "an 8-bit (float8_e4m3fn) cache must be paged (pass block_table; "
+          "adaattn.KVCache(dtype=torch.float8_e4m3fn) keeps one)")
+    check(k is None, ValueError, op,
+          "new keys k and values v cannot be appended to an 8-bit cache inside the op; quantise "
+          "them into it first (adaattn.KVCache.append) and pass k = v = None")
+    shape = [k_cache.shape[0], k_cache.shape[1]]
+    for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+        check(t is not None, ValueError, op, name,
+              " (float32 [num_pages, Hkv]) is required with an 8-bit cache")
+        check(t.dtype == torch.float32, TypeError, op, name, " must be float32, got ", _dtype(t))
+        check(t.device == q.device, RuntimeError, op, name, " must be on q's device ", q.device,
+              ", got ", t.device)
+        check(list(t.shape) == shape, ValueError, op, name, " must have shape [num_pages, Hkv] "
+              "= ", _list(shape), ", got ", _list(t.shape))
+        check(t.is_contiguous(), ValueError, op, name,
+              " must be contiguous; call .contiguous() on it")
+
+
+def check_kvcache_inputs(op, q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits,
+                         fp8_cache=False):
     check(q.dim() == 4, ValueError, op, "q must have 4 dims [B, Hq, Lq, D], got ", q.dim(),
           " dims (shape ", _list(q.shape), ")")
     check(q.dtype.is_floating_point, TypeError, op,
           "q must be a floating tensor (float16, bfloat16, float32, float64), got ", _dtype(q))
     check(q.shape[-1] == 0 or q.stride(-1) == 1, ValueError, op,
           "q must have a contiguous last dim (stride(-1) == 1), got strides ", _list(q.stride()))
-    _cache_operand(op, k_cache, "k_cache", q)
-    _cache_operand(op, v_cache, "v_cache", q)
+    _cache_operand(op, k_cache, "k_cache", q, fp8_cache)
+    _cache_operand(op, v_cache, "v_cache", q, fp8_cache)
     check(k_cache.shape[:3] == v_cache.shape[:3], ValueError, op,
           "k_cache and v_cache must agree in all but the last dim, got k_cache ",
           _list(k_cache.shape), ", v_cache ", _list(v_cache.shape))

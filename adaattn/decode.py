@@ -13,7 +13,9 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             *, cache_seqlens: torch.Tensor,
                             block_table: Optional[torch.Tensor] = None, causal: bool = True,
                             window=(-1, -1), softmax_scale: Optional[float] = None,
-                            softcap: float = 0, return_lse: bool = False, num_splits: int = 0
+                            softcap: float = 0, return_lse: bool = False, num_splits: int = 0,
+                            k_scale: Optional[torch.Tensor] = None,
+                            v_scale: Optional[torch.Tensor] = None
                             ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Softmax attention of new query rows against a KV cache (flash-attn's semantics).
 
@@ -46,6 +48,13 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             sees no key and ``out`` is 0).
         num_splits: key splits per (sequence, kv head) of the CUDA decode kernel, whose partial
             results are merged through their lse; 0 chooses from the shapes and the SM count.
+        k_scale, v_scale: float32 ``[num_pages, Hkv]``, the scales of an 8-bit paged cache
+            (``k_cache``/``v_cache`` float8_e4m3fn, as :class:`adaattn.KVCache` with
+            ``dtype=torch.float8_e4m3fn`` keeps them): a cached value means value * the scale
+            of its page and kv head, rounded to q's dtype. Such a cache is appended to by
+            ``KVCache.append`` (which quantises), not here (``k = v = None``). The CUDA decode
+            kernel reads it as it is (plain softmax, fp16/bf16 q, D = Dv in {64, 128}, pages of
+            a power of two >= 64 keys); other calls run on a dequantised copy.
 
     Returns:
         ``out [B, Hq, Lq, Dv]`` (q's dtype), or ``(out, lse)`` with ``return_lse``.
@@ -62,14 +71,14 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     """
     op = "flash_attn_with_kvcache"
     C.tensors(op, q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens)
-    C.optional_tensors(op, k=k, v=v, block_table=block_table)
+    C.optional_tensors(op, k=k, v=v, block_table=block_table, k_scale=k_scale, v_scale=v_scale)
     return_lse = C.boolean(op, "return_lse", return_lse)
     left, right = C.window_pair(op, window)
     out, lse = ops.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
                                            C.optional_float(op, "softmax_scale", softmax_scale),
                                            C.boolean(op, "causal", causal), left, right,
                                            C.softcap_value(op, softcap),
-                                           C.num_splits_value(op, num_splits))
+                                           C.num_splits_value(op, num_splits), k_scale, v_scale)
     return (out, lse) if return_lse else out
 
 

@@ -31,6 +31,18 @@ class KVCache:
     and :meth:`append` writes keys without attending (prefill). Page contents past a
     sequence's length are unspecified (the pools are allocated with ``torch.empty``).
 
+    ``dtype=torch.float8_e4m3fn`` makes an 8-bit cache (half the bytes a decode step reads):
+    ``k_scale``/``v_scale`` (float32 ``[num_pages, Hkv]``) hold a scale per page and kv head,
+    and a cached value means value * scale. :meth:`append` quantises (round to nearest e4m3,
+    scale = the page's largest magnitude / 448 so far; when new tokens raise it, the page's
+    earlier tokens are re-rounded at the new scale), and the ops read the cache with the
+    scales, without appending themselves::
+
+        cache.append(ids, k, v)                        # quantises k, v [len(ids), Hkv, lq, D]
+        out = adaattn.flash_attn_with_kvcache(
+            q, cache.k_pages, cache.v_pages, cache_seqlens=cache.seqlens[ids],
+            block_table=cache.block_table[ids], k_scale=cache.k_scale, v_scale=cache.v_scale)
+
     Args:
         num_pages: pages in each pool.
         page_size: positions per page.
@@ -39,7 +51,7 @@ class KVCache:
         max_batch: rows of the block table (sequences alive at once).
         max_pages_per_seq: columns of the block table (a sequence holds at most
             ``max_pages_per_seq * page_size`` positions).
-        dtype, device: of the pools.
+        dtype, device: of the pools (``torch.float8_e4m3fn``: an 8-bit cache, above).
     """
 
     def __init__(self, num_pages: int, page_size: int, heads_kv: int, head_dim: int,
@@ -58,6 +70,10 @@ class KVCache:
                                    device=device)
         self._block_table = torch.zeros(max_batch, max_pages_per_seq, dtype=torch.int32,
                                         device=device)
+        self._k_scale = self._v_scale = None
+        if dtype == torch.float8_e4m3fn:
+            self._k_scale = torch.zeros(num_pages, heads_kv, dtype=torch.float32, device=device)
+            self._v_scale = torch.zeros(num_pages, heads_kv, dtype=torch.float32, device=device)
         self._seqlens = torch.zeros(max_batch, dtype=torch.int32, device=device)
         # Popped from the end: the lowest page ids are handed out first.
         self._free_pages: List[int] = list(range(num_pages - 1, -1, -1))
@@ -69,6 +85,16 @@ class KVCache:
         """int32 ``[max_batch, max_pages_per_seq]``: the pages of every row (index it with the
         step's sequence ids for the ops' ``block_table``)."""
         return self._block_table
+
+    @property
+    def k_scale(self) -> Optional[torch.Tensor]:
+        """float32 ``[num_pages, Hkv]``: the key pages' scales of an 8-bit cache, else None."""
+        return self._k_scale
+
+    @property
+    def v_scale(self) -> Optional[torch.Tensor]:
+        """float32 ``[num_pages, Hkv]``: the value pages' scales of an 8-bit cache, else None."""
+        return self._v_scale
 
     @property
     def seqlens(self) -> torch.Tensor:
@@ -135,8 +161,12 @@ class KVCache:
             pages = self._pages[seq_id]
             start = len(pages)
             pages.extend(self._free_pages.pop() for _ in range(count))
-            self._block_table[seq_id, start:len(pages)] = torch.tensor(
-                pages[start:], dtype=torch.int32, device=self._block_table.device)
+            new_pages = torch.tensor(pages[start:], dtype=torch.int32,
+                                     device=self._block_table.device)
+            self._block_table[seq_id, start:len(pages)] = new_pages
+            if self._k_scale is not None:  # a reused page's scale starts again from its tokens
+                self._k_scale[new_pages.long()] = 0
+                self._v_scale[new_pages.long()] = 0
 
     def advance(self, seq_ids: Sequence[int], num_tokens: int) -> None:
         """Adds ``num_tokens`` to the lengths of ``seq_ids``, whose pages must be reserved
@@ -167,8 +197,17 @@ class KVCache:
         pages = self._block_table[rows].long().gather(1, pos // self.page_size)
         slots = pos % self.page_size
         # Index pairs (page, slot) select [N, L, Hkv, D] rows of the pools.
-        self.k_pages[pages, :, slots] = k.transpose(1, 2).to(self.k_pages)
-        self.v_pages[pages, :, slots] = v.transpose(1, 2).to(self.v_pages)
+        if self._k_scale is None:
+            self.k_pages[pages, :, slots] = k.transpose(1, 2).to(self.k_pages)
+            self.v_pages[pages, :, slots] = v.transpose(1, 2).to(self.v_pages)
+        elif k.shape[2] > 0:
+            # The pages the new positions touch, from the host's page lists (no device read).
+            touched = [page for s in seq_ids for page in self._pages[s][
+                self._lengths[s] // self.page_size:
+                (self._lengths[s] + k.shape[2] - 1) // self.page_size + 1]]
+            touched = torch.tensor(touched, dtype=torch.long, device=self.k_pages.device)
+            _quantize_rows(self.k_pages, self._k_scale, k, pages, slots, touched)
+            _quantize_rows(self.v_pages, self._v_scale, v, pages, slots, touched)
         self.advance(seq_ids, k.shape[2])
 
     def fork(self, src: int, dst: Optional[int] = None) -> int:
@@ -190,6 +229,9 @@ class KVCache:
                                  device=self.k_pages.device)
         self.k_pages[dst_pages] = self.k_pages[src_pages]
         self.v_pages[dst_pages] = self.v_pages[src_pages]
+        if self._k_scale is not None:
+            self._k_scale[dst_pages] = self._k_scale[src_pages]
+            self._v_scale[dst_pages] = self._v_scale[src_pages]
         self.advance([dst], self._lengths[src])
         return dst
 
@@ -199,6 +241,32 @@ class KVCache:
     def _check_alive(self, seq_id: int) -> None:
         if not self._alive(seq_id):
             raise ValueError(f"adaattn.KVCache: no sequence {seq_id} (allocate it first)")
+
+
+# e4m3's largest finite magnitude: a page's scale maps its largest value there.
+_E4M3_MAX = 448.0
+
+
+def _quantize_rows(pool: torch.Tensor, scale: torch.Tensor, x: torch.Tensor, pages: torch.Tensor,
+                   slots: torch.Tensor, touched: torch.Tensor) -> None:
+    """Writes ``x [N, Hkv, L, D]`` at (pages, slots) ``[N, L]`` of an e4m3 pool ``[num_pages,
+    Hkv, page_size, D]`` whose ``scale [num_pages, Hkv]`` grows (for the ``touched`` pages,
+    which hold every page of ``pages``) to cover the new values; a page's earlier values are
+    re-rounded at its new scale."""
+    rows = x.transpose(1, 2).float()  # [N, L, Hkv, D]
+    heads = scale.shape[1]
+    page_amax = torch.zeros_like(scale).scatter_reduce_(
+        0, pages.reshape(-1, 1).expand(-1, heads), rows.abs().amax(-1).reshape(-1, heads),
+        reduce="amax")
+    old = scale[touched]
+    new = torch.maximum(old, page_amax[touched] / _E4M3_MAX)
+    ratio = torch.where(new > 0, old / new, torch.zeros_like(new))
+    pool[touched] = (pool[touched].float() * ratio[:, :, None, None]).to(pool.dtype)
+    scale[touched] = new
+    row_scale = scale[pages]  # [N, L, Hkv]; 0 only where the rows are 0
+    divisor = torch.where(row_scale > 0, row_scale, torch.ones_like(row_scale))
+    pool[pages, :, slots] = (rows / divisor[..., None]).clamp(-_E4M3_MAX, _E4M3_MAX).to(
+        pool.dtype)
 
 
 class LowRankKVCache(KVCache):
@@ -239,6 +307,9 @@ class LowRankKVCache(KVCache):
             C.integer("LowRankKVCache", name, value)
         C.check(1 <= rank <= head_dim, ValueError, "LowRankKVCache",
                 "rank must be in [1, head_dim = ", head_dim, "], got ", rank)
+        C.check(dtype != torch.float8_e4m3fn, TypeError, "LowRankKVCache",
+                "8-bit pools are not supported (the basis and projected keys stay 16-bit or "
+                "wider); use dtype float16, bfloat16, float32 or float64")
         super().__init__(num_pages, page_size, heads_kv, rank,
                          head_dim if head_dim_v is None else head_dim_v, max_batch=max_batch,
                          max_pages_per_seq=max_pages_per_seq, dtype=dtype, device=device)

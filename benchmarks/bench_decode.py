@@ -5,7 +5,11 @@ where Lk is the number of keys each new row attends (``cache_seqlens = Lk - Lq``
 the Lq new keys and values in place, as in a real decode step). Rows, per shape: flash Lq = 1 on a
 contiguous cache and on a paged one (page 64, pages shuffled over the pool), flash Lq = 16
 (speculative decoding, causal) contiguous, and lazy attention Lq = 1 contiguous and paged
-(tau = -1, bias W = 512 ~ 0.1 N(0, 1), as bench_lazy.py).
+(tau = -1, bias W = 512 ~ 0.1 N(0, 1), as bench_lazy.py). An 8-bit cache (the paged pool in
+float8_e4m3fn, a scale per page and kv head as adaattn.KVCache keeps them) cannot take the new
+keys inside the op, so its row (``paged64-fp8``, Lq = 1) and its 16-bit peer
+(``adaattn-bf16-cache``: the same paged pool in bf16) attend a cache that already holds all Lk
+keys (no append in either); ``vs_bf16_cache`` is the peer's time over the row's.
 
 Peers, in the same run, on the same shapes with a contiguous ``[B, Hkv, Lk, D]`` cache (SDPA has
 no paged layout, so paged rows repeat the contiguous peers' times):
@@ -49,6 +53,7 @@ SDPA_BACKENDS = (("sdpa-cudnn", "CUDNN_ATTENTION"), ("sdpa-flash", "FLASH_ATTENT
                  ("sdpa-efficient", "EFFICIENT_ATTENTION"))
 # The issue's bars, checked in the printed summary.
 HBM_BAR, PAGED_BAR, LAZY_BAR, SPECULATIVE_BAR = 0.85, 1.05, 1.15, 1.3
+FP8_BAR = 1.7  # the 8-bit cache's speed over the bf16 cache's (adaptive precision issue)
 
 
 def time_ms(fn: Callable, warmup: int, reps: int) -> float:
@@ -84,6 +89,13 @@ class Shape:
         self.v_pages = torch.empty_like(self.k_pages)
         for cache, pool in ((self.k_cache, self.k_pages), (self.v_cache, self.v_pages)):
             pool[perm] = cache.unflatten(2, (pages, PAGE_SIZE)).transpose(1, 2).flatten(0, 1)
+        # The same pool in 8 bits: scale = each page's and kv head's largest magnitude / 448.
+        self.scales = []
+        self.pages8 = []
+        for pool in (self.k_pages, self.v_pages):
+            scale = pool.float().abs().amax(dim=(2, 3)) / 448
+            self.scales.append(scale)
+            self.pages8.append((pool.float() / scale[:, :, None, None]).to(torch.float8_e4m3fn))
         self.tau = torch.full((HEADS_Q,), TAU, device="cuda")
         self.bias = 0.1 * torch.randn(HEADS_Q, WINDOW, device="cuda")
 
@@ -95,9 +107,9 @@ class Shape:
         seqlens = torch.full((self.batch,), self.len_k - len_q, dtype=torch.int32, device="cuda")
         return q, k, v, seqlens
 
-    def bytes_moved(self, len_q: int) -> int:
+    def bytes_moved(self, len_q: int, cache_itemsize: int = DTYPE.itemsize) -> int:
         """K+V cache bytes attended, plus q read and out written."""
-        kv = 2 * self.batch * HEADS_KV * self.len_k * HEAD_DIM * DTYPE.itemsize
+        kv = 2 * self.batch * HEADS_KV * self.len_k * HEAD_DIM * cache_itemsize
         return kv + 2 * self.batch * HEADS_Q * len_q * HEAD_DIM * DTYPE.itemsize
 
 
@@ -111,6 +123,20 @@ def adaattn_decode(s: Shape, len_q: int, paged: bool, lazy: bool, num_splits: in
             num_splits=num_splits)
     return lambda: adaattn.flash_attn_with_kvcache(
         q, k_cache, v_cache, k, v, cache_seqlens=seqlens, block_table=table, causal=True,
+        num_splits=num_splits)
+
+
+def adaattn_decode_full_cache(s: Shape, fp8: bool, num_splits: int) -> Callable:
+    """Flash decode, Lq = 1, on the paged pool already holding all Lk keys (no append): in
+    8 bits with its scales, or in bf16."""
+    q = torch.randn(s.batch, HEADS_Q, 1, HEAD_DIM, dtype=DTYPE, device="cuda")
+    seqlens = torch.full((s.batch,), s.len_k, dtype=torch.int32, device="cuda")
+    if fp8:
+        return lambda: adaattn.flash_attn_with_kvcache(
+            q, *s.pages8, cache_seqlens=seqlens, block_table=s.block_table,
+            num_splits=num_splits, k_scale=s.scales[0], v_scale=s.scales[1])
+    return lambda: adaattn.flash_attn_with_kvcache(
+        q, s.k_pages, s.v_pages, cache_seqlens=seqlens, block_table=s.block_table,
         num_splits=num_splits)
 
 
@@ -204,6 +230,20 @@ def bench_shape(batch: int, len_k: int, args, copy_gbps: float) -> List[dict]:
             **extra))
         print(f"{rows[-1]['case']:<40} adaattn {ba._fmt(ms, '.3f')} ms  "
               f"{ba._fmt(gbps, '.0f')} GB/s  peers {rows[-1]['ms']}", flush=True)
+    bf16, _ = measure(lambda: adaattn_decode_full_cache(s, False, args.num_splits), args)
+    ms, note = measure(lambda: adaattn_decode_full_cache(s, True, args.num_splits), args)
+    gbps = None if ms is None else s.bytes_moved(1, 1) / (ms * 1e-3) / 1e9
+    rows.append(results_io.row(
+        f"flash Lq=1 paged{PAGE_SIZE}-fp8 {base}", "fwd",
+        {"adaattn": ms, "adaattn-bf16-cache": bf16},
+        gbps=None if gbps is None else round(gbps, 1),
+        hbm_fraction=None if gbps is None else round(gbps / copy_gbps, 3),
+        vs_bf16_cache=ratio(bf16, ms),
+        note="; ".join([f"adaattn: {note}"] if note else []) + "the cache holds all Lk keys "
+        "(no append), as its peer's",
+        config=dict(config, lq=1, paged=True, variant="flash", cache="float8_e4m3fn")))
+    print(f"{rows[-1]['case']:<40} adaattn {ba._fmt(ms, '.3f')} ms  "
+          f"{ba._fmt(gbps, '.0f')} GB/s  bf16 cache {ba._fmt(bf16, '.3f')} ms", flush=True)
     del s
     torch.cuda.empty_cache()
     return rows
@@ -219,7 +259,8 @@ def bars(rows: List[dict]) -> str:
         ms = r["ms"]
         sdpa = [t for name, t in ms.items() if name.startswith("sdpa") and t is not None]
         speed = None if ms["adaattn"] is None or not sdpa else min(sdpa) / ms["adaattn"]
-        barred = r["config"]["variant"] == "flash" and r["config"]["lq"] == 1
+        barred = (r["config"]["variant"] == "flash" and r["config"]["lq"] == 1
+                  and "cache" not in r["config"])
 
         def verdict(x, limit):
             if x is None:
@@ -230,6 +271,9 @@ def bars(rows: List[dict]) -> str:
                            ("vs_lq1", SPECULATIVE_BAR)):
             if r.get(key) is not None:
                 own = f"{key} {r[key]:.3f} {'ok' if r[key] <= limit else 'MISS'} (<= {limit})"
+        if r.get("vs_bf16_cache") is not None:
+            x = r["vs_bf16_cache"]
+            own = f"vs_bf16_cache {x:.3f} {'ok' if x >= FP8_BAR else 'MISS'} (>= {FP8_BAR})"
         lines.append(f"| {r['case']} | {verdict(r.get('hbm_fraction'), HBM_BAR)} "
                      f"| {verdict(speed, 1.0)} | {own} |")
     return "\n".join(lines)

@@ -42,7 +42,10 @@ std::pair<int, int> tc_kernel_head_dims(VariantId variant, int head_dim, int hea
 // split-KV kernel for fp16/bf16, where decode_tc_supported. Key splits of each (sequence, kv
 // head) write partial results to o_part [splits, B, Hq, Lq, Dv] and lse_part [splits, B, Hq, Lq]
 // (float32, unused with one split), merged by a second kernel. Current stream, no host sync.
-bool decode_tc_supported(VariantId variant, int head_dim, int head_dim_v);
+// fp8_cache: an e4m3 paged cache (p.k_cache_scale set), which has kernels for plain softmax at
+// D = Dv in {64, 128} with pages of a power of two >= kDecodeFp8MinPage keys.
+constexpr int kDecodeFp8MinPage = 64;
+bool decode_tc_supported(VariantId variant, int head_dim, int head_dim_v, bool fp8_cache = false);
 // The split count: `requested` if > 0 (capped at the key tiles and 128), else chosen from the
 // grid the shapes give and the SMs and occupancy of the current device.
 int decode_num_splits(VariantId variant, const AttnParams& p, c10::ScalarType dtype,

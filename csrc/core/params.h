@@ -161,6 +161,11 @@ struct KvCacheParams {
   int page_size;
   int page_shift;  // log2(page_size) for a power of two, else -1
   int num_pages;
+  // An 8-bit paged cache (e4m3 k/v, decode kernel only; the other kernels get a dequantised
+  // copy): key j of page `block` and kv head h is k[...] * k_cache_scale[block * Hkv + h], the
+  // same for v. Null: k/v hold q's dtype.
+  const float* k_cache_scale;  // [num_pages, Hkv] float32
+  const float* v_cache_scale;  // [num_pages, Hkv] float32
 };
 
 // The 8-bit forward (precision="fp8", cuda/tc/fwd_q8_sm90.h): q and k are int8, v is e4m3 V^T

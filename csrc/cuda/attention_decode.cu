@@ -35,6 +35,12 @@ using DeepNarrowCfg = tc::DecodeTraits<D, DV, 1, 4, 64, 3>;
 template <int D, int DV>
 using WideCfg = tc::DecodeTraits<D, DV, 4, 1, 64, 2>;
 
+// An 8-bit cache's scales are per page, read once per tile: pages must hold whole tiles.
+static_assert(NarrowCfg<128, 128>::kBlockN == kDecodeFp8MinPage &&
+                  DeepNarrowCfg<128, 128>::kBlockN == kDecodeFp8MinPage &&
+                  WideCfg<128, 128>::kBlockN == kDecodeFp8MinPage,
+              "8-bit caches take pages of whole tiles");
+
 template <int N>
 using Int = std::integral_constant<int, N>;
 
@@ -44,13 +50,15 @@ bool decode_dims(bool plain, int d, int dv) {
   return (d == dv && (d == 64 || d == 128)) || (plain && dv == 128 && (d == 32 || d == 64));
 }
 
-// Calls f(T{}, Traits{}, Variant{}) for the compiled decode kernel of the arguments; returns
-// false when there is none.
+// Calls f(T{}, Traits{}, Variant{}, Fp8{}) for the compiled decode kernel of the arguments
+// (Fp8: std::bool_constant, an 8-bit paged cache); returns false when there is none. 8-bit
+// caches have kernels for plain softmax attention at D = Dv in {64, 128}.
 template <typename F>
 bool with_decode_kernel(VariantId variant, int d, int dv, c10::ScalarType dtype, int rw,
-                        F&& f) {
+                        bool fp8, F&& f) {
   if (!decode_dims(variant == VariantId::kPlain, d, dv)) return false;
   if (dtype != c10::kBFloat16 && dtype != c10::kHalf) return false;
+  if (fp8 && (variant != VariantId::kPlain || d != dv)) return false;
   return with_variant(variant, [&](auto v) {
     using V = decltype(v);
     if constexpr (!kHasDecodeKernel<V>) {
@@ -60,11 +68,17 @@ bool with_decode_kernel(VariantId variant, int d, int dv, c10::ScalarType dtype,
         using T = decltype(t);
         auto by_dims = [&](auto dim, auto dim_v) {
           constexpr int D = decltype(dim)::value, DV = decltype(dim_v)::value;
+          auto by_cfg = [&](auto cfg) {
+            if constexpr (std::is_same_v<V, PlainVariant> && D == DV) {
+              if (fp8) return f(T{}, cfg, V{}, std::true_type{});
+            }
+            return f(T{}, cfg, V{}, std::false_type{});
+          };
           if constexpr (V::kNormalized) {
-            if (rw == 1) return f(T{}, DeepNarrowCfg<D, DV>{}, V{});
+            if (rw == 1) return by_cfg(DeepNarrowCfg<D, DV>{});
           }
-          if (rw == 1) return f(T{}, NarrowCfg<D, DV>{}, V{});
-          return f(T{}, WideCfg<D, DV>{}, V{});
+          if (rw == 1) return by_cfg(NarrowCfg<D, DV>{});
+          return by_cfg(WideCfg<D, DV>{});
         };
         if constexpr (std::is_same_v<V, PlainVariant>) {
           if (d == 32) return by_dims(Int<32>{}, Int<128>{});
@@ -126,16 +140,16 @@ __global__ void append_kernel(const AttnParams p, const KvAppendParams a) {
 
 }  // namespace
 
-bool decode_tc_supported(VariantId variant, int head_dim, int head_dim_v) {
-  return with_decode_kernel(variant, head_dim, head_dim_v, c10::kBFloat16, 1,
-                            [](auto, auto, auto) {});
+bool decode_tc_supported(VariantId variant, int head_dim, int head_dim_v, bool fp8_cache) {
+  return with_decode_kernel(variant, head_dim, head_dim_v, c10::kBFloat16, 1, fp8_cache,
+                            [](auto, auto, auto, auto) {});
 }
 
 int decode_num_splits(VariantId variant, const AttnParams& p, c10::ScalarType dtype,
                       int64_t requested) {
   int splits = 1;
   with_decode_kernel(variant, p.head_dim, p.head_dim_v, dtype, row_warps(p),
-                     [&](auto, auto traits, auto) {
+                     p.k_cache_scale != nullptr, [&](auto, auto traits, auto, auto) {
     using Traits = decltype(traits);
     const int tiles = key_tiles<Traits>(p);
     const int most = std::min(tiles, 128);
@@ -165,7 +179,7 @@ int64_t decode_score_cache_stride(VariantId variant, const AttnParams& p,
                                   c10::ScalarType dtype) {
   int64_t stride = 0;
   with_decode_kernel(variant, p.head_dim, p.head_dim_v, dtype, row_warps(p),
-                     [&](auto, auto traits, auto v) {
+                     p.k_cache_scale != nullptr, [&](auto, auto traits, auto v, auto) {
     using Traits = decltype(traits);
     const int64_t rows = static_cast<int64_t>(p.heads_q / p.heads_kv) * p.len_q;
     // Written and read once: 8 bytes per row and key, against a K row of 2 * D bytes.
@@ -181,8 +195,10 @@ void attention_decode_tc_cuda(VariantId variant, const AttnParams& p, int num_sp
                               int64_t scores_stride, c10::ScalarType dtype) {
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const bool found = with_decode_kernel(variant, p.head_dim, p.head_dim_v, dtype, row_warps(p),
-                                        [&](auto t, auto traits, auto v) {
+                                        p.k_cache_scale != nullptr,
+                                        [&](auto t, auto traits, auto v, auto fp8) {
     using T = decltype(t);
+    constexpr bool kFp8 = decltype(fp8)::value;
     using Traits = decltype(traits);
     constexpr int DV = Traits::kDV;
     using V = decltype(v);
@@ -196,9 +212,11 @@ void attention_decode_tc_cuda(VariantId variant, const AttnParams& p, int num_sp
     const int64_t all_rows = static_cast<int64_t>(p.batch) * p.heads_q * p.len_q;
     auto run = [&](auto pass, auto scores_in) {
       constexpr tc::DecodePass kPass = decltype(pass)::value;
-      constexpr auto kernel = tc::decode_kernel<T, Traits, V, kPass, decltype(scores_in)::value>;
-      set_smem<kernel>(Traits::kSmemBytes);
-      kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(p, sp);
+      constexpr auto kernel =
+          tc::decode_kernel<T, Traits, V, kPass, decltype(scores_in)::value, kFp8>;
+      constexpr int kSmem = tc::decode_smem_bytes<Traits, kFp8>();
+      set_smem<kernel>(kSmem);
+      kernel<<<grid, Traits::kThreads, kSmem, stream>>>(p, sp);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       if (num_splits > 1) {
         tc::decode_combine_kernel<T, DV, kPass>

@@ -312,6 +312,10 @@ struct KVCacheOptions {
   double softcap = 0.0;
   // Key splits per (sequence, kv head) of the CUDA decode kernel; 0 chooses.
   int64_t num_splits = 0;
+  // Flash only: float32 [num_pages, Hkv] scales of an 8-bit (float8_e4m3fn) paged cache, whose
+  // values are cached value * scale of their page and kv head; new k/v are not appended to one.
+  std::optional<at::Tensor> k_scale = std::nullopt;
+  std::optional<at::Tensor> v_scale = std::nullopt;
 };
 
 // Softmax attention of new query rows q [B, Hq, Lq, D] against a KV cache. With k [B, Hkv, Lq, D]
@@ -326,11 +330,13 @@ inline at::Tensor flash_attn_with_kvcache(const at::Tensor& q, at::Tensor k_cach
   using Sig = std::tuple<at::Tensor, at::Tensor>(
       const at::Tensor&, at::Tensor&, at::Tensor&, const detail::OptTensor&,
       const detail::OptTensor&, const at::Tensor&, const detail::OptTensor&,
-      std::optional<double>, bool, int64_t, int64_t, double, int64_t);
+      std::optional<double>, bool, int64_t, int64_t, double, int64_t, const detail::OptTensor&,
+      const detail::OptTensor&);
   static const auto op = detail::typed_op<Sig>("flash_attn_with_kvcache");
   return std::get<0>(op.call(q, k_cache, v_cache, k, v, cache_seqlens, opts.block_table,
                              opts.softmax_scale, opts.causal, opts.window_left,
-                             opts.window_right, opts.softcap, opts.num_splits));
+                             opts.window_right, opts.softcap, opts.num_splits, opts.k_scale,
+                             opts.v_scale));
 }
 
 // Lazy attention (see lazy_attn) of new query rows against a KV cache, as

@@ -12,10 +12,17 @@
 // then a weight pass over K and V (kWeights, whose splits' partial outputs simply add up).
 // A positional score modifier is applied per score with each row's head and position (the rows
 // of a warp mix heads).
+//
+// An 8-bit paged cache (kFp8Cache: e4m3 k/v, one float32 scale per page and kv head) streams
+// half the bytes: its stages hold the e4m3 rows, and each tile is dequantised (value * scale,
+// rounded to q's dtype) into one 16-bit tile, which the products then read as a 16-bit cache's.
 #pragma once
+
+#include <cuda_fp8.h>
 
 #include <climits>
 #include <cmath>
+#include <type_traits>
 
 #include "../../core/mask.h"
 #include "../../core/params.h"
@@ -100,9 +107,38 @@ __device__ __forceinline__ int64_t cache_offset(const AttnParams& p, int block,
   return block * batch_stride + h * head_stride + slot * row_stride;
 }
 
+// Stages of an 8-bit cache's tiles in a 16-bit cache's stage memory (twice as many), and the
+// shared memory of its kernel: the 16-bit kernel's, one dequantised tile and each stage's two
+// scales.
+template <typename Traits>
+constexpr int decode_fp8_stages() {
+  return Traits::kStagesBytes / (Traits::kBlockN * (Traits::kD + Traits::kDV));
+}
+template <typename Traits, bool kFp8Cache>
+constexpr int decode_smem_bytes() {
+  return kFp8Cache ? Traits::kSmemBytes + Traits::kBlockN * (Traits::kD + Traits::kDV) * 2 +
+                         2 * decode_fp8_stages<Traits>() * static_cast<int>(sizeof(float))
+                   : Traits::kSmemBytes;
+}
+
+// Eight e4m3 values times `scale`, rounded to T (what a 16-bit cache would hold).
+template <typename T>
+__device__ __forceinline__ uint4 dequantize_e4m3x8(uint2 raw, float scale) {
+  const uint32_t words[2] = {raw.x, raw.y};
+  uint32_t out[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const auto pair = static_cast<__nv_fp8x2_storage_t>(words[i / 2] >> (16 * (i % 2)));
+    const float2 f = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3)));
+    out[i] = MmaOp<T>::pack(f.x * scale, f.y * scale);
+  }
+  return make_uint4(out[0], out[1], out[2], out[3]);
+}
+
 // kScoresIn: the weight pass reads the scores the lse pass cached (DecodeSplits::scores)
-// instead of K.
-template <typename T, typename Traits, typename Variant, DecodePass kPass, bool kScoresIn = false>
+// instead of K. kFp8Cache: an 8-bit paged cache (p.k_cache_scale, p.v_cache_scale).
+template <typename T, typename Traits, typename Variant, DecodePass kPass, bool kScoresIn = false,
+          bool kFp8Cache = false>
 __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     decode_kernel(const AttnParams p, const DecodeSplits sp) {
   constexpr int D = Traits::kD;
@@ -124,17 +160,27 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   // pass: K alone; the weight pass over cached scores: the scores and V) packs more stages into
   // the same shared memory, so that as many bytes are in flight as in the online pass (with
   // half-empty stages each pass streamed the cache below the online pass's rate).
+  static_assert(!kFp8Cache || (kPass == DecodePass::kOnline && D == DV),
+                "an 8-bit cache feeds the online pass of full-width keys");
+  // Cache elements as stored: q's 16-bit type, or e4m3 bytes.
+  using CacheElem = std::conditional_t<kFp8Cache, uint8_t, T>;
+  constexpr int kElemBytes = static_cast<int>(sizeof(CacheElem));
   constexpr int kKeyAreaElems = kScoresIn ? kRows * Traits::kScoreStride * 2 : BN * D;
   constexpr int kStageElems = kKeyAreaElems + (kLoadV ? BN * DV : 0);
-  constexpr int kPackedStages = Traits::kStagesBytes / (kStageElems * 2);
+  constexpr int kPackedStages = Traits::kStagesBytes / (kStageElems * kElemBytes);
   constexpr int kStages = kPackedStages > Traits::kStages ? kPackedStages : Traits::kStages;
-  static_assert(kStages * kStageElems * 2 <= Traits::kStagesBytes, "stages fit");
-  static_assert(kKeyAreaElems * 2 % 128 == 0, "stage areas stay 128-byte aligned");
+  static_assert(kStages * kStageElems * kElemBytes <= Traits::kStagesBytes, "stages fit");
+  static_assert(!kFp8Cache || kStages == decode_fp8_stages<Traits>(), "the host's smem size");
+  static_assert(kKeyAreaElems * kElemBytes % 128 == 0, "stage areas stay 128-byte aligned");
   constexpr int NT = kWarpKeys / 8;
   constexpr int DT = DV / 8;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* sQ = reinterpret_cast<T*>(smem_raw);
-  T* sStages = sQ + kRows * D;
+  CacheElem* sStages = reinterpret_cast<CacheElem*>(sQ + kRows * D);
+  // 8-bit cache: the dequantised tile (K, then V, swizzled as a 16-bit stage) and the stages'
+  // scales (k, v).
+  T* const sTile = reinterpret_cast<T*>(sStages + kStages * kStageElems);
+  float* const sScales = reinterpret_cast<float*>(sTile + BN * (D + DV));
 
   const int b = blockIdx.x / p.heads_kv, h_kv = blockIdx.x % p.heads_kv;
   const int row0 = blockIdx.y * kRows;
@@ -218,8 +264,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   const int64_t scores_row0 =
       ((static_cast<int64_t>(b) * p.heads_kv + h_kv) * rows + row0) * sp.scores_stride;
   auto load_stage = [&](int tile, int stage) {
-    T* sK = sStages + stage * kStageElems;
-    T* sV = sK + kKeyAreaElems;
+    CacheElem* sK = sStages + stage * kStageElems;
+    CacheElem* sV = sK + kKeyAreaElems;
     if constexpr (kScoresIn) {
       float* sS = reinterpret_cast<float*>(sK);
       constexpr int kChunks = kRows * BN / 4;
@@ -239,20 +285,45 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
       const bool valid = j < lens.k;
       const int jj = valid ? j : 0;
       const int block = clamp_block(p, blocks[i]);
-      if (!kScoresIn && (D == DV || my_col < D)) {
-        cp_async16(sK + swz<D>(r, my_col),
-                   static_cast<const T*>(p.k) +
-                       cache_offset(p, block, p.k_batch_stride, p.k_head_stride,
-                                    p.k_row_stride, h_kv, jj) + my_col,
-                   valid);
+      const CacheElem* k_src = static_cast<const CacheElem*>(p.k) +
+                               cache_offset(p, block, p.k_batch_stride, p.k_head_stride,
+                                            p.k_row_stride, h_kv, jj) + my_col;
+      const CacheElem* v_src = static_cast<const CacheElem*>(p.v) +
+                               cache_offset(p, block, p.v_batch_stride, p.v_head_stride,
+                                            p.v_row_stride, h_kv, jj) + my_col;
+      if constexpr (kFp8Cache) {
+        // Plain rows of bytes: the thread that copies a chunk dequantises it (convert_stage).
+        cp_async8(sK + r * D + my_col, k_src, valid);
+        cp_async8(sV + r * DV + my_col, v_src, valid);
+      } else {
+        if (!kScoresIn && (D == DV || my_col < D)) {
+          cp_async16(sK + swz<D>(r, my_col), k_src, valid);
+        }
+        if constexpr (kLoadV) cp_async16(sV + swz<DV>(r, my_col), v_src, valid);
       }
-      if constexpr (kLoadV) {
-        cp_async16(sV + swz<DV>(r, my_col),
-                   static_cast<const T*>(p.v) +
-                       cache_offset(p, block, p.v_batch_stride, p.v_head_stride,
-                                    p.v_row_stride, h_kv, jj) + my_col,
-                   valid);
+    }
+    if constexpr (kFp8Cache) {
+      // Pages hold whole tiles (the host requires it): one scale pair per tile.
+      if (tid == 0) {
+        const int64_t at = static_cast<int64_t>(clamp_block(p, blocks[0])) * p.heads_kv + h_kv;
+        cp_async4(sScales + 2 * stage, p.k_cache_scale + at, true);
+        cp_async4(sScales + 2 * stage + 1, p.v_cache_scale + at, true);
       }
+    }
+  };
+  // 8-bit cache: this thread's chunks of a landed stage, dequantised into sTile (after a
+  // barrier that ends the previous tile's products and makes the scales visible).
+  auto convert_stage = [&](int stage) {
+    const uint8_t* k8 = reinterpret_cast<const uint8_t*>(sStages + stage * kStageElems);
+    const uint8_t* v8 = k8 + BN * D;
+    const float k_scale = sScales[2 * stage], v_scale = sScales[2 * stage + 1];
+#pragma unroll
+    for (int i = 0; i < kPerThread; ++i) {
+      const int r = my_row + i * kRowStep;
+      *reinterpret_cast<uint4*>(sTile + swz<D>(r, my_col)) = dequantize_e4m3x8<T>(
+          *reinterpret_cast<const uint2*>(k8 + r * D + my_col), k_scale);
+      *reinterpret_cast<uint4*>(sTile + BN * D + swz<DV>(r, my_col)) = dequantize_e4m3x8<T>(
+          *reinterpret_cast<const uint2*>(v8 + r * DV + my_col), v_scale);
     }
   };
 
@@ -284,8 +355,17 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
       lookup(tile + kStages);
     }
     cp_async_commit();
-    const T* sK = sStages + (i % kStages) * kStageElems;
-    const T* sV = sK + kKeyAreaElems;
+    const T* sK;
+    const T* sV;
+    if constexpr (kFp8Cache) {
+      convert_stage(i % kStages);
+      __syncthreads();
+      sK = sTile;
+      sV = sTile + BN * D;
+    } else {
+      sK = sStages + (i % kStages) * kStageElems;
+      sV = sK + kKeyAreaElems;
+    }
 
     float s[1][NT][4];
     const int n0 = tile * BN + key_warp * kWarpKeys;

@@ -17,12 +17,18 @@ namespace adaattn {
 namespace {
 
 void check_cache_operand(const char* op, const at::Tensor& t, const char* name,
-                         const at::Tensor& q) {
+                         const at::Tensor& q, bool fp8_cache = false) {
   ADAATTN_CHECK_VALUE(t.dim() == 4, name,
                       " must have 4 dims ([B, Hkv, L, D], or paged [num_pages, Hkv, page_size, D])"
                       ", got ", t.dim(), " dims (shape ", t.sizes(), ")");
-  ADAATTN_CHECK_TYPE(t.scalar_type() == q.scalar_type(), name, " must have q's dtype ",
-                     q.scalar_type(), ", got ", t.scalar_type());
+  if (fp8_cache) {
+    ADAATTN_CHECK_TYPE(t.scalar_type() == at::kFloat8_e4m3fn, name,
+                       " must be float8_e4m3fn as the other cache operand, got ",
+                       t.scalar_type());
+  } else {
+    ADAATTN_CHECK_TYPE(t.scalar_type() == q.scalar_type(), name, " must have q's dtype ",
+                       q.scalar_type(), ", got ", t.scalar_type());
+  }
   ADAATTN_CHECK_DEVICE(t.device() == q.device(), name, " must be on q's device ", q.device(),
                        ", got ", t.device());
   ADAATTN_CHECK_VALUE(t.size(-1) == 0 || t.stride(-1) == 1, name,
@@ -46,7 +52,7 @@ KvCacheShape check_kvcache_inputs(const char* op, const at::Tensor& q, const at:
                                   const std::optional<at::Tensor>& v,
                                   const at::Tensor& cache_seqlens,
                                   const std::optional<at::Tensor>& block_table,
-                                  int64_t num_splits) {
+                                  int64_t num_splits, bool fp8_cache) {
   ADAATTN_CHECK_VALUE(q.dim() == 4, "q must have 4 dims [B, Hq, Lq, D], got ", q.dim(),
                       " dims (shape ", q.sizes(), ")");
   ADAATTN_CHECK_TYPE(at::isFloatingType(q.scalar_type()),
@@ -55,8 +61,8 @@ KvCacheShape check_kvcache_inputs(const char* op, const at::Tensor& q, const at:
   ADAATTN_CHECK_VALUE(q.size(-1) == 0 || q.stride(-1) == 1,
                       "q must have a contiguous last dim (stride(-1) == 1), got strides ",
                       q.strides());
-  check_cache_operand(op, k_cache, "k_cache", q);
-  check_cache_operand(op, v_cache, "v_cache", q);
+  check_cache_operand(op, k_cache, "k_cache", q, fp8_cache);
+  check_cache_operand(op, v_cache, "v_cache", q, fp8_cache);
   ADAATTN_CHECK_VALUE(k_cache.sizes().slice(0, 3) == v_cache.sizes().slice(0, 3),
                       "k_cache and v_cache must agree in all but the last dim, got k_cache ",
                       k_cache.sizes(), ", v_cache ", v_cache.sizes());
@@ -142,6 +148,51 @@ void check_kvcache_values(const char* op, const at::Tensor& cache_seqlens,
   }
 }
 
+bool is_fp8_cache(const at::Tensor& k_cache, const at::Tensor& v_cache) {
+  return k_cache.scalar_type() == at::kFloat8_e4m3fn ||
+         v_cache.scalar_type() == at::kFloat8_e4m3fn;
+}
+
+void check_fp8_cache(const char* op, const at::Tensor& q, const at::Tensor& k_cache,
+                     const std::optional<at::Tensor>& k,
+                     const std::optional<at::Tensor>& block_table,
+                     const std::optional<at::Tensor>& k_scale,
+                     const std::optional<at::Tensor>& v_scale, bool fp8_cache) {
+  if (!fp8_cache) {
+    ADAATTN_CHECK_VALUE(!k_scale.has_value() && !v_scale.has_value(),
+                        "k_scale and v_scale belong to an 8-bit (float8_e4m3fn) cache; the "
+                        "caches have dtype ", k_cache.scalar_type());
+    return;
+  }
+  ADAATTN_CHECK_VALUE(block_table.has_value(),
+                      "an 8-bit (float8_e4m3fn) cache must be paged (pass block_table; "
+                      "adaattn.KVCache(dtype=torch.float8_e4m3fn) keeps one)");
+  ADAATTN_CHECK_VALUE(!k.has_value(),
+                      "new keys k and values v cannot be appended to an 8-bit cache inside the "
+                      "op; quantise them into it first (adaattn.KVCache.append) and pass "
+                      "k = v = None");
+  const std::vector<int64_t> shape = {k_cache.size(0), k_cache.size(1)};
+  for (const auto& [scale, name] : {std::pair{&k_scale, "k_scale"}, {&v_scale, "v_scale"}}) {
+    ADAATTN_CHECK_VALUE(scale->has_value(), name,
+                        " (float32 [num_pages, Hkv]) is required with an 8-bit cache");
+    const at::Tensor& t = **scale;
+    ADAATTN_CHECK_TYPE(t.scalar_type() == at::kFloat, name, " must be float32, got ",
+                       t.scalar_type());
+    ADAATTN_CHECK_DEVICE(t.device() == q.device(), name, " must be on q's device ", q.device(),
+                         ", got ", t.device());
+    ADAATTN_CHECK_VALUE(t.sizes() == at::IntArrayRef(shape), name,
+                        " must have shape [num_pages, Hkv] = ", at::IntArrayRef(shape), ", got ",
+                        t.sizes());
+    ADAATTN_CHECK_VALUE(t.is_contiguous(), name,
+                        " must be contiguous; call .contiguous() on it");
+  }
+}
+
+at::Tensor dequantize_cache(const at::Tensor& cache, const at::Tensor& scale,
+                            c10::ScalarType dtype) {
+  return (cache.to(at::kFloat) * scale.view({scale.size(0), scale.size(1), 1, 1})).to(dtype);
+}
+
 AttnParams make_kvcache_params(const at::Tensor& q, const at::Tensor& k_cache,
                                const at::Tensor& v_cache, const at::Tensor& cache_seqlens,
                                int64_t appended, const FlashOptions& opt) {
@@ -225,12 +276,20 @@ std::tuple<at::Tensor, at::Tensor> flash_kvcache_cpu_op(
     const at::Tensor& q, at::Tensor& k_cache, at::Tensor& v_cache, const OptTensor& k,
     const OptTensor& v, const at::Tensor& cache_seqlens, const OptTensor& block_table,
     std::optional<double> softmax_scale, bool causal, int64_t window_left, int64_t window_right,
-    double softcap, int64_t num_splits) {
+    double softcap, int64_t num_splits, const OptTensor& k_scale, const OptTensor& v_scale) {
   constexpr const char* op = "flash_attn_with_kvcache";
-  const KvCacheShape shape =
-      check_kvcache_inputs(op, q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits);
+  const bool fp8 = is_fp8_cache(k_cache, v_cache);
+  const KvCacheShape shape = check_kvcache_inputs(op, q, k_cache, v_cache, k, v, cache_seqlens,
+                                                  block_table, num_splits, fp8);
+  check_fp8_cache(op, q, k_cache, k, block_table, k_scale, v_scale, fp8);
   const FlashOptions opt = resolve_flash_options(op, q, softmax_scale, causal, window_left,
                                                  window_right, BwdMode::kAtomic, softcap);
+  if (fp8) {
+    at::Tensor kc = dequantize_cache(k_cache, *k_scale, q.scalar_type());
+    at::Tensor vc = dequantize_cache(v_cache, *v_scale, q.scalar_type());
+    return kvcache_attn_cpu(op, q, kc, vc, k, v, cache_seqlens, block_table, shape, opt,
+                            softmax_variant(opt), nullptr, nullptr);
+  }
   return kvcache_attn_cpu(op, q, k_cache, v_cache, k, v, cache_seqlens, block_table, shape, opt,
                           softmax_variant(opt), nullptr, nullptr);
 }
@@ -264,7 +323,8 @@ TORCH_LIBRARY_FRAGMENT(adaattn, m) {
       "flash_attn_with_kvcache(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k, "
       "Tensor? v, Tensor cache_seqlens, Tensor? block_table=None, float? softmax_scale=None, "
       "bool causal=True, int window_left=-1, int window_right=-1, float softcap=0.0, "
-      "int num_splits=0) -> (Tensor out, Tensor lse)");
+      "int num_splits=0, Tensor? k_scale=None, Tensor? v_scale=None) -> (Tensor out, "
+      "Tensor lse)");
   m.def(
       "lazy_attn_with_kvcache(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k, "
       "Tensor? v, Tensor tau, Tensor bias, Tensor cache_seqlens, Tensor? block_table=None, "

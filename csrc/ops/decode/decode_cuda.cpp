@@ -40,11 +40,14 @@ void set_cache_layout(AttnParams& p, const OptTensor& block_table, const KvCache
   p.len_k = static_cast<int>(shape.capacity);
 }
 
+// k_scale/v_scale: an 8-bit cache that the decode kernel reads as it is (the caller has
+// checked that one applies: fp8_decode_kernel).
 std::tuple<at::Tensor, at::Tensor> kvcache_attn_cuda(
     const char* op, const at::Tensor& q_in, at::Tensor& k_cache, at::Tensor& v_cache,
     const OptTensor& k, const OptTensor& v, const at::Tensor& cache_seqlens,
     const OptTensor& block_table, const KvCacheShape& shape, const FlashOptions& opt,
-    VariantId variant, int64_t num_splits, const at::Tensor* tau, const at::Tensor* bias) {
+    VariantId variant, int64_t num_splits, const at::Tensor* tau, const at::Tensor* bias,
+    const at::Tensor* k_scale = nullptr, const at::Tensor* v_scale = nullptr) {
   const c10::cuda::CUDAGuard guard(q_in.device());
   const int64_t appended = k.has_value() ? q_in.size(2) : 0;
   check_kvcache_values(op, cache_seqlens, block_table, shape, appended);
@@ -67,11 +70,16 @@ std::tuple<at::Tensor, at::Tensor> kvcache_attn_cuda(
   }
 
   const int d = static_cast<int>(q_in.size(-1)), dv = static_cast<int>(v_cache.size(-1));
-  if (use_tensor_cores(q_in.scalar_type()) && decode_tc_supported(variant, d, dv) &&
-      chunk_aligned(k_cache) && chunk_aligned(v_cache)) {
+  const bool fp8 = k_scale != nullptr;
+  if (fp8 || (use_tensor_cores(q_in.scalar_type()) && decode_tc_supported(variant, d, dv) &&
+              chunk_aligned(k_cache) && chunk_aligned(v_cache))) {
     const at::Tensor q = tc_aligned(q_in);
     AttnParams p = make_kvcache_params(q, k_cache, v_cache, cache_seqlens, appended, opt);
     set_cache_layout(p, block_table, shape);
+    if (fp8) {
+      p.k_cache_scale = k_scale->data_ptr<float>();
+      p.v_cache_scale = v_scale->data_ptr<float>();
+    }
     set_lazy_params(p, tau, bias);
     set_fwd_outputs(p, out, lse);
     const int splits = decode_num_splits(variant, p, q.scalar_type(), num_splits);
@@ -112,18 +120,42 @@ std::tuple<at::Tensor, at::Tensor> kvcache_attn_cuda(
   return {layout.crop(kernel_out, layout.head_dim_v), lse};
 }
 
+// Whether the decode kernel reads this 8-bit cache as it is: plain softmax at its head dims,
+// 16-bit q, pages of whole tiles, 8-byte aligned rows.
+bool fp8_decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                       const KvCacheShape& shape, VariantId variant) {
+  const int64_t page = shape.page_size;
+  return use_tensor_cores(q.scalar_type()) &&
+         decode_tc_supported(variant, static_cast<int>(q.size(-1)),
+                             static_cast<int>(v_cache.size(-1)), true) &&
+         page >= kDecodeFp8MinPage && (page & (page - 1)) == 0 && chunk_aligned(k_cache) &&
+         chunk_aligned(v_cache);
+}
+
 std::tuple<at::Tensor, at::Tensor> flash_kvcache_cuda_op(
     const at::Tensor& q, at::Tensor& k_cache, at::Tensor& v_cache, const OptTensor& k,
     const OptTensor& v, const at::Tensor& cache_seqlens, const OptTensor& block_table,
     std::optional<double> softmax_scale, bool causal, int64_t window_left, int64_t window_right,
-    double softcap, int64_t num_splits) {
+    double softcap, int64_t num_splits, const OptTensor& k_scale, const OptTensor& v_scale) {
   constexpr const char* op = "flash_attn_with_kvcache";
-  const KvCacheShape shape =
-      check_kvcache_inputs(op, q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits);
+  const bool fp8 = is_fp8_cache(k_cache, v_cache);
+  const KvCacheShape shape = check_kvcache_inputs(op, q, k_cache, v_cache, k, v, cache_seqlens,
+                                                  block_table, num_splits, fp8);
+  check_fp8_cache(op, q, k_cache, k, block_table, k_scale, v_scale, fp8);
   const FlashOptions opt = resolve_flash_options(op, q, softmax_scale, causal, window_left,
                                                  window_right, BwdMode::kAtomic, softcap);
+  const VariantId variant = softmax_variant(opt);
+  if (fp8 && !fp8_decode_kernel(q, k_cache, v_cache, shape, variant)) {
+    // No kernel reads this 8-bit cache: the 16-bit paths on its dequantised copy.
+    const c10::cuda::CUDAGuard guard(q.device());
+    at::Tensor kc = dequantize_cache(k_cache, *k_scale, q.scalar_type());
+    at::Tensor vc = dequantize_cache(v_cache, *v_scale, q.scalar_type());
+    return kvcache_attn_cuda(op, q, kc, vc, k, v, cache_seqlens, block_table, shape, opt,
+                             variant, num_splits, nullptr, nullptr);
+  }
   return kvcache_attn_cuda(op, q, k_cache, v_cache, k, v, cache_seqlens, block_table, shape, opt,
-                           softmax_variant(opt), num_splits, nullptr, nullptr);
+                           variant, num_splits, nullptr, nullptr,
+                           fp8 ? &*k_scale : nullptr, fp8 ? &*v_scale : nullptr);
 }
 
 std::tuple<at::Tensor, at::Tensor> lazy_kvcache_cuda_op(

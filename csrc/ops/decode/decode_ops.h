@@ -24,13 +24,32 @@ struct KvCacheShape {
 // page_size, D|Dv] with block_table int32 [B, max_pages]), cache_seqlens int32 [B], and the
 // optional new k [B, Hkv, Lq, D] / v [B, Hkv, Lq, Dv] (both or neither), and num_splits >= 0.
 // Dtypes, devices, shapes and contiguous last dims; errors name `op` and the argument
-// (common/checks.h). Values are not read here.
+// (common/checks.h). Values are not read here. fp8_cache: the caches must be float8_e4m3fn
+// (is_fp8_cache; check_fp8_cache checks the rest), else q's dtype.
 KvCacheShape check_kvcache_inputs(const char* op, const at::Tensor& q, const at::Tensor& k_cache,
                                   const at::Tensor& v_cache, const std::optional<at::Tensor>& k,
                                   const std::optional<at::Tensor>& v,
                                   const at::Tensor& cache_seqlens,
                                   const std::optional<at::Tensor>& block_table,
-                                  int64_t num_splits);
+                                  int64_t num_splits, bool fp8_cache = false);
+
+// Whether either cache operand is 8-bit (float8_e4m3fn): an 8-bit cache, which the flash op
+// alone takes.
+bool is_fp8_cache(const at::Tensor& k_cache, const at::Tensor& v_cache);
+
+// An 8-bit cache (fp8_cache): paged, with k_scale and v_scale float32 [num_pages, Hkv]
+// (contiguous, on q's device: cached value * its page's and kv head's scale) and no new k/v to
+// append (adaattn.KVCache.append quantises them). Without one, scales are an error.
+void check_fp8_cache(const char* op, const at::Tensor& q, const at::Tensor& k_cache,
+                     const std::optional<at::Tensor>& k,
+                     const std::optional<at::Tensor>& block_table,
+                     const std::optional<at::Tensor>& k_scale,
+                     const std::optional<at::Tensor>& v_scale, bool fp8_cache);
+
+// An 8-bit cache [num_pages, Hkv, page_size, D] times its scales [num_pages, Hkv], rounded to
+// dtype: what the decode kernel computes on (the CPU op and the other CUDA kernels take it).
+at::Tensor dequantize_cache(const at::Tensor& cache, const at::Tensor& scale,
+                            c10::ScalarType dtype);
 
 // Values of cache_seqlens (>= 0, room for the `appended` new tokens) and of the block-table
 // entries that the sequences use (in [0, num_pages)). Reads them, so on CUDA it runs only with

@@ -1,0 +1,266 @@
+"""Tests of the 8-bit (float8_e4m3fn) paged KV cache: adaattn.KVCache(dtype=torch.float8_e4m3fn)
+quantising on append, and adaattn.flash_attn_with_kvcache reading it with k_scale/v_scale.
+
+A cached value means ``e4m3 value * scale[page, kv head]``. What the op computes on is that
+product rounded to q's dtype (``dequantized``), so the op on the 8-bit cache must equal the op on
+the dequantised 16-bit (or float32) cache: exactly on the CPU (the same kernel on the same
+values) and on CUDA, where the decode kernel dequantises each tile in shared memory and then runs
+the 16-bit kernel's products on it. Quantisation error itself is bounded by e4m3's rounding:
+3 mantissa bits, relative error <= 2^-4, and 2^-10 * scale in the subnormal range. Every test
+runs with NaN-poisoned allocations (conftest.py); CUDA cases skip at run time without a GPU.
+"""
+import pytest
+import torch
+
+import adaattn
+from adaattn._ops import ops
+
+E4M3 = torch.float8_e4m3fn
+
+
+def dequantized(pool: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The pool's values as the ops compute on them: e4m3 * scale (float32), rounded to dtype."""
+    return (pool.float() * scale[:, :, None, None]).to(dtype)
+
+
+def quantisation_bound(x: torch.Tensor, scale: torch.Tensor, roundings: int = 1) -> torch.Tensor:
+    """|error| allowed for x stored at `scale` ([...] broadcast to x) after `roundings`."""
+    return roundings * (2.0 ** -4 * x.abs() + 2.0 ** -10 * scale)
+
+
+def make_cache(page_size=16, heads_kv=2, head_dim=8, num_pages=24, device="cpu", max_batch=4):
+    return adaattn.KVCache(num_pages, page_size, heads_kv, head_dim, max_batch=max_batch,
+                           max_pages_per_seq=8, dtype=E4M3, device=device)
+
+
+def stored(cache: adaattn.KVCache, seq: int, which: str = "k") -> torch.Tensor:
+    """Sequence `seq`'s dequantised float32 rows [Hkv, L, D], from the host's page list."""
+    pool = cache.k_pages if which == "k" else cache.v_pages
+    scale = cache.k_scale if which == "k" else cache.v_scale
+    pages = torch.tensor(cache._pages[seq], dtype=torch.long)
+    rows = dequantized(pool, scale, torch.float32)[pages]  # [P, Hkv, page, D]
+    return rows.transpose(0, 1).flatten(1, 2)[:, :cache.length(seq)]
+
+
+def page_scales(cache: adaattn.KVCache, seq: int, which: str = "k") -> torch.Tensor:
+    """[Hkv, L]: the scale each of sequence `seq`'s positions is stored at."""
+    scale = cache.k_scale if which == "k" else cache.v_scale
+    pages = torch.tensor(cache._pages[seq], dtype=torch.long)
+    return scale[pages].t().repeat_interleave(cache.page_size, 1)[:, :cache.length(seq)]
+
+
+def test_append_quantises_per_page_and_head():
+    torch.manual_seed(0)
+    cache = make_cache()
+    seqs = [cache.allocate(), cache.allocate()]
+    k = torch.randn(2, 2, 37, 8) * torch.tensor([1.0, 30.0]).view(1, 2, 1, 1)  # heads differ
+    v = torch.randn(2, 2, 37, 8)
+    k[1, 0, 5, 3] = 0.0  # exact zeros stay zero
+    cache.append(seqs, k, v)
+    for i, s in enumerate(seqs):
+        for which, x in (("k", k), ("v", v)):
+            got, scales = stored(cache, s, which), page_scales(cache, s, which)
+            err = (got - x[i]).abs()
+            assert (err <= quantisation_bound(x[i], scales[..., None])).all(), which
+            # scale = the page's largest magnitude / 448, per kv head
+            for p, page in enumerate(cache._pages[s]):
+                rows = x[i][:, p * 16:(p + 1) * 16]
+                expected = rows.abs().amax(dim=(1, 2)) / 448
+                pool_scale = cache.k_scale if which == "k" else cache.v_scale
+                torch.testing.assert_close(pool_scale[page], expected, rtol=0, atol=0)
+    assert stored(cache, seqs[1])[0, 5, 3] == 0
+
+
+def test_append_rescales_a_page_when_new_tokens_exceed_it():
+    torch.manual_seed(1)
+    cache = make_cache()
+    s = cache.allocate()
+    small = torch.randn(1, 2, 5, 8) * 0.01
+    cache.append([s], small, small)
+    page = cache._pages[s][0]
+    before = cache.k_scale[page].clone()
+    big = torch.randn(1, 2, 3, 8) * 50.0
+    cache.append([s], big, big)
+    assert (cache.k_scale[page] > before).all()
+    both = torch.cat([small, big], dim=2)[0]
+    got, scales = stored(cache, s), page_scales(cache, s)
+    # earlier tokens were rounded twice (at the old scale, then the new one)
+    assert ((got - both).abs() <= quantisation_bound(both, scales[..., None], 2)).all()
+    # the new tokens once
+    assert ((got[:, 5:] - both[:, 5:]).abs()
+            <= quantisation_bound(both[:, 5:], scales[:, 5:, None])).all()
+
+
+def test_reused_pages_restart_their_scales_and_fork_copies_them():
+    torch.manual_seed(2)
+    cache = make_cache(num_pages=2, max_batch=3)
+    a = cache.allocate()
+    cache.append([a], torch.full((1, 2, 3, 8), 100.0), torch.full((1, 2, 3, 8), 100.0))
+    cache.free(a)
+    b = cache.allocate()
+    x = torch.randn(1, 2, 4, 8) * 0.1
+    cache.append([b], x, x)
+    torch.testing.assert_close(cache.k_scale[cache._pages[b][0]],
+                               x[0].abs().amax(dim=(1, 2)) / 448, rtol=0, atol=0)
+    c = cache.fork(b)
+    torch.testing.assert_close(stored(cache, c), stored(cache, b), rtol=0, atol=0)
+    torch.testing.assert_close(stored(cache, c, "v"), stored(cache, b, "v"), rtol=0, atol=0)
+
+
+def _problem(device, dtype, batch=3, heads_q=8, heads_kv=2, head_dim=64, page_size=64,
+             lengths=(0, 70, 190), len_q=1, seed=3):
+    """An 8-bit cache holding `lengths` tokens per sequence (plus the Lq rows of this step),
+    with pages handed out interleaved across sequences, and the step's queries."""
+    torch.manual_seed(seed)
+    max_pages = 4
+    cache = adaattn.KVCache(batch * max_pages, page_size, heads_kv, head_dim, max_batch=batch,
+                            max_pages_per_seq=max_pages, dtype=E4M3, device=device)
+    ids = [cache.allocate() for _ in range(batch)]
+    for step in range(max(lengths) + len_q):  # one token at a time: interleaved pages
+        grow = [s for s, n in zip(ids, lengths) if step < n + len_q]
+        k = torch.randn(len(grow), heads_kv, 1, head_dim, device=device) * 3
+        v = torch.randn(len(grow), heads_kv, 1, head_dim, device=device)
+        cache.append(grow, k, v)
+    q = torch.randn(batch, heads_q, len_q, head_dim, device=device).to(dtype)
+    return cache, ids, q
+
+
+def _decode(cache, ids, q, fp8, **kw):
+    table = cache.block_table[ids]
+    seqlens = cache.seqlens[ids]
+    if fp8:
+        return adaattn.flash_attn_with_kvcache(q, cache.k_pages, cache.v_pages,
+                                               cache_seqlens=seqlens, block_table=table,
+                                               k_scale=cache.k_scale, v_scale=cache.v_scale,
+                                               return_lse=True, **kw)
+    k16 = dequantized(cache.k_pages, cache.k_scale, q.dtype)
+    v16 = dequantized(cache.v_pages, cache.v_scale, q.dtype)
+    return adaattn.flash_attn_with_kvcache(q, k16, v16, cache_seqlens=seqlens, block_table=table,
+                                           return_lse=True, **kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("kw", [{}, {"window": (40, 0)}, {"softcap": 5.0}], ids=str)
+def test_cpu_op_equals_the_op_on_the_dequantised_cache(dtype, kw):
+    cache, ids, q = _problem("cpu", dtype, len_q=2)
+    out, lse = _decode(cache, ids, q, True, **kw)
+    ref_out, ref_lse = _decode(cache, ids, q, False, **kw)
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=0)
+    torch.testing.assert_close(lse, ref_lse, rtol=0, atol=0)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+
+
+def test_opcheck_cpu():
+    """The fake kernel and the autograd registration; opcheck's schema test compares tensors
+    with arithmetic that torch 2.11 does not implement for float8_e4m3fn on the CPU."""
+    cache, ids, q = _problem("cpu", torch.float32)
+    torch.library.opcheck(ops.flash_attn_with_kvcache.default, (
+        q, cache.k_pages, cache.v_pages, None, None, cache.seqlens[ids], cache.block_table[ids],
+        None, True, -1, -1, 0.0, 0, cache.k_scale, cache.v_scale),
+        test_utils=("test_faketensor", "test_autograd_registration"))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("page_size,len_q,heads_q,kw", [
+    (64, 1, 8, {}), (128, 4, 8, {}), (64, 1, 32, {"window": (100, 0)}), (64, 3, 2, {}),
+    (64, 1, 8, {"num_splits": 3}),
+    # no 8-bit kernel: a dequantised copy on the 16-bit paths
+    (32, 1, 8, {}), (64, 1, 8, {"softcap": 5.0}),
+], ids=str)
+def test_cuda_kernel_equals_the_op_on_the_dequantised_cache(dtype, head_dim, page_size, len_q,
+                                                            heads_q, kw):
+    cache, ids, q = _problem("cuda", dtype, heads_q=heads_q, head_dim=head_dim,
+                             page_size=page_size, lengths=(0, 70, 250), len_q=len_q)
+    out, lse = _decode(cache, ids, q, True, **kw)
+    ref_out, ref_lse = _decode(cache, ids, q, False, **kw)
+    # the same products on the same 16-bit values, tile by tile in the same order
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=0)
+    torch.testing.assert_close(lse, ref_lse, rtol=0, atol=0)
+    # and the CPU op on the same cache agrees to the 16-bit rule's scale
+    cpu = _decode(adaattn_cache_to(cache, "cpu"), ids, q.cpu(), True, **kw)[0]
+    torch.testing.assert_close(out.cpu().float(), cpu.float(), rtol=2e-2, atol=2e-2)
+
+
+def adaattn_cache_to(cache: adaattn.KVCache, device: str) -> adaattn.KVCache:
+    """A copy of `cache` (pools, scales, table, lengths) on `device`."""
+    copy = adaattn.KVCache(cache.k_pages.shape[0], cache.page_size, cache.k_pages.shape[1],
+                           cache.k_pages.shape[3], max_batch=cache.block_table.shape[0],
+                           max_pages_per_seq=cache.block_table.shape[1], dtype=E4M3,
+                           device=device)
+    for name in ("k_pages", "v_pages", "_k_scale", "_v_scale", "_block_table", "_seqlens"):
+        getattr(copy, name).copy_(getattr(cache, name))
+    copy._pages = [None if p is None else list(p) for p in cache._pages]
+    copy._lengths = list(cache._lengths)
+    return copy
+
+
+def _bad(kind):
+    cache, ids, q = _problem("cpu", torch.float32, batch=2, lengths=(3, 5))
+    table, lens = cache.block_table[ids], cache.seqlens[ids]
+    kp, vp, ks, vs = cache.k_pages, cache.v_pages, cache.k_scale, cache.v_scale
+    call = adaattn.flash_attn_with_kvcache
+    k_new = torch.randn(2, 2, 1, 64)
+    if kind == "missing scale":
+        return lambda: call(q, kp, vp, cache_seqlens=lens, block_table=table, k_scale=ks)
+    if kind == "scale dtype":
+        return lambda: call(q, kp, vp, cache_seqlens=lens, block_table=table, k_scale=ks,
+                            v_scale=vs.double())
+    if kind == "scale shape":
+        return lambda: call(q, kp, vp, cache_seqlens=lens, block_table=table, k_scale=ks[:3],
+                            v_scale=vs)
+    if kind == "contiguous":
+        return lambda: call(q, kp[:2], vp[:2], cache_seqlens=lens, k_scale=ks, v_scale=vs)
+    if kind == "append":
+        return lambda: call(q, kp, vp, k_new, k_new, cache_seqlens=lens, block_table=table,
+                            k_scale=ks, v_scale=vs)
+    if kind == "mixed caches":
+        return lambda: call(q, kp, vp.float(), cache_seqlens=lens, block_table=table,
+                            k_scale=ks, v_scale=vs)
+    if kind == "scales without 8-bit cache":
+        return lambda: call(q, kp.float(), vp.float(), cache_seqlens=lens, block_table=table,
+                            k_scale=ks, v_scale=vs)
+    if kind == "lazy":
+        tau, bias = torch.full((8,), -1.0), torch.zeros(8, 4)
+        return lambda: adaattn.lazy_attn_with_kvcache(q, kp, vp, None, None, tau, bias,
+                                                      cache_seqlens=lens, block_table=table)
+    if kind == "low-rank pool":
+        return lambda: adaattn.LowRankKVCache(4, 16, 2, 64, 32, max_batch=1,
+                                              max_pages_per_seq=4, dtype=E4M3)
+    raise AssertionError(kind)
+
+
+BAD = {
+    "missing scale": (ValueError, r"flash_attn_with_kvcache: v_scale \(float32 \[num_pages, Hkv\]\)"
+                                  r" is required"),
+    "scale dtype": (TypeError, r"flash_attn_with_kvcache: v_scale must be float32, got Double"),
+    "scale shape": (ValueError, r"flash_attn_with_kvcache: k_scale must have shape "
+                                r"\[num_pages, Hkv\] = \[8, 2\], got \[3, 2\]"),
+    "contiguous": (ValueError, r"flash_attn_with_kvcache: an 8-bit \(float8_e4m3fn\) cache must "
+                               r"be paged"),
+    "append": (ValueError, r"flash_attn_with_kvcache: new keys k and values v cannot be appended"),
+    "mixed caches": (TypeError, r"flash_attn_with_kvcache: v_cache must be float8_e4m3fn"),
+    "scales without 8-bit cache": (ValueError, r"flash_attn_with_kvcache: k_scale and v_scale "
+                                               r"belong to an 8-bit"),
+    "lazy": (TypeError, r"lazy_attn_with_kvcache: k_cache must have q's dtype Float, got "
+                        r"Float8_e4m3fn"),
+    "low-rank pool": (TypeError, r"LowRankKVCache: 8-bit pools are not supported"),
+}
+
+
+@pytest.mark.parametrize("kind", list(BAD))
+def test_bad_inputs(kind):
+    cls, text = BAD[kind]
+    with pytest.raises(cls, match=text):
+        _bad(kind)()
+
+
+@pytest.mark.parametrize("kind", [k for k in BAD if k not in ("low-rank pool", "contiguous")])
+def test_bad_inputs_fake_kernel(kind):
+    """The fake (meta) kernel that torch.compile traces raises the same errors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    cls, text = BAD[kind]
+    with pytest.raises(cls, match=text):
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            _bad(kind)()
