@@ -112,7 +112,7 @@ def _problem(device, dtype, batch=3, heads_q=8, heads_kv=2, head_dim=64, page_si
     """An 8-bit cache holding `lengths` tokens per sequence (plus the Lq rows of this step),
     with pages handed out interleaved across sequences, and the step's queries."""
     torch.manual_seed(seed)
-    max_pages = 4
+    max_pages = -(-(max(lengths) + len_q) // page_size)
     cache = adaattn.KVCache(batch * max_pages, page_size, heads_kv, head_dim, max_batch=batch,
                             max_pages_per_seq=max_pages, dtype=E4M3, device=device)
     ids = [cache.allocate() for _ in range(batch)]
