@@ -208,7 +208,7 @@ def _bad(kind):
         return lambda: call(q, kp, vp, cache_seqlens=lens, block_table=table, k_scale=ks,
                             v_scale=vs.double())
     if kind == "scale shape":
-        return lambda: call(q, kp, vp, cache_seqlens=lens, block_table=table, k_scale=ks[:3],
+        return lambda: call(q, kp, vp, cache_seqlens=lens, block_table=table, k_scale=ks[:1],
                             v_scale=vs)
     if kind == "contiguous":
         return lambda: call(q, kp[:2], vp[:2], cache_seqlens=lens, k_scale=ks, v_scale=vs)
@@ -236,7 +236,7 @@ BAD = {
                                   r" is required"),
     "scale dtype": (TypeError, r"flash_attn_with_kvcache: v_scale must be float32, got Double"),
     "scale shape": (ValueError, r"flash_attn_with_kvcache: k_scale must have shape "
-                                r"\[num_pages, Hkv\] = \[8, 2\], got \[3, 2\]"),
+                                r"\[num_pages, Hkv\] = \[2, 2\], got \[1, 2\]"),
     "contiguous": (ValueError, r"flash_attn_with_kvcache: an 8-bit \(float8_e4m3fn\) cache must "
                                r"be paged"),
     "append": (ValueError, r"flash_attn_with_kvcache: new keys k and values v cannot be appended"),
