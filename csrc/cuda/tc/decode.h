@@ -118,7 +118,9 @@ constexpr int decode_fp8_stages() {
 }
 template <typename Traits, bool kFp8Cache>
 constexpr int decode_smem_bytes() {
-  constexpr int kScaleBytes = 2 * decode_fp8_stages<Traits>() * static_cast<int>(sizeof(float));
+  // A scale pair per stage and warp (a warp-private pipeline), or per stage.
+  constexpr int kScaleBytes =
+      2 * decode_fp8_stages<Traits>() * (Traits::kThreads / 32) * static_cast<int>(sizeof(float));
   return kFp8Cache ? Traits::kSmemBytes + kScaleBytes : Traits::kSmemBytes;
 }
 
@@ -245,8 +247,19 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   // are looked up one tile ahead and first used (clamped) when that tile is loaded, so the
   // lookups' latency hides behind a tile's compute.
   constexpr int kPerThread = Traits::kRowsPerThread;
-  constexpr int kRowStep = kThreads / Traits::kChunksPerRow;
-  const int my_row = tid / Traits::kChunksPerRow, my_col = (tid % Traits::kChunksPerRow) * 8;
+  // 8-bit cache, one row warp (each warp's products read only its own 16 keys of a tile): each
+  // warp copies and dequantises its own 16 rows, so its stages and its rows of the dequantised
+  // tile are its own, and the mainloop needs no CTA barrier (warp barriers only).
+  constexpr bool kWarpRows = kFp8Cache && kRowWarps == 1 && kWarpKeys == 16;
+  constexpr int kRowStep = (kWarpRows ? 32 : kThreads) / Traits::kChunksPerRow;
+  static_assert(!kWarpRows || kPerThread * kRowStep == kWarpKeys, "a warp copies its own keys");
+  const int my_row = kWarpRows ? warp * kWarpKeys + lane / Traits::kChunksPerRow
+                               : tid / Traits::kChunksPerRow;
+  const int my_col = ((kWarpRows ? lane : tid) % Traits::kChunksPerRow) * 8;
+  // The stage's scales (k, v): one pair per stage, or per warp and stage (kWarpRows).
+  auto scale_slot = [&](int stage) {
+    return sScales + 2 * (kWarpRows ? warp * kStages + stage : stage);
+  };
   int blocks[kPerThread];
   // A page of BN keys or more (a power of two) holds whole tiles: one lookup per tile.
   const bool tile_pages = p.block_table == nullptr || (p.page_shift >= 0 && p.page_size >= BN);
@@ -309,19 +322,20 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     }
     if constexpr (kFp8Cache) {
       // Pages hold whole tiles (the host requires it): one scale pair per tile.
-      if (tid == 0) {
+      if ((kWarpRows ? lane : tid) == 0) {
         const int64_t at = static_cast<int64_t>(clamp_block(p, blocks[0])) * p.heads_kv + h_kv;
-        cp_async4(sScales + 2 * stage, p.k_cache_scale + at, true);
-        cp_async4(sScales + 2 * stage + 1, p.v_cache_scale + at, true);
+        cp_async4(scale_slot(stage), p.k_cache_scale + at, true);
+        cp_async4(scale_slot(stage) + 1, p.v_cache_scale + at, true);
       }
     }
   };
   // 8-bit cache: this thread's chunks of a landed stage, dequantised into sTile (after a
-  // barrier that ends the previous tile's products and makes the scales visible).
+  // barrier, of the CTA or kWarpRows of the warp, that ends the previous tile's products and
+  // makes the scales visible).
   auto convert_stage = [&](int stage) {
     const uint8_t* k8 = reinterpret_cast<const uint8_t*>(sStages + stage * kStageElems);
     const uint8_t* v8 = k8 + BN * D;
-    const float k_scale = sScales[2 * stage], v_scale = sScales[2 * stage + 1];
+    const float k_scale = scale_slot(stage)[0], v_scale = scale_slot(stage)[1];
 #pragma unroll
     for (int i = 0; i < kPerThread; ++i) {
       const int r = my_row + i * kRowStep;
@@ -354,7 +368,12 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   for (int tile = first; tile < last; ++tile) {
     const int i = tile - first;
     cp_async_wait<kStages - 2>();
-    __syncthreads();
+    // The first tile's barrier also makes Q, which every warp copied a part of, visible.
+    if (kWarpRows && tile != first) {
+      __syncwarp();
+    } else {
+      __syncthreads();
+    }
     if (tile + kStages - 1 < last) {
       load_stage(tile + kStages - 1, (i + kStages - 1) % kStages);
       lookup(tile + kStages);
@@ -364,7 +383,11 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     const T* sV;
     if constexpr (kFp8Cache) {
       convert_stage(i % kStages);
-      __syncthreads();
+      if constexpr (kWarpRows) {
+        __syncwarp();
+      } else {
+        __syncthreads();
+      }
       sK = sTile;
       sV = sTile + BN * D;
     } else {
