@@ -166,8 +166,9 @@ def test_opcheck_cpu():
 @pytest.mark.parametrize("page_size,len_q,heads_q,kw", [
     (64, 1, 8, {}), (128, 4, 8, {}), (64, 1, 32, {"window": (100, 0)}), (64, 3, 2, {}),
     (64, 1, 8, {"num_splits": 3}),
-    # no 8-bit kernel: a dequantised copy on the 16-bit paths
-    (32, 1, 8, {}), (64, 1, 8, {"softcap": 5.0}),
+    # no 8-bit kernel: a dequantised copy on the 16-bit paths (pages of 32 keys, softcap,
+    # 32 rows per kv head)
+    (32, 1, 8, {}), (64, 1, 8, {"softcap": 5.0}), (64, 1, 64, {}),
 ], ids=str)
 def test_cuda_kernel_equals_the_op_on_the_dequantised_cache(dtype, head_dim, page_size, len_q,
                                                             heads_q, kw):

@@ -40,6 +40,10 @@ static_assert(NarrowCfg<128, 128>::kBlockN == kDecodeFp8MinPage &&
                   DeepNarrowCfg<128, 128>::kBlockN == kDecodeFp8MinPage &&
                   WideCfg<128, 128>::kBlockN == kDecodeFp8MinPage,
               "8-bit caches take pages of whole tiles");
+// ... and only the one-row-warp configurations (row_warps) read them.
+static_assert(NarrowCfg<128, 128>::kRows == kDecodeFp8MaxRows &&
+                  DeepNarrowCfg<128, 128>::kRows == kDecodeFp8MaxRows,
+              "8-bit caches: rows of one row warp");
 
 template <int N>
 using Int = std::integral_constant<int, N>;
@@ -52,13 +56,14 @@ bool decode_dims(bool plain, int d, int dv) {
 
 // Calls f(T{}, Traits{}, Variant{}, Fp8{}) for the compiled decode kernel of the arguments
 // (Fp8: std::bool_constant, an 8-bit paged cache); returns false when there is none. 8-bit
-// caches have kernels for plain softmax attention at D = Dv in {64, 128}.
+// caches have kernels for plain softmax attention at D = Dv in {64, 128} with one row warp
+// (at most 16 rows per kv head: kDecodeFp8MaxRows).
 template <typename F>
 bool with_decode_kernel(VariantId variant, int d, int dv, c10::ScalarType dtype, int rw,
                         bool fp8, F&& f) {
   if (!decode_dims(variant == VariantId::kPlain, d, dv)) return false;
   if (dtype != c10::kBFloat16 && dtype != c10::kHalf) return false;
-  if (fp8 && (variant != VariantId::kPlain || d != dv)) return false;
+  if (fp8 && (variant != VariantId::kPlain || d != dv || rw != 1)) return false;
   return with_variant(variant, [&](auto v) {
     using V = decltype(v);
     if constexpr (!kHasDecodeKernel<V>) {
@@ -69,7 +74,8 @@ bool with_decode_kernel(VariantId variant, int d, int dv, c10::ScalarType dtype,
         auto by_dims = [&](auto dim, auto dim_v) {
           constexpr int D = decltype(dim)::value, DV = decltype(dim_v)::value;
           auto by_cfg = [&](auto cfg) {
-            if constexpr (std::is_same_v<V, PlainVariant> && D == DV) {
+            if constexpr (std::is_same_v<V, PlainVariant> && D == DV &&
+                          decltype(cfg)::kRowWarps == 1) {
               if (fp8) return f(T{}, cfg, V{}, std::true_type{});
             }
             return f(T{}, cfg, V{}, std::false_type{});

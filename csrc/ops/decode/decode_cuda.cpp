@@ -121,11 +121,12 @@ std::tuple<at::Tensor, at::Tensor> kvcache_attn_cuda(
 }
 
 // Whether the decode kernel reads this 8-bit cache as it is: plain softmax at its head dims,
-// 16-bit q, pages of whole tiles, 8-byte aligned rows.
+// 16-bit q, at most kDecodeFp8MaxRows rows per kv head, pages of whole tiles, aligned rows.
 bool fp8_decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                        const KvCacheShape& shape, VariantId variant) {
   const int64_t page = shape.page_size;
   return use_tensor_cores(q.scalar_type()) &&
+         q.size(1) / k_cache.size(1) * q.size(2) <= kDecodeFp8MaxRows &&
          decode_tc_supported(variant, static_cast<int>(q.size(-1)),
                              static_cast<int>(v_cache.size(-1)), true) &&
          page >= kDecodeFp8MinPage && (page & (page - 1)) == 0 && chunk_aligned(k_cache) &&
