@@ -35,8 +35,9 @@ class KVCache:
     ``k_scale``/``v_scale`` (float32 ``[num_pages, Hkv]``) hold a scale per page and kv head,
     and a cached value means value * scale. :meth:`append` quantises (round to nearest e4m3,
     scale = the page's largest magnitude / 448 so far; when new tokens raise it, the page's
-    earlier tokens are re-rounded at the new scale), and the ops read the cache with the
-    scales, without appending themselves::
+    earlier tokens are re-rounded at the new scale; a NaN or infinite value makes its page's
+    scale, and so the whole page of that kv head, non-finite), and the ops read the cache with
+    the scales, without appending themselves::
 
         cache.append(ids, k, v)                        # quantises k, v [len(ids), Hkv, lq, D]
         out = adaattn.flash_attn_with_kvcache(
