@@ -379,6 +379,9 @@ def _cpu_worker(rank, world):
             cases.append((f"lazy {layout} gqa head_chunks={chunks}",
                           _lazy_case(world, layout, torch.float64, 4, 2, 5,
                                      head_chunks=chunks)))
+            cases.append((f"flash {layout} causal window head_chunks={chunks}",
+                          _dense_case(world, layout, True, torch.float64, 4, 2, False,
+                                      window=(7, -1), head_chunks=chunks)))
     return _run_cases(cases)
 
 
