@@ -184,6 +184,32 @@ def test_cuda_kernel_equals_the_op_on_the_dequantised_cache(dtype, head_dim, pag
     torch.testing.assert_close(out.cpu().float(), cpu.float(), rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("page_size,heads_q,kw,direct", [
+    (64, 8, {}, True), (128, 16, {"window": (100, 0)}, True),
+    (32, 8, {}, False), (64, 8, {"softcap": 5.0}, False), (64, 64, {}, False),
+], ids=str)
+def test_cuda_which_path_reads_the_8bit_cache(page_size, heads_q, kw, direct):
+    """The decode kernel reads an eligible 8-bit cache as it is (no elementwise dequantising
+    kernels run); other calls dequantise a copy first."""
+    cache, ids, q = _problem("cuda", torch.bfloat16, heads_q=heads_q, head_dim=128,
+                             page_size=page_size, lengths=(10, 300))
+    table, seqlens = cache.block_table[ids], cache.seqlens[ids]  # indexing kernels: not here
+
+    def call():
+        return adaattn.flash_attn_with_kvcache(q, cache.k_pages, cache.v_pages,
+                                               cache_seqlens=seqlens, block_table=table,
+                                               k_scale=cache.k_scale, v_scale=cache.v_scale, **kw)
+    call()  # warm-up
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert any("decode_kernel" in n for n in names) or not direct, names
+    assert any("elementwise" in n for n in names) != direct, names
+
+
 def adaattn_cache_to(cache: adaattn.KVCache, device: str) -> adaattn.KVCache:
     """A copy of `cache` (pools, scales, table, lengths) on `device`."""
     copy = adaattn.KVCache(cache.k_pages.shape[0], cache.page_size, cache.k_pages.shape[1],
