@@ -108,9 +108,9 @@ __device__ __forceinline__ int64_t cache_offset(const AttnParams& p, int block,
 }
 
 // Stages of an 8-bit cache's tiles: the 16-bit cache's stage memory holds them and the one
-// dequantised 16-bit tile, so that the kernel keeps the 16-bit kernel's occupancy (a larger
-// footprint halved the CTAs per SM: 0.43-0.47x the 16-bit cache's speed, H100). Its shared
-// memory: the 16-bit kernel's and each stage's two scales.
+// dequantised 16-bit tile, so that the kernel keeps the 16-bit kernel's CTAs per SM (decode
+// needs them to keep enough bytes in flight; docs/lab/decode.md). Its shared memory: the
+// 16-bit kernel's and the stages' scales.
 template <typename Traits>
 constexpr int decode_fp8_stages() {
   constexpr int kTileBytes = Traits::kBlockN * (Traits::kD + Traits::kDV);
