@@ -6,6 +6,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from . import _checks as C
+from .precision import _FORMAT_MAX, _round
 
 
 class KVCache:
@@ -244,10 +245,6 @@ class KVCache:
             raise ValueError(f"adaattn.KVCache: no sequence {seq_id} (allocate it first)")
 
 
-# e4m3's largest finite magnitude: a page's scale maps its largest value there.
-_E4M3_MAX = 448.0
-
-
 def _quantize_rows(pool: torch.Tensor, scale: torch.Tensor, x: torch.Tensor, pages: torch.Tensor,
                    slots: torch.Tensor, touched: torch.Tensor) -> None:
     """Writes ``x [N, Hkv, L, D]`` at (pages, slots) ``[N, L]`` of an e4m3 pool ``[num_pages,
@@ -260,14 +257,14 @@ def _quantize_rows(pool: torch.Tensor, scale: torch.Tensor, x: torch.Tensor, pag
         0, pages.reshape(-1, 1).expand(-1, heads), rows.abs().amax(-1).reshape(-1, heads),
         reduce="amax")
     old = scale[touched]
-    new = torch.maximum(old, page_amax[touched] / _E4M3_MAX)
+    # a page's scale maps its largest magnitude to e4m3's
+    new = torch.maximum(old, page_amax[touched] / _FORMAT_MAX["e4m3"])
     ratio = torch.where(new > 0, old / new, torch.zeros_like(new))
-    pool[touched] = (pool[touched].float() * ratio[:, :, None, None]).to(pool.dtype)
+    pool[touched] = _round(pool[touched].float() * ratio[:, :, None, None], "e4m3")
     scale[touched] = new
     row_scale = scale[pages]  # [N, L, Hkv]; 0 only where the rows are 0
     divisor = torch.where(row_scale > 0, row_scale, torch.ones_like(row_scale))
-    pool[pages, :, slots] = (rows / divisor[..., None]).clamp(-_E4M3_MAX, _E4M3_MAX).to(
-        pool.dtype)
+    pool[pages, :, slots] = _round(rows / divisor[..., None], "e4m3")
 
 
 class LowRankKVCache(KVCache):
