@@ -150,6 +150,33 @@ def test_cpu_op_equals_the_op_on_the_dequantised_cache(dtype, kw):
     assert out.dtype == dtype and lse.dtype == torch.float32
 
 
+def test_nan_reaches_the_rows_that_attend_it():
+    """A NaN key makes its page's scale NaN: the rows that attend that page get NaN (as with a
+    16-bit cache's NaN key), never zeros; rows of other sequences are untouched."""
+    cache, ids, q = _problem("cpu", torch.float32, batch=2, lengths=(10, 10))
+    s = ids[0]
+    cache.append([s], torch.full((1, 2, 1, 64), float("nan")), torch.zeros(1, 2, 1, 64))
+    out, lse = _decode(cache, ids, q, True)
+    assert torch.isnan(out[0]).all() and torch.isnan(lse[0]).all()
+    assert torch.isfinite(out[1]).all() and torch.isfinite(lse[1]).all()
+
+
+def test_empty_batch_and_empty_cache():
+    cache, ids, q = _problem("cpu", torch.float32, batch=2, lengths=(3, 5))
+    out, lse = adaattn.flash_attn_with_kvcache(
+        q[:0], cache.k_pages, cache.v_pages, cache_seqlens=cache.seqlens[ids][:0],
+        block_table=cache.block_table[ids][:0], k_scale=cache.k_scale, v_scale=cache.v_scale,
+        return_lse=True)
+    assert out.shape == (0, 8, 1, 64) and lse.shape == (0, 8, 1)
+    empty = make_cache(head_dim=64)
+    e = empty.allocate()
+    out, lse = adaattn.flash_attn_with_kvcache(
+        q[:1], empty.k_pages, empty.v_pages, cache_seqlens=empty.seqlens[[e]],
+        block_table=empty.block_table[[e]], k_scale=empty.k_scale, v_scale=empty.v_scale,
+        return_lse=True)
+    assert (out == 0).all() and (lse == float("-inf")).all()  # no key: out 0, lse -inf
+
+
 def test_opcheck_cpu():
     """The fake kernel and the autograd registration; opcheck's schema test compares tensors
     with arithmetic that torch 2.11 does not implement for float8_e4m3fn on the CPU."""
