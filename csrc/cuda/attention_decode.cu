@@ -35,14 +35,12 @@ using DeepNarrowCfg = tc::DecodeTraits<D, DV, 1, 4, 64, 3>;
 template <int D, int DV>
 using WideCfg = tc::DecodeTraits<D, DV, 4, 1, 64, 2>;
 
-// An 8-bit cache's scales are per page, read once per tile: pages must hold whole tiles.
-static_assert(NarrowCfg<128, 128>::kBlockN == kDecodeFp8MinPage &&
-                  DeepNarrowCfg<128, 128>::kBlockN == kDecodeFp8MinPage &&
-                  WideCfg<128, 128>::kBlockN == kDecodeFp8MinPage,
+// An 8-bit cache is read by DeepNarrowCfg's kernel (with_decode_kernel), whose scales are per
+// page, read once per tile: pages must hold whole tiles, and its rows are one row warp's.
+static_assert(DeepNarrowCfg<128, 128>::kBlockN == kDecodeFp8MinPage &&
+                  DeepNarrowCfg<64, 64>::kBlockN == kDecodeFp8MinPage,
               "8-bit caches take pages of whole tiles");
-// ... and only the one-row-warp configurations (row_warps) read them.
-static_assert(NarrowCfg<128, 128>::kRows == kDecodeFp8MaxRows &&
-                  DeepNarrowCfg<128, 128>::kRows == kDecodeFp8MaxRows,
+static_assert(DeepNarrowCfg<128, 128>::kRows == kDecodeFp8MaxRows,
               "8-bit caches: rows of one row warp");
 
 template <int N>
@@ -74,8 +72,9 @@ bool with_decode_kernel(VariantId variant, int d, int dv, c10::ScalarType dtype,
         auto by_dims = [&](auto dim, auto dim_v) {
           constexpr int D = decltype(dim)::value, DV = decltype(dim_v)::value;
           auto by_cfg = [&](auto cfg) {
+            // The 8-bit kernel (its own stages) for the one configuration that reaches it.
             if constexpr (std::is_same_v<V, PlainVariant> && D == DV &&
-                          decltype(cfg)::kRowWarps == 1) {
+                          std::is_same_v<decltype(cfg), DeepNarrowCfg<D, DV>>) {
               if (fp8) return f(T{}, cfg, V{}, std::true_type{});
             }
             return f(T{}, cfg, V{}, std::false_type{});

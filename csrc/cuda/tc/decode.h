@@ -14,8 +14,12 @@
 // of a warp mix heads).
 //
 // An 8-bit paged cache (kFp8Cache: e4m3 k/v, one float32 scale per page and kv head) streams
-// half the bytes: its stages hold the e4m3 rows, and each tile is dequantised (value * scale,
-// rounded to q's dtype) into one 16-bit tile, which the products then read as a 16-bit cache's.
+// half the bytes. Each warp copies, converts and multiplies its own 16 keys of a tile (warp
+// barriers only): e4m3 converts exactly to f16 (one instruction per pair), so the products run
+// in f16 on the stored values, with q converted to f16 at a power-of-two scale per row and the
+// page scales applied outside the products: k's to the scores, v's to the probabilities (see
+// Fp8ValueScale). The fragments read the 8-bit rows without ldmatrix, in permuted orders that
+// the products do not see (fp8_k_row, fp8_key, fp8_out_col).
 #pragma once
 
 #include <cuda_fp8.h>
@@ -107,35 +111,141 @@ __device__ __forceinline__ int64_t cache_offset(const AttnParams& p, int block,
   return block * batch_stride + h * head_stride + slot * row_stride;
 }
 
-// Stages of an 8-bit cache's tiles: the 16-bit cache's stage memory holds them and the one
-// dequantised 16-bit tile, so that the kernel keeps the 16-bit kernel's CTAs per SM (decode
-// needs them to keep enough bytes in flight; docs/lab/decode.md). Its shared memory: the
-// 16-bit kernel's and the stages' scales.
-template <typename Traits>
-constexpr int decode_fp8_stages() {
-  constexpr int kTileBytes = Traits::kBlockN * (Traits::kD + Traits::kDV);
-  return (Traits::kStagesBytes - 2 * kTileBytes) / kTileBytes;
-}
+// Stages of an 8-bit cache's tiles (each half a 16-bit tile's bytes).
+constexpr int kDecodeFp8Stages = 4;
+// Shared memory of the kernel: Q and the stages, with an 8-bit cache's scales (a k, v pair per
+// stage and warp), or the merge buffers if larger.
 template <typename Traits, bool kFp8Cache>
 constexpr int decode_smem_bytes() {
-  // A scale pair per stage and warp (a warp-private pipeline), or per stage.
-  constexpr int kScaleBytes =
-      2 * decode_fp8_stages<Traits>() * (Traits::kThreads / 32) * static_cast<int>(sizeof(float));
-  return kFp8Cache ? Traits::kSmemBytes + kScaleBytes : Traits::kSmemBytes;
+  if constexpr (!kFp8Cache) {
+    return Traits::kSmemBytes;
+  } else {
+    constexpr int kBytes = Traits::kQBytes +
+                           kDecodeFp8Stages * Traits::kBlockN * (Traits::kD + Traits::kDV) +
+                           2 * kDecodeFp8Stages * (Traits::kThreads / 32) *
+                               static_cast<int>(sizeof(float));
+    return kBytes > Traits::kMergeBytes ? kBytes : Traits::kMergeBytes;
+  }
 }
 
-// Eight e4m3 values times `scale`, rounded to T (what a 16-bit cache would hold).
-template <typename T>
-__device__ __forceinline__ uint4 dequantize_e4m3x8(uint2 raw, float scale) {
-  const uint32_t words[2] = {raw.x, raw.y};
-  uint32_t out[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const auto pair = static_cast<__nv_fp8x2_storage_t>(words[i / 2] >> (16 * (i % 2)));
-    const float2 f = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3)));
-    out[i] = MmaOp<T>::pack(f.x * scale, f.y * scale);
+// The 8-bit stages' layout: rows of bytes, whose 16-byte units are XOR-swizzled by the row's
+// place in its warp's 16 keys so that the fragment reads below (four rows 4 apart, or rows
+// pairwise adjacent, per quarter warp) hit distinct banks. kUnits: units per row (a power of 2).
+template <int kUnits>
+__device__ __forceinline__ int fp8_unit(int row, int unit) {
+  return unit ^ ((((row >> 1) & 6) ^ (row & 1)) & (kUnits - 1));
+}
+// Two e4m3 values (low byte first) as f16x2, exactly.
+__device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t pair) {
+  const __half2_raw h =
+      __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(pair & 0xffff), __NV_E4M3);
+  return static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
+}
+// Score column n of n-tile t (of a warp's 16 keys) is key fp8_key(t, n): the four keys of each
+// lane's probabilities (columns 2c, 2c + 1 of both n-tiles) are the consecutive keys 4c..4c+3,
+// the rows whose bytes one lane transposes into its V fragments.
+__device__ __forceinline__ int fp8_key(int t, int n) { return 4 * (n >> 1) + (n & 1) + 2 * t; }
+// Output column j * 8 + n of the P V product holds value column fp8_out_col(j, n): lane g's V
+// fragments are the DV / 8 consecutive bytes DV / 8 * g.. of a row, one per n-tile j.
+template <int DV>
+__device__ __forceinline__ int fp8_out_col(int j, int n) { return DV / 8 * n + j; }
+
+// The value scales of an 8-bit cache in the probabilities: P V over tiles of scales v_t is
+// v_ref * sum_t (P_t * v_t / v_ref) V8_t, with v_ref rebased (the accumulator rescaled by
+// v_ref_old / v_ref_new) when a tile's scale exceeds it or falls below kMinRatio of it, so that
+// the f16 probabilities keep their range. A zero scale (a page of zeros) weighs 0; a NaN one
+// makes the row NaN.
+struct Fp8ValueScale {
+  static constexpr float kMinRatio = 1.f / 64;
+  float ref = 0.f;
+  // The tile's factor for the probabilities; *rebase (1 unless rebased) scales the accumulator.
+  __device__ __forceinline__ float tile(float v_t, float* rebase) {
+    *rebase = 1.f;
+    if (v_t > ref || (v_t > 0.f && v_t < ref * kMinRatio)) {
+      *rebase = ref / v_t;
+      ref = v_t;
+    }
+    return v_t == 0.f ? 0.f : v_t / ref;
   }
-  return make_uint4(out[0], out[1], out[2], out[3]);
+};
+
+// acc[1][NT] += Q K^T over a warp's 8-bit keys [key0, key0 + 8 NT) of a stage (fp8_unit
+// layout): qf, q's f16 A-fragments in fp8 order (decode_kernel); n-tile t column n is key
+// key0 + 16 (t / 2) + fp8_key(t % 2, n). Lane c reads the D / 4 bytes c * D / 4.. of its row.
+template <int D, int NT>
+__device__ __forceinline__ void fp8_gemm_qk(float (&acc)[1][NT][4],
+                                            const uint32_t (&qf)[D / 16][4], const uint8_t* sK,
+                                            int key0, int lane) {
+  constexpr int kUnits = D / 16, kLaneUnits = D / 64;
+  const int g = lane >> 2, c = lane & 3;
+#pragma unroll
+  for (int t = 0; t < NT; ++t) {
+    const int r = key0 + 16 * (t / 2) + fp8_key(t % 2, g);
+    uint32_t w[D / 16];
+#pragma unroll
+    for (int u = 0; u < kLaneUnits; ++u) {
+      const uint4 x = *reinterpret_cast<const uint4*>(
+          sK + r * D + 16 * fp8_unit<kUnits>(r, c * kLaneUnits + u));
+      w[4 * u] = x.x;
+      w[4 * u + 1] = x.y;
+      w[4 * u + 2] = x.z;
+      w[4 * u + 3] = x.w;
+    }
+#pragma unroll
+    for (int step = 0; step < D / 16; ++step) {
+      MmaOp<__half>::run(acc[0][t], qf[step], e4m3x2_to_f16x2(w[step]),
+                         e4m3x2_to_f16x2(w[step] >> 16));
+    }
+  }
+}
+
+// acc[1][DV / 8] += P V over a warp's 8-bit values of keys [key0, key0 + 16 KT) (fp8_unit
+// layout), P as f16 A-fragments in fp8_key order; output column j * 8 + n is value column
+// fp8_out_col(j, n). Lane (g, c) reads bytes DV / 8 * g.. of the rows 4c..4c+3 of each 16
+// keys and transposes them (keys 4c..4c+3 of one column per word) into its B-fragments.
+template <int DV, int KT>
+__device__ __forceinline__ void fp8_gemm_pv(float (&acc)[1][DV / 8][4],
+                                            const uint32_t (&pa)[1][KT][4], const uint8_t* sV,
+                                            int key0, int lane) {
+  constexpr int kUnits = DV / 16, kLaneBytes = DV / 8, kLaneWords = kLaneBytes / 4;
+  static_assert(kLaneBytes == 8 || kLaneBytes == 16, "Dv of 64 or 128");
+  const int g = lane >> 2, c = lane & 3;
+#pragma unroll
+  for (int kt = 0; kt < KT; ++kt) {
+    uint32_t w[4][kLaneWords];
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int row = key0 + 16 * kt + 4 * c + r;
+      const int byte = kLaneBytes * g;
+      const uint8_t* src = sV + row * DV + 16 * fp8_unit<kUnits>(row, byte / 16) + byte % 16;
+      if constexpr (kLaneWords == 4) {
+        const uint4 x = *reinterpret_cast<const uint4*>(src);
+        w[r][0] = x.x;
+        w[r][1] = x.y;
+        w[r][2] = x.z;
+        w[r][3] = x.w;
+      } else {
+        const uint2 x = *reinterpret_cast<const uint2*>(src);
+        w[r][0] = x.x;
+        w[r][1] = x.y;
+      }
+    }
+#pragma unroll
+    for (int q = 0; q < kLaneWords; ++q) {
+      // A 4 x 4 byte transpose: t[i] holds byte i of the four rows.
+      const uint32_t lo01 = __byte_perm(w[0][q], w[1][q], 0x5140);
+      const uint32_t lo23 = __byte_perm(w[2][q], w[3][q], 0x5140);
+      const uint32_t hi01 = __byte_perm(w[0][q], w[1][q], 0x7362);
+      const uint32_t hi23 = __byte_perm(w[2][q], w[3][q], 0x7362);
+      const uint32_t t[4] = {__byte_perm(lo01, lo23, 0x5410), __byte_perm(lo01, lo23, 0x7632),
+                             __byte_perm(hi01, hi23, 0x5410), __byte_perm(hi01, hi23, 0x7632)};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        MmaOp<__half>::run(acc[0][4 * q + i], pa[0][kt], e4m3x2_to_f16x2(t[i]),
+                           e4m3x2_to_f16x2(t[i] >> 16));
+      }
+    }
+  }
 }
 
 // kScoresIn: the weight pass reads the scores the lse pass cached (DecodeSplits::scores)
@@ -163,31 +273,29 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   // pass: K alone; the weight pass over cached scores: the scores and V) packs more stages into
   // the same shared memory, so that as many bytes are in flight as in the online pass (with
   // half-empty stages each pass streamed the cache below the online pass's rate).
-  static_assert(!kFp8Cache || (kPass == DecodePass::kOnline && D == DV),
-                "an 8-bit cache feeds the online pass of full-width keys");
+  static_assert(!kFp8Cache || (kPass == DecodePass::kOnline && D == DV && Mod::kIdentity &&
+                               kRowWarps == 1 && kWarpKeys == 16),
+                "an 8-bit cache feeds the online pass of plain full-width keys, one row warp");
   // Cache elements as stored: q's 16-bit type, or e4m3 bytes.
   using CacheElem = std::conditional_t<kFp8Cache, uint8_t, T>;
   constexpr int kElemBytes = static_cast<int>(sizeof(CacheElem));
   constexpr int kKeyAreaElems = kScoresIn ? kRows * Traits::kScoreStride * 2 : BN * D;
   constexpr int kStageElems = kKeyAreaElems + (kLoadV ? BN * DV : 0);
   constexpr int kPackedStages = Traits::kStagesBytes / (kStageElems * kElemBytes);
-  constexpr int kStages = kFp8Cache                       ? decode_fp8_stages<Traits>()
+  constexpr int kStages = kFp8Cache                       ? kDecodeFp8Stages
                           : kPackedStages > Traits::kStages ? kPackedStages
                                                             : Traits::kStages;
   static_assert(kStages >= 2, "two stages at least");
-  static_assert(kStages * kStageElems * kElemBytes + (kFp8Cache ? BN * (D + DV) * 2 : 0) <=
-                    Traits::kStagesBytes,
-                "stages (and the dequantised tile) fit");
+  static_assert(kFp8Cache || kStages * kStageElems * kElemBytes <= Traits::kStagesBytes,
+                "stages fit");
   static_assert(kKeyAreaElems * kElemBytes % 128 == 0, "stage areas stay 128-byte aligned");
   constexpr int NT = kWarpKeys / 8;
   constexpr int DT = DV / 8;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* sQ = reinterpret_cast<T*>(smem_raw);
   CacheElem* sStages = reinterpret_cast<CacheElem*>(sQ + kRows * D);
-  // 8-bit cache: the dequantised tile (K, then V, swizzled as a 16-bit stage) and the stages'
-  // scales (k, v).
-  T* const sTile = reinterpret_cast<T*>(sStages + kStages * kStageElems);
-  float* const sScales = reinterpret_cast<float*>(sTile + BN * (D + DV));
+  // 8-bit cache: the stages' scales (k, v).
+  float* const sScales = reinterpret_cast<float*>(sStages + kStages * kStageElems);
 
   const int b = blockIdx.x / p.heads_kv, h_kv = blockIdx.x % p.heads_kv;
   const int row0 = blockIdx.y * kRows;
@@ -247,19 +355,12 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   // are looked up one tile ahead and first used (clamped) when that tile is loaded, so the
   // lookups' latency hides behind a tile's compute.
   constexpr int kPerThread = Traits::kRowsPerThread;
-  // 8-bit cache, one row warp (each warp's products read only its own 16 keys of a tile): each
-  // warp copies and dequantises its own 16 rows, so its stages and its rows of the dequantised
-  // tile are its own, and the mainloop needs no CTA barrier (warp barriers only).
-  constexpr bool kWarpRows = kFp8Cache && kRowWarps == 1 && kWarpKeys == 16;
-  constexpr int kRowStep = (kWarpRows ? 32 : kThreads) / Traits::kChunksPerRow;
-  static_assert(!kWarpRows || kPerThread * kRowStep == kWarpKeys, "a warp copies its own keys");
-  const int my_row = kWarpRows ? warp * kWarpKeys + lane / Traits::kChunksPerRow
-                               : tid / Traits::kChunksPerRow;
-  const int my_col = ((kWarpRows ? lane : tid) % Traits::kChunksPerRow) * 8;
-  // The stage's scales (k, v): one pair per stage, or per warp and stage (kWarpRows).
-  auto scale_slot = [&](int stage) {
-    return sScales + 2 * (kWarpRows ? warp * kStages + stage : stage);
-  };
+  constexpr int kRowStep = kThreads / Traits::kChunksPerRow;
+  const int my_row = tid / Traits::kChunksPerRow;
+  const int my_col = (tid % Traits::kChunksPerRow) * 8;
+  // 8-bit cache: each warp copies (and alone reads) its own 16 keys of every tile, so its
+  // stages are its own and the mainloop needs warp barriers only; its scales (k, v) per stage.
+  auto scale_slot = [&](int stage) { return sScales + 2 * (warp * kStages + stage); };
   int blocks[kPerThread];
   // A page of BN keys or more (a power of two) holds whole tiles: one lookup per tile.
   const bool tile_pages = p.block_table == nullptr || (p.page_shift >= 0 && p.page_size >= BN);
@@ -296,53 +397,52 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
                    valid);
       }
     }
+    if constexpr (kFp8Cache) {
+      // Pages hold whole tiles (the host requires it): one block and scale pair per tile.
+      const int block = clamp_block(p, blocks[0]);
+      auto copy_rows = [&](CacheElem* dst, const void* src, int64_t batch_stride,
+                           int64_t head_stride, int64_t row_stride, auto width) {
+        constexpr int W = decltype(width)::value, kUnits = W / 16;
 #pragma unroll
-    for (int i = 0; i < kPerThread; ++i) {
-      const int r = my_row + i * kRowStep;
-      const int j = tile * BN + r;
-      const bool valid = j < lens.k;
-      const int jj = valid ? j : 0;
-      const int block = clamp_block(p, blocks[i]);
-      const CacheElem* k_src = static_cast<const CacheElem*>(p.k) +
-                               cache_offset(p, block, p.k_batch_stride, p.k_head_stride,
-                                            p.k_row_stride, h_kv, jj) + my_col;
-      const CacheElem* v_src = static_cast<const CacheElem*>(p.v) +
-                               cache_offset(p, block, p.v_batch_stride, p.v_head_stride,
-                                            p.v_row_stride, h_kv, jj) + my_col;
-      if constexpr (kFp8Cache) {
-        // Plain rows of bytes: the thread that copies a chunk dequantises it (convert_stage).
-        cp_async8(sK + r * D + my_col, k_src, valid);
-        cp_async8(sV + r * DV + my_col, v_src, valid);
-      } else {
+        for (int u = lane; u < kWarpKeys * kUnits; u += 32) {
+          const int r = warp * kWarpKeys + u / kUnits, unit = u % kUnits;
+          const int j = tile * BN + r;
+          const bool valid = j < lens.k;
+          cp_async16(dst + r * W + 16 * fp8_unit<kUnits>(r, unit),
+                     static_cast<const CacheElem*>(src) +
+                         cache_offset(p, block, batch_stride, head_stride, row_stride, h_kv,
+                                      valid ? j : 0) + 16 * unit,
+                     valid);
+        }
+      };
+      copy_rows(sK, p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride,
+                std::integral_constant<int, D>{});
+      copy_rows(sV, p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride,
+                std::integral_constant<int, DV>{});
+      if (lane == 0) {
+        const int64_t at = static_cast<int64_t>(block) * p.heads_kv + h_kv;
+        cp_async4(scale_slot(stage), p.k_cache_scale + at, true);
+        cp_async4(scale_slot(stage) + 1, p.v_cache_scale + at, true);
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < kPerThread; ++i) {
+        const int r = my_row + i * kRowStep;
+        const int j = tile * BN + r;
+        const bool valid = j < lens.k;
+        const int jj = valid ? j : 0;
+        const int block = clamp_block(p, blocks[i]);
+        const CacheElem* k_src = static_cast<const CacheElem*>(p.k) +
+                                 cache_offset(p, block, p.k_batch_stride, p.k_head_stride,
+                                              p.k_row_stride, h_kv, jj) + my_col;
+        const CacheElem* v_src = static_cast<const CacheElem*>(p.v) +
+                                 cache_offset(p, block, p.v_batch_stride, p.v_head_stride,
+                                              p.v_row_stride, h_kv, jj) + my_col;
         if (!kScoresIn && (D == DV || my_col < D)) {
           cp_async16(sK + swz<D>(r, my_col), k_src, valid);
         }
         if constexpr (kLoadV) cp_async16(sV + swz<DV>(r, my_col), v_src, valid);
       }
-    }
-    if constexpr (kFp8Cache) {
-      // Pages hold whole tiles (the host requires it): one scale pair per tile.
-      if ((kWarpRows ? lane : tid) == 0) {
-        const int64_t at = static_cast<int64_t>(clamp_block(p, blocks[0])) * p.heads_kv + h_kv;
-        cp_async4(scale_slot(stage), p.k_cache_scale + at, true);
-        cp_async4(scale_slot(stage) + 1, p.v_cache_scale + at, true);
-      }
-    }
-  };
-  // 8-bit cache: this thread's chunks of a landed stage, dequantised into sTile (after a
-  // barrier, of the CTA or kWarpRows of the warp, that ends the previous tile's products and
-  // makes the scales visible).
-  auto convert_stage = [&](int stage) {
-    const uint8_t* k8 = reinterpret_cast<const uint8_t*>(sStages + stage * kStageElems);
-    const uint8_t* v8 = k8 + BN * D;
-    const float k_scale = scale_slot(stage)[0], v_scale = scale_slot(stage)[1];
-#pragma unroll
-    for (int i = 0; i < kPerThread; ++i) {
-      const int r = my_row + i * kRowStep;
-      *reinterpret_cast<uint4*>(sTile + swz<D>(r, my_col)) = dequantize_e4m3x8<T>(
-          *reinterpret_cast<const uint2*>(k8 + r * D + my_col), k_scale);
-      *reinterpret_cast<uint4*>(sTile + BN * D + swz<DV>(r, my_col)) = dequantize_e4m3x8<T>(
-          *reinterpret_cast<const uint2*>(v8 + r * DV + my_col), v_scale);
     }
   };
 
@@ -361,6 +461,50 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     cp_async_commit();
   }
 
+  // 8-bit cache: q's rows as f16 A-fragments in the K fragments' order of dims (k-step s of
+  // lane c: dims c * D / 4 + 4s .. + 3), a 16-bit row scaled by the power of two that puts its
+  // largest magnitude in [2^14, 2^15) (exact but for values below 2^-24 of it, which f16
+  // rounds as subnormals); q_unscale undoes it in the scores.
+  uint32_t qf[kFp8Cache ? D / 16 : 1][4];
+  float q_unscale[2] = {1.f, 1.f};
+  if constexpr (kFp8Cache) {
+    cp_async_wait<kStages - 2>();  // Q landed with the first stage
+    __syncthreads();
+    const int c = lane & 3;
+    auto q_at = [&](int hh, int step) { return sQ + swz<D>(warp_row0 + g + 8 * hh, c * D / 4 + 4 * step); };
+    float q_scale[2] = {1.f, 1.f};
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+        float mx = 0.f;
+#pragma unroll
+        for (int step = 0; step < D / 16; ++step)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) mx = fmaxf(mx, fabsf(to_float(q_at(hh, step)[e])));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+        // Its exponent, clamped so that both powers stay normal floats (inf and NaN rows
+        // stay inf and NaN).
+        const int e = min(max(((__float_as_int(mx) >> 23) & 0xff) - 127, -100), 100);
+        q_scale[hh] = __int_as_float((127 + 14 - e) << 23);
+        q_unscale[hh] = __int_as_float((127 - 14 + e) << 23);
+      }
+    }
+#pragma unroll
+    for (int step = 0; step < D / 16; ++step)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const T* x = q_at(hh, step);
+        qf[step][hh] = MmaOp<__half>::pack(to_float(x[0]) * q_scale[hh], to_float(x[1]) * q_scale[hh]);
+        qf[step][2 + hh] =
+            MmaOp<__half>::pack(to_float(x[2]) * q_scale[hh], to_float(x[3]) * q_scale[hh]);
+      }
+  }
+  Fp8ValueScale v_scale;
+  // The 8-bit cache's probabilities come out times 2^kLog2Gain (within f16's range: at most
+  // 2^(kMaxSlack + kLog2Gain)), so that fewer of them are f16 subnormals.
+  constexpr float kLog2Gain = kFp8Cache ? 6.f : 0.f;
+
   float o[1][DT][4];
   zero(o);
   float row_max[1][2] = {{-INFINITY, -INFINITY}};
@@ -369,7 +513,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     const int i = tile - first;
     cp_async_wait<kStages - 2>();
     // The first tile's barrier also makes Q, which every warp copied a part of, visible.
-    if (kWarpRows && tile != first) {
+    if (kFp8Cache && tile != first) {
       __syncwarp();
     } else {
       __syncthreads();
@@ -379,21 +523,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
       lookup(tile + kStages);
     }
     cp_async_commit();
-    const T* sK;
-    const T* sV;
-    if constexpr (kFp8Cache) {
-      convert_stage(i % kStages);
-      if constexpr (kWarpRows) {
-        __syncwarp();
-      } else {
-        __syncthreads();
-      }
-      sK = sTile;
-      sV = sTile + BN * D;
-    } else {
-      sK = sStages + (i % kStages) * kStageElems;
-      sV = sK + kKeyAreaElems;
-    }
+    const CacheElem* sK = sStages + (i % kStages) * kStageElems;
+    const CacheElem* sV = sK + kKeyAreaElems;
 
     float s[1][NT][4];
     const int n0 = tile * BN + key_warp * kWarpKeys;
@@ -413,7 +544,16 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
       scale = 1.f;
     } else {
       zero(s);
-      warp_gemm_nt<1, NT, D>(s, sQ, warp_row0, sK, key_warp * kWarpKeys, lane);
+      if constexpr (kFp8Cache) {
+        fp8_gemm_qk<D>(s, qf, sK, key_warp * kWarpKeys, lane);
+        const float k_scale = scale_slot(i % kStages)[0];
+#pragma unroll
+        for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[0][ni][e] *= q_unscale[e >> 1] * k_scale;
+      } else {
+        warp_gemm_nt<1, NT, D>(s, sQ, warp_row0, sK, key_warp * kWarpKeys, lane);
+      }
       if constexpr (Mod::kFoldsScale) {
         scale = Mod::modify_raw_frag(s, p);
       } else if constexpr (Mod::kPositional) {
@@ -432,7 +572,20 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
         modify_scores<Mod, false>(s, p, lens, b, h_kv * group, 0, n0, lane);
         scale = 1.f;
       }
-      if (!(n0 >= all_lo && n0 + kWarpKeys <= all_hi)) mask_scores(s, rr, n0, lane);
+      if (!(n0 >= all_lo && n0 + kWarpKeys <= all_hi)) {
+        if constexpr (kFp8Cache) {
+#pragma unroll
+          for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int hh = e >> 1;
+              const int j = n0 + 16 * (ni / 2) + fp8_key(ni % 2, 2 * (lane & 3) + (e & 1));
+              if (j < rr.lo[0][hh] || j >= rr.hi[0][hh]) s[0][ni][e] = -INFINITY;
+            }
+        } else {
+          mask_scores(s, rr, n0, lane);
+        }
+      }
       if (kPass == DecodePass::kLse && cached) {
 #pragma unroll
         for (int ni = 0; ni < NT; ++ni)
@@ -464,8 +617,15 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     // rescaled only when it grows by more (as the Hopper forward, fwd_sm90.h).
     constexpr float kMaxSlack = 8.f;
     float corr[1][2];
-    online_softmax<true>(s, row_max, row_sum, corr, scale, kMaxSlack);
+    online_softmax<true>(s, row_max, row_sum, corr, scale, kMaxSlack, kLog2Gain);
     if constexpr (kPass == DecodePass::kOnline) {
+      if constexpr (kFp8Cache) {
+        float rebase;
+        const float factor = v_scale.tile(scale_slot(i % kStages)[1], &rebase);
+        corr[0][0] *= rebase;
+        corr[0][1] *= rebase;
+        scale_frag(s, factor);
+      }
       if (__any_sync(0xffffffff, corr[0][0] != 1.f || corr[0][1] != 1.f)) {
 #pragma unroll
         for (int di = 0; di < DT; ++di)
@@ -473,8 +633,13 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
           for (int e = 0; e < 4; ++e) o[0][di][e] *= corr[0][e >> 1];
       }
       uint32_t pa[1][NT / 2][4];
-      to_a_frags<1, NT, T>(s, pa);
-      warp_gemm_rs<1, DT, NT / 2, DV>(o, pa, sV, key_warp * kWarpKeys, lane);
+      if constexpr (kFp8Cache) {
+        to_a_frags<1, NT, __half>(s, pa);
+        fp8_gemm_pv<DV>(o, pa, sV, key_warp * kWarpKeys, lane);
+      } else {
+        to_a_frags<1, NT, T>(s, pa);
+        warp_gemm_rs<1, DT, NT / 2, DV>(o, pa, sV, key_warp * kWarpKeys, lane);
+      }
     }
   }
   cp_async_wait_all();
@@ -518,15 +683,17 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     float m, l;
     row_stats(r, m, l);
     const float f = kPass == DecodePass::kWeights ? 1.f
-                    : row_saw_keys(row_sum[0][hh]) ? exp2f(row_max[0][hh] - m) / l
+                    : row_saw_keys(row_sum[0][hh]) ? exp2f(row_max[0][hh] - m) / l *
+                                                        (kFp8Cache ? v_scale.ref : 1.f)
                                                   : 0.f;
 #pragma unroll
-    for (int di = 0; di < DT; ++di) {
-      const int col = di * 8 + 2 * (lane & 3);
-      float* dst = sO + (key_warp * kRows + r) * DV + col;
-      dst[0] = o[0][di][2 * hh] * f;
-      dst[1] = o[0][di][2 * hh + 1] * f;
-    }
+    for (int di = 0; di < DT; ++di)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int n = 2 * (lane & 3) + e;
+        const int col = kFp8Cache ? fp8_out_col<DV>(di, n) : di * 8 + n;
+        sO[(key_warp * kRows + r) * DV + col] = o[0][di][2 * hh + e] * f;
+      }
   }
   __syncthreads();
 
@@ -558,7 +725,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
       if (kPass == DecodePass::kOnline && col == 0) {
         float m, l;
         row_stats(r, m, l);
-        lse = row_saw_keys(l) ? (m + log2f(l)) * float(M_LN2) : -INFINITY;
+        lse = row_saw_keys(l) ? (m + log2f(l) - kLog2Gain) * float(M_LN2) : -INFINITY;
       }
       if (sp.num_splits == 1) {
         T* out = static_cast<T*>(p.out) + b * p.o_batch_stride + h * p.o_head_stride +
