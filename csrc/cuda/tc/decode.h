@@ -111,8 +111,11 @@ __device__ __forceinline__ int64_t cache_offset(const AttnParams& p, int block,
   return block * batch_stride + h * head_stride + slot * row_stride;
 }
 
-// Stages of an 8-bit cache's tiles (each half a 16-bit tile's bytes).
-constexpr int kDecodeFp8Stages = 4;
+// Stages of an 8-bit cache's tiles (each half a 16-bit tile's bytes). Three, four and six
+// stages ran within 5% of each other on the bench_decode shapes (H100; three marginally
+// fastest): at two CTAs per SM (the registers allow no more) even three keep enough bytes in
+// flight. Capping the registers for three CTAs per SM (168) was 4-14% slower.
+constexpr int kDecodeFp8Stages = 3;
 // Shared memory of the kernel: Q and the stages, with an 8-bit cache's scales (a k, v pair per
 // stage and warp), or the merge buffers if larger.
 template <typename Traits, bool kFp8Cache>
