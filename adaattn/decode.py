@@ -51,10 +51,12 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         k_scale, v_scale: float32 ``[num_pages, Hkv]``, the scales of an 8-bit paged cache
             (``k_cache``/``v_cache`` float8_e4m3fn, as :class:`adaattn.KVCache` with
             ``dtype=torch.float8_e4m3fn`` keeps them): a cached value means value * the scale
-            of its page and kv head, rounded to q's dtype. Such a cache is appended to by
-            ``KVCache.append`` (which quantises), not here (``k = v = None``). The CUDA decode
-            kernel reads it as it is (plain softmax, fp16/bf16 q, D = Dv in {64, 128}, pages of
-            a power of two >= 64 keys); other calls run on a dequantised copy.
+            of its page and kv head. Such a cache is appended to by ``KVCache.append`` (which
+            quantises), not here (``k = v = None``). The CUDA decode kernel reads it as it is
+            (plain softmax, fp16/bf16 q, D = Dv in {64, 128}, pages of a power of two >= 64
+            keys, at most 16 query rows per kv head), multiplying the stored values in f16 and
+            applying the scales outside the products; other calls run on a copy dequantised to
+            q's dtype.
 
     Returns:
         ``out [B, Hq, Lq, Dv]`` (q's dtype), or ``(out, lse)`` with ``return_lse``.
