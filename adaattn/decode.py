@@ -55,8 +55,8 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             quantises), not here (``k = v = None``). The CUDA decode kernel reads it as it is
             (plain softmax, fp16/bf16 q, D = Dv in {64, 128}, pages of a power of two >= 64
             keys, at most 16 query rows per kv head), multiplying the stored values in f16 and
-            applying the scales outside the products; other calls run on a copy dequantised to
-            q's dtype.
+            applying the scales outside the products; other calls run on a copy of the
+            table's pages dequantised to q's dtype.
 
     Returns:
         ``out [B, Hq, Lq, Dv]`` (q's dtype), or ``(out, lse)`` with ``return_lse``.

@@ -317,6 +317,11 @@ def _bad(kind):
         tau, bias = torch.full((8,), -1.0), torch.zeros(8, 4)
         return lambda: adaattn.lazy_attn_with_kvcache(q, kp, vp, None, None, tau, bias,
                                                       cache_seqlens=lens, block_table=table)
+    if kind == "table out of range":  # checked before the copy of the call's pages replaces it
+        bad_table = table.clone()
+        bad_table[1, 0] = kp.shape[0]
+        return lambda: call(q, kp, vp, cache_seqlens=lens, block_table=bad_table, k_scale=ks,
+                            v_scale=vs)
     if kind == "low-rank pool":
         return lambda: adaattn.LowRankKVCache(4, 16, 2, 64, 32, max_batch=1,
                                               max_pages_per_seq=4, dtype=E4M3)
@@ -338,6 +343,8 @@ BAD = {
     "lazy": (TypeError, r"lazy_attn_with_kvcache: k_cache must have q's dtype Float, got "
                         r"Float8_e4m3fn"),
     "low-rank pool": (TypeError, r"LowRankKVCache: 8-bit pools are not supported"),
+    "table out of range": (ValueError, r"flash_attn_with_kvcache: block_table\[1, 0\] = 2 is out "
+                                       r"of range \[0, num_pages = 2\)"),
 }
 
 
@@ -348,7 +355,8 @@ def test_bad_inputs(kind):
         _bad(kind)()
 
 
-@pytest.mark.parametrize("kind", [k for k in BAD if k not in ("low-rank pool", "contiguous")])
+@pytest.mark.parametrize("kind", [k for k in BAD if k not in ("low-rank pool", "contiguous",
+                                                             "table out of range")])
 def test_bad_inputs_fake_kernel(kind):
     """The fake (meta) kernel that torch.compile traces raises the same errors."""
     from torch._subclasses.fake_tensor import FakeTensorMode

@@ -188,9 +188,23 @@ void check_fp8_cache(const char* op, const at::Tensor& q, const at::Tensor& k_ca
   }
 }
 
-at::Tensor dequantize_cache(const at::Tensor& cache, const at::Tensor& scale,
-                            c10::ScalarType dtype) {
-  return (cache.to(at::kFloat) * scale.view({scale.size(0), scale.size(1), 1, 1})).to(dtype);
+DequantizedPages dequantize_pages(const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& k_scale, const at::Tensor& v_scale,
+                                  const at::Tensor& block_table, const KvCacheShape& shape,
+                                  c10::ScalarType dtype) {
+  const at::Tensor index =
+      block_table.clamp(0, std::max<int64_t>(shape.num_pages - 1, 0)).to(at::kLong).flatten();
+  auto pages = [&](const at::Tensor& cache, const at::Tensor& scale) {
+    // Gathered as bytes (index_select has no float8 kernels), then converted.
+    const at::Tensor bytes = cache.view(at::kByte).index_select(0, index);
+    const at::Tensor s = scale.index_select(0, index);
+    return (bytes.view(cache.scalar_type()).to(at::kFloat) *
+            s.view({s.size(0), s.size(1), 1, 1})).to(dtype);
+  };
+  KvCacheShape compact = shape;
+  compact.num_pages = index.numel();
+  return {pages(k_cache, k_scale), pages(v_cache, v_scale),
+          at::arange(index.numel(), block_table.options()).view(block_table.sizes()), compact};
 }
 
 AttnParams make_kvcache_params(const at::Tensor& q, const at::Tensor& k_cache,
@@ -285,10 +299,12 @@ std::tuple<at::Tensor, at::Tensor> flash_kvcache_cpu_op(
   const FlashOptions opt = resolve_flash_options(op, q, softmax_scale, causal, window_left,
                                                  window_right, BwdMode::kAtomic, softcap);
   if (fp8) {
-    at::Tensor kc = dequantize_cache(k_cache, *k_scale, q.scalar_type());
-    at::Tensor vc = dequantize_cache(v_cache, *v_scale, q.scalar_type());
-    return kvcache_attn_cpu(op, q, kc, vc, k, v, cache_seqlens, block_table, shape, opt,
-                            softmax_variant(opt), nullptr, nullptr);
+    // The table's values are checked before the copy's table replaces it.
+    check_kvcache_values(op, cache_seqlens, block_table, shape, 0);
+    DequantizedPages d = dequantize_pages(k_cache, v_cache, *k_scale, *v_scale, *block_table,
+                                          shape, q.scalar_type());
+    return kvcache_attn_cpu(op, q, d.k_cache, d.v_cache, k, v, cache_seqlens, d.block_table,
+                            d.shape, opt, softmax_variant(opt), nullptr, nullptr);
   }
   return kvcache_attn_cpu(op, q, k_cache, v_cache, k, v, cache_seqlens, block_table, shape, opt,
                           softmax_variant(opt), nullptr, nullptr);

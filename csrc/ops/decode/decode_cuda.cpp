@@ -147,12 +147,14 @@ std::tuple<at::Tensor, at::Tensor> flash_kvcache_cuda_op(
                                                  window_right, BwdMode::kAtomic, softcap);
   const VariantId variant = softmax_variant(opt);
   if (fp8 && !fp8_decode_kernel(q, k_cache, v_cache, shape, variant)) {
-    // No kernel reads this 8-bit cache: the 16-bit paths on its dequantised copy.
+    // No kernel reads this 8-bit cache: the 16-bit paths on a dequantised copy of its pages
+    // (the table's values are checked, where checked at all, before the copy's replaces it).
     const c10::cuda::CUDAGuard guard(q.device());
-    at::Tensor kc = dequantize_cache(k_cache, *k_scale, q.scalar_type());
-    at::Tensor vc = dequantize_cache(v_cache, *v_scale, q.scalar_type());
-    return kvcache_attn_cuda(op, q, kc, vc, k, v, cache_seqlens, block_table, shape, opt,
-                             variant, num_splits, nullptr, nullptr);
+    check_kvcache_values(op, cache_seqlens, block_table, shape, 0);
+    DequantizedPages d = dequantize_pages(k_cache, v_cache, *k_scale, *v_scale, *block_table,
+                                          shape, q.scalar_type());
+    return kvcache_attn_cuda(op, q, d.k_cache, d.v_cache, k, v, cache_seqlens, d.block_table,
+                             d.shape, opt, variant, num_splits, nullptr, nullptr);
   }
   return kvcache_attn_cuda(op, q, k_cache, v_cache, k, v, cache_seqlens, block_table, shape, opt,
                            variant, num_splits, nullptr, nullptr,

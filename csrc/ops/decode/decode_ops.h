@@ -46,10 +46,19 @@ void check_fp8_cache(const char* op, const at::Tensor& q, const at::Tensor& k_ca
                      const std::optional<at::Tensor>& k_scale,
                      const std::optional<at::Tensor>& v_scale, bool fp8_cache);
 
-// An 8-bit cache [num_pages, Hkv, page_size, D] times its scales [num_pages, Hkv], rounded to
-// dtype: what the decode kernel computes on (the CPU op and the other CUDA kernels take it).
-at::Tensor dequantize_cache(const at::Tensor& cache, const at::Tensor& scale,
-                            c10::ScalarType dtype);
+// The pages of an 8-bit cache [num_pages, Hkv, page_size, D|Dv] that block_table [B, max_pages]
+// names (entries clamped into the pool), times their scales [num_pages, Hkv] and rounded to
+// dtype, as a pool of B * max_pages pages that `block_table` (arange, int32) and `shape` describe:
+// what the 16-bit paths attend for a call no 8-bit kernel takes (the CPU op, other CUDA
+// kernels). Only the call's pages are converted, however large the pool.
+struct DequantizedPages {
+  at::Tensor k_cache, v_cache, block_table;
+  KvCacheShape shape;
+};
+DequantizedPages dequantize_pages(const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& k_scale, const at::Tensor& v_scale,
+                                  const at::Tensor& block_table, const KvCacheShape& shape,
+                                  c10::ScalarType dtype);
 
 // Values of cache_seqlens (>= 0, room for the `appended` new tokens) and of the block-table
 // entries that the sequences use (in [0, num_pages)). Reads them, so on CUDA it runs only with
