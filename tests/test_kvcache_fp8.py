@@ -244,6 +244,17 @@ def test_cuda_against_the_exact_op(dtype, head_dim, page_size, len_q, heads_q, k
 
 
 @pytest.mark.cuda
+def test_cuda_query_rows_of_very_different_magnitudes():
+    """The kernel converts each bf16 query row to f16 at its own power-of-two scale: rows of
+    magnitude 1e-12..1e8 (outside f16's range both ways) in one CTA keep the 2x rule."""
+    cache, ids, q = _problem("cuda", torch.bfloat16, batch=2, heads_q=8, head_dim=128,
+                             lengths=(70, 250))
+    magnitudes = torch.tensor([1e-12, 1e-6, 1.0, 1e4, 1e8, 3e-3, 7.0, 1e6], device="cuda")
+    q = (q.float() * magnitudes[None, :, None, None]).to(torch.bfloat16)
+    _check_two_x_rule(cache, ids, q)
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_cuda_pages_of_very_different_scales(dtype):
     """Page scales spanning 10^-4..10^3 within one sequence (the kernel rebases its value
