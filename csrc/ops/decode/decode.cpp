@@ -195,7 +195,7 @@ DequantizedPages dequantize_pages(const at::Tensor& k_cache, const at::Tensor& v
   const at::Tensor index =
       block_table.clamp(0, std::max<int64_t>(shape.num_pages - 1, 0)).to(at::kLong).flatten();
   auto pages = [&](const at::Tensor& cache, const at::Tensor& scale) {
-    // Gathered as bytes (index_select has no float8 kernels), then converted.
+    // Gathered as bytes (a plain copy on every device and torch version), then converted.
     const at::Tensor bytes = cache.view(at::kByte).index_select(0, index);
     const at::Tensor s = scale.index_select(0, index);
     return (bytes.view(cache.scalar_type()).to(at::kFloat) *
