@@ -19,7 +19,7 @@
 // in f16 on the stored values, with q converted to f16 at a power-of-two scale per row and the
 // page scales applied outside the products: k's to the scores, v's to the probabilities (see
 // Fp8ValueScale). The fragments read the 8-bit rows without ldmatrix, in permuted orders that
-// the products do not see (fp8_k_row, fp8_key, fp8_out_col).
+// the products do not see (fp8_gemm_qk, fp8_gemm_pv).
 #pragma once
 
 #include <cuda_fp8.h>
@@ -114,7 +114,8 @@ __device__ __forceinline__ int64_t cache_offset(const AttnParams& p, int block,
 // Stages of an 8-bit cache's tiles (each half a 16-bit tile's bytes). Three, four and six
 // stages ran within 5% of each other on the bench_decode shapes (H100; three marginally
 // fastest): at two CTAs per SM (the registers allow no more) even three keep enough bytes in
-// flight. Capping the registers for three CTAs per SM (168) was 4-14% slower.
+// flight. Three CTAs per SM (registers capped, or q's fragments kept in shared memory) were
+// slower or mixed (docs/lab/decode.md).
 constexpr int kDecodeFp8Stages = 3;
 // Shared memory of the kernel: Q and the stages, with an 8-bit cache's scales (a k, v pair per
 // stage and warp), or the merge buffers if larger.
