@@ -170,7 +170,8 @@ def low_rank_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                                v: Optional[torch.Tensor] = None, *, cache_seqlens: torch.Tensor,
                                block_table: Optional[torch.Tensor] = None, causal: bool = True,
                                softmax_scale: Optional[float] = None, return_lse: bool = False,
-                               num_splits: int = 0
+                               num_splits: int = 0, k_scale: Optional[torch.Tensor] = None,
+                               v_scale: Optional[torch.Tensor] = None
                                ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Low-rank attention (:func:`adaattn.low_rank_attn`) of new query rows against a cache of
     projected keys ``k U`` and full-width values.
@@ -203,6 +204,11 @@ def low_rank_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
             new values ``[B, Hkv, Lq, Dv]``; or both None.
         cache_seqlens, block_table, causal, return_lse, num_splits: as
             :func:`flash_attn_with_kvcache`.
+        k_scale, v_scale: the scales of 8-bit (float8_e4m3fn) pools, as
+            :func:`flash_attn_with_kvcache` takes them (``LowRankKVCache`` with
+            ``dtype=torch.float8_e4m3fn`` keeps them); such pools take no new ``k``/``v`` here.
+            On CUDA no 8-bit kernel reads narrow keys yet: the call runs on a 16-bit copy of the
+            table's pages.
         softmax_scale: multiplies ``(q U)(k U)^T``; defaults to ``D ** -0.5`` (full D, not R).
 
     Returns:
@@ -220,7 +226,7 @@ def low_rank_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     """
     op = "low_rank_attn_with_kvcache"
     C.tensors(op, q=q, k_cache=k_cache, v_cache=v_cache, basis=basis, cache_seqlens=cache_seqlens)
-    C.optional_tensors(op, k=k, v=v, block_table=block_table)
+    C.optional_tensors(op, k=k, v=v, block_table=block_table, k_scale=k_scale, v_scale=v_scale)
     group = _check_low_rank_cache_args(op, q, k_cache, basis, k, v)
     softmax_scale = C.optional_float(op, "softmax_scale", softmax_scale)
     scale = q.shape[3] ** -0.5 if softmax_scale is None else softmax_scale
@@ -231,4 +237,4 @@ def low_rank_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     return flash_attn_with_kvcache(q_proj, k_cache, v_cache, k_proj, v,
                                    cache_seqlens=cache_seqlens, block_table=block_table,
                                    causal=causal, softmax_scale=scale, return_lse=return_lse,
-                                   num_splits=num_splits)
+                                   num_splits=num_splits, k_scale=k_scale, v_scale=v_scale)

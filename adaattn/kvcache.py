@@ -273,7 +273,10 @@ class LowRankKVCache(KVCache):
     :func:`adaattn.low_rank_attn_with_kvcache`.
 
     Storage: ``k_pages [num_pages, Hkv, page_size, R]``, ``v_pages [num_pages, Hkv, page_size,
-    Dv]`` and ``basis [max_batch, Hkv, D, R]`` (the pools' dtype; row s is sequence s's basis).
+    Dv]`` and ``basis [max_batch, Hkv, D, R]`` (the pools' dtype, float32 for 8-bit pools; row s
+    is sequence s's basis). With ``dtype=torch.float8_e4m3fn`` both pools are 8-bit as
+    :class:`KVCache`'s (projected keys and values quantised on append, a scale per page and kv
+    head; pass ``k_scale``/``v_scale`` to the op): R + Dv bytes per cached token.
     A sequence's basis is set once, before its first keys (typically :func:`adaattn.rank_plan`
     on the prefill, whose bases are per (batch, kv head): with GQA the Gram matrix of a kv head
     sums its group's query heads, so no per-query-head basis has to be reduced). A plan of
@@ -305,21 +308,20 @@ class LowRankKVCache(KVCache):
             C.integer("LowRankKVCache", name, value)
         C.check(1 <= rank <= head_dim, ValueError, "LowRankKVCache",
                 "rank must be in [1, head_dim = ", head_dim, "], got ", rank)
-        C.check(dtype != torch.float8_e4m3fn, TypeError, "LowRankKVCache",
-                "8-bit pools are not supported (the basis and projected keys stay 16-bit or "
-                "wider); use dtype float16, bfloat16, float32 or float64")
         super().__init__(num_pages, page_size, heads_kv, rank,
                          head_dim if head_dim_v is None else head_dim_v, max_batch=max_batch,
                          max_pages_per_seq=max_pages_per_seq, dtype=dtype, device=device)
         self.head_dim = head_dim
         self.rank = rank
-        self._basis = torch.zeros(max_batch, heads_kv, head_dim, rank, dtype=dtype, device=device)
+        basis_dtype = torch.float32 if dtype == torch.float8_e4m3fn else dtype
+        self._basis = torch.zeros(max_batch, heads_kv, head_dim, rank, dtype=basis_dtype,
+                                  device=device)
         self._has_basis = [False] * max_batch
 
     @property
     def basis(self) -> torch.Tensor:
-        """``[max_batch, Hkv, D, R]`` in the pools' dtype: the bases of every row (index it with
-        the step's sequence ids for the op's ``basis``)."""
+        """``[max_batch, Hkv, D, R]`` in the pools' dtype (float32 for 8-bit pools): the bases of
+        every row (index it with the step's sequence ids for the op's ``basis``)."""
         return self._basis
 
     def set_basis(self, seq_ids: Sequence[int], basis: torch.Tensor) -> None:
@@ -345,9 +347,10 @@ class LowRankKVCache(KVCache):
             self._has_basis[seq_id] = True
 
     def append(self, seq_ids: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
-        """Projects ``k [len(seq_ids), Hkv, L, D]`` onto the sequences' bases (in the pools'
-        dtype, as :func:`adaattn.low_rank_attn` projects in q's) and writes ``k U`` and
-        ``v [len(seq_ids), Hkv, L, Dv]`` as :meth:`KVCache.append` does."""
+        """Projects ``k [len(seq_ids), Hkv, L, D]`` onto the sequences' bases (in the basis's
+        dtype: the pools', as :func:`adaattn.low_rank_attn` projects in q's, or float32 for
+        8-bit pools) and writes ``k U`` and ``v [len(seq_ids), Hkv, L, Dv]`` as
+        :meth:`KVCache.append` does (quantising them into 8-bit pools)."""
         op = "LowRankKVCache.append"
         C.tensor(op, "k", k)
         C.check(k.dim() == 4 and k.shape[0] == len(seq_ids) and k.shape[-1] == self.head_dim,

@@ -187,6 +187,42 @@ def test_empty_batch_and_empty_cache():
     assert (out == 0).all() and (lse == float("-inf")).all()  # no key: out 0, lse -inf
 
 
+@pytest.mark.parametrize("device,dtype", [
+    ("cpu", torch.float32), pytest.param("cuda", torch.bfloat16, marks=pytest.mark.cuda)],
+    ids=str)
+def test_low_rank_key_cache_in_8_bits(device, dtype):
+    """LowRankKVCache(dtype=float8_e4m3fn): projected keys k U (float32 basis) and values are
+    quantised on append; low_rank_attn_with_kvcache with the scales equals it on the
+    dequantised pools (on CUDA through the 16-bit copy of the table's pages: exactly too)."""
+    torch.manual_seed(4)
+    heads_kv, head_dim, rank = 2, 64, 32
+    cache = adaattn.LowRankKVCache(12, 16, heads_kv, head_dim, rank, 128, max_batch=2,
+                                   max_pages_per_seq=6, dtype=E4M3, device=device)
+    assert cache.basis.dtype == torch.float32
+    ids = [cache.allocate(), cache.allocate()]
+    basis = torch.linalg.qr(torch.randn(2, heads_kv, head_dim, rank, device=device))[0]
+    cache.set_basis(ids, basis)
+    keys = []
+    for s, length in zip(ids, (20, 45)):
+        k = torch.randn(1, heads_kv, length, head_dim, device=device) * 2
+        cache.append([s], k, torch.randn(1, heads_kv, length, 128, device=device))
+        keys.append(k[0] @ basis[s])
+    for s, projected in zip(ids, keys):
+        got, scales = stored(cache, s), page_scales(cache, s)
+        assert ((got - projected).abs() <= quantisation_bound(projected, scales[..., None])).all()
+    q = torch.randn(2, 8, 1, head_dim, device=device).to(dtype)
+    common = dict(cache_seqlens=cache.seqlens[ids], block_table=cache.block_table[ids],
+                  return_lse=True)
+    out, lse = adaattn.low_rank_attn_with_kvcache(
+        q, cache.k_pages, cache.v_pages, cache.basis[ids], k_scale=cache.k_scale,
+        v_scale=cache.v_scale, **common)
+    ref_out, ref_lse = adaattn.low_rank_attn_with_kvcache(
+        q, dequantized(cache.k_pages, cache.k_scale, dtype),
+        dequantized(cache.v_pages, cache.v_scale, dtype), cache.basis[ids], **common)
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=0)
+    torch.testing.assert_close(lse, ref_lse, rtol=0, atol=0)
+
+
 def test_opcheck_cpu():
     """The fake kernel and the autograd registration; opcheck's schema test compares tensors
     with arithmetic that torch 2.11 does not implement for float8_e4m3fn on the CPU."""
@@ -333,9 +369,6 @@ def _bad(kind):
         bad_table[1, 0] = kp.shape[0]
         return lambda: call(q, kp, vp, cache_seqlens=lens, block_table=bad_table, k_scale=ks,
                             v_scale=vs)
-    if kind == "low-rank pool":
-        return lambda: adaattn.LowRankKVCache(4, 16, 2, 64, 32, max_batch=1,
-                                              max_pages_per_seq=4, dtype=E4M3)
     raise AssertionError(kind)
 
 
@@ -353,7 +386,6 @@ BAD = {
                                                r"belong to an 8-bit"),
     "lazy": (TypeError, r"lazy_attn_with_kvcache: k_cache must have q's dtype Float, got "
                         r"Float8_e4m3fn"),
-    "low-rank pool": (TypeError, r"LowRankKVCache: 8-bit pools are not supported"),
     "table out of range": (ValueError, r"flash_attn_with_kvcache: block_table\[1, 0\] = 2 is out "
                                        r"of range \[0, num_pages = 2\)"),
 }
@@ -366,8 +398,7 @@ def test_bad_inputs(kind):
         _bad(kind)()
 
 
-@pytest.mark.parametrize("kind", [k for k in BAD if k not in ("low-rank pool", "contiguous",
-                                                             "table out of range")])
+@pytest.mark.parametrize("kind", [k for k in BAD if k not in ("contiguous", "table out of range")])
 def test_bad_inputs_fake_kernel(kind):
     """The fake (meta) kernel that torch.compile traces raises the same errors."""
     from torch._subclasses.fake_tensor import FakeTensorMode
