@@ -223,6 +223,20 @@ def test_low_rank_key_cache_in_8_bits(device, dtype):
     torch.testing.assert_close(lse, ref_lse, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_torch_compile_fullgraph_decode_step(backend):
+    cache, ids, q = _problem("cpu", torch.float32, batch=2, lengths=(10, 70))
+
+    def step(q, k_pages, v_pages, seqlens, table, k_scale, v_scale):
+        return adaattn.flash_attn_with_kvcache(q, k_pages, v_pages, cache_seqlens=seqlens,
+                                               block_table=table, k_scale=k_scale,
+                                               v_scale=v_scale)
+    args = (q, cache.k_pages, cache.v_pages, cache.seqlens[ids], cache.block_table[ids],
+            cache.k_scale, cache.v_scale)
+    compiled = torch.compile(step, fullgraph=True, backend=backend)
+    torch.testing.assert_close(compiled(*args), step(*args), rtol=0, atol=0)
+
+
 def test_opcheck_cpu():
     """The fake kernel and the autograd registration; opcheck's schema test compares tensors
     with arithmetic that torch 2.11 does not implement for float8_e4m3fn on the CPU."""
