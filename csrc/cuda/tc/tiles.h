@@ -11,8 +11,9 @@
 namespace adaattn {
 namespace tc {
 
-// The query tile of a row-tile CTA (forward, lazy row pass, deterministic dQ): its batch entry,
-// query head and kv head, first row, sequence lengths and the union of its rows' key ranges.
+// The query tile of a row-tile CTA (forward, a transform's row pass, deterministic dQ): its
+// batch entry, query head and kv head, first row, sequence lengths and the union of its rows'
+// key ranges.
 // CTA order (seq.h tile_item): head-major, query tiles walked backwards.
 struct RowTile {
   int b, h, h_kv, m0;
