@@ -16,7 +16,8 @@ def build_info() -> Dict[str, str]:
     Keys: ``"cuda"`` (the CUDA runtime it was compiled against, or ``"none (CPU-only build)"``),
     and for a CUDA build ``"archs"`` (e.g. ``"sm_80, sm_90a"``), ``"tensor_core_head_dims"``
     (the compiled ``(D, Dv)`` pairs per variant; other dims up to 128 run zero-padded) and
-    ``"decode_head_dims"`` (head dims of the split-KV decode kernel).
+    ``"decode_head_dims"`` (head dims of the split-KV decode kernel) and
+    ``"decode_fp8_cache_head_dims"`` (those of its 8-bit paged-cache path).
     """
     return dict(line.split(": ", 1) for line in ops.build_info().splitlines())
 
@@ -56,7 +57,8 @@ def _cuda_lines(info: Dict[str, str]) -> List[str]:
             hopper = arch == "sm_90a" and os.environ.get("ADAATTN_DISABLE_SM90", "")[:1] != "1"
             family = "SM90 wgmma" if hopper else "SM80 mma"
             kernels += [f"fp16/bf16 tensor-core kernels ({family})",
-                        f"fp16/bf16 decode kernel (D = {info['decode_head_dims']})"]
+                        f"fp16/bf16 decode kernel (D = {info['decode_head_dims']}; 8-bit "
+                        f"paged cache: D = {info['decode_fp8_cache_head_dims']})"]
         lines.append(f"{device}: " + ", ".join(kernels))
     return lines
 
@@ -74,7 +76,8 @@ def show_config(file: Optional[TextIO] = None) -> None:
         lines += [f"compiled archs: {info['archs']}",
                   f"tensor-core head dims (D, Dv): {info['tensor_core_head_dims']}; other dims "
                   "up to 128 run zero-padded to the smallest pair that covers them",
-                  f"decode kernel head dims: {info['decode_head_dims']}"]
+                  f"decode kernel head dims: {info['decode_head_dims']} (8-bit paged cache: "
+                  f"{info['decode_fp8_cache_head_dims']})"]
     lines.append("cpu: every op (fp32/fp64; fp16/bf16 computed in fp32)")
     lines += _cuda_lines(info)
     print("\n".join(lines), file=file or sys.stdout)

@@ -18,6 +18,7 @@ from adaattn import config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CUDA_INFO = {"cuda": "13.0", "archs": "sm_80, sm_90a", "decode_head_dims": "64, 128",
+             "decode_fp8_cache_head_dims": "64, 128",
              "tensor_core_head_dims": "flash (64, 64), (128, 128); lazy (64, 64), (128, 128)"}
 
 
@@ -30,6 +31,7 @@ def test_build_info_describes_the_library():
     assert re.fullmatch(r"sm_\d+a?(, sm_\d+a?)*", info["archs"])
     assert info["tensor_core_head_dims"].startswith("flash (64, 64)")
     assert re.fullmatch(r"\d+(, \d+)*", info["decode_head_dims"])
+    assert re.fullmatch(r"\d+(, \d+)*", info["decode_fp8_cache_head_dims"])
 
 
 def test_show_config_prints_versions_and_devices():
@@ -78,7 +80,8 @@ def test_cuda_lines_name_the_kernel_family(fake_gpu, monkeypatch):
     monkeypatch.delenv("ADAATTN_DISABLE_SM90", raising=False)
     (line,) = config._cuda_lines(CUDA_INFO)
     assert line.startswith("cuda:0 Test GPU (sm_90): sm_90a code")
-    assert "SM90 wgmma" in line and "decode kernel (D = 64, 128)" in line
+    assert "SM90 wgmma" in line
+    assert "decode kernel (D = 64, 128; 8-bit paged cache: D = 64, 128)" in line
     monkeypatch.setenv("ADAATTN_DISABLE_SM90", "1")
     assert "SM80 mma" in config._cuda_lines(CUDA_INFO)[0]
     fake_gpu[0] = (8, 6)

@@ -56,11 +56,12 @@ std::string tc_pairs() {
   return text;
 }
 
-std::string decode_dims() {
+// Head dims D = Dv of the plain decode kernel, on a 16-bit or an 8-bit (fp8_cache) cache.
+std::string decode_dims(bool fp8_cache) {
   std::string text;
   for (const TcEntry& e : kTcEntries) {
     if (e.variant != VariantId::kPlain || e.head_dim != e.head_dim_v ||
-        !decode_tc_supported(e.variant, e.head_dim, e.head_dim_v)) {
+        !decode_tc_supported(e.variant, e.head_dim, e.head_dim_v, fp8_cache)) {
       continue;
     }
     text += (text.empty() ? "" : ", ") + std::to_string(e.head_dim);
@@ -73,8 +74,8 @@ std::string decode_dims() {
 std::string cuda_build_info() {
   return "cuda: " + std::to_string(CUDART_VERSION / 1000) + "." +
          std::to_string(CUDART_VERSION % 1000 / 10) + "\narchs: " + archs() +
-         "\ntensor_core_head_dims: " + tc_pairs() + "\ndecode_head_dims: " + decode_dims() +
-         "\n";
+         "\ntensor_core_head_dims: " + tc_pairs() + "\ndecode_head_dims: " + decode_dims(false) +
+         "\ndecode_fp8_cache_head_dims: " + decode_dims(true) + "\n";
 }
 
 }  // namespace adaattn
