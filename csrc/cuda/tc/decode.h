@@ -475,7 +475,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     cp_async_wait<kStages - 2>();  // Q landed with the first stage
     __syncthreads();
     const int c = lane & 3;
-    auto q_at = [&](int hh, int step) { return sQ + swz<D>(warp_row0 + g + 8 * hh, c * D / 4 + 4 * step); };
+    auto q_at = [&](int hh, int step) {
+      return sQ + swz<D>(warp_row0 + g + 8 * hh, c * D / 4 + 4 * step);
+    };
     float q_scale[2] = {1.f, 1.f};
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
@@ -499,7 +501,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
         const T* x = q_at(hh, step);
-        qf[step][hh] = MmaOp<__half>::pack(to_float(x[0]) * q_scale[hh], to_float(x[1]) * q_scale[hh]);
+        qf[step][hh] =
+            MmaOp<__half>::pack(to_float(x[0]) * q_scale[hh], to_float(x[1]) * q_scale[hh]);
         qf[step][2 + hh] =
             MmaOp<__half>::pack(to_float(x[2]) * q_scale[hh], to_float(x[3]) * q_scale[hh]);
       }
