@@ -53,8 +53,8 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             ``dtype=torch.float8_e4m3fn`` keeps them): a cached value means value * the scale
             of its page and kv head. Such a cache is appended to by ``KVCache.append`` (which
             quantises), not here (``k = v = None``). The CUDA decode kernel reads it as it is
-            (plain softmax, fp16/bf16 q, D = Dv in {64, 128}, pages of a power of two >= 64
-            keys, at most 16 query rows per kv head), multiplying the stored values in f16 and
+            (plain softmax, fp16/bf16 q, D = Dv in {64, 128} or D in {32, 64} with Dv = 128,
+            pages of a power of two >= 64 keys, at most 16 query rows per kv head), multiplying the stored values in f16 and
             applying the scales outside the products; other calls run on a copy of the
             table's pages dequantised to q's dtype.
 
@@ -207,8 +207,8 @@ def low_rank_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         k_scale, v_scale: the scales of 8-bit (float8_e4m3fn) pools, as
             :func:`flash_attn_with_kvcache` takes them (``LowRankKVCache`` with
             ``dtype=torch.float8_e4m3fn`` keeps them); such pools take no new ``k``/``v`` here.
-            On CUDA no 8-bit kernel reads narrow keys yet: the call runs on a 16-bit copy of the
-            table's pages.
+            On CUDA the decode kernel reads them as they are where
+            :func:`flash_attn_with_kvcache`'s does (``R in {32, 64}`` or ``R == Dv == 64``).
         softmax_scale: multiplies ``(q U)(k U)^T``; defaults to ``D ** -0.5`` (full D, not R).
 
     Returns:

@@ -43,8 +43,9 @@ std::pair<int, int> tc_kernel_head_dims(VariantId variant, int head_dim, int hea
 // head) write partial results to o_part [splits, B, Hq, Lq, Dv] and lse_part [splits, B, Hq, Lq]
 // (float32, unused with one split), merged by a second kernel. Current stream, no host sync.
 // fp8_cache: an e4m3 paged cache (p.k_cache_scale set), which has kernels for plain softmax at
-// D = Dv in {64, 128} with pages of a power of two >= kDecodeFp8MinPage keys and at most
-// kDecodeFp8MaxRows query rows per kv head (group * Lq: one row warp per CTA).
+// the same head dims (D = Dv in {64, 128}; low-rank keys D in {32, 64} with Dv = 128) with
+// pages of a power of two >= kDecodeFp8MinPage keys and at most kDecodeFp8MaxRows query rows
+// per kv head (group * Lq: one row warp per CTA).
 constexpr int kDecodeFp8MinPage = 64;
 constexpr int kDecodeFp8MaxRows = 16;
 bool decode_tc_supported(VariantId variant, int head_dim, int head_dim_v, bool fp8_cache = false);

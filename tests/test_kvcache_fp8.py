@@ -110,18 +110,29 @@ def test_reused_pages_restart_their_scales_and_fork_copies_them():
 
 
 def _problem(device, dtype, batch=3, heads_q=8, heads_kv=2, head_dim=64, page_size=64,
-             lengths=(0, 70, 190), len_q=1, seed=3):
+             lengths=(0, 70, 190), len_q=1, seed=3, value_dim=None):
     """An 8-bit cache holding `lengths` tokens per sequence (plus the Lq rows of this step),
-    with pages handed out interleaved across sequences, and the step's queries."""
+    with pages handed out interleaved across sequences, and the step's queries. With
+    `value_dim`: a LowRankKVCache whose keys (full width 128, random orthonormal bases) are
+    stored at width `head_dim`, and queries of that width (already projected)."""
     torch.manual_seed(seed)
     max_pages = -(-(max(lengths) + len_q) // page_size)
-    cache = adaattn.KVCache(batch * max_pages, page_size, heads_kv, head_dim, max_batch=batch,
-                            max_pages_per_seq=max_pages, dtype=E4M3, device=device)
-    ids = [cache.allocate() for _ in range(batch)]
+    shape = dict(max_batch=batch, max_pages_per_seq=max_pages, dtype=E4M3, device=device)
+    full_dim = head_dim
+    if value_dim is None:
+        cache = adaattn.KVCache(batch * max_pages, page_size, heads_kv, head_dim, **shape)
+        ids = [cache.allocate() for _ in range(batch)]
+    else:
+        full_dim = 128
+        cache = adaattn.LowRankKVCache(batch * max_pages, page_size, heads_kv, full_dim,
+                                       head_dim, value_dim, **shape)
+        ids = [cache.allocate() for _ in range(batch)]
+        basis = torch.randn(batch, heads_kv, full_dim, head_dim, device=device)
+        cache.set_basis(ids, torch.linalg.qr(basis)[0])
     for step in range(max(lengths) + len_q):  # one token at a time: interleaved pages
         grow = [s for s, n in zip(ids, lengths) if step < n + len_q]
-        k = torch.randn(len(grow), heads_kv, 1, head_dim, device=device) * 3
-        v = torch.randn(len(grow), heads_kv, 1, head_dim, device=device)
+        k = torch.randn(len(grow), heads_kv, 1, full_dim, device=device) * 3
+        v = torch.randn(len(grow), heads_kv, 1, value_dim or head_dim, device=device)
         cache.append(grow, k, v)
     q = torch.randn(batch, heads_q, len_q, head_dim, device=device).to(dtype)
     return cache, ids, q
@@ -294,6 +305,21 @@ def test_cuda_against_the_exact_op(dtype, head_dim, page_size, len_q, heads_q, k
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("rank", [32, 64])
+@pytest.mark.parametrize("page_size,len_q,heads_q,kw", [
+    (64, 1, 8, {}), (128, 4, 8, {}), (64, 1, 16, {"window": (100, 0)}),
+    (64, 1, 8, {"num_splits": 3}), (64, 3, 2, {"causal": True}),
+], ids=str)
+def test_cuda_low_rank_keys_against_the_exact_op(dtype, rank, page_size, len_q, heads_q, kw):
+    """Keys stored at rank R < Dv = 128 (a LowRankKVCache's pools) in the 8-bit kernel."""
+    cache, ids, q = _problem("cuda", dtype, heads_q=heads_q, head_dim=rank, value_dim=128,
+                             page_size=page_size, lengths=(0, 70, 250), len_q=len_q)
+    assert cache.k_pages.shape[-1] == rank and cache.v_pages.shape[-1] == 128
+    _check_two_x_rule(cache, ids, q, **kw)
+
+
+@pytest.mark.cuda
 def test_cuda_query_rows_of_very_different_magnitudes():
     """The kernel converts each bf16 query row to f16 at its own power-of-two scale: rows of
     magnitude 1e-12..1e8 (outside f16's range both ways) in one CTA keep the 2x rule."""
@@ -326,13 +352,15 @@ def test_cuda_pages_of_very_different_scales(dtype):
     (64, 8, {}, True), (128, 16, {"window": (100, 0)}, True),
     (32, 8, {}, False), (64, 8, {"softcap": 5.0}, False), (64, 64, {}, False),
 ], ids=str)
-def test_cuda_which_path_reads_the_8bit_cache(page_size, heads_q, kw, direct, monkeypatch):
+@pytest.mark.parametrize("head_dim,value_dim", [(128, None), (32, 128)], ids=str)
+def test_cuda_which_path_reads_the_8bit_cache(page_size, heads_q, kw, direct, head_dim,
+                                              value_dim, monkeypatch):
     """The decode kernel reads an eligible 8-bit cache as it is (no elementwise dequantising
-    kernels run); other calls dequantise a copy first."""
+    kernels run); other calls dequantise a copy first. Narrow keys (32 of Dv = 128) alike."""
     # the poisoned allocations' fill kernels would count as elementwise kernels here
     monkeypatch.setattr(torch.utils.deterministic, "fill_uninitialized_memory", False)
-    cache, ids, q = _problem("cuda", torch.bfloat16, heads_q=heads_q, head_dim=128,
-                             page_size=page_size, lengths=(10, 300))
+    cache, ids, q = _problem("cuda", torch.bfloat16, heads_q=heads_q, head_dim=head_dim,
+                             value_dim=value_dim, page_size=page_size, lengths=(10, 300))
     table, seqlens = cache.block_table[ids], cache.seqlens[ids]  # indexing kernels: not here
 
     def call():

@@ -54,14 +54,14 @@ bool decode_dims(bool plain, int d, int dv) {
 
 // Calls f(T{}, Traits{}, Variant{}, Fp8{}) for the compiled decode kernel of the arguments
 // (Fp8: std::bool_constant, an 8-bit paged cache); returns false when there is none. 8-bit
-// caches have kernels for plain softmax attention at D = Dv in {64, 128} with one row warp
-// (at most 16 rows per kv head: kDecodeFp8MaxRows).
+// caches have kernels for plain softmax attention at every (D, Dv) of decode_dims with one
+// row warp (at most 16 rows per kv head: kDecodeFp8MaxRows).
 template <typename F>
 bool with_decode_kernel(VariantId variant, int d, int dv, c10::ScalarType dtype, int rw,
                         bool fp8, F&& f) {
   if (!decode_dims(variant == VariantId::kPlain, d, dv)) return false;
   if (dtype != c10::kBFloat16 && dtype != c10::kHalf) return false;
-  if (fp8 && (variant != VariantId::kPlain || d != dv || rw != 1)) return false;
+  if (fp8 && (variant != VariantId::kPlain || rw != 1)) return false;
   return with_variant(variant, [&](auto v) {
     using V = decltype(v);
     if constexpr (!kHasDecodeKernel<V>) {
@@ -73,7 +73,7 @@ bool with_decode_kernel(VariantId variant, int d, int dv, c10::ScalarType dtype,
           constexpr int D = decltype(dim)::value, DV = decltype(dim_v)::value;
           auto by_cfg = [&](auto cfg) {
             // The 8-bit kernel (its own stages) for the one configuration that reaches it.
-            if constexpr (std::is_same_v<V, PlainVariant> && D == DV &&
+            if constexpr (std::is_same_v<V, PlainVariant> &&
                           std::is_same_v<decltype(cfg), DeepNarrowCfg<D, DV>>) {
               if (fp8) return f(T{}, cfg, V{}, std::true_type{});
             }

@@ -175,25 +175,34 @@ struct Fp8ValueScale {
 
 // acc[1][NT] += Q K^T over a warp's 8-bit keys [key0, key0 + 8 NT) of a stage (fp8_unit
 // layout): qf, q's f16 A-fragments in fp8 order (decode_kernel); n-tile t column n is key
-// key0 + 16 (t / 2) + fp8_key(t % 2, n). Lane c reads the D / 4 bytes c * D / 4.. of its row.
+// key0 + 16 (t / 2) + fp8_key(t % 2, n). Lane c reads the D / 4 bytes c * D / 4.. of its row
+// (D = 32: 8 bytes, half a unit; the rows of a half warp then share banks two ways).
 template <int D, int NT>
 __device__ __forceinline__ void fp8_gemm_qk(float (&acc)[1][NT][4],
                                             const uint32_t (&qf)[D / 16][4], const uint8_t* sK,
                                             int key0, int lane) {
-  constexpr int kUnits = D / 16, kLaneUnits = D / 64;
+  static_assert(D == 32 || D == 64 || D == 128, "keys of width 32, 64 or 128");
+  constexpr int kUnits = D / 16, kLaneBytes = D / 4;
   const int g = lane >> 2, c = lane & 3;
 #pragma unroll
   for (int t = 0; t < NT; ++t) {
     const int r = key0 + 16 * (t / 2) + fp8_key(t % 2, g);
     uint32_t w[D / 16];
 #pragma unroll
-    for (int u = 0; u < kLaneUnits; ++u) {
-      const uint4 x = *reinterpret_cast<const uint4*>(
-          sK + r * D + 16 * fp8_unit<kUnits>(r, c * kLaneUnits + u));
-      w[4 * u] = x.x;
-      w[4 * u + 1] = x.y;
-      w[4 * u + 2] = x.z;
-      w[4 * u + 3] = x.w;
+    for (int u = 0; u < (kLaneBytes + 15) / 16; ++u) {
+      const int byte = c * kLaneBytes + 16 * u;
+      const uint8_t* src = sK + r * D + 16 * fp8_unit<kUnits>(r, byte / 16) + byte % 16;
+      if constexpr (kLaneBytes >= 16) {
+        const uint4 x = *reinterpret_cast<const uint4*>(src);
+        w[4 * u] = x.x;
+        w[4 * u + 1] = x.y;
+        w[4 * u + 2] = x.z;
+        w[4 * u + 3] = x.w;
+      } else {
+        const uint2 x = *reinterpret_cast<const uint2*>(src);
+        w[0] = x.x;
+        w[1] = x.y;
+      }
     }
 #pragma unroll
     for (int step = 0; step < D / 16; ++step) {
@@ -277,9 +286,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   // pass: K alone; the weight pass over cached scores: the scores and V) packs more stages into
   // the same shared memory, so that as many bytes are in flight as in the online pass (with
   // half-empty stages each pass streamed the cache below the online pass's rate).
-  static_assert(!kFp8Cache || (kPass == DecodePass::kOnline && D == DV && Mod::kIdentity &&
+  static_assert(!kFp8Cache || (kPass == DecodePass::kOnline && Mod::kIdentity &&
                                kRowWarps == 1 && kWarpKeys == 16),
-                "an 8-bit cache feeds the online pass of plain full-width keys, one row warp");
+                "an 8-bit cache feeds the online pass of plain softmax, one row warp");
   // Cache elements as stored: q's 16-bit type, or e4m3 bytes.
   using CacheElem = std::conditional_t<kFp8Cache, uint8_t, T>;
   constexpr int kElemBytes = static_cast<int>(sizeof(CacheElem));

@@ -1,7 +1,8 @@
 // CUDA registration of the KV-cache ops. The new rows are appended by a kernel; fp16/bf16 at the
-// decode kernel's head dims (D == Dv in {64, 128}) go to the split-KV kernel, reading a paged
-// cache through its block table. Everything else (float32/float64, other head dims) runs the
-// prefill kernels of the attention core on the cache (a paged one gathered first).
+// decode kernel's head dims (D == Dv in {64, 128}; D in {32, 64} with Dv = 128) go to the
+// split-KV kernel, reading a paged cache through its block table. Everything else
+// (float32/float64, other head dims) runs the prefill kernels of the attention core on the cache
+// (a paged one gathered first).
 // Launches on the current stream; no host synchronisation, no allocation whose size depends on
 // values (CUDA-graph safe).
 #include <c10/cuda/CUDAGuard.h>
