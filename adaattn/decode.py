@@ -54,9 +54,9 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             of its page and kv head. Such a cache is appended to by ``KVCache.append`` (which
             quantises), not here (``k = v = None``). The CUDA decode kernel reads it as it is
             (plain softmax, fp16/bf16 q, D = Dv in {64, 128} or D in {32, 64} with Dv = 128,
-            pages of a power of two >= 64 keys, at most 16 query rows per kv head), multiplying the stored values in f16 and
-            applying the scales outside the products; other calls run on a copy of the
-            table's pages dequantised to q's dtype.
+            pages of a power of two >= 64 keys, at most 16 query rows per kv head),
+            multiplying the stored values in f16 and applying the scales outside the
+            products; other calls run on a copy of the table's pages dequantised to q's dtype.
 
     Returns:
         ``out [B, Hq, Lq, Dv]`` (q's dtype), or ``(out, lse)`` with ``return_lse``.
@@ -230,10 +230,15 @@ def low_rank_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     group = _check_low_rank_cache_args(op, q, k_cache, basis, k, v)
     softmax_scale = C.optional_float(op, "softmax_scale", softmax_scale)
     scale = q.shape[3] ** -0.5 if softmax_scale is None else softmax_scale
-    u = basis.to(q.dtype)
-    # Query heads of one kv head share its basis: [B, Hkv, G, Lq, D] @ [B, Hkv, 1, D, R].
-    q_proj = torch.matmul(q.unflatten(1, (k_cache.shape[1], group)), u.unsqueeze(2)).flatten(1, 2)
-    k_proj = None if k is None else torch.matmul(k, u)
+    # In the wider of q's and the basis's dtypes: a float32 basis (8-bit pools) with 16-bit q is
+    # read once, not cast per call.
+    u = basis.to(torch.promote_types(basis.dtype, q.dtype))
+    # Query heads of one kv head share its basis: [B, Hkv, G * Lq, D] @ [B, Hkv, D, R], one
+    # product per (sequence, kv head) (a broadcast basis would be copied G times).
+    heads_kv, len_q = k_cache.shape[1], q.shape[2]
+    q_grouped = q.unflatten(1, (heads_kv, group)).flatten(2, 3).to(u.dtype)
+    q_proj = torch.matmul(q_grouped, u).unflatten(2, (group, len_q)).flatten(1, 2).to(q.dtype)
+    k_proj = None if k is None else torch.matmul(k.to(u.dtype), u).to(q.dtype)
     return flash_attn_with_kvcache(q_proj, k_cache, v_cache, k_proj, v,
                                    cache_seqlens=cache_seqlens, block_table=block_table,
                                    causal=causal, softmax_scale=scale, return_lse=return_lse,

@@ -9,7 +9,9 @@ contiguous cache and on a paged one (page 64, pages shuffled over the pool), fla
 float8_e4m3fn, a scale per page and kv head as adaattn.KVCache keeps them) cannot take the new
 keys inside the op, so its row (``paged64-fp8``, Lq = 1) and its 16-bit peer
 (``adaattn-bf16-cache``: the same paged pool in bf16) attend a cache that already holds all Lk
-keys (no append in either); ``vs_bf16_cache`` is the peer's time over the row's. A low-rank key
+keys (no append in either); ``vs_bf16_cache`` is the peer's time over the row's; ``graph_ms`` and
+``graph_vs_bf16_cache`` are the same from CUDA-graph replays (10 calls per graph, median of the
+replays): the GPU's time without the host's per-call work. A low-rank key
 cache (``paged64-lowrank-R32``, and ``-fp8`` in 8 bits: adaattn.low_rank_attn_with_kvcache on
 keys stored at rank R = 32 and full-width values, the query's projection q U included, a random
 orthonormal basis per sequence and kv head) has the same peer and bars (adaptive-rank issue:
@@ -33,6 +35,7 @@ Writes benchmarks/results/decode.json (results_io format) and prints the table a
 """
 import argparse
 import os
+import statistics
 import sys
 import warnings
 from typing import Callable, Dict, List, Optional, Tuple
@@ -65,6 +68,30 @@ LOW_RANK_BAR, LOW_RANK_FP8_BAR = 1.45, 2.6
 def time_ms(fn: Callable, warmup: int, reps: int) -> float:
     """Median milliseconds of ``reps`` CUDA-event-timed calls, after ``warmup`` calls."""
     return ba.event_bench(fn, [], warmup=warmup, reps=reps)
+
+
+def graph_time_ms(fn: Callable, reps: int, calls: int = 10) -> float:
+    """Median milliseconds per call of ``fn`` replayed from a CUDA graph of ``calls`` calls
+    (``reps`` replays): the GPU's time without the host's per-call work, as a decode loop
+    that replays CUDA graphs runs it."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # warm-up outside the capture (kernel attributes, allocator)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            for _ in range(calls):
+                fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return statistics.median(times)
 
 
 def copy_bandwidth(warmup: int, reps: int) -> float:
@@ -262,6 +289,8 @@ def bench_shape(batch: int, len_k: int, args, copy_gbps: float) -> List[dict]:
         print(f"{rows[-1]['case']:<40} adaattn {ba._fmt(ms, '.3f')} ms  "
               f"{ba._fmt(gbps, '.0f')} GB/s  peers {rows[-1]['ms']}", flush=True)
     bf16, _ = measure(lambda: adaattn_decode_full_cache(s, False, args.num_splits), args)
+    replays = max(1, args.reps // 4)
+    bf16_graph = graph_time_ms(adaattn_decode_full_cache(s, False, args.num_splits), replays)
     full_cache = [(f"paged{PAGE_SIZE}-fp8", "float8_e4m3fn", None,
                    lambda: adaattn_decode_full_cache(s, True, args.num_splits)),
                   (f"paged{PAGE_SIZE}-lowrank-R{RANK}", "bfloat16", RANK,
@@ -270,6 +299,7 @@ def bench_shape(batch: int, len_k: int, args, copy_gbps: float) -> List[dict]:
                    lambda: adaattn_decode_low_rank(s, True, args.num_splits))]
     for layout, cache, rank, build in full_cache:
         ms, note = measure(build, args)
+        graph = None if ms is None else graph_time_ms(build(), replays)
         itemsize = 1 if cache == "float8_e4m3fn" else DTYPE.itemsize
         cache_bytes = s.batch * HEADS_KV * s.len_k * ((rank or HEAD_DIM) + HEAD_DIM) * itemsize
         moved = cache_bytes + 2 * s.batch * HEADS_Q * HEAD_DIM * DTYPE.itemsize
@@ -279,12 +309,15 @@ def bench_shape(batch: int, len_k: int, args, copy_gbps: float) -> List[dict]:
             gbps=None if gbps is None else round(gbps, 1),
             hbm_fraction=None if gbps is None else round(gbps / copy_gbps, 3),
             vs_bf16_cache=ratio(bf16, ms),
+            graph_ms=None if graph is None else round(graph, 4),
+            graph_vs_bf16_cache=ratio(bf16_graph, graph),
             note="; ".join([f"adaattn: {note}"] if note else []) + "the cache holds all Lk "
             "keys (no append), as its peer's",
             config=dict(config, lq=1, paged=True, variant="flash", cache=cache,
                         **({"rank": rank} if rank else {}))))
         print(f"{rows[-1]['case']:<40} adaattn {ba._fmt(ms, '.3f')} ms  "
-              f"{ba._fmt(gbps, '.0f')} GB/s  bf16 cache {ba._fmt(bf16, '.3f')} ms", flush=True)
+              f"{ba._fmt(gbps, '.0f')} GB/s  bf16 cache {ba._fmt(bf16, '.3f')} ms; graphs "
+              f"{ba._fmt(graph, '.3f')} / {bf16_graph:.3f} ms", flush=True)
     del s
     torch.cuda.empty_cache()
     return rows
@@ -317,6 +350,8 @@ def bars(rows: List[dict]) -> str:
             fp8 = c["cache"] == "float8_e4m3fn"
             bar = (LOW_RANK_FP8_BAR if fp8 else LOW_RANK_BAR) if "rank" in c else FP8_BAR
             own = f"vs_bf16_cache {x:.3f} {'ok' if x >= bar else 'MISS'} (>= {bar})"
+            if r.get("graph_vs_bf16_cache") is not None:
+                own += f"; CUDA graphs {r['graph_vs_bf16_cache']:.3f}"
         lines.append(f"| {r['case']} | {verdict(r.get('hbm_fraction'), HBM_BAR)} "
                      f"| {verdict(speed, 1.0)} | {own} |")
     return "\n".join(lines)

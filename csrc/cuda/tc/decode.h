@@ -518,7 +518,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   }
   Fp8ValueScale v_scale;
   // The 8-bit cache's probabilities come out times 2^kLog2Gain (within f16's range: at most
-  // 2^(kMaxSlack + kLog2Gain)), so that fewer of them are f16 subnormals.
+  // 2^(kMaxSlack + kLog2Gain), capped at 2^15 for scores beyond 2^25), so that fewer of them
+  // are f16 subnormals.
   constexpr float kLog2Gain = kFp8Cache ? 6.f : 0.f;
 
   float o[1][DT][4];
@@ -562,11 +563,14 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
       zero(s);
       if constexpr (kFp8Cache) {
         fp8_gemm_qk<D>(s, qf, sK, key_warp * kWarpKeys, lane);
-        const float k_scale = scale_slot(i % kStages)[0];
+        // The softmax scale joins the page's: the row max is then taken on the very values
+        // exponentiated (a fused scale's rounding at large scores would exceed f16's range).
+        const float k_scale = scale_slot(i % kStages)[0] * scale;
 #pragma unroll
         for (int ni = 0; ni < NT; ++ni)
 #pragma unroll
           for (int e = 0; e < 4; ++e) s[0][ni][e] *= q_unscale[e >> 1] * k_scale;
+        scale = 1.f;
       } else {
         warp_gemm_nt<1, NT, D>(s, sQ, warp_row0, sK, key_warp * kWarpKeys, lane);
       }
@@ -633,7 +637,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     // rescaled only when it grows by more (as the Hopper forward, fwd_sm90.h).
     constexpr float kMaxSlack = 8.f;
     float corr[1][2];
-    online_softmax<true>(s, row_max, row_sum, corr, scale, kMaxSlack, kLog2Gain);
+    online_softmax<true, false, kFp8Cache>(s, row_max, row_sum, corr, scale, kMaxSlack,
+                                           kLog2Gain);
     if constexpr (kPass == DecodePass::kOnline) {
       if constexpr (kFp8Cache) {
         float rebase;
