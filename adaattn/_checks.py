@@ -34,8 +34,21 @@ def _dtype(x) -> str:
     return _DTYPE_NAMES.get(dtype, str(dtype).replace("torch.", ""))
 
 
-def _list(values) -> str:
-    return "[" + ", ".join(str(v) for v in values) + "]"
+class _List:
+    """``[a, b, ...]`` as C++ prints a shape, formatted only if a message is built (the checks
+    run on every call and pass)."""
+
+    __slots__ = ("values",)
+
+    def __init__(self, values):
+        self.values = values
+
+    def __str__(self) -> str:
+        return "[" + ", ".join(str(v) for v in self.values) + "]"
+
+
+def _list(values) -> _List:
+    return _List(values)
 
 
 def _num(x) -> str:

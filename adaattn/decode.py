@@ -146,8 +146,8 @@ def _check_low_rank_cache_args(op: str, q: torch.Tensor, k_cache: torch.Tensor,
     C.check(basis.device == q.device, RuntimeError, op, "basis must be on q's device ", q.device,
             ", got ", basis.device)
     C.check(basis.dim() == 4 and tuple(basis.shape[:3]) == (batch, heads_kv, dim), ValueError, op,
-            f"basis must be [B, Hkv, D, R] = [{batch}, {heads_kv}, {dim}, R], got "
-            f"{tuple(basis.shape)}")
+            "basis must be [B, Hkv, D, R] = [", batch, ", ", heads_kv, ", ", dim, ", R], got ",
+            tuple(basis.shape))
     rank = basis.shape[3]
     C.check(1 <= rank <= dim, ValueError, op, "basis's rank R = basis.size(3) must be in [1, D = ",
             dim, "], got ", rank)
@@ -158,8 +158,8 @@ def _check_low_rank_cache_args(op: str, q: torch.Tensor, k_cache: torch.Tensor,
             "the new keys k and values v must be given together (or neither)")
     if k is not None:
         C.check(tuple(k.shape) == (batch, heads_kv, len_q, dim), ValueError, op,
-                f"k (new keys, not projected) must be [B, Hkv, Lq, D] = "
-                f"[{batch}, {heads_kv}, {len_q}, {dim}], got {tuple(k.shape)}")
+                "k (new keys, not projected) must be [B, Hkv, Lq, D] = [", batch, ", ", heads_kv,
+                ", ", len_q, ", ", dim, "], got ", tuple(k.shape))
         C.check(k.dtype == q.dtype, TypeError, op, "k must have q's dtype ", q.dtype, ", got ",
                 k.dtype)
     return heads_q // heads_kv

@@ -238,9 +238,9 @@ class LazyAttention(nn.Module):
         packed = cu_seqlens is not None
         C.tensor(op, "q", q)
         layout = "[T, {h}, D] (packed)" if packed else "[B, {h}, Lq, D]"
-        C.check(q.dim() == (3 if packed else 4) and q.shape[1] == self.num_heads, ValueError, op,
-                f"q must be {layout.format(h=self.num_heads)} (num_heads={self.num_heads}), got "
-                f"shape {tuple(q.shape)}")
+        if q.dim() != (3 if packed else 4) or q.shape[1] != self.num_heads:
+            C.fail(ValueError, op, "q must be ", layout.format(h=self.num_heads), " (num_heads=",
+                   self.num_heads, "), got shape ", tuple(q.shape))
         C.check(not (packed and seqlens is not None), ValueError, op,
                 "seqlens (padding) and cu_seqlens (packing) exclude each other")
         device_type = q.device.type

@@ -364,11 +364,13 @@ def _check_error_args(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     C.tensor(op, "basis", basis)
     b, hkv, lk, dim = k.shape
     C.check(v.dim() == 4 and tuple(v.shape[:3]) == (b, hkv, lk), ValueError, op,
-            f"v must be [B, Hkv, Lk, Dv] = [{b}, {hkv}, {lk}, Dv], got {tuple(v.shape)}")
+            "v must be [B, Hkv, Lk, Dv] = [", b, ", ", hkv, ", ", lk, ", Dv], got ",
+            tuple(v.shape))
     C.check(v.device == q.device and basis.device == q.device, RuntimeError, op,
             "v and basis must be on q's device ", q.device)
     C.check(basis.dim() == 4 and tuple(basis.shape[:3]) == (b, hkv, dim), ValueError, op,
-            f"basis must be [B, Hkv, D, R] = [{b}, {hkv}, {dim}, R], got {tuple(basis.shape)}")
+            "basis must be [B, Hkv, D, R] = [", b, ", ", hkv, ", ", dim, ", R], got ",
+            tuple(basis.shape))
     causal = C.boolean(op, "causal", causal)
     softmax_scale = C.optional_float(op, "softmax_scale", softmax_scale)
     return group, causal, dim ** -0.5 if softmax_scale is None else softmax_scale
