@@ -372,10 +372,11 @@ def block_sparse_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     # op's own check of the same shapes (naming kv_num_blocks / kv_indices) while tracing.
     if q.dim() == 4 and k.dim() == 4 and not torch.compiler.is_compiling():
         need = (math.ceil(q.shape[2] / bm), math.ceil(k.shape[2] / bn))
-        C.check(tuple(block_mask.num_blocks) == need, ValueError, op,
-                f"block_mask has {block_mask.num_blocks[0]} x {block_mask.num_blocks[1]} "
-                f"blocks of {bm}x{bn}, but Lq = {q.shape[2]} and Lk = {k.shape[2]} need "
-                f"ceil(Lq / {bm}) x ceil(Lk / {bn}) = {need[0]} x {need[1]}")
+        if tuple(block_mask.num_blocks) != need:
+            C.fail(ValueError, op,
+                   f"block_mask has {block_mask.num_blocks[0]} x {block_mask.num_blocks[1]} "
+                   f"blocks of {bm}x{bn}, but Lq = {q.shape[2]} and Lk = {k.shape[2]} need "
+                   f"ceil(Lq / {bm}) x ceil(Lk / {bn}) = {need[0]} x {need[1]}")
     q_num_blocks, q_indices = block_mask.transposed()
     out, lse = ops.block_sparse_attn(q, k, v, block_mask.kv_num_blocks, block_mask.kv_indices,
                                      q_num_blocks, q_indices, bm, bn,

@@ -353,9 +353,9 @@ class LowRankKVCache(KVCache):
         :meth:`KVCache.append` does (quantising them into 8-bit pools)."""
         op = "LowRankKVCache.append"
         C.tensor(op, "k", k)
-        C.check(k.dim() == 4 and k.shape[0] == len(seq_ids) and k.shape[-1] == self.head_dim,
-                ValueError, op, f"k must be [len(seq_ids) = {len(seq_ids)}, Hkv, L, D = "
-                f"{self.head_dim}] (not projected), got {tuple(k.shape)}")
+        if not (k.dim() == 4 and k.shape[0] == len(seq_ids) and k.shape[-1] == self.head_dim):
+            C.fail(ValueError, op, f"k must be [len(seq_ids) = {len(seq_ids)}, Hkv, L, D = "
+                   f"{self.head_dim}] (not projected), got {tuple(k.shape)}")
         for seq_id in seq_ids:
             self._check_alive(seq_id)
             C.check(self._has_basis[seq_id], RuntimeError, op, "sequence ", seq_id,
