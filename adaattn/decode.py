@@ -230,17 +230,30 @@ def low_rank_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     C.optional_tensors(op, k=k, v=v, block_table=block_table, k_scale=k_scale, v_scale=v_scale)
     group = _check_low_rank_cache_args(op, q, k_cache, basis, k, v)
     softmax_scale = C.optional_float(op, "softmax_scale", softmax_scale)
+    causal = C.boolean(op, "causal", causal)
+    return_lse = C.boolean(op, "return_lse", return_lse)
+    num_splits = C.num_splits_value(op, num_splits)
     scale = q.shape[3] ** -0.5 if softmax_scale is None else softmax_scale
     # In the wider of q's and the basis's dtypes: a float32 basis (8-bit pools) with 16-bit q is
-    # read once, not cast per call.
-    u = basis.to(torch.promote_types(basis.dtype, q.dtype))
+    # read once, not cast per call. Casts that would change nothing are not called: a decode
+    # step's host time is mostly such calls.
+    dtype = torch.promote_types(basis.dtype, q.dtype)
+    u = basis if basis.dtype == dtype else basis.to(dtype)
     # Query heads of one kv head share its basis: [B, Hkv, G * Lq, D] @ [B, Hkv, D, R], one
     # product per (sequence, kv head) (a broadcast basis would be copied G times).
-    heads_kv, len_q = k_cache.shape[1], q.shape[2]
-    q_grouped = q.unflatten(1, (heads_kv, group)).flatten(2, 3).to(u.dtype)
-    q_proj = torch.matmul(q_grouped, u).unflatten(2, (group, len_q)).flatten(1, 2).to(q.dtype)
-    k_proj = None if k is None else torch.matmul(k.to(u.dtype), u).to(q.dtype)
-    return flash_attn_with_kvcache(q_proj, k_cache, v_cache, k_proj, v,
-                                   cache_seqlens=cache_seqlens, block_table=block_table,
-                                   causal=causal, softmax_scale=scale, return_lse=return_lse,
-                                   num_splits=num_splits, k_scale=k_scale, v_scale=v_scale)
+    batch, heads_q, len_q, dim = q.shape
+    q_grouped = q.reshape(batch, k_cache.shape[1], group * len_q, dim)
+    q_proj = torch.matmul(q_grouped if q.dtype == dtype else q_grouped.to(dtype), u)
+    q_proj = q_proj.view(batch, heads_q, len_q, u.shape[3])
+    k_proj = None
+    if k is not None:
+        k_proj = torch.matmul(k if k.dtype == dtype else k.to(dtype), u)
+    if dtype != q.dtype:
+        q_proj = q_proj.to(q.dtype)
+        k_proj = None if k_proj is None else k_proj.to(q.dtype)
+    # The op itself (it checks the projected operands, its messages prefixed with its name):
+    # the Python wrapper would repeat the argument checks above.
+    out, lse = ops.flash_attn_with_kvcache.default(q_proj, k_cache, v_cache, k_proj, v,
+                                                   cache_seqlens, block_table, scale, causal, -1,
+                                                   -1, 0.0, num_splits, k_scale, v_scale)
+    return (out, lse) if return_lse else out
