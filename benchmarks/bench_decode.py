@@ -11,11 +11,11 @@ keys inside the op, so its row (``paged64-fp8``, Lq = 1) and its 16-bit peer
 (``adaattn-bf16-cache``: the same paged pool in bf16) attend a cache that already holds all Lk
 keys (no append in either); ``vs_bf16_cache`` is the peer's time over the row's; ``graph_ms`` and
 ``graph_vs_bf16_cache`` are the same from CUDA-graph replays (10 calls per graph, median of the
-replays): the GPU's time without the host's per-call work. A low-rank key
-cache (``paged64-lowrank-R32``, and ``-fp8`` in 8 bits: adaattn.low_rank_attn_with_kvcache on
-keys stored at rank R = 32 and full-width values, the query's projection q U included, a random
-orthonormal basis per sequence and kv head) has the same peer and bars (adaptive-rank issue:
-1.45x in bf16, 2.6x in 8 bits).
+replays): the GPU's time without the host's per-call work. A low-rank key cache
+(``paged64-lowrank-R32``, and ``-fp8`` in 8 bits: adaattn.low_rank_attn_with_kvcache on keys
+stored at rank R = 32 and full-width values, the query's projection q U included, a random
+orthonormal basis per sequence and kv head) has the same peer and columns; its bars (the
+adaptive-rank issue's) are 1.45x in bf16 and 2.6x in 8 bits.
 
 Peers, in the same run, on the same shapes with a contiguous ``[B, Hkv, Lk, D]`` cache (SDPA has
 no paged layout, so paged rows repeat the contiguous peers' times):
