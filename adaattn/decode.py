@@ -209,7 +209,8 @@ def low_rank_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
             :func:`flash_attn_with_kvcache` takes them (``LowRankKVCache`` with
             ``dtype=torch.float8_e4m3fn`` keeps them); such pools take no new ``k``/``v`` here.
             On CUDA the decode kernel reads them as they are where
-            :func:`flash_attn_with_kvcache`'s does (``R in {32, 64}`` or ``R == Dv == 64``).
+            :func:`flash_attn_with_kvcache`'s does (``R in {32, 64}`` with ``Dv = 128``, or
+            ``R == Dv`` in {64, 128}).
         softmax_scale: multiplies ``(q U)(k U)^T``; defaults to ``D ** -0.5`` (full D, not R).
 
     Returns:

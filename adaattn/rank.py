@@ -106,10 +106,11 @@ def _sketch_from_gram(gram: torch.Tensor, exact: bool, energy: float, min_rank: 
     QR, twice at the end), T = Q^T G Q (``width x width``), T = Z diag(theta) Z^T, Ritz
     vectors Q Z. The shift ``s`` (1e-3 of the mean eigenvalue) bounds cond(G + s I) by
     ``1e3 D``, so two Cholesky QR passes orthonormalize Y to float64 working precision even when
-    G is rank-deficient (fewer rows than D, exactly low-rank inputs); it does not change T. Ritz values never exceed the eigenvalues they
-    approximate (Cauchy interlacing), so the energy rule on them gives a rank >= the exact
-    rule's, and the chosen subspace holds at least ``energy`` of the trace of G exactly
-    (its captured energy is the sum of the kept Ritz values)."""
+    G is rank-deficient (fewer rows than D, exactly low-rank inputs); it does not change T.
+    Ritz values never exceed the eigenvalues they approximate (Cauchy interlacing), so the
+    energy rule on them gives a rank >= the exact rule's, and the chosen subspace holds at least
+    ``energy`` of the trace of G exactly (its captured energy is the sum of the kept Ritz
+    values)."""
     b, hkv, dim = gram.shape[:3]
     g = gram.reshape(b * hkv, dim, dim).double()
     trace = g.diagonal(dim1=-2, dim2=-1).sum(-1)
@@ -187,9 +188,9 @@ def rank_plan(q: torch.Tensor, k: torch.Tensor, *, energy: float = 0.99, min_ran
       eigendecomposition but is ~80 small batched kernels: on the H200 (B=4, H=16, L=4k,
       D=128, planted rank 32) it took 2.8 ms (1.6 ms without the power iteration) against
       exact's 0.49 ms, so it is not the default (benchmarks/bench_rank.py measures both).
-    * ``method="exact"`` (default): ``torch.ops.adaattn.sym_eig_top`` (batched tridiagonal eigensolver,
-      float32, eigenvectors orthonormal to a few float32 ulps, computed for the first ``rank``
-      columns only). float64 inputs (and ``D > 256``) take ``G`` in float64 and
+    * ``method="exact"`` (default): ``torch.ops.adaattn.sym_eig_top`` (batched tridiagonal
+      eigensolver, float32, eigenvectors orthonormal to a few float32 ulps, computed for the
+      first ``rank`` columns only). float64 inputs (and ``D > 256``) take ``G`` in float64 and
       ``torch.linalg.eigh`` instead.
 
     No gradient flows; the result is deterministic for given inputs. Reading the largest rank

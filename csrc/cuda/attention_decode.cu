@@ -177,13 +177,13 @@ int decode_num_splits(VariantId variant, const AttnParams& p, c10::ScalarType dt
       splits = static_cast<int>(std::min<int64_t>(requested, most));
       return;
     }
-    // As many CTAs as stream the cache at full speed, each with as many key tiles as that
-    // leaves; more splits only add partial writes and merging. Three-stage full-width tiles
-    // over a contiguous cache need one CTA per SM, the others (a paged cache's lookups,
-    // two-stage tiles, the smaller stages of 8-bit or narrow keys) two (H100, B = 1, Lk = 128k, 8 kv
-    // heads, HBM fraction: contiguous 0.85-0.86 at one CTA per SM, 0.81 at two; paged 0.82 at
-    // two, 0.56 at one; keys of width 32: 0.234-0.251 ms at one, about 0.17 at two; H200:
-    // 33 splits 0.158 ms, 66 0.19-0.22, 132 0.21).
+    // As many CTAs as stream the cache at full speed, each with as many key tiles as that leaves;
+    // more splits only add partial writes and merging. Three-stage full-width tiles over a
+    // contiguous cache need one CTA per SM, the others (a paged cache's lookups, two-stage tiles,
+    // the smaller stages of 8-bit or narrow keys) two (H100, B = 1, Lk = 128k, 8 kv heads, HBM
+    // fraction: contiguous 0.85-0.86 at one CTA per SM, 0.81 at two; paged 0.82 at two, 0.56 at
+    // one; keys of width 32: 0.234-0.251 ms at one, about 0.17 at two; H200: 33 splits 0.158 ms, 66
+    // 0.19-0.22, 132 0.21).
     const int64_t rows = static_cast<int64_t>(p.heads_q / p.heads_kv) * p.len_q;
     const int64_t ctas = static_cast<int64_t>(p.batch) * p.heads_kv *
                          ((rows + Traits::kRows - 1) / Traits::kRows);
