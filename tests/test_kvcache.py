@@ -424,6 +424,9 @@ def _low_precision_cuda_grid():
         Case(b=1, hq=32, hkv=8, lq=1, lmax=16384, d=128, seqlens=(16383,), page_size=256),
         Case(b=3, hq=8, hkv=2, lq=1, lmax=8192, d=128, num_splits=1),
         Case(b=3, hq=8, hkv=2, lq=3, lmax=8192, d=128, num_splits=7, page_size=64),
+        # One split over 512 pages; pages whose size is not a power of two.
+        Case(b=2, hq=8, hkv=2, lq=1, lmax=8192, d=128, num_splits=1, page_size=16),
+        Case(b=2, hq=32, hkv=8, lq=1, lmax=4800, d=128, seqlens=(4799, 1000), page_size=48),
         Case(b=2, hq=8, hkv=2, lq=1, lmax=1000, d=96, seqlens=(999, 517)),
     ]
     return cases
