@@ -84,10 +84,16 @@ std::tuple<at::Tensor, at::Tensor> kvcache_attn_cuda(
     set_lazy_params(p, tau, bias);
     set_fwd_outputs(p, out, lse);
     const int splits = decode_num_splits(variant, p, q.scalar_type(), num_splits);
-    at::Tensor o_part, lse_part;
+    // The splits' partial outputs [splits, B, Hq, Lq, Dv] and their lse [splits, B, Hq, Lq] in one
+    // allocation (each costs host time on every decode step).
+    at::Tensor parts;
+    float* o_part = nullptr;
+    float* lse_part = nullptr;
     if (splits > 1) {
-      o_part = at::empty({splits, q.size(0), q.size(1), q.size(2), v_cache.size(-1)}, lse_options);
-      lse_part = at::empty({splits, q.size(0), q.size(1), q.size(2)}, lse_options);
+      const int64_t partials = splits * q.size(0) * q.size(1) * q.size(2);
+      parts = at::empty({partials * (v_cache.size(-1) + 1)}, lse_options);
+      o_part = parts.data_ptr<float>();
+      lse_part = o_part + partials * v_cache.size(-1);
     }
     const int64_t scores_stride = decode_score_cache_stride(variant, p, q.scalar_type());
     at::Tensor scores;
@@ -96,8 +102,7 @@ std::tuple<at::Tensor, at::Tensor> kvcache_attn_cuda(
                           scores_stride},
                          lse_options);
     }
-    attention_decode_tc_cuda(variant, p, splits, splits > 1 ? o_part.data_ptr<float>() : nullptr,
-                             splits > 1 ? lse_part.data_ptr<float>() : nullptr,
+    attention_decode_tc_cuda(variant, p, splits, o_part, lse_part,
                              scores_stride > 0 ? scores.data_ptr<float>() : nullptr,
                              scores_stride, q.scalar_type());
     return {out, lse};
