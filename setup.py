@@ -56,7 +56,9 @@ def extension():
     ops = sources("csrc/ops/**/*.cpp")
     ops_cuda = [p for p in ops if p.endswith("_cuda.cpp")]
     cpp = [p for p in ops if p not in ops_cuda] + sources("csrc/cpu/*.cpp")
-    cxx_flags = ["-O3", "-std=c++17"]
+    # -g0 overrides the -g of Python's CFLAGS: debug info about halved the host compile time
+    # of the torch-header-heavy op files (block_sparse.cpp 31 s -> 17 s) and is not shipped.
+    cxx_flags = ["-O3", "-std=c++17", "-g0"]
     if not want_cuda():
         return CppExtension("adaattn._C", cpp, extra_compile_args={"cxx": cxx_flags},
                             py_limited_api=True)
