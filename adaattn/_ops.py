@@ -38,6 +38,17 @@ def _out_fake(q, v):
     return q.new_empty((*q.shape[:-1], v.shape[-1]))
 
 
+def _following(like, last):
+    """A new tensor of ``like``'s shape with last dim ``last``, laid out as the flash ops lay out
+    their outputs and gradients (csrc/ops/common/attention_inputs.h, empty_following): for a
+    ``[B, H, L, D]`` view of ``[B, L, H, D]`` storage, a view of new ``[B, L, H, last]``
+    storage; contiguous otherwise."""
+    shape = (*like.shape[:-1], last)
+    if like.dim() != 4 or like.stride(1) >= like.stride(2):
+        return like.new_empty(shape)
+    return like.new_empty((shape[0], shape[2], shape[1], shape[3])).transpose(1, 2)
+
+
 @torch.library.register_fake("adaattn::flash_fwd")
 def _flash_fwd_fake(q, k, v, seqlens, softmax_scale, causal, window_left, window_right,
                     cu_seqlens_q=None, cu_seqlens_k=None, softcap=0.0, alibi_slopes=None,
@@ -46,8 +57,7 @@ def _flash_fwd_fake(q, k, v, seqlens, softmax_scale, causal, window_left, window
     C.check_flash_inputs(op, q, k, v, seqlens, cu_seqlens_q, cu_seqlens_k)
     C.check_flash_options(op, softmax_scale, window_left, window_right, softcap)
     C.check_score_tensors(op, q, C.flash_batch(q, cu_seqlens_q), alibi_slopes, sinks, rel_bias)
-    out = _out_fake(q, v)
-    return out, _lse_fake(q, cu_seqlens_q is not None)
+    return _following(q, v.shape[-1]), _lse_fake(q, cu_seqlens_q is not None)
 
 
 @torch.library.register_fake("adaattn::flash_fwd_fp8")
@@ -88,9 +98,7 @@ def _flash_bwd_fake(grad_out, q, k, v, out, lse, seqlens, softmax_scale, causal,
     C.check_flash_bwd_inputs(op, grad_out, q, v, out, lse, cu_seqlens_q is not None)
     C.check_flash_options(op, softmax_scale, window_left, window_right, softcap)
     C.check_score_tensors(op, q, C.flash_batch(q, cu_seqlens_q), alibi_slopes, sinks, rel_bias)
-    return (torch.empty_like(q, memory_format=torch.contiguous_format),
-            torch.empty_like(k, memory_format=torch.contiguous_format),
-            torch.empty_like(v, memory_format=torch.contiguous_format),
+    return (_following(q, q.shape[-1]), _following(k, k.shape[-1]), _following(v, v.shape[-1]),
             C.param_grad_fake(sinks, param_grads, q), C.param_grad_fake(rel_bias, param_grads, q))
 
 

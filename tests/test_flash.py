@@ -84,6 +84,9 @@ def run_ours(case: Case, q, k, v, seqlens, dout, deterministic=False):
     grads = torch.autograd.grad(out, (q, k, v), dout)
     for g, x in zip(grads, (q, k, v)):
         assert g.shape == x.shape and g.dtype == x.dtype
+    if case.transposed:  # [B, L, H, D] storage in, the same storage out (free transpose back)
+        for name, t in zip(("out", "dq", "dk", "dv"), (out,) + grads):
+            assert t.transpose(1, 2).is_contiguous(), f"{name} strides {t.stride()}"
     return (out, lse) + tuple(grads)
 
 
@@ -546,6 +549,28 @@ def test_opcheck_flash_fwd_bwd(device, case):
         grad_args = tuple(a.detach().requires_grad_() if isinstance(a, torch.Tensor)
                           and a.is_floating_point() else a for a in args)
         torch.library.opcheck(op, grad_args, test_utils=("test_autograd_registration",))
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["BHLD", "BLHD"])
+@pytest.mark.parametrize("d", [64, 96])  # 96: zero-padded to 128 on the CUDA tensor cores
+def test_fake_strides_match(device, d, transposed):
+    """The fake kernels give outputs and gradients the strides of the real ones (inductor plans
+    views and copies from them)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    case = Case(b=2, hq=4, hkv=2, lq=17, lk=33, d=d, causal=True, transposed=transposed)
+    q, k, v, _, dout = make_inputs(case, _opcheck_dtype(device), device, requires_grad=False)
+    fwd = (q, k, v, None, None, True, -1, -1)
+    out, lse = torch.ops.adaattn.flash_fwd(*fwd)
+    real = (out,) + torch.ops.adaattn.flash_bwd(dout, q, k, v, out, lse, *fwd[3:], False)[:3]
+    with FakeTensorMode(allow_non_fake_inputs=False) as mode:
+        fq, fk, fv, fdout = (mode.from_tensor(t) for t in (q, k, v, dout))
+        ffwd = (fq, fk, fv) + fwd[3:]
+        fout, flse = torch.ops.adaattn.flash_fwd(*ffwd)
+        fake = (fout,) + torch.ops.adaattn.flash_bwd(fdout, fq, fk, fv, fout, flse, *ffwd[3:],
+                                                     False)[:3]
+    for name, r, f in zip(("out", "dq", "dk", "dv"), real, fake):
+        assert r.shape == f.shape and r.stride() == f.stride(), \
+            f"{name}: real {tuple(r.shape)} {r.stride()}, fake {tuple(f.shape)} {f.stride()}"
 
 
 class TinyAttention(torch.nn.Module):

@@ -115,6 +115,14 @@ std::vector<int64_t> out_shape(const at::Tensor& q, const at::Tensor& v) {
   return shape;
 }
 
+at::Tensor empty_following(const at::Tensor& like, int64_t last,
+                           const at::TensorOptions& options) {
+  std::vector<int64_t> shape = like.sizes().vec();
+  shape.back() = last;
+  if (like.dim() != 4 || like.stride(1) >= like.stride(2)) return at::empty(shape, options);
+  return at::empty({shape[0], shape[2], shape[1], shape[3]}, options).transpose(1, 2);
+}
+
 std::vector<int64_t> lse_shape(const at::Tensor& q, bool packed) {
   if (packed) return {q.size(1), q.size(0)};
   return {q.size(0), q.size(1), q.size(2)};

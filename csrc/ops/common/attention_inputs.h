@@ -95,6 +95,13 @@ inline bool no_rows(const at::Tensor& q, const std::optional<at::Tensor>& cu_seq
 // Shape of out: q's with v's head dim ([B, Hq, Lq, Dv], packed [Tq, Hq, Dv]).
 std::vector<int64_t> out_shape(const at::Tensor& q, const at::Tensor& v);
 
+// A new tensor of `like`'s sizes but last dim `last`, in `like`'s order of dims 1 and 2: for a
+// [B, H, L, D] view of [B, L, H, D] storage (x.transpose(1, 2), as flash-attn's and HF's
+// tensors reach the ops) it is a view of new [B, L, H, last] storage, so the caller's transpose
+// back and reshape cost no copy (as SDPA's outputs); contiguous for every other layout. The
+// fake kernels (adaattn/_ops.py, _following) apply the same rule.
+at::Tensor empty_following(const at::Tensor& like, int64_t last, const at::TensorOptions& options);
+
 // Shape of lse: [B, Hq, Lq], packed [Hq, Tq].
 std::vector<int64_t> lse_shape(const at::Tensor& q, bool packed);
 

@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "../../attention_api.h"
+#include "attention_inputs.h"
 
 namespace adaattn {
 
@@ -44,9 +45,10 @@ struct TcLayout {
 
   at::Tensor qk(const at::Tensor& t) const { return operand(t, kernel_dim); }
   at::Tensor vo(const at::Tensor& t) const { return operand(t, kernel_dim_v); }
-  // An output of kernel width back to the caller's (contiguous, like the op's fake kernel).
+  // An output of kernel width back to the caller's, in t's layout (empty_following).
   at::Tensor crop(const at::Tensor& t, int64_t width) const {
-    return t.size(-1) == width ? t : t.narrow(-1, 0, width).contiguous();
+    if (t.size(-1) == width) return t;
+    return empty_following(t, width, t.options()).copy_(t.narrow(-1, 0, width));
   }
   // The default scale D^-1/2 is the caller's D, not the padded one.
   std::optional<double> scale(std::optional<double> softmax_scale) const {

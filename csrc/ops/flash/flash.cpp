@@ -31,7 +31,7 @@ std::tuple<at::Tensor, at::Tensor> flash_fwd_cpu_op(
                           rel_bias);
   const at::Tensor q = cpu_compute(q_in), k = cpu_compute(k_in), v = cpu_compute(v_in);
   const bool packed = cu_seqlens_q.has_value();
-  at::Tensor out = at::empty(out_shape(q, v), q.options());
+  at::Tensor out = empty_following(q_in, v.size(-1), q.options());
   at::Tensor lse = at::empty(lse_shape(q, packed), q.options().dtype(at::kFloat));
   if (no_rows(q, cu_seqlens_q)) {
     out.zero_();
@@ -66,9 +66,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> flash_bwd
   at::Tensor drel_bias = mods.grad_like(mods.rel_bias, param_grads, q_in);
   const at::Tensor q = cpu_compute(q_in), k = cpu_compute(k_in), v = cpu_compute(v_in);
   const at::Tensor out = cpu_compute(out_in), dout = cpu_compute(dout_in);
-  at::Tensor dq = at::empty(q.sizes(), q.options());
-  at::Tensor dk = at::empty(k.sizes(), k.options());
-  at::Tensor dv = at::empty(v.sizes(), v.options());
+  at::Tensor dq = empty_following(q_in, q.size(-1), q.options());
+  at::Tensor dk = empty_following(k_in, k.size(-1), k.options());
+  at::Tensor dv = empty_following(v_in, v.size(-1), v.options());
   at::Tensor delta = at::empty(lse.sizes(), lse.options());
   if (!no_rows(q, cu_seqlens_q) && k.numel() > 0) {
     AttnParams p = make_params(q, k, v, seqlens, cu_seqlens_q, cu_seqlens_k, opt);

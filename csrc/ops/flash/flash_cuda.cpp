@@ -39,7 +39,7 @@ std::tuple<at::Tensor, at::Tensor> flash_fwd_cuda_op(const at::Tensor& q_in,
   const at::Tensor k = layout.qk(k_in);
   const at::Tensor v = layout.vo(v_in);
   const c10::cuda::CUDAGuard guard(q.device());
-  at::Tensor out = at::empty(out_shape(q, v), q.options());
+  at::Tensor out = empty_following(q_in, v.size(-1), q.options());
   at::Tensor lse = at::empty(lse_shape(q, cu_seqlens_q.has_value()), q.options().dtype(at::kFloat));
   if (no_rows(q, cu_seqlens_q)) {
     out.zero_();
@@ -84,9 +84,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> flash_bwd
   const at::Tensor out = layout.vo(out_in);
   const at::Tensor dout = layout.vo(dout_in);
   const c10::cuda::CUDAGuard guard(q.device());
-  at::Tensor dq = at::empty(q.sizes(), q.options());
-  at::Tensor dk = at::empty(k.sizes(), k.options());
-  at::Tensor dv = at::empty(v.sizes(), v.options());
+  at::Tensor dq = empty_following(q_in, q.size(-1), q.options());
+  at::Tensor dk = empty_following(k_in, k.size(-1), k.options());
+  at::Tensor dv = empty_following(v_in, v.size(-1), v.options());
   if (no_rows(q, cu_seqlens_q) || k.numel() == 0) {
     dq.zero_();
     dk.zero_();
