@@ -59,6 +59,10 @@ struct MaskParams {
   int block_nq;   // nQ = ceil(Lq / BM): query blocks; max of block_q_num, length of a q_idx row
   int block_nkv;  // nKV = ceil(Lk / BN): key blocks; max of block_kv_num, length of a kv_idx row
 
+  // CTA order of the dense tensor-core kernels (seq.h tile_item): the tiles of this many
+  // (head, batch) pairs interleave, heaviest first; 0 or 1: head-major. Set per launch.
+  int interleave_pairs;
+
   // Explicit positions (dense calls without seqlens: a block of a sequence sharded over ranks):
   // query row r sits at position q_position0 + r and key j at k_position0 + j of the sequence.
   // Otherwise rows are bottom-right aligned (seq.h).

@@ -184,22 +184,36 @@ ADAATTN_HD int64_t tile_slots(const AttnParams& p, int block_rows) {
                       : static_cast<int64_t>(p.batch) * ((len + block_rows - 1) / block_rows);
 }
 
-// The tile of CTA x in a grid of heads * tile_slots CTAs, head-major: one head's tiles are next
-// to each other, so the CTAs running together share that head's K/V (or Q/dO) in L2. kReverse
-// walks the slots from the last one (under causal masking the late query tiles are the heavy
-// ones). Interleaving the heads instead (tile j of every head before tile j + 1, a lighter last
-// wave under causal masks) was slower on the H100: its working set outgrew L2
-// (docs/lab/history.md).
+// The tile of CTA x in a grid of heads * tile_slots CTAs. Packed: head-major, one head's tiles
+// next to each other so the CTAs running together share that head's K/V (or Q/dO) in L2;
+// kReverse walks the slots from the last one (under causal masking the late query tiles are the
+// heavy ones). Dense: the (head, batch) pairs in chunks of C = p.interleave_pairs (0 or 1:
+// head-major; the last chunk also takes the pairs left over), inside a chunk the j-th tile of
+// each pair (from the last with kReverse) before the (j + 1)-th. Under a causal mask a pair's
+// tiles differ up to tiles-fold in work, and head-major order starts the last pairs' heaviest
+// tiles at the end of the grid (GQA makes them few and long: a kv head's CTA walks every query
+// head of its group); interleaving every pair outgrew L2 on the H100 (docs/lab/history.md), so
+// launchers pick chunks of about one wave of CTAs (launch.h in_cta_order).
 template <bool kKeys, bool kReverse>
 ADAATTN_HD WorkItem tile_item(const AttnParams& p, int64_t x, int block_rows) {
   const int64_t slots = tile_slots<kKeys>(p, block_rows);
+  if (!is_packed(p)) {  // grids of dense launches fit in int
+    const int item = static_cast<int>(x);
+    const int chunk = p.interleave_pairs > 1 ? p.interleave_pairs : 1;
+    const int tiles = static_cast<int>(slots) / p.batch;
+    const int pairs = (kKeys ? p.heads_kv : p.heads_q) * p.batch;
+    const int last = pairs / chunk - 1;  // the launcher keeps pairs % chunk below chunk
+    const int c = item / (chunk * tiles) < last ? item / (chunk * tiles) : last;
+    const int first = c * chunk;
+    const int width = c == last ? pairs - first : chunk;
+    const int r = item - first * tiles;
+    const int pair = first + r % width, j = r / width;
+    const int tile = kReverse ? tiles - 1 - j : j;
+    const int b = pair % p.batch;
+    return {b, pair / p.batch, tile, b * tiles + tile, true};
+  }
   const int64_t h = x / slots, j = x % slots;
   const int64_t slot = kReverse ? slots - 1 - j : j;
-  if (!is_packed(p)) {
-    const int64_t per_entry = slots / p.batch;
-    return {static_cast<int>(slot / per_entry), static_cast<int>(h),
-            static_cast<int>(slot % per_entry), static_cast<int>(slot), true};
-  }
   const int* cu = kKeys ? p.cu_seqlens_k : p.cu_seqlens_q;
   const int len = kKeys ? p.len_k : p.len_q;
   auto first_slot = [&](int s) {

@@ -13,6 +13,7 @@
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <limits>
 
@@ -83,10 +84,34 @@ inline bool use_sm90() {
 #endif
 }
 
+// p with tile_item's CTA order for a dense launch of `block_rows`-row tiles (kKeys: key tiles
+// per kv head, else query tiles per query head), `ctas_per_sm` CTAs resident per SM. Where a
+// causal-like mask (an upper key bound) makes a pair's tiles differ in work: chunks of
+// pairs / n pairs, n = pairs / ceil(wave / tiles) (the last chunk takes the rest: a short last
+// chunk would leave its heavy tiles alone at the end). Head-major otherwise (uniform tiles,
+// block lists, packed sequences) and with ADAATTN_HEAD_MAJOR=1.
+template <bool kKeys>
+AttnParams in_cta_order(const AttnParams& p, int block_rows, int ctas_per_sm) {
+  AttnParams ordered = p;
+  if (is_packed(p) || p.block_kv_num != nullptr || p.block_q_num != nullptr ||
+      p.window_right < 0 || env::head_major()) {
+    return ordered;
+  }
+  const int64_t tiles = tile_slots<kKeys>(p, block_rows) / p.batch;
+  const int64_t pairs = static_cast<int64_t>(kKeys ? p.heads_kv : p.heads_q) * p.batch;
+  const int64_t wave =
+      static_cast<int64_t>(at::cuda::getCurrentDeviceProperties()->multiProcessorCount) *
+      ctas_per_sm;
+  const int64_t chunks = std::max<int64_t>(1, pairs / ((wave + tiles - 1) / tiles));
+  ordered.interleave_pairs = static_cast<int>(pairs / chunks);
+  return ordered;
+}
+
 // kWarpgroups: consumer warpgroups (sm90_fwd_warpgroups below).
 template <typename T, int DK, int DV, typename Variant, int kWarpgroups>
-void launch_fwd_sm90_with(const AttnParams& p) {
+void launch_fwd_sm90_with(const AttnParams& p_in) {
   using Traits = Sm90FwdTraits<T, DK, DV, kWarpgroups>;
+  const AttnParams p = in_cta_order<false>(p_in, Traits::kBlockM, 1);
   auto kernel = fwd_sm90_kernel<Traits, T, DK, DV, Variant, false>;
   if constexpr (Variant::Transform::kCountsZeros) {
     if (p.stats != nullptr) kernel = fwd_sm90_kernel<Traits, T, DK, DV, Variant, true>;
@@ -181,7 +206,7 @@ inline int64_t dq_accum_rows(const AttnParams& p) {
 // kTableGrad: see launch_bwd_sm90_atomic.
 template <typename T, int DK, int DV, typename Variant, bool kDq = true, int kWarpgroups = 2,
           bool kDerivative = true, bool kTableGrad = true>
-void launch_bwd_sm90(const AttnParams& p) {
+void launch_bwd_sm90(const AttnParams& p_in) {
   using Traits = Sm90BwdTraits<T, DK, DV, Variant, kDq, kWarpgroups, kDerivative, kTableGrad>;
   auto kernel = bwd_sm90_kernel<Traits, T, DK, DV, Variant>;
   set_smem(kernel, Traits::kSmemBytes);
@@ -189,6 +214,7 @@ void launch_bwd_sm90(const AttnParams& p) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                         cudaSharedmemCarveoutMaxShared));
   }
+  const AttnParams p = in_cta_order<true>(p_in, Traits::kBlockN, Traits::kMinBlocks);
   const int grid = grid_size(tile_slots<true>(p, Traits::kBlockN) * p.heads_kv);
   kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, c10::cuda::getCurrentCUDAStream()>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -196,10 +222,11 @@ void launch_bwd_sm90(const AttnParams& p) {
 
 // The Hopper dQ pass of the two-pass backward (bwd_dq_sm90.h).
 template <typename T, int DK, int DV, typename Variant>
-void launch_bwd_dq_sm90(const AttnParams& p) {
+void launch_bwd_dq_sm90(const AttnParams& p_in) {
   using Traits = Sm90BwdDqTraits<T, DK, DV>;
   auto kernel = bwd_dq_sm90_kernel<Traits, T, DK, DV, Variant>;
   set_smem(kernel, Traits::kSmemBytes);
+  const AttnParams p = in_cta_order<false>(p_in, Traits::kBlockM, 1);
   const int grid = grid_size(tile_slots<false>(p, Traits::kBlockM) * p.heads_q);
   kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, c10::cuda::getCurrentCUDAStream()>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
