@@ -231,33 +231,49 @@ def count_decode_calls(fn: Callable[[], object]) -> Tuple[object, int]:
         _Flash.decode = op
 
 
-def bench_generate(model, impl: str, prompt: torch.Tensor, new_tokens: int, args, device
-                   ) -> Tuple[float, torch.Tensor, Optional[int]]:
-    """(median ms per generated token over ``args.gen_reps`` calls after one warmup call, the
-    new tokens, adaattn's KV-cache op calls in the warmup call)."""
-    model.set_attn_implementation(impl)
-    model.eval()
+def generate_call(model, impl: str, prompt: torch.Tensor, new_tokens: int) -> Callable:
+    """One greedy ``generate()`` of ``new_tokens`` tokens with ``impl``, as a closure."""
     mask = torch.ones_like(prompt)
 
     def generate():
+        model.set_attn_implementation(impl)
+        model.eval()
         with torch.no_grad():
             return model.generate(prompt, attention_mask=mask, max_new_tokens=new_tokens,
                                   min_new_tokens=new_tokens, do_sample=False, use_cache=True,
                                   pad_token_id=MODEL["pad_token_id"])
-    calls = None
-    if impl == "adaattn":
-        out, calls = count_decode_calls(generate)
-    else:
-        out = generate()
-    times = []
+    return generate
+
+
+def bench_generate(model, impls: List[str], prompt: torch.Tensor, new_tokens: int, args,
+                   device) -> Tuple[Dict, Dict, Optional[int], List[str]]:
+    """Per implementation: median ms per generated token over ``args.gen_reps`` rounds, the
+    implementations alternating inside each round (batch-1 generation is bound by host time,
+    which drifts over a run), after one warmup call each; the new tokens of the warmup; and
+    adaattn's KV-cache op calls in its warmup call, and the errors."""
+    calls, tokens, times, errors = None, {}, {}, []
+    generate = {impl: generate_call(model, impl, prompt, new_tokens) for impl in impls}
+    for impl in impls:
+        if impl == "adaattn":
+            result, err = attempt(lambda: count_decode_calls(generate[impl]), device)
+            out, calls = result if result is not None else (None, None)
+        else:
+            out, err = attempt(generate[impl], device)
+        if err:
+            errors.append(f"{impl}: {err}")
+        else:
+            tokens[impl] = out[:, prompt.shape[1]:]
+            times[impl] = []
     for _ in range(args.gen_reps):
-        sync(device)
-        t0 = time.perf_counter()
-        generate()
-        sync(device)
-        times.append((time.perf_counter() - t0) * 1e3)
-    per_token = statistics.median(times) / (prompt.shape[0] * new_tokens)
-    return per_token, out[:, prompt.shape[1]:], calls
+        for impl in times:
+            sync(device)
+            t0 = time.perf_counter()
+            generate[impl]()
+            sync(device)
+            times[impl].append((time.perf_counter() - t0) * 1e3)
+    per_token = {impl: (statistics.median(times[impl]) / (prompt.shape[0] * new_tokens)
+                        if impl in times else None) for impl in impls}
+    return per_token, tokens, calls, errors
 
 
 def fmt(x: Optional[float], spec: str = ".3f") -> str:
@@ -297,7 +313,8 @@ def run(args, argv: List[str]) -> int:
              "row with position_ids and cu_seq_lens_* kwargs, vs the same documents right-padded "
              "to the longest; generate: greedy, DynamicCache, prompt "
              f"{prompt_len} random tokens, {new_tokens} new tokens, median wall clock of "
-             f"{args.gen_reps} calls after one warmup, in ms per generated token (lower is "
+             f"{args.gen_reps} rounds of one call per implementation (alternating) after one "
+             "warmup call each, in ms per generated token (lower is "
              "better); tokens_match_sdpa: share of greedy tokens equal to sdpa's (random-init "
              "logits are nearly flat, so bf16 rounding flips some; exactness is tested on the "
              "CPU in float64); decode_op_calls: KV-cache op calls "
@@ -377,12 +394,14 @@ def run(args, argv: List[str]) -> int:
     model.zero_grad(set_to_none=True)
     for batch in gen_batches:
         prompt = torch.randint(3, vocab, (batch, prompt_len), device=device)
-        results, errors = measure_all(
-            f"generate B={batch}",
-            lambda impl: bench_generate(model, impl, prompt, new_tokens, args, device))
-        ms = ms_of(results)
-        tokens = ms_of(results, 1)
-        calls = (results.get("adaattn") or (None, None, None))[2]
+        if budget.spent():
+            ms, tokens, calls = {impl: None for impl in impls}, {}, None
+            errors = [f"skipped (time budget of {args.budget_s:.0f} s spent)"]
+        else:
+            t0 = time.monotonic()
+            ms, tokens, calls, errors = bench_generate(model, impls, prompt, new_tokens, args,
+                                                       device)
+            print(f"  generate B={batch}: {time.monotonic() - t0:.1f} s", flush=True)
         match = None
         if tokens.get("adaattn") is not None and tokens.get("sdpa") is not None:
             match = round((tokens["adaattn"] == tokens["sdpa"]).float().mean().item(), 3)
@@ -437,8 +456,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="cases starting after this many seconds are skipped (default 300)")
     parser.add_argument("--train-warmup", type=int, default=3)
     parser.add_argument("--train-reps", type=int, default=10)
-    parser.add_argument("--gen-reps", type=int, default=3,
-                        help="timed generate() calls per case, after one warmup call")
+    parser.add_argument("--gen-reps", type=int, default=5,
+                        help="rounds of timed generate() calls per case (the implementations "
+                             "alternating), after one warmup call each")
     parser.add_argument("--smoke", action="store_true",
                         help="a tiny model and short lengths on any device: checks the script")
     results_io.add_arguments(parser, FAMILY)
