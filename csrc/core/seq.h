@@ -184,36 +184,35 @@ ADAATTN_HD int64_t tile_slots(const AttnParams& p, int block_rows) {
                       : static_cast<int64_t>(p.batch) * ((len + block_rows - 1) / block_rows);
 }
 
-// The tile of CTA x in a grid of heads * tile_slots CTAs. Packed: head-major, one head's tiles
-// next to each other so the CTAs running together share that head's K/V (or Q/dO) in L2;
-// kReverse walks the slots from the last one (under causal masking the late query tiles are the
-// heavy ones). Dense: the (head, batch) pairs in chunks of C = p.interleave_pairs (0 or 1:
-// head-major; the last chunk also takes the pairs left over), inside a chunk the j-th tile of
-// each pair (from the last with kReverse) before the (j + 1)-th. Under a causal mask a pair's
-// tiles differ up to tiles-fold in work, and head-major order starts the last pairs' heaviest
-// tiles at the end of the grid (GQA makes them few and long: a kv head's CTA walks every query
-// head of its group); interleaving every pair outgrew L2 on the H100 (docs/lab/history.md), so
-// launchers pick chunks of about one wave of CTAs (launch.h in_cta_order).
+// The tile of CTA x in a grid of heads * tile_slots CTAs. The grid's units are (head, batch
+// entry) pairs, or heads with packed sequences (whose tile slots span every sequence), taken in
+// chunks of C = p.interleave_pairs units (0 or 1: head-major; the last chunk also takes the
+// units left over); inside a chunk the j-th tile of each unit before the (j + 1)-th, kReverse
+// walking them from the last (under causal masking the late query tiles are the heavy ones).
+// Under a causal mask a unit's tiles differ up to tiles-fold in work, and head-major order
+// starts the last units' heaviest tiles at the end of the grid (GQA makes them few and long: a
+// kv head's CTA walks every query head of its group); interleaving every unit outgrew L2 on the
+// H100 (docs/lab/history.md), so launchers bound the chunks (launch.h in_cta_order).
 template <bool kKeys, bool kReverse>
 ADAATTN_HD WorkItem tile_item(const AttnParams& p, int64_t x, int block_rows) {
-  const int64_t slots = tile_slots<kKeys>(p, block_rows);
-  if (!is_packed(p)) {  // grids of dense launches fit in int
-    const int item = static_cast<int>(x);
-    const int chunk = p.interleave_pairs > 1 ? p.interleave_pairs : 1;
-    const int tiles = static_cast<int>(slots) / p.batch;
-    const int pairs = (kKeys ? p.heads_kv : p.heads_q) * p.batch;
-    const int last = pairs / chunk - 1;  // the launcher keeps pairs % chunk below chunk
-    const int c = item / (chunk * tiles) < last ? item / (chunk * tiles) : last;
-    const int first = c * chunk;
-    const int width = c == last ? pairs - first : chunk;
-    const int r = item - first * tiles;
-    const int pair = first + r % width, j = r / width;
-    const int tile = kReverse ? tiles - 1 - j : j;
-    const int b = pair % p.batch;
-    return {b, pair / p.batch, tile, b * tiles + tile, true};
+  const bool packed = is_packed(p);
+  const int item = static_cast<int>(x);  // grids fit in int
+  const int chunk = p.interleave_pairs > 1 ? p.interleave_pairs : 1;
+  const int per_head = packed ? 1 : p.batch;
+  const int tiles = static_cast<int>(tile_slots<kKeys>(p, block_rows)) / per_head;
+  const int units = (kKeys ? p.heads_kv : p.heads_q) * per_head;
+  const int last = units / chunk - 1;  // the launcher keeps units % chunk below chunk
+  const int c = item / (chunk * tiles) < last ? item / (chunk * tiles) : last;
+  const int first = c * chunk;
+  const int width = c == last ? units - first : chunk;
+  const int r = item - first * tiles;
+  const int unit = first + r % width, j = r / width;
+  const int tile = kReverse ? tiles - 1 - j : j;
+  if (!packed) {
+    const int b = unit % p.batch;
+    return {b, unit / p.batch, tile, b * tiles + tile, true};
   }
-  const int64_t h = x / slots, j = x % slots;
-  const int64_t slot = kReverse ? slots - 1 - j : j;
+  const int h = unit, slot = tile;
   const int* cu = kKeys ? p.cu_seqlens_k : p.cu_seqlens_q;
   const int len = kKeys ? p.len_k : p.len_q;
   auto first_slot = [&](int s) {
@@ -226,9 +225,9 @@ ADAATTN_HD WorkItem tile_item(const AttnParams& p, int64_t x, int block_rows) {
   int64_t start;
   int n;
   packed_range(cu, b, len, start, n);
-  const int64_t tile = slot - first_slot(b);
-  const bool valid = tile >= 0 && tile < (n + block_rows - 1) / block_rows;
-  return {b, static_cast<int>(h), static_cast<int>(tile), static_cast<int>(slot), valid};
+  const int64_t index = slot - first_slot(b);
+  const bool valid = index >= 0 && index < (n + block_rows - 1) / block_rows;
+  return {b, h, static_cast<int>(index), slot, valid};
 }
 
 }  // namespace adaattn
