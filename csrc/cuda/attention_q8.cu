@@ -472,10 +472,11 @@ Q8Operands quantize_q8_dims(const at::Tensor& q, const at::Tensor& k, const at::
 // cover each other's softmax; two at D = 128 (three would leave 160 registers a thread, below
 // the 168 it uses).
 template <typename T, int D>
-void launch_q8(const AttnParams& p) {
+void launch_q8(const AttnParams& p_in) {
   using Traits = tc::Sm90Q8FwdTraits<D, D, D == 64 ? 3 : 2>;
   auto kernel = tc::fwd_q8_sm90_kernel<Traits, T, D, D>;
   tc::set_smem(kernel, Traits::kSmemBytes);
+  const AttnParams p = tc::in_cta_order<false>(p_in, Traits::kBlockM, 1);
   const int grid = tc::grid_size(tile_slots<false>(p, Traits::kBlockM) * p.heads_q);
   kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, at::cuda::getCurrentCUDAStream()>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -174,14 +174,15 @@ void run_fwd(const AttnParams& p) {
   auto kernel = fwd_sm80_kernel<Traits, T, DK, DV, C::kFwdMI, C::kFwdBlockN, Variant>;
   set_smem(kernel, Traits::kSmemBytes);
   const int grid = grid_size(tile_slots<false>(p, Traits::kBlockM) * p.heads_q);
-  kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, c10::cuda::getCurrentCUDAStream()>>>(p);
+  kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, c10::cuda::getCurrentCUDAStream()>>>(
+      in_cta_order<false>(p, Traits::kBlockM, 1));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 // The SM80 dK/dV launch; two-pass: fused with the dQ CTAs (both read lse and delta), atomic:
 // dQ accumulated by the dK/dV CTAs into p.dq_accum.
 template <typename T, int DK, int DV, typename Variant, bool kAtomicDQ>
-void launch_bwd_sm80(const AttnParams& p) {
+void launch_bwd_sm80(const AttnParams& p_in) {
   using C = FlashConfig<DV>;
   using KV = BwdKVTraits<T, DK, DV, C::kKVWarps, C::kKVMI, C::kKVBlockM, Variant, kAtomicDQ>;
   using Q = BwdQTraits<T, DK, DV, C::kQWarps, C::kQMI, C::kQBlockN>;
@@ -189,6 +190,8 @@ void launch_bwd_sm80(const AttnParams& p) {
   constexpr int kSmem =
       kAtomicDQ || KV::kSmemBytes > Q::kSmemBytes ? KV::kSmemBytes : Q::kSmemBytes;
   set_smem(kernel, kSmem);
+  // The dQ CTAs of the two-pass form take the key side's chunks too (any chunk is a valid order).
+  const AttnParams p = in_cta_order<true>(p_in, KV::kBlockN, 1);
   const int64_t kv_blocks = tile_slots<true>(p, KV::kBlockN) * p.heads_kv;
   const int64_t q_blocks = kAtomicDQ ? 0 : tile_slots<false>(p, Q::kBlockM) * p.heads_q;
   kernel<<<grid_size(kv_blocks + q_blocks), KV::kThreads, kSmem,
@@ -398,7 +401,8 @@ void run_bwd(const AttnParams& p_in) {
       auto kernel = bwd_rows_sm90_kernel<Rows, T, DK, Variant>;
       set_smem(kernel, Rows::kSmemBytes);
       const int64_t q_blocks = tile_slots<false>(p, Rows::kBlockM) * p.heads_q;
-      kernel<<<grid_size(q_blocks), Rows::kThreads, Rows::kSmemBytes, stream>>>(p);
+      kernel<<<grid_size(q_blocks), Rows::kThreads, Rows::kSmemBytes, stream>>>(
+          in_cta_order<false>(p, Rows::kBlockM, 1));
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
   } else {
@@ -406,7 +410,8 @@ void run_bwd(const AttnParams& p_in) {
     auto kernel = bwd_rows_kernel<Q, T, DK, Variant>;
     set_smem(kernel, Q::kSmemBytes);
     const int64_t q_blocks = tile_slots<false>(p, Q::kBlockM) * p.heads_q;
-    kernel<<<grid_size(q_blocks), Q::kThreads, Q::kSmemBytes, stream>>>(p);
+    kernel<<<grid_size(q_blocks), Q::kThreads, Q::kSmemBytes, stream>>>(
+        in_cta_order<false>(p, Q::kBlockM, 1));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   if (p.row_pass == LsePass::kOnly) return;  // this block's shares of Delta and G only
