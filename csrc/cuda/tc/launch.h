@@ -99,7 +99,7 @@ AttnParams in_cta_order(const AttnParams& p, int block_rows, int ctas_per_sm) {
   constexpr int64_t kPackedChunk = 4;
   AttnParams ordered = p;
   if (p.block_kv_num != nullptr || p.block_q_num != nullptr || p.window_right < 0 ||
-      env::head_major()) {
+      p.batch <= 0 || env::head_major()) {
     return ordered;
   }
   const int64_t heads = kKeys ? p.heads_kv : p.heads_q;
@@ -109,6 +109,7 @@ AttnParams in_cta_order(const AttnParams& p, int block_rows, int ctas_per_sm) {
     return ordered;
   }
   const int64_t tiles = tile_slots<kKeys>(p, block_rows) / p.batch;
+  if (tiles == 0) return ordered;  // nothing to launch
   const int64_t units = heads * p.batch;
   const int64_t wave =
       static_cast<int64_t>(at::cuda::getCurrentDeviceProperties()->multiProcessorCount) *
