@@ -184,6 +184,27 @@ ADAATTN_HD int64_t tile_slots(const AttnParams& p, int block_rows) {
                       : static_cast<int64_t>(p.batch) * ((len + block_rows - 1) / block_rows);
 }
 
+// Units per chunk of tile_item's order (below) for `units` units of `tiles` tiles each and
+// `wave` CTAs resident at once: units / n for n = units / ceil(wave / tiles) chunks (at least
+// one), so that a chunk holds about one wave of CTAs and the last one, which takes the units
+// left over, is never the short one (its heavy tiles would run alone at the end of the grid).
+ADAATTN_HD int interleave_chunk(int64_t units, int64_t tiles, int64_t wave) {
+  if (units <= 0 || tiles <= 0 || wave <= 0) return 1;
+  const int64_t per_chunk = (wave + tiles - 1) / tiles;
+  const int64_t chunks = units / per_chunk > 1 ? units / per_chunk : 1;
+  return static_cast<int>(units / chunks);
+}
+
+// The same for the heads of packed sequences, whose tile slots start heavy at every sequence:
+// chunks of four to seven heads (all of them when fewer). A list-scheduling model of the HF
+// packed batch gained little past four (docs/lab/history.md), and more heads' K/V in flight
+// outgrew L2 on the H100.
+ADAATTN_HD int packed_interleave_chunk(int heads) {
+  constexpr int kHeads = 4;
+  const int chunks = heads / kHeads > 1 ? heads / kHeads : 1;
+  return heads > 0 ? heads / chunks : 1;
+}
+
 // The tile of CTA x in a grid of heads * tile_slots CTAs. The grid's units are (head, batch
 // entry) pairs, or heads with packed sequences (whose tile slots span every sequence), taken in
 // chunks of C = p.interleave_pairs units (0 or 1: head-major; the last chunk also takes the

@@ -13,7 +13,6 @@
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAStream.h>
 
-#include <algorithm>
 #include <cstdlib>
 #include <limits>
 
@@ -86,36 +85,27 @@ inline bool use_sm90() {
 
 // p with tile_item's CTA order for a launch of `block_rows`-row tiles (kKeys: key tiles per kv
 // head, else query tiles per query head), `ctas_per_sm` CTAs resident per SM, where a
-// causal-like mask (an upper key bound) makes a unit's tiles differ in work. Dense: chunks of
-// units / n (head, batch) pairs, n = units / ceil(wave / tiles), the last chunk taking the rest
-// (a short last chunk would leave its heavy tiles alone at the end). Packed: every sequence's
-// first tiles are heavy, so heads interleave in chunks of kPackedChunk to 2 kPackedChunk - 1
-// (all of them when fewer). Head-major otherwise (uniform tiles, block lists) and with
-// ADAATTN_HEAD_MAJOR=1.
+// causal-like mask (an upper key bound) makes a unit's tiles differ in work: (head, batch)
+// pairs in chunks of about one wave (seq.h interleave_chunk), heads of packed sequences in
+// chunks of four to seven (packed_interleave_chunk). Head-major otherwise (uniform tiles, block
+// lists) and with ADAATTN_HEAD_MAJOR=1.
 template <bool kKeys>
 AttnParams in_cta_order(const AttnParams& p, int block_rows, int ctas_per_sm) {
-  // Heads of packed sequences interleaved: the list-scheduling model of docs/lab/history.md
-  // gains little past four, and more heads' K/V in flight outgrew L2 on the H100.
-  constexpr int64_t kPackedChunk = 4;
   AttnParams ordered = p;
   if (p.block_kv_num != nullptr || p.block_q_num != nullptr || p.window_right < 0 ||
       p.batch <= 0 || env::head_major()) {
     return ordered;
   }
-  const int64_t heads = kKeys ? p.heads_kv : p.heads_q;
+  const int heads = kKeys ? p.heads_kv : p.heads_q;
   if (is_packed(p)) {
-    const int64_t chunks = std::max<int64_t>(1, heads / kPackedChunk);
-    ordered.interleave_pairs = static_cast<int>(heads / chunks);
+    ordered.interleave_pairs = packed_interleave_chunk(heads);
     return ordered;
   }
-  const int64_t tiles = tile_slots<kKeys>(p, block_rows) / p.batch;
-  if (tiles == 0) return ordered;  // nothing to launch
-  const int64_t units = heads * p.batch;
   const int64_t wave =
       static_cast<int64_t>(at::cuda::getCurrentDeviceProperties()->multiProcessorCount) *
       ctas_per_sm;
-  const int64_t chunks = std::max<int64_t>(1, units / ((wave + tiles - 1) / tiles));
-  ordered.interleave_pairs = static_cast<int>(units / chunks);
+  ordered.interleave_pairs = interleave_chunk(static_cast<int64_t>(heads) * p.batch,
+                                              tile_slots<kKeys>(p, block_rows) / p.batch, wave);
   return ordered;
 }
 
