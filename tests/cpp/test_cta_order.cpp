@@ -3,8 +3,6 @@
 // grid visits each (batch, head, tile) exactly once, and chunks of one are head-major.
 #include "../../csrc/core/seq.h"
 
-// c10's glog shim (pulled in by other tests) defines a CHECK(cond) that aborts; Catch's wins.
-#undef CHECK
 #include <catch2/catch.hpp>
 
 #include <algorithm>
