@@ -59,8 +59,9 @@ struct MaskParams {
   int block_nq;   // nQ = ceil(Lq / BM): query blocks; max of block_q_num, length of a q_idx row
   int block_nkv;  // nKV = ceil(Lk / BN): key blocks; max of block_kv_num, length of a kv_idx row
 
-  // CTA order of the dense tensor-core kernels (seq.h tile_item): the tiles of this many
-  // (head, batch) pairs interleave, heaviest first; 0 or 1: head-major. Set per launch.
+  // CTA order of the tensor-core kernels (seq.h tile_item): the tiles of this many units
+  // ((head, batch) pairs; heads with packed sequences) interleave, heaviest first; 0 or 1:
+  // head-major. Set per launch (launch.h in_cta_order), at most the launch's unit count.
   int interleave_pairs;
 
   // Explicit positions (dense calls without seqlens: a block of a sequence sharded over ranks):

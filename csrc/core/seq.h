@@ -222,7 +222,7 @@ ADAATTN_HD WorkItem tile_item(const AttnParams& p, int64_t x, int block_rows) {
   const int per_head = packed ? 1 : p.batch;
   const int tiles = static_cast<int>(tile_slots<kKeys>(p, block_rows)) / per_head;
   const int units = (kKeys ? p.heads_kv : p.heads_q) * per_head;
-  const int last = units / chunk - 1;  // the launcher keeps units % chunk below chunk
+  const int last = units / chunk - 1;  // chunk <= units (in_cta_order's chunk sizes)
   const int c = item / (chunk * tiles) < last ? item / (chunk * tiles) : last;
   const int first = c * chunk;
   const int width = c == last ? units - first : chunk;

@@ -14,7 +14,7 @@ namespace tc {
 // The query tile of a row-tile CTA (forward, a transform's row pass, deterministic dQ): its
 // batch entry, query head and kv head, first row, sequence lengths and the union of its rows'
 // key ranges.
-// CTA order (seq.h tile_item): head-major, query tiles walked backwards.
+// CTA order: seq.h tile_item (query tiles walked backwards, in the launch's chunks of units).
 struct RowTile {
   int b, h, h_kv, m0;
   SeqLens lens;
