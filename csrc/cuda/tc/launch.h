@@ -3,16 +3,8 @@
 // see generate.py) so builds compile them in parallel.
 #pragma once
 
-// The per-operator and c10 headers, not ATen.h: every generated instantiation includes this
-// file, and ATen.h alone costs each of them about 10 s of the build (CI builds on two cores).
-#include <ATen/core/Tensor.h>
-#include <ATen/cuda/CUDAContextLight.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAFunctions.h>
-#include <c10/cuda/CUDAStream.h>
-
+// No torch header: every generated instantiation includes this file, and torch comes through
+// runtime.h's functions (runtime.cu).
 #include <cstdlib>
 #include <limits>
 
@@ -24,6 +16,7 @@
 #include "bwd_sm90.h"
 #include "fwd_sm80.h"
 #include "fwd_sm90.h"
+#include "runtime.h"
 
 namespace adaattn {
 namespace tc {
@@ -57,16 +50,14 @@ struct FlashConfig<128> {
 };
 
 inline int grid_size(int64_t blocks) {
-  TORCH_CHECK(blocks <= std::numeric_limits<int>::max(),
-              "adaattn: problem too large for one launch (", blocks, " CTAs)");
+  if (blocks > std::numeric_limits<int>::max()) grid_too_large(blocks);
   return static_cast<int>(blocks);
 }
 
 template <typename Kernel>
 void set_smem(Kernel kernel, int bytes) {
   if (bytes > 48 * 1024) {
-    C10_CUDA_CHECK(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
   }
 }
 
@@ -76,8 +67,8 @@ void set_smem(Kernel kernel, int bytes) {
 inline bool use_sm90() {
 #ifdef ADAATTN_SM90A
   if (env::disable_sm90()) return false;
-  const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
-  return prop->major == 9 && prop->minor == 0;
+  const cudaDeviceProp& prop = current_device_properties();
+  return prop.major == 9 && prop.minor == 0;
 #else
   return false;
 #endif
@@ -102,7 +93,7 @@ AttnParams in_cta_order(const AttnParams& p, int block_rows, int ctas_per_sm) {
     return ordered;
   }
   const int64_t wave =
-      static_cast<int64_t>(at::cuda::getCurrentDeviceProperties()->multiProcessorCount) *
+      static_cast<int64_t>(current_device_properties().multiProcessorCount) *
       ctas_per_sm;
   ordered.interleave_pairs = interleave_chunk(static_cast<int64_t>(heads) * p.batch,
                                               tile_slots<kKeys>(p, block_rows) / p.batch, wave);
@@ -120,8 +111,8 @@ void launch_fwd_sm90_with(const AttnParams& p_in) {
   }
   set_smem(kernel, Traits::kSmemBytes);
   const int grid = grid_size(tile_slots<false>(p, Traits::kBlockM) * p.heads_q);
-  kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, c10::cuda::getCurrentCUDAStream()>>>(p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, current_stream()>>>(p);
+  check_launch();
 }
 
 // Consumer warpgroups of the Hopper forward for rows that allow more than two (launch_fwd_sm90):
@@ -165,9 +156,9 @@ void run_fwd(const AttnParams& p) {
   auto kernel = fwd_sm80_kernel<Traits, T, DK, DV, C::kFwdMI, C::kFwdBlockN, Variant>;
   set_smem(kernel, Traits::kSmemBytes);
   const int grid = grid_size(tile_slots<false>(p, Traits::kBlockM) * p.heads_q);
-  kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, c10::cuda::getCurrentCUDAStream()>>>(
+  kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, current_stream()>>>(
       in_cta_order<false>(p, Traits::kBlockM, 1));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  check_launch();
 }
 
 // The SM80 dK/dV launch; two-pass: fused with the dQ CTAs (both read lse and delta), atomic:
@@ -186,8 +177,8 @@ void launch_bwd_sm80(const AttnParams& p_in) {
   const int64_t kv_blocks = tile_slots<true>(p, KV::kBlockN) * p.heads_kv;
   const int64_t q_blocks = kAtomicDQ ? 0 : tile_slots<false>(p, Q::kBlockM) * p.heads_q;
   kernel<<<grid_size(kv_blocks + q_blocks), KV::kThreads, kSmem,
-           c10::cuda::getCurrentCUDAStream()>>>(p, grid_size(kv_blocks));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+           current_stream()>>>(p, grid_size(kv_blocks));
+  check_launch();
 }
 
 // bwd_dq_convert_kernel over every query row.
@@ -197,7 +188,7 @@ void launch_dq_convert(const AttnParams& p, cudaStream_t stream) {
   const int64_t items = row_items<false>(p) * (DK / 8);
   bwd_dq_convert_kernel<T, DK, kSwizzled>
       <<<grid_size((items + kThreads - 1) / kThreads), kThreads, 0, stream>>>(p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  check_launch();
 }
 
 // Rows of the float32 dQ accumulator: one per query row, plus a query tile of padding for the
@@ -216,13 +207,13 @@ void launch_bwd_sm90(const AttnParams& p_in) {
   auto kernel = bwd_sm90_kernel<Traits, T, DK, DV, Variant>;
   set_smem(kernel, Traits::kSmemBytes);
   if constexpr (Traits::kMinBlocks > 1) {  // room for the CTAs that share an SM
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                        cudaSharedmemCarveoutMaxShared));
+    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                    cudaSharedmemCarveoutMaxShared));
   }
   const AttnParams p = in_cta_order<true>(p_in, Traits::kBlockN, Traits::kMinBlocks);
   const int grid = grid_size(tile_slots<true>(p, Traits::kBlockN) * p.heads_kv);
-  kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, c10::cuda::getCurrentCUDAStream()>>>(p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, current_stream()>>>(p);
+  check_launch();
 }
 
 // The Hopper dQ pass of the two-pass backward (bwd_dq_sm90.h).
@@ -233,8 +224,8 @@ void launch_bwd_dq_sm90(const AttnParams& p_in) {
   set_smem(kernel, Traits::kSmemBytes);
   const AttnParams p = in_cta_order<false>(p_in, Traits::kBlockM, 1);
   const int grid = grid_size(tile_slots<false>(p, Traits::kBlockM) * p.heads_q);
-  kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, c10::cuda::getCurrentCUDAStream()>>>(p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, current_stream()>>>(p);
+  check_launch();
 }
 
 // Warpgroups per CTA of the Hopper backward with atomic dQ. One (64-key CTAs, two per SM) where
@@ -307,13 +298,13 @@ void reduce_param_grads(const AttnParams& p, int64_t key_slots, cudaStream_t str
   if constexpr (Transform::kRowParamGrad) {
     if (Transform::wants_param_grad(p)) {
       reduce_row_param_grad_kernel<Transform, kThreads><<<p.heads_q, kThreads, 0, stream>>>(p);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      check_launch();
     }
   }
   if constexpr (Transform::kLseParamGrad) {
     if (Transform::wants_lse_param_grad(p)) {
       reduce_lse_param_grad_kernel<Transform, kThreads><<<p.heads_q, kThreads, 0, stream>>>(p);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      check_launch();
     }
   }
   if constexpr (Mod::kParamGrad) {
@@ -321,7 +312,7 @@ void reduce_param_grads(const AttnParams& p, int64_t key_slots, cudaStream_t str
       const int64_t items = Mod::param_grad_items(p);
       reduce_table_param_grad_kernel<Mod, kThreads>
           <<<grid_size((items + kThreads - 1) / kThreads), kThreads, 0, stream>>>(p, key_slots);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      check_launch();
     }
   }
 }
@@ -340,7 +331,7 @@ template <typename T, int DK, int DV, typename Variant>
 void run_bwd(const AttnParams& p_in) {
   using Mod = typename Variant::Mod;
   constexpr bool kNormalized = Variant::kNormalized;
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const cudaStream_t stream = current_stream();
   constexpr bool kSm90Dims = (DK == 32 || DK == 64 || DK == 128) && (DV == 64 || DV == 128) &&
                              DK <= DV && (kNormalized || DK == DV);
   constexpr bool kSm90NoTwoPass = kNormalized && !kSm90TwoPassVariant<Variant>;
@@ -349,18 +340,16 @@ void run_bwd(const AttnParams& p_in) {
   AttnParams p = p_in;
   p.dq_accum = nullptr;
   // Scratch freed on return; the caching allocator keeps it for this stream.
-  const auto f32 = at::TensorOptions().dtype(at::kFloat).device(at::kCUDA,
-                                                                c10::cuda::current_device());
   using C = FlashConfig<DV>;
   using KV = BwdKVTraits<T, DK, DV, C::kKVWarps, C::kKVMI, C::kKVBlockM, Variant, false>;
   constexpr int kSm90Warpgroups = sm90_bwd_warpgroups<DK, DV, Variant>();
   const int64_t key_slots =
       tile_slots<true>(p, sm90 ? 64 * kSm90Warpgroups : KV::kBlockN);
-  at::Tensor param_scratch;
+  Scratch param_scratch;
   if constexpr (Mod::kParamGrad) {
     if (Mod::wants_param_grad(p)) {
-      param_scratch = at::zeros({Mod::param_grad_scratch(p, key_slots)}, f32);
-      Mod::set_param_grad_scratch(p, param_scratch.data_ptr<float>());
+      param_scratch = Scratch(Mod::param_grad_scratch(p, key_slots), /*zeroed=*/true);
+      Mod::set_param_grad_scratch(p, param_scratch.data());
     }
   }
   if (sm90 && sm90_two_pass<Variant>(p)) {
@@ -372,18 +361,17 @@ void run_bwd(const AttnParams& p_in) {
     return;
   }
   const bool atomic = sm90 || (kNormalized && C::kAtomicDQ && p.bwd_mode == BwdMode::kAtomic);
-  at::Tensor accum;
+  Scratch accum;
   if (atomic && p.row_pass != LsePass::kOnly) {
     // The delta kernel zeroes it; the row pass does not.
-    accum = kNormalized ? at::empty({dq_accum_rows(p) * DK}, f32)
-                        : at::zeros({dq_accum_rows(p) * DK}, f32);
-    p.dq_accum = accum.data_ptr<float>();
+    accum = Scratch(dq_accum_rows(p) * DK, /*zeroed=*/!kNormalized);
+    p.dq_accum = accum.data();
   }
   if constexpr (kNormalized) {
     constexpr int kRowsPerBlock = 8;
     const int row_grid = grid_size((row_items<false>(p) + kRowsPerBlock - 1) / kRowsPerBlock);
     bwd_delta_kernel<T, DV><<<row_grid, kRowsPerBlock * 32, 0, stream>>>(p);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    check_launch();
   } else if (p.row_pass == LsePass::kGiven) {
     // The caller's Delta and G (sums over every block of the row): no row pass.
   } else if (sm90) {
@@ -394,7 +382,7 @@ void run_bwd(const AttnParams& p_in) {
       const int64_t q_blocks = tile_slots<false>(p, Rows::kBlockM) * p.heads_q;
       kernel<<<grid_size(q_blocks), Rows::kThreads, Rows::kSmemBytes, stream>>>(
           in_cta_order<false>(p, Rows::kBlockM, 1));
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      check_launch();
     }
   } else {
     using Q = BwdQTraits<T, DK, DV, C::kQWarps, C::kQMI, C::kQBlockN>;
@@ -403,7 +391,7 @@ void run_bwd(const AttnParams& p_in) {
     const int64_t q_blocks = tile_slots<false>(p, Q::kBlockM) * p.heads_q;
     kernel<<<grid_size(q_blocks), Q::kThreads, Q::kSmemBytes, stream>>>(
         in_cta_order<false>(p, Q::kBlockM, 1));
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    check_launch();
   }
   if (p.row_pass == LsePass::kOnly) return;  // this block's shares of Delta and G only
   if (sm90) {
