@@ -75,7 +75,7 @@ def show_config(file: Optional[TextIO] = None) -> None:
     if "archs" in info:
         lines += [f"compiled archs: {info['archs']}",
                   f"tensor-core head dims (D, Dv): {info['tensor_core_head_dims']}; other dims "
-                  "up to 128 run zero-padded to the smallest pair that covers them",
+                  "up to 256 run zero-padded to the smallest pair that covers them",
                   f"decode kernel head dims: {info['decode_head_dims']} (8-bit paged cache: "
                   f"{info['decode_fp8_cache_head_dims']})"]
     lines.append("cpu: every op (fp32/fp64; fp16/bf16 computed in fp32)")

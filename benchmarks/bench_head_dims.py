@@ -1,10 +1,11 @@
-"""Benchmarks flash_attn at head dims without a tensor-core kernel of their own (zero-padded to
-the next compiled pair) against the compiled ones and against SDPA's backends at the same dims.
+"""Benchmarks flash_attn across head dims, the compiled ones and those zero-padded to the next
+compiled pair, against SDPA's backends at the same dims.
 
-bf16, B = 4, H = 16, L = 4096, causal and not; D in {64, 80, 96, 128} (80 and 96 run on the
-(128, 128) kernels). TFLOP/s count the caller's D (flash-attn's count: forward 4*B*H*L^2*D,
-halved when causal, forward+backward 3.5x), so a padded dim shows what the padding costs.
-Times are medians of triton's do_bench.
+bf16, H = 16, causal and not: B = 4, L = 4096 for D in {64, 80, 96, 128, 160, 192, 256} (80 and
+96 run on the (128, 128) kernels, 160 on (192, 192)); B = 1, L = 16384 for D in {192, 256}.
+TFLOP/s count the caller's D (flash-attn's count: forward 4*B*H*L^2*D, halved when causal,
+forward+backward 3.5x), so a padded dim shows what the padding costs. Times are medians of
+triton's do_bench.
 
 Writes benchmarks/results/head-dims.json (a case per D and mask, SDPA's backends as peers) and
 prints the table.
@@ -21,8 +22,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_attention as ba  # noqa: E402  (also puts the in-place build on sys.path)
 import results_io  # noqa: E402
 
-B, H, L = 4, 16, 4096
-DIMS = (64, 80, 96, 128)
+H = 16
+# (D, B, L): B * L = 16k tokens.
+SHAPES = tuple((d, 4, 4096) for d in (64, 80, 96, 128, 160, 192, 256)) + (
+    (192, 1, 16384), (256, 1, 16384))
 
 
 # bench_attention's builders: each maps a config (only its `causal` is read) to fn(q, k, v).
@@ -33,6 +36,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--warmup", type=int, default=25, help="do_bench warmup (ms)")
     parser.add_argument("--rep", type=int, default=100, help="do_bench repetitions (ms)")
+    parser.add_argument("--dims", default=None,
+                        help="comma-separated head dims to run (default: every shape)")
     results_io.add_arguments(parser, "head-dims")
     args = parser.parse_args()
     if ba.adaattn is None:
@@ -42,11 +47,14 @@ def main():
     if not torch.cuda.is_available():
         print("bench_head_dims.py needs a CUDA device", file=sys.stderr)
         return 2
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, B={B}, H={H}, L={L}, bf16")
-    print("| D | causal | op | fwd ms | fwd+bwd ms | fwd TFLOP/s | fwd+bwd TFLOP/s |")
-    print("|---:|---|---|---:|---:|---:|---:|")
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, H={H}, bf16")
+    print("| D | B | L | causal | op | fwd ms | fwd+bwd ms | fwd TFLOP/s | fwd+bwd TFLOP/s |")
+    print("|---:|---:|---:|---|---|---:|---:|---:|---:|")
     json_rows = []
-    for d in DIMS:
+    dims = None if args.dims is None else {int(x) for x in args.dims.split(",")}
+    for d, B, L in SHAPES:
+        if dims is not None and d not in dims:
+            continue
         for causal in (False, True):
             q, k, v = (torch.randn(B, H, L, d, device="cuda", dtype=torch.bfloat16,
                                    requires_grad=True) for _ in range(3))
@@ -61,14 +69,14 @@ def main():
                                         args.rep, [q, k, v])
                 except RuntimeError as e:
                     first = str(e).splitlines()[0][:60]
-                    print(f"| {d} | {causal} | {name} | refused: {first} | | | |")
+                    print(f"| {d} | {B} | {L} | {causal} | {name} | refused: {first} | | | |")
                     times[name] = (None, None)
                     notes.append(f"{name}: refused: {first}")
                     continue
                 times[name] = (fwd, both)
-                print(f"| {d} | {causal} | {name} | {fwd:.3f} | {both:.3f} | "
+                print(f"| {d} | {B} | {L} | {causal} | {name} | {fwd:.3f} | {both:.3f} | "
                       f"{flops / fwd / 1e9:.1f} | {3.5 * flops / both / 1e9:.1f} |")
-            case = f"D={d} {'causal' if causal else 'non-causal'}"
+            case = f"D={d} L={L} {'causal' if causal else 'non-causal'}"
             for i, (direction, count) in enumerate((("fwd", flops), ("fwd+bwd", 3.5 * flops))):
                 json_rows.append(results_io.row(
                     case, direction, {name: t[i] for name, t in times.items()},
@@ -79,11 +87,10 @@ def main():
             if not args.no_write:
                 path = results_io.write(
                     args.family or "head-dims", json_rows,
-                    title=f"head dims without a kernel of their own: bf16, B = {B}, H = {H}, "
-                          f"L = {L}",
-                    setup="D = 80 and 96 run zero-padded on the D = 128 kernels; TFLOP/s count "
-                          "the caller's D (flash-attn's count); time: median of "
-                          "triton.testing.do_bench",
+                    title=f"head dims: bf16, H = {H}, B * L = 16k",
+                    setup="D = 80 and 96 run zero-padded on the (128, 128) kernels, 160 on "
+                          "(192, 192); TFLOP/s count the caller's D (flash-attn's count); "
+                          "time: median of triton.testing.do_bench",
                     results_dir=args.results_dir)
     if not args.no_write:
         print(f"\nwrote {path}")

@@ -41,9 +41,11 @@ class Case:
     seqlens: Optional[Tuple[int, ...]] = None
     transposed: bool = False
     scale: Optional[float] = None
+    dv: Optional[int] = None  # value head dim, D when None
 
     def __str__(self):
-        parts = [f"b{self.b}h{self.hq}x{self.hkv}", f"l{self.lq}x{self.lk}", f"d{self.d}"]
+        dims = f"d{self.d}" if self.dv is None else f"d{self.d}v{self.dv}"
+        parts = [f"b{self.b}h{self.hq}x{self.hkv}", f"l{self.lq}x{self.lk}", dims]
         if self.causal:
             parts.append("causal")
         if self.window != (-1, -1):
@@ -63,8 +65,9 @@ def make_inputs(case: Case, dtype, device, requires_grad=True):
     """Returns leaf ``q, k, v`` (strided as the case asks), ``seqlens`` and ``dout``."""
     q = randn(case.b, case.hq, case.lq, case.d, dtype, device, case.transposed)
     k = randn(case.b, case.hkv, case.lk, case.d, dtype, device, case.transposed)
-    v = randn(case.b, case.hkv, case.lk, case.d, dtype, device, case.transposed)
-    dout = randn(case.b, case.hq, case.lq, case.d, dtype, device, case.transposed)
+    dv = case.d if case.dv is None else case.dv
+    v = randn(case.b, case.hkv, case.lk, dv, dtype, device, case.transposed)
+    dout = randn(case.b, case.hq, case.lq, dv, dtype, device, case.transposed)
     seqlens = None
     if case.seqlens is not None:
         seqlens = torch.tensor(case.seqlens, dtype=torch.int32, device=device)
@@ -79,7 +82,8 @@ def run_ours(case: Case, q, k, v, seqlens, dout, deterministic=False):
     out, lse = adaattn.flash_attn(q, k, v, causal=case.causal, softmax_scale=case.scale,
                                   window=case.window, seqlens=seqlens, return_lse=True,
                                   deterministic=deterministic)
-    assert out.shape == q.shape and out.dtype == q.dtype and out.device == q.device
+    assert out.shape == q.shape[:-1] + v.shape[-1:]
+    assert out.dtype == q.dtype and out.device == q.device
     assert lse.shape == q.shape[:3] and lse.dtype == torch.float32
     grads = torch.autograd.grad(out, (q, k, v), dout)
     for g, x in zip(grads, (q, k, v)):
@@ -306,13 +310,42 @@ def test_low_precision_cuda_padded_head_dims(case, dtype):
     _check_low_precision(case, dtype, "cuda", deterministic=True)
 
 
+WIDE_HEAD_DIM_CASES = [
+    Case(b=2, hq=8, hkv=2, lq=1025, lk=1025, d=256, causal=True),
+    Case(b=2, hq=4, hkv=4, lq=97, lk=128, d=256),
+    Case(b=2, hq=4, hkv=1, lq=1, lk=1025, d=256, causal=True),
+    Case(b=2, hq=8, hkv=1, lq=1000, lk=1025, d=256, window=(100, 30), transposed=True),
+    Case(b=3, hq=4, hkv=2, lq=300, lk=257, d=256, causal=True, seqlens=(0, 17, 257)),
+    Case(b=2, hq=8, hkv=2, lq=1025, lk=1000, d=192, causal=True),
+    Case(b=2, hq=4, hkv=4, lq=128, lk=17, d=192, window=(5, -1)),
+    Case(b=2, hq=8, hkv=4, lq=1025, lk=1025, d=192, dv=128, causal=True),
+    Case(b=2, hq=4, hkv=2, lq=97, lk=300, d=192, dv=128, transposed=True),
+    Case(b=2, hq=4, hkv=2, lq=97, lk=128, d=160, causal=True),  # zero-padded to (192, 192)
+    Case(b=2, hq=4, hkv=2, lq=97, lk=128, d=200, dv=136),  # zero-padded to (256, 256)
+]
+
+
 @pytest.mark.cuda
-@pytest.mark.parametrize("d", [160, 256])
-def test_cuda_head_dims_past_the_kernels_refused(d):
-    """D > 128 has no tensor-core kernel to pad to: a RuntimeError names the supported set."""
-    q = torch.randn(1, 2, 8, d, device="cuda", dtype=torch.bfloat16)
+@pytest.mark.parametrize("kernels", ["default", "deterministic", "sm80"])
+@pytest.mark.parametrize("dtype", LOW_PRECISION, ids=str)
+@pytest.mark.parametrize("case", WIDE_HEAD_DIM_CASES, ids=str)
+def test_low_precision_cuda_wide_head_dims(case, dtype, kernels, monkeypatch):
+    """Head dims 192 and 256 and (D, Dv) = (192, 128) on the tensor cores (wgmma forward on
+    Hopper, the mma.sync kernels elsewhere and with ADAATTN_DISABLE_SM90=1; the dK/dV CTAs split
+    their columns at D + Dv > 320), and dims between 128 and 256 zero-padded to them."""
+    if kernels == "sm80":
+        monkeypatch.setenv("ADAATTN_DISABLE_SM90", "1")
+    _check_low_precision(case, dtype, "cuda", deterministic=kernels == "deterministic")
+
+
+@pytest.mark.cuda
+def test_cuda_head_dims_past_the_variants_kernels_refused():
+    """A variant without a kernel covering D (ALiBi above 128) refuses with a RuntimeError that
+    names the supported set."""
+    q = torch.randn(1, 2, 8, 256, device="cuda", dtype=torch.bfloat16)
+    slopes = torch.ones(2, device="cuda")
     with pytest.raises(RuntimeError, match=r"head dims.*supported.*\(64, 64\), \(128, 128\)"):
-        adaattn.flash_attn(q, q, q)
+        adaattn.flash_attn(q, q, q, alibi_slopes=slopes)
 
 
 @pytest.mark.cuda

@@ -242,6 +242,13 @@ def _low_precision_cuda_grid():
                           density=0.5, mask_h=True, causal=True)),
         _param(Sparse, SC(b=2, hq=4, hkv=4, lq=97, lk=300, d=64, block=(128, 128),
                           density=0.5, mask_b=True)),
+        # D = 256 (Gemma 2's softcapped heads): its own kernels, dK/dV in column slices
+        _param(Dense, FC(b=2, hq=8, hkv=2, lq=1025, lk=1025, d=256, causal=True)),
+        _param(Dense, FC(b=2, hq=4, hkv=4, lq=97, lk=300, d=256, window=(64, 16),
+                         transposed=True)),
+        _param(Packed, dict(lens_q=[300, 0, 17, 128], hq=8, hkv=2, d=256)),
+        _param(Sparse, SC(b=2, hq=4, hkv=2, lq=300, lk=257, d=256, block=(128, 128),
+                          density=0.5, mask_h=True, causal=True)),
     ]
     return cases
 

@@ -215,7 +215,7 @@ def test_flash_varlen_fp32(device, kwargs):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", LOW_PRECISION, ids=str)
-@pytest.mark.parametrize("d", [64, 96, 128])
+@pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
 @pytest.mark.parametrize("kwargs", REFERENCE_CASES, ids=str)
 def test_flash_varlen_low_precision_cuda(kwargs, d, dtype):
     p = Problem(**kwargs, d=d, dtype=dtype, device="cuda")

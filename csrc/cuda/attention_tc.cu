@@ -68,7 +68,7 @@ const char* tc_head_dims(VariantId variant) {
       if (!s.empty()) s += ", ";
       s += "(" + std::to_string(k.head_dim) + ", " + std::to_string(k.head_dim_v) + ")";
     }
-    return s + "; other D, Dv <= 128 run zero-padded to the smallest of these that covers them";
+    return s + "; other D, Dv <= 256 run zero-padded to the smallest of these that covers them";
   };
   static const auto texts = [&] {
     std::array<std::string, static_cast<int>(VariantId::kCount)> t;

@@ -38,11 +38,13 @@ __global__ void bwd_delta_kernel(const AttnParams p) {
   const WarpRow r = warp_row(p);
   const int lane = threadIdx.x % 32;
   if (!r.valid) return;
-  // Each lane reads DV / 32 neighbouring elements in one load (rows are 16-byte aligned).
+  // Each lane reads DV / 32 neighbouring elements (rows are 16-byte aligned), in loads of the
+  // largest power of two dividing that count (one load but at DV = 192: three of two).
   constexpr int kPer = DV / 32;
   static_assert(DV % 32 == 0, "the delta kernel takes DV a multiple of 32");
-  struct alignas(kPer * sizeof(T)) Pack {
-    T x[kPer];
+  constexpr int kVec = kPer & -kPer;
+  struct alignas(kVec * sizeof(T)) Pack {
+    T x[kVec];
   };
   const T* o = static_cast<const T*>(p.out) + r.b * p.o_batch_stride + r.h * p.o_head_stride +
                static_cast<int64_t>(r.i) * p.o_row_stride;
@@ -55,11 +57,14 @@ __global__ void bwd_delta_kernel(const AttnParams p) {
       *reinterpret_cast<float4*>(acc + c) = make_float4(0.f, 0.f, 0.f, 0.f);
     }
   }
-  const Pack ov = reinterpret_cast<const Pack*>(o)[lane];
-  const Pack dv = reinterpret_cast<const Pack*>(d)[lane];
   float acc = 0.f;
 #pragma unroll
-  for (int c = 0; c < kPer; ++c) acc += to_float(ov.x[c]) * to_float(dv.x[c]);
+  for (int j = 0; j < kPer / kVec; ++j) {
+    const Pack ov = reinterpret_cast<const Pack*>(o)[lane * (kPer / kVec) + j];
+    const Pack dv = reinterpret_cast<const Pack*>(d)[lane * (kPer / kVec) + j];
+#pragma unroll
+    for (int c = 0; c < kVec; ++c) acc += to_float(ov.x[c]) * to_float(dv.x[c]);
+  }
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffff, acc, off);
   if (lane == 0) p.delta[r.row] = acc;

@@ -36,13 +36,20 @@
 namespace adaattn {
 namespace tc {
 
+// kSliceCount: column slices of dK and dV, one CTA each per key tile (launch.h's FlashConfig).
 template <typename T, int DK, int DV, int NWARPS, int MI_K, int BM, typename Variant,
-          bool kAtomicDQ>
+          bool kAtomicDQ, int kSliceCount = 1>
 struct BwdKVTraits {
   static constexpr int kThreads = NWARPS * 32;
   static constexpr int kBlockN = NWARPS * 16 * MI_K;  // keys per CTA
   static constexpr int kBlockM = BM;                  // queries per step
   static constexpr int kMI = MI_K;
+  static constexpr int kSlices = kSliceCount;
+  static_assert(DK % (16 * kSlices) == 0 && DV % (16 * kSlices) == 0,
+                "slices of whole 16-column groups");
+  // What every slice would add again: the dQ product and the table's gradient.
+  static_assert(kSlices == 1 || (!kAtomicDQ && !Variant::Mod::kParamGrad),
+                "column slices take the two-pass dQ and no learnable score table");
   // K, V, and double-buffered Q, dO tiles, then lse2/delta (non-normalised: and the row term)
   // of both buffers; with a learnable score table: an fp32 [kStageKeys][BM] dS^T staging tile
   // for its partial sums, filled in rounds of kStageKeys keys. Rounds of at most 2048 floats
@@ -99,7 +106,8 @@ __device__ __forceinline__ void bwd_atomic_dq(const AttnParams& p, const T* sdS,
   }
 }
 
-// dK/dV for key tile `block` (key tile index is the slowest-varying part of `block`).
+// dK/dV for key tile `block / kSlices` (key tile index is the slowest-varying part), columns
+// of slice `block % kSlices`.
 template <typename Traits, typename T, int DK, int DV, int MI, int BM, typename Variant,
           bool kAtomicDQ>
 __device__ __forceinline__ void bwd_dkdv_block(const AttnParams& p, int block) {
@@ -109,8 +117,9 @@ __device__ __forceinline__ void bwd_dkdv_block(const AttnParams& p, int block) {
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kThreads = Traits::kThreads;
   constexpr int NT = BM / 8;  // query n-tiles of S^T per warp
-  constexpr int DTK = DK / 8;
-  constexpr int DTV = DV / 8;
+  constexpr int kSlices = Traits::kSlices;
+  constexpr int DTK = DK / 8 / kSlices;  // this CTA's n-tiles of dK and dV
+  constexpr int DTV = DV / 8 / kSlices;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* sK = reinterpret_cast<T*>(smem_raw);
   T* sV = sK + kBlockN * DK;
@@ -133,12 +142,14 @@ __device__ __forceinline__ void bwd_dkdv_block(const AttnParams& p, int block) {
   const int lane = tid % 32;
   const int g = lane >> 2;
   const int t = lane & 3;
-  const WorkItem tile = tile_item<true, false>(p, block, kBlockN);
+  const WorkItem tile = tile_item<true, false>(p, block / kSlices, kBlockN);
   if (!tile.valid) return;
   const int b = tile.b;
   const int h_kv = tile.h;
   const int n0 = tile.index * kBlockN;
   const int warp_row0 = warp * 16 * MI;
+  const int k_col0 = block % kSlices * (DK / kSlices);  // this CTA's columns of dK, dV
+  const int v_col0 = block % kSlices * (DV / kSlices);
 
   const SeqLens lens = seq_lens(p, b);
   const RowSpan rows = rows_meeting_keys(p, lens, n0, n0 + kBlockN);
@@ -251,7 +262,7 @@ __device__ __forceinline__ void bwd_dkdv_block(const AttnParams& p, int block) {
       if (any_weight) {
         uint32_t pa[MI][NT / 2][4];
         to_a_frags<MI, NT, T>(kLsePass ? at : st, pa);
-        warp_gemm_rs<MI, DTV, NT / 2, DV>(dv, pa, sdO(buf), 0, lane);
+        warp_gemm_rs<MI, DTV, NT / 2, DV>(dv, pa, sdO(buf), 0, lane, v_col0);
       }
 
       // dS^T = P^T * (M dA^T - Delta)   (normalised: M = 1).
@@ -308,7 +319,7 @@ __device__ __forceinline__ void bwd_dkdv_block(const AttnParams& p, int block) {
               *reinterpret_cast<uint32_t*>(sdS + swz<BM>(key, query)) = dsa[mi][kt][r];
             }
       }
-      warp_gemm_rs<MI, DTK, NT / 2, DK>(dk, dsa, sQ(buf), 0, lane);
+      warp_gemm_rs<MI, DTK, NT / 2, DK>(dk, dsa, sQ(buf), 0, lane, k_col0);
       if constexpr (kAtomicDQ) {
         __syncthreads();  // every warp's dS^T rows are staged
         bwd_atomic_dq<Traits, T, DK, BM>(p, sdS, sK, row_stat_offset(p, lens, b, h) + m0,
@@ -336,8 +347,9 @@ __device__ __forceinline__ void bwd_dkdv_block(const AttnParams& p, int block) {
     }
   T* dkptr = dk_rows<T>(p, lens, b, h_kv, n0);
   T* dvptr = dv_rows<T>(p, lens, b, h_kv, n0);
-  store_rows<MI, DTK, DK>(dk, kscale, sK, warp_row0, dkptr, p.dk_row_stride, valid_k, lane);
-  store_rows<MI, DTV, DV>(dv, one, sV, warp_row0, dvptr, p.dv_row_stride, valid_k, lane);
+  store_rows<MI, DTK, DK>(dk, kscale, sK, warp_row0, dkptr, p.dk_row_stride, valid_k, lane,
+                         k_col0);
+  store_rows<MI, DTV, DV>(dv, one, sV, warp_row0, dvptr, p.dv_row_stride, valid_k, lane, v_col0);
 }
 
 template <typename T, int DK, int DV, int NWARPS, int MI, int BN>

@@ -1,7 +1,7 @@
 // Hopper forward: the mainloop of fwd_sm80.h with its two products on warpgroup MMAs (wgmma.h)
 // instead of per-warp mma.sync, warp-specialised (see the kernel). Two consumer warpgroups own
 // 64 query rows each and keep O and the softmax state in registers; K and V tiles of 128 keys
-// are double-buffered in shared memory. Masks (dense ranges and block-sparse lists, tiles.h),
+// (64 at the widest head dims: Sm90FwdTraits) are double-buffered in shared memory. Masks (dense ranges and block-sparse lists, tiles.h),
 // the softmax and the variant hooks are the fragment-level ones of softmax_frag.h, since a
 // warp's rows of a wgmma accumulator are laid out as its mma.sync fragments.
 #pragma once
@@ -21,24 +21,31 @@ namespace tc {
 template <typename T, int DK, int DV, int kWarpgroupCount>
 struct Sm90FwdTraits {
   static constexpr int kWarpgroups = kWarpgroupCount;
-  // setmaxnreg's split of the register file: the producer keeps what its copies need.
-  static constexpr int kProducerRegs = 32;
+  // setmaxnreg's split of the register file: the producer keeps what its copies need (the
+  // column blocks of D + Dv > 256 take more than 32).
+  static constexpr int kProducerRegs = DK + DV > 256 ? 40 : 32;
   static constexpr int kConsumerRegs = kWarpgroups == 3 ? 160 : 232;
   static_assert(kWarpgroups * 128 * kConsumerRegs + 128 * kProducerRegs <= 65536,
                 "the register split fits the register file");
   static constexpr int kConsumerThreads = kWarpgroups * 128;
   static constexpr int kThreads = kConsumerThreads + 128;  // and a producer warpgroup
   static constexpr int kBlockM = kWarpgroups * 64;
-  static constexpr int kBlockN = 128;
   static constexpr int kStages = 2;
   static constexpr int kQElems = kBlockM * DK;
+  // Keys per streamed tile: 128, or 64 where 128-key stages do not fit the 227 KiB an SM90 CTA
+  // may take (D + Dv > 320: (192, 192), (256, 256)).
+  static constexpr int kBlockN =
+      (kQElems + kStages * 128 * (DK + DV)) * static_cast<int>(sizeof(T)) + 1024 <= 227 * 1024
+          ? 128
+          : 64;
   static constexpr int kKElems = kBlockN * DK;
   static constexpr int kVElems = kBlockN * DV;
   // Q, two K and two V stages; 1024 bytes of slack to align the swizzled tiles.
   static constexpr int kSmemBytes =
       (kQElems + kStages * (kKElems + kVElems)) * static_cast<int>(sizeof(T)) + 1024;
-  static_assert((DK % 64 == 0 || DK == 32) && (DV == 64 || DV == 128),
-                "wgmma tiles: DK % 64 == 0 or 32, DV 64/128");
+  static_assert(kSmemBytes <= 227 * 1024, "the tiles fit shared memory");
+  static_assert((DK % 64 == 0 || DK == 32) && DK <= 256 && DV % 64 == 0 && DV <= 256,
+                "wgmma tiles: DK % 64 == 0 or 32, DV % 64 == 0, both <= 256");
   static_assert(kBlockM * DV <= kQElems + kStages * (kKElems + kVElems),
                 "output staging fits over Q, K and V");
 };
@@ -193,7 +200,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_sm90_kernel(const Att
 #pragma unroll
       for (int kt = 0; kt < BN / 16; ++kt) {
         const T* bv = sV + stage * Traits::kVElems + kt * 16 * sm90::GmmaLayout<DV>::kWidth;
-        sm90::wgmma_rs<T, DT>(o[0], pa[kt], sm90::gmma_desc_mn<BN, DV>(bv));
+        sm90::wgmma_rs_cols<T, DT>(o[0], pa[kt], [&](int col) {
+          return sm90::gmma_desc_mn<BN, DV>(bv + sm90::gmma_kcol<BN, DV>(col));
+        });
       }
       sm90::wgmma_commit();
     };

@@ -12,8 +12,9 @@ import os
 
 # VariantId (variants/table.h) -> (C++ type, compiled (D, Dv) pairs).
 VARIANTS = {
-    "kPlain": ("PlainVariant", ((64, 64), (128, 128), (32, 64), (32, 128), (64, 128))),
-    "kSoftcap": ("SoftcapVariant", ((64, 64), (128, 128))),
+    "kPlain": ("PlainVariant", ((64, 64), (128, 128), (32, 64), (32, 128), (64, 128),
+                                (192, 128), (192, 192), (256, 256))),
+    "kSoftcap": ("SoftcapVariant", ((64, 64), (128, 128), (256, 256))),
     "kLazy": ("LazyVariant", ((64, 64), (128, 128))),
     "kComposed": ("ComposedVariant", ((64, 64), (128, 128))),
 }

@@ -14,6 +14,7 @@
 #include "bwd_rows_sm90.h"
 #include "bwd_sm80.h"
 #include "bwd_sm90.h"
+#include "bwd_wide_sm90.h"
 #include "fwd_sm80.h"
 #include "fwd_sm90.h"
 #include "runtime.h"
@@ -21,32 +22,46 @@
 namespace adaattn {
 namespace tc {
 
-// Tile shapes per value head dim DV (the widest register accumulators, O and dV, are DV wide):
-// warps per CTA, 16-row groups per warp (MI), and the streamed tile size. Two row groups per
-// warp halve the shared-memory reads per MMA, which bound these kernels on Hopper, as long as
-// the accumulators still fit in registers.
+// Tile shapes of the SM80 kernels per head dims (D, Dv): warps per CTA, 16-row groups per warp
+// (MI), the streamed tile size, and the column slices of the dK/dV CTAs. Two row groups per warp
+// halve the shared-memory reads per MMA, which bound these kernels on Hopper, as long as the
+// accumulators still fit in registers; for the same reason, the dK/dV accumulators of the widest
+// head dims are split over kKVSlices CTAs per key tile, each recomputing the step's scores and
+// dP for its share of the dK and dV columns (bwd_sm80.h).
 // kAtomicDQ: whether the BwdMode::kAtomic backward accumulates dQ with atomics in the dK/dV
 // CTAs (bwd_sm80.h). Measured on the H100 (bf16, B.L = 16k): at DV = 64 it is 4-8%
 // faster end to end than the two-pass backward; at DV = 128 the dK/dV CTA (one row group per
 // warp, as the dK and dV accumulators take 128 registers) is bound by shared-memory reads, the
 // dQ product adds to them, and the atomic form was 0-5% slower, so DV = 128 keeps two passes.
-template <int DV>
+template <int DK, int DV, bool kWide = (DK > 128 || DV > 128)>
 struct FlashConfig;
 
-template <>
-struct FlashConfig<64> {
+template <int DK>
+struct FlashConfig<DK, 64, false> {
   static constexpr int kFwdWarps = 4, kFwdMI = 2, kFwdBlockN = 64;
-  static constexpr int kKVWarps = 4, kKVMI = 2, kKVBlockM = 32;
+  static constexpr int kKVWarps = 4, kKVMI = 2, kKVBlockM = 32, kKVSlices = 1;
   static constexpr bool kAtomicDQ = true;
   static constexpr int kQWarps = 4, kQMI = 2, kQBlockN = 64;
 };
 
-template <>
-struct FlashConfig<128> {
+template <int DK>
+struct FlashConfig<DK, 128, false> {
   static constexpr int kFwdWarps = 4, kFwdMI = 2, kFwdBlockN = 64;
-  static constexpr int kKVWarps = 4, kKVMI = 1, kKVBlockM = 64;
+  static constexpr int kKVWarps = 4, kKVMI = 1, kKVBlockM = 64, kKVSlices = 1;
   static constexpr bool kAtomicDQ = false;
   static constexpr int kQWarps = 4, kQMI = 2, kQBlockN = 32;
+};
+
+// D or Dv above 128: one row group per warp everywhere (O and dQ alone take up to 128
+// registers), 32-row query steps (shared memory), and dK/dV split in two column slices unless
+// they take at most 160 registers together.
+template <int DK, int DV>
+struct FlashConfig<DK, DV, true> {
+  static constexpr int kFwdWarps = 4, kFwdMI = 1, kFwdBlockN = 64;
+  static constexpr int kKVWarps = 4, kKVMI = 1, kKVBlockM = 32;
+  static constexpr int kKVSlices = DK + DV > 320 ? 2 : 1;
+  static constexpr bool kAtomicDQ = false;
+  static constexpr int kQWarps = 4, kQMI = 1, kQBlockN = 32;
 };
 
 inline int grid_size(int64_t blocks) {
@@ -151,7 +166,7 @@ void run_fwd(const AttnParams& p) {
       return;
     }
   }
-  using C = FlashConfig<DV>;
+  using C = FlashConfig<DK, DV>;
   using Traits = FwdTraits<T, DK, DV, C::kFwdWarps, C::kFwdMI, C::kFwdBlockN>;
   auto kernel = fwd_sm80_kernel<Traits, T, DK, DV, C::kFwdMI, C::kFwdBlockN, Variant>;
   set_smem(kernel, Traits::kSmemBytes);
@@ -165,8 +180,9 @@ void run_fwd(const AttnParams& p) {
 // dQ accumulated by the dK/dV CTAs into p.dq_accum.
 template <typename T, int DK, int DV, typename Variant, bool kAtomicDQ>
 void launch_bwd_sm80(const AttnParams& p_in) {
-  using C = FlashConfig<DV>;
-  using KV = BwdKVTraits<T, DK, DV, C::kKVWarps, C::kKVMI, C::kKVBlockM, Variant, kAtomicDQ>;
+  using C = FlashConfig<DK, DV>;
+  using KV = BwdKVTraits<T, DK, DV, C::kKVWarps, C::kKVMI, C::kKVBlockM, Variant, kAtomicDQ,
+                         C::kKVSlices>;
   using Q = BwdQTraits<T, DK, DV, C::kQWarps, C::kQMI, C::kQBlockN>;
   auto kernel = bwd_kernel<KV, Q, T, DK, DV, Variant, kAtomicDQ>;
   constexpr int kSmem =
@@ -174,7 +190,7 @@ void launch_bwd_sm80(const AttnParams& p_in) {
   set_smem(kernel, kSmem);
   // The dQ CTAs of the two-pass form take the key side's chunks too (any chunk is a valid order).
   const AttnParams p = in_cta_order<true>(p_in, KV::kBlockN, 1);
-  const int64_t kv_blocks = tile_slots<true>(p, KV::kBlockN) * p.heads_kv;
+  const int64_t kv_blocks = tile_slots<true>(p, KV::kBlockN) * p.heads_kv * KV::kSlices;
   const int64_t q_blocks = kAtomicDQ ? 0 : tile_slots<false>(p, Q::kBlockM) * p.heads_q;
   kernel<<<grid_size(kv_blocks + q_blocks), KV::kThreads, kSmem,
            current_stream()>>>(p, grid_size(kv_blocks));
@@ -224,6 +240,19 @@ void launch_bwd_dq_sm90(const AttnParams& p_in) {
   set_smem(kernel, Traits::kSmemBytes);
   const AttnParams p = in_cta_order<false>(p_in, Traits::kBlockM, 1);
   const int grid = grid_size(tile_slots<false>(p, Traits::kBlockM) * p.heads_q);
+  kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, current_stream()>>>(p);
+  check_launch();
+}
+
+// The Hopper backward above 128 columns (bwd_wide_sm90.h): p.dq_accum zeroed, with
+// dq_accum_rows(p) rows.
+template <typename T, int DK, int DV, typename Variant>
+void launch_bwd_wide_sm90(const AttnParams& p_in) {
+  using Traits = Sm90WideBwdTraits<T, DK, DV>;
+  auto kernel = bwd_wide_sm90_kernel<Traits, T, DK, DV, Variant>;
+  set_smem(kernel, Traits::kSmemBytes);
+  const AttnParams p = in_cta_order<true>(p_in, Traits::kBlockN, 1);
+  const int grid = grid_size(tile_slots<true>(p, Traits::kBlockN) * p.heads_kv);
   kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, current_stream()>>>(p);
   check_launch();
 }
@@ -320,12 +349,13 @@ void reduce_param_grads(const AttnParams& p, int64_t key_slots, cudaStream_t str
 // dK/dV/dQ and the variant's parameter gradients. The row term first: Delta = dO.O (the delta
 // kernel, which also zeroes the atomic dQ accumulator) for a normalised transform, the row pass
 // (G and Delta) otherwise, or only that (p.row_pass kOnly), or the caller's (kGiven). On Hopper
-// (every compiled (D, Dv) pair): the two-pass wgmma kernels (the dQ pass computes Delta, then
-// the dK/dV pass) where sm90_two_pass says so, else the wgmma kernel with atomic dQ.
-// Elsewhere: atomic dQ where the config measured it faster and p.bwd_mode is kAtomic (and the
-// transform is normalised), else the fused two-pass kernels. A
-// normalised variant without the Hopper two-pass kernels (kSm90TwoPassVariant) takes those
-// fused two-pass kernels on Hopper too when p.bwd_mode asks for two passes, so that the
+// (the pairs up to 128 columns): the two-pass wgmma kernels (the dQ pass computes Delta, then
+// the dK/dV pass) where sm90_two_pass says so, else the wgmma kernel with atomic dQ; above 128
+// columns the wide wgmma kernel with atomic dQ (kSm90WideBwdVariant). Elsewhere: atomic dQ
+// where the config measured it faster and p.bwd_mode is kAtomic (and the transform is
+// normalised), else the fused two-pass kernels. A normalised variant without Hopper two-pass
+// kernels (kSm90TwoPassVariant, and every variant above 128 columns) takes those fused
+// two-pass kernels on Hopper too when p.bwd_mode asks for two passes, so that the
 // deterministic backward stays bit-reproducible.
 template <typename T, int DK, int DV, typename Variant>
 void run_bwd(const AttnParams& p_in) {
@@ -337,10 +367,12 @@ void run_bwd(const AttnParams& p_in) {
   constexpr bool kSm90NoTwoPass = kNormalized && !kSm90TwoPassVariant<Variant>;
   const bool sm90 = kSm90Dims && use_sm90() &&
                     !(kSm90NoTwoPass && p_in.bwd_mode == BwdMode::kTwoPass);
+  constexpr bool kSm90Wide = (DK > 128 || DV > 128) && kSm90WideBwdVariant<Variant>;
+  const bool sm90_wide = kSm90Wide && use_sm90() && p_in.bwd_mode != BwdMode::kTwoPass;
   AttnParams p = p_in;
   p.dq_accum = nullptr;
   // Scratch freed on return; the caching allocator keeps it for this stream.
-  using C = FlashConfig<DV>;
+  using C = FlashConfig<DK, DV>;
   using KV = BwdKVTraits<T, DK, DV, C::kKVWarps, C::kKVMI, C::kKVBlockM, Variant, false>;
   constexpr int kSm90Warpgroups = sm90_bwd_warpgroups<DK, DV, Variant>();
   const int64_t key_slots =
@@ -360,7 +392,8 @@ void run_bwd(const AttnParams& p_in) {
     reduce_param_grads<Variant>(p, key_slots, stream);
     return;
   }
-  const bool atomic = sm90 || (kNormalized && C::kAtomicDQ && p.bwd_mode == BwdMode::kAtomic);
+  const bool atomic =
+      sm90 || sm90_wide || (kNormalized && C::kAtomicDQ && p.bwd_mode == BwdMode::kAtomic);
   Scratch accum;
   if (atomic && p.row_pass != LsePass::kOnly) {
     // The delta kernel zeroes it; the row pass does not.
@@ -397,6 +430,9 @@ void run_bwd(const AttnParams& p_in) {
   if (sm90) {
     if constexpr (kSm90Dims) launch_bwd_sm90_atomic<T, DK, DV, Variant, kSm90Warpgroups>(p);
     launch_dq_convert<T, DK, true>(p, stream);
+  } else if (sm90_wide) {
+    if constexpr (kSm90Wide) launch_bwd_wide_sm90<T, DK, DV, Variant>(p);
+    launch_dq_convert<T, DK, false>(p, stream);
   } else if (atomic) {
     if constexpr (C::kAtomicDQ && kNormalized) launch_bwd_sm80<T, DK, DV, Variant, true>(p);
     launch_dq_convert<T, DK, false>(p, stream);

@@ -192,11 +192,11 @@ __device__ __forceinline__ void warp_gemm_nt(float (&acc)[MI][NT][4], const T* s
 
 // acc[MI][NT] += A * B where A is in registers as A-fragments a[MI][KT] (16 x 16 each, e.g. the
 // probabilities P from to_a_frags) and B = rows [b_row0, b_row0 + 16*KT) of a swizzled [rows][D]
-// tile, columns [0, 8*NT). (O += P V, dQ += dS K, dV += P^T dO, dK += dS^T Q.)
+// tile, columns [b_col0, b_col0 + 8*NT). (O += P V, dQ += dS K, dV += P^T dO, dK += dS^T Q.)
 template <int MI, int NT, int KT, int D, typename T>
 __device__ __forceinline__ void warp_gemm_rs(float (&acc)[MI][NT][4],
                                              const uint32_t (&a)[MI][KT][4], const T* sB,
-                                             int b_row0, int lane) {
+                                             int b_row0, int lane, int b_col0 = 0) {
   static_assert(NT % 2 == 0, "NT must be even (x4 ldmatrix loads two n-tiles)");
 #pragma unroll
   for (int kt = 0; kt < KT; ++kt) {
@@ -204,7 +204,7 @@ __device__ __forceinline__ void warp_gemm_rs(float (&acc)[MI][NT][4],
     for (int ni = 0; ni < NT; ni += 2) {
       uint32_t b[4];
       const int row = b_row0 + kt * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
-      ldmatrix_x4_trans(b, sB + swz<D>(row, ni * 8 + (lane >> 4) * 8));
+      ldmatrix_x4_trans(b, sB + swz<D>(row, b_col0 + ni * 8 + (lane >> 4) * 8));
 #pragma unroll
       for (int mi = 0; mi < MI; ++mi) {
         MmaOp<T>::run(acc[mi][ni], a[mi][kt], b[0], b[1]);
@@ -287,13 +287,14 @@ __device__ __forceinline__ void zero(float (&acc)[MI][NT][4]) {
 }
 
 // Writes a warp's accumulator rows (16*MI rows x 8*NT cols, scaled) to global memory through
-// the warp's own rows of a swizzled smem tile, so global stores are 16-byte and coalesced.
+// the warp's own rows of a swizzled [rows][D] smem tile, so global stores are 16-byte and
+// coalesced: columns [col0, col0 + 8*NT) of rows of D columns (a column slice, or whole rows).
 // Rows >= valid_rows are not written.
 template <int MI, int NT, int D, typename T>
 __device__ __forceinline__ void store_rows(const float (&acc)[MI][NT][4], const float (&row_scale)[MI][2],
                                            T* s_tile, int row0, T* dst, int64_t row_stride,
-                                           int valid_rows, int lane) {
-  static_assert(8 * NT == D, "store_rows writes full rows");
+                                           int valid_rows, int lane, int col0 = 0) {
+  static_assert(8 * NT <= D, "store_rows writes columns of the staging tile");
   const int g = lane >> 2;
   const int t = lane & 3;
   __syncwarp();  // other lanes of the warp may still be reading these rows (their fragments)
@@ -301,7 +302,7 @@ __device__ __forceinline__ void store_rows(const float (&acc)[MI][NT][4], const 
   for (int mi = 0; mi < MI; ++mi) {
 #pragma unroll
     for (int ni = 0; ni < NT; ++ni) {
-      const int col = ni * 8 + 2 * t;
+      const int col = col0 + ni * 8 + 2 * t;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int row = row0 + mi * 16 + g + 8 * h;
@@ -312,12 +313,12 @@ __device__ __forceinline__ void store_rows(const float (&acc)[MI][NT][4], const 
     }
   }
   __syncwarp();
-  constexpr int kChunksPerRow = D / 8;
+  constexpr int kChunksPerRow = NT;
 #pragma unroll
   for (int i = 0; i < 16 * MI * kChunksPerRow / 32; ++i) {
     const int c = lane + 32 * i;
     const int r = c / kChunksPerRow;
-    const int col = (c % kChunksPerRow) * 8;
+    const int col = col0 + (c % kChunksPerRow) * 8;
     if (r < valid_rows - row0) {
       *reinterpret_cast<uint4*>(dst + (row0 + r) * row_stride + col) =
           *reinterpret_cast<const uint4*>(s_tile + swz<D>(row0 + r, col));

@@ -60,32 +60,43 @@ __device__ __forceinline__ int gmma_kcol(int col) {
 // are all in bounds (all but a sequence's last) takes an unrolled loop without predicates: the
 // predicated loop's ~11 instructions per copy were 36% of the Hopper forward's issued
 // instructions (ncu), and the forward is 11-15% faster without them.
+// Tiles wider than the threads cover in whole 8-row groups (D = 192, 256 at 128 threads) are
+// loaded one 64-column block at a time, each block being a [ROWS][64] tile of its own.
 template <int ROWS, int D, int THREADS, typename T>
 __device__ __forceinline__ void load_tile_gmma(T* dst, const T* src, int64_t row_stride,
                                                int valid_rows, int tid) {
   constexpr int kChunksPerRow = D / 8;
-  constexpr int kRowStep = THREADS / kChunksPerRow;
-  static_assert(THREADS % kChunksPerRow == 0 && kRowStep % 8 == 0 && ROWS % kRowStep == 0,
-                "a thread's rows must share their swizzle phase");
-  const int r0 = tid / kChunksPerRow;
-  const int col = (tid % kChunksPerRow) * 8;
-  T* d = dst + gmma_off<ROWS, D>(r0, col);
-  const T* s = src + r0 * row_stride + col;
-  if (valid_rows >= ROWS) {
-    // Every row is in bounds: no predicates, and the shared offsets are compile-time constants.
-    const uint32_t d0 = smem_addr(d);
+  if constexpr (D > 64 && (THREADS % kChunksPerRow != 0 || (THREADS / kChunksPerRow) % 8 != 0)) {
+    static_assert(D % 64 == 0, "wide tiles are whole 64-column blocks");
+#pragma unroll 1
+    for (int block = 0; block < D / 64; ++block) {
+      load_tile_gmma<ROWS, 64, THREADS>(dst + block * ROWS * 64, src + block * 64, row_stride,
+                                        valid_rows, tid);
+    }
+  } else {
+    constexpr int kRowStep = THREADS / kChunksPerRow;
+    static_assert(THREADS % kChunksPerRow == 0 && kRowStep % 8 == 0 && ROWS % kRowStep == 0,
+                  "a thread's rows must share their swizzle phase");
+    const int r0 = tid / kChunksPerRow;
+    const int col = (tid % kChunksPerRow) * 8;
+    T* d = dst + gmma_off<ROWS, D>(r0, col);
+    const T* s = src + r0 * row_stride + col;
+    if (valid_rows >= ROWS) {
+      // Every row is in bounds: no predicates, and the shared offsets are compile-time constants.
+      const uint32_t d0 = smem_addr(d);
 #pragma unroll
-    for (int i = 0; i < ROWS / kRowStep; ++i) {
-      cp_async16_unmasked(d0 + i * kRowStep * GmmaLayout<D>::kWidth * sizeof(T), s);
+      for (int i = 0; i < ROWS / kRowStep; ++i) {
+        cp_async16_unmasked(d0 + i * kRowStep * GmmaLayout<D>::kWidth * sizeof(T), s);
+        s += kRowStep * row_stride;
+      }
+      return;
+    }
+#pragma unroll 2
+    for (int r = r0; r < ROWS; r += kRowStep) {
+      cp_async16(d, r < valid_rows ? s : src, r < valid_rows);
+      d += kRowStep * GmmaLayout<D>::kWidth;
       s += kRowStep * row_stride;
     }
-    return;
-  }
-#pragma unroll 2
-  for (int r = r0; r < ROWS; r += kRowStep) {
-    cp_async16(d, r < valid_rows ? s : src, r < valid_rows);
-    d += kRowStep * GmmaLayout<D>::kWidth;
-    s += kRowStep * row_stride;
   }
 }
 
@@ -419,6 +430,35 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[NT][4], const uint32_t (&a)[
 #endif
 }
 
+// wgmma_rs for an accumulator of any width N = 8 * NT (NT a multiple of 4; Dv = 192 and 256 take
+// more than one instruction's 128 columns): instructions of N = 128, then one of 64 and one of
+// 32 for what is left, each on its slice of d. desc_cols(c) is the descriptor of B's columns from
+// c on (a multiple of 32; of 64 where a slice starts past a 64-column block of the tile).
+template <typename T, int NT, int kFirst = 0, typename DescCols>
+__device__ __forceinline__ void wgmma_rs_cols(float (&d)[NT][4], const uint32_t (&a)[4],
+                                              DescCols desc_cols) {
+  constexpr int kRest = NT - kFirst;
+  constexpr int kSlice = kRest >= 16 ? 16 : kRest >= 8 ? 8 : 4;
+  static_assert(kRest % 4 == 0 && kRest > 0, "N a multiple of 32");
+  wgmma_rs<T, kSlice>(*reinterpret_cast<float(*)[kSlice][4]>(&d[kFirst]), a,
+                      desc_cols(kFirst * 8));
+  if constexpr (kFirst + kSlice < NT) wgmma_rs_cols<T, NT, kFirst + kSlice>(d, a, desc_cols);
+}
+
+// wgmma_ss over N = 8 * NT output columns in instructions of N = 8 * kSliceNT (NT a multiple of
+// kSliceNT, kSliceNT in {4, 8, 16}), each on its slice of d; A is the same for every slice, and
+// desc_b_cols(c) is the descriptor of B's columns from c on (a slice must not cross a 64-column
+// block of a swizzled MN-major B unless it starts at one).
+template <typename T, int NT, int kSliceNT, int kTransA, int kTransB, typename DescCols>
+__device__ __forceinline__ void wgmma_ss_cols(float (&d)[NT][4], uint64_t desc_a,
+                                              DescCols desc_b_cols, int scale_d) {
+  static_assert(NT % kSliceNT == 0, "whole slices");
+#pragma unroll
+  for (int first = 0; first < NT; first += kSliceNT) {
+    wgmma_ss<T, kSliceNT, kTransA, kTransB>(*reinterpret_cast<float(*)[kSliceNT][4]>(&d[first]),
+                                            desc_a, desc_b_cols(first * 8), scale_d);
+  }
+}
 
 // 8-bit operands (k = 32 per instruction; both operands K-major, the only layout 8-bit wgmma
 // reads from shared memory). A k = 32 step of an 8-bit tile covers the bytes of a k = 16 step
