@@ -368,6 +368,8 @@ EMPTY_SHAPES = [  # (B, Hq, Hkv, Lq, Lk, D)
     (0, 2, 2, 5, 7, 96),  # CUDA bf16: the zero-padded path's early returns
     (1, 2, 2, 0, 7, 96),
     (2, 4, 2, 5, 0, 96),
+    (1, 2, 2, 5, 0, 256),  # CUDA bf16: the wide kernels
+    (2, 4, 2, 0, 7, 192),
 ]
 
 
