@@ -1,9 +1,10 @@
 // Hopper forward: the mainloop of fwd_sm80.h with its two products on warpgroup MMAs (wgmma.h)
 // instead of per-warp mma.sync, warp-specialised (see the kernel). Two consumer warpgroups own
 // 64 query rows each and keep O and the softmax state in registers; K and V tiles of 128 keys
-// (64 at the widest head dims: Sm90FwdTraits) are double-buffered in shared memory. Masks (dense ranges and block-sparse lists, tiles.h),
-// the softmax and the variant hooks are the fragment-level ones of softmax_frag.h, since a
-// warp's rows of a wgmma accumulator are laid out as its mma.sync fragments.
+// (64 at the widest head dims: Sm90FwdTraits) are double-buffered in shared memory. Masks
+// (dense ranges and block-sparse lists, tiles.h), the softmax and the variant hooks are the
+// fragment-level ones of softmax_frag.h, since a warp's rows of a wgmma accumulator are laid
+// out as its mma.sync fragments.
 #pragma once
 
 #include <cmath>

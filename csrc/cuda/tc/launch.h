@@ -25,9 +25,9 @@ namespace tc {
 // Tile shapes of the SM80 kernels per head dims (D, Dv): warps per CTA, 16-row groups per warp
 // (MI), the streamed tile size, and the column slices of the dK/dV CTAs. Two row groups per warp
 // halve the shared-memory reads per MMA, which bound these kernels on Hopper, as long as the
-// accumulators still fit in registers; for the same reason, the dK/dV accumulators of the widest
-// head dims are split over kKVSlices CTAs per key tile, each recomputing the step's scores and
-// dP for its share of the dK and dV columns (bwd_sm80.h).
+// accumulators still fit in registers. Where even one row group's dK and dV rows do not (the
+// widest head dims), kKVSlices CTAs per key tile each recompute the step's scores and dP for
+// their share of the dK and dV columns (bwd_sm80.h).
 // kAtomicDQ: whether the BwdMode::kAtomic backward accumulates dQ with atomics in the dK/dV
 // CTAs (bwd_sm80.h). Measured on the H100 (bf16, B.L = 16k): at DV = 64 it is 4-8%
 // faster end to end than the two-pass backward; at DV = 128 the dK/dV CTA (one row group per
