@@ -1,9 +1,9 @@
 // Hopper (sm_90a) warpgroup MMA building blocks for the tensor-core attention kernels:
 // swizzled shared-memory tiles (128-byte swizzle; 64-byte for 32-wide low-rank query/key tiles),
 // their matrix descriptors, and wgmma.mma_async at N = 32, 64 and 128 (wider accumulators in
-// slices of those) in the two operand forms attention needs: both operands in shared memory (S = Q K^T; the backward's dQ = dS K with
-// both read transposed) and A in registers (O += P V, dV += P^T dO, dK += dS^T Q, with B read
-// transposed). A warpgroup is 4 consecutive warps; warp w of a warpgroup holds accumulator
+// slices of those) in the two operand forms attention needs: both operands in shared memory
+// (S = Q K^T; the backward's dQ = dS K with both read transposed) and A in registers
+// (O += P V, dV += P^T dO, dK += dS^T Q, with B read transposed). A warpgroup is 4 consecutive warps; warp w of a warpgroup holds accumulator
 // rows 16w .. 16w + 15 in exactly the layout of mma.sync m16n8 fragments (mma.h), so the softmax
 // and mask code of the SM80 kernels applies.
 // Everything here compiles only for sm_90a (ADAATTN_SM90A_DEVICE); other targets get no body.
