@@ -300,41 +300,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
           weights(std::true_type{});
         }
       } else {
-        // Full tiles (most) take a copy without the mask's compares and selects (three
-        // instructions per score): 2-3% off the backward on the H100. With kGradInP, P goes
-        // into dV's A operand as it is made and st keeps P ds/dx.
-        auto probs = [&](auto masked) {
-#pragma unroll
-          for (int ni = 0; ni < NT; ++ni) {
-            const float2 l = *reinterpret_cast<const float2*>(lse + ni * 8 + 2 * t);
-            const float lse2[2] = {l.x * float(M_LOG2E), l.y * float(M_LOG2E)};
-            float pr[4];
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              float pe = exp2f(fmaf(st[0][ni][e], scale, -lse2[e & 1]));
-              // Masked after the product (a masked score's derivative may be NaN).
-              float pg = pe;
-              if constexpr (kGradInP<Mod>) pg *= Mod::grad_raw_frag(st[0][ni][e], p);
-              if constexpr (decltype(masked)::value) {
-                const int qcol = ni * 8 + 2 * t + (e & 1);
-                const RowSpan& r = seen[e >> 1];
-                if (qcol < r.first || qcol >= r.last) pe = pg = 0.f;
-              }
-              pr[e] = pe;
-              st[0][ni][e] = pg;
-            }
-            if constexpr (kGradInP<Mod>) {
-              pa[0][ni / 2][2 * (ni & 1)] = MmaOp<T>::pack(pr[0], pr[1]);
-              pa[0][ni / 2][2 * (ni & 1) + 1] = MmaOp<T>::pack(pr[2], pr[3]);
-            }
-          }
-        };
-        if (full) {
-          probs(std::false_type{});
-        } else {
-          probs(std::true_type{});
-        }
-        if constexpr (!kGradInP<Mod>) to_a_frags<1, NT, T>(st, pa);
+        backward_probs<Mod, T>(st, pa, lse, scale, seen, full, p, lane);
       }
       // dV += P^T dO (non-normalised: A^T dO, skipped when the warpgroup's weights are all
       // zero; a NaN weight is not M = 1 but must still reach dV): dO [BM][DV] is read

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cmath>
+#include <type_traits>
 
 #include "../../core/mask.h"
 #include "../../core/params.h"
@@ -264,6 +265,53 @@ __device__ __forceinline__ float backward_scores(float (&s)[MI][NT][4], const At
 // a learnable table, whose gradient needs dS of the modified score.
 template <typename Mod>
 constexpr bool kGradInP = Mod::kFoldsScale && !Mod::kUnitGrad && !Mod::kParamGrad;
+
+// P^T of a Hopper backward step for a normalised transform, from the S^T fragments (key rows)
+// that backward_scores left in st with `scale`: P = exp2(st scale - lse log2 e), lse[c] that of
+// the fragment's query column c, and 0 for the columns outside the spans of columns that see
+// each of the thread's two keys (seen, from the same first column) unless the tile is full.
+// pa gets P as dV's A operand; st keeps P, or P ds/dx where the modifier folds the scale
+// (kGradInP), masked after the product (a masked score's derivative may be NaN: 0 * inf from a
+// zero padding row against an infinite key). Full tiles (most) take a copy without the mask's
+// compares and selects (three instructions per score): 2-3% off the backward on the H100.
+template <typename Mod, typename T, int NT>
+__device__ __forceinline__ void backward_probs(float (&st)[1][NT][4],
+                                               uint32_t (&pa)[1][NT / 2][4], const float* lse,
+                                               float scale, const RowSpan (&seen)[2], bool full,
+                                               const AttnParams& p, int lane) {
+  const int t = lane & 3;
+  auto probs = [&](auto masked) {
+#pragma unroll
+    for (int ni = 0; ni < NT; ++ni) {
+      const float2 l = *reinterpret_cast<const float2*>(lse + ni * 8 + 2 * t);
+      const float lse2[2] = {l.x * float(M_LOG2E), l.y * float(M_LOG2E)};
+      float pr[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float pe = exp2f(fmaf(st[0][ni][e], scale, -lse2[e & 1]));
+        float pg = pe;
+        if constexpr (kGradInP<Mod>) pg *= Mod::grad_raw_frag(st[0][ni][e], p);
+        if constexpr (decltype(masked)::value) {
+          const int qcol = ni * 8 + 2 * t + (e & 1);
+          const RowSpan& r = seen[e >> 1];
+          if (qcol < r.first || qcol >= r.last) pe = pg = 0.f;
+        }
+        pr[e] = pe;
+        st[0][ni][e] = pg;
+      }
+      if constexpr (kGradInP<Mod>) {
+        pa[0][ni / 2][2 * (ni & 1)] = MmaOp<T>::pack(pr[0], pr[1]);
+        pa[0][ni / 2][2 * (ni & 1) + 1] = MmaOp<T>::pack(pr[2], pr[3]);
+      }
+    }
+  };
+  if (full) {
+    probs(std::false_type{});
+  } else {
+    probs(std::true_type{});
+  }
+  if constexpr (!kGradInP<Mod>) to_a_frags<1, NT, T>(st, pa);
+}
 
 // raw_score_grad over a fragment, for a modifier that adds terms to its map of the score
 // (kAddsTerms): the modified scores are recovered into `prob` (s2 = log2(P) + lse2(mi, ni, e),
