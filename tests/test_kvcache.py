@@ -429,7 +429,7 @@ def _low_precision_cuda_grid():
         Case(b=2, hq=32, hkv=8, lq=1, lmax=4800, d=128, seqlens=(4799, 1000), page_size=48),
         Case(b=2, hq=8, hkv=2, lq=1, lmax=1000, d=96, seqlens=(999, 517)),
         # D = 256 (Gemma): no decode kernel, the prefill kernels on the cache
-        Case(b=2, hq=8, hkv=2, lq=1, lmax=1000, d=256, softcap=5.0, seqlens=(999, 517),
+        Case(b=2, hq=8, hkv=2, lq=1, lmax=1024, d=256, softcap=5.0, seqlens=(999, 517),
              page_size=64),
         Case(b=2, hq=16, hkv=8, lq=16, lmax=1024, d=256, window=(512, 0)),
     ]

@@ -266,7 +266,7 @@ def test_flash_value_dim_low_precision(device, dtype, dims, shape):
 def test_flash_unsupported_value_dim_on_tensor_cores(device):
     q = torch.randn(1, 2, 8, 64, device=device, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match=r"\(D, Dv\)"):
-        adaattn.flash_attn(q, q, torch.randn(1, 2, 8, 160, device=device, dtype=torch.bfloat16))
+        adaattn.flash_attn(q, q, torch.randn(1, 2, 8, 320, device=device, dtype=torch.bfloat16))
 
 
 def test_lazy_rejects_value_dim():
