@@ -9,7 +9,8 @@
 //   dV += P^T dO, dK += dS^T Q    warpgroup w: the 64 keys x column half w (both operands in
 //                                 shared memory)
 //   dQ += dS K                    warpgroup w: the step's 64 queries x column half w, added to
-//                                 the float32 accumulator with per-thread reductions
+//                                 the float32 accumulator with four-float reductions while
+//                                 the tensor cores run dV and dK
 // Five products per tile pair, as bwd_sm90.h. Q and dO are double-buffered through cp.async
 // (208 KiB at D = Dv = 256); two CTA barriers per step: the step's tiles have landed, and both
 // warpgroups' P^T and dS^T are staged.
@@ -234,11 +235,24 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_wide_sm90_kernel(cons
       sm90::fence_proxy_async();
       __syncthreads();  // both warpgroups' halves of P^T and dS^T are staged
 
-      // dV[:, half] += P^T dO and dK[:, half] += dS^T Q: A [64 keys][64 queries] K-major, B the
-      // step's rows read transposed from column half wg on.
+      // dQ[:, half] = dS K first (A = dS^T [key][query] MN-major, B = K [key][DK] MN-major),
+      // then dV[:, half] += P^T dO and dK[:, half] += dS^T Q (A [64 keys][64 queries]
+      // K-major, B the step's rows read transposed from column half wg on): dQ's reductions
+      // into global memory run while the tensor cores work on dV and dK.
+      float dq[DKH / 8][4];
       sm90::fence_operand(dv[0]);
       sm90::fence_operand(dk[0]);
       sm90::wgmma_fence();
+      const uint64_t ds_t_desc = sm90::opaque(sm90::gmma_desc_mn<kBlockN, BM>(sdS));
+#pragma unroll
+      for (int kt = 0; kt < kBlockN / 16; ++kt) {
+        sm90::wgmma_ss_cols<T, DKH / 8, kWideSliceTiles<DKH>, 1, 1>(
+            dq, sm90::desc_at<T>(ds_t_desc, kt * 16 * BM), [&](int col) {
+              return sm90::gmma_desc_mn<kBlockN, DK>(
+                  sK + sm90::gmma_kcol<kBlockN, DK>(wg * DKH + col) + kt * 16 * kKWidth);
+            }, kt > 0);
+      }
+      sm90::wgmma_commit();
       const uint64_t p_desc = sm90::opaque(sm90::gmma_desc_k<BM>(sP));
       const uint64_t ds_desc = sm90::opaque(sm90::gmma_desc_k<BM>(sdS));
       const T* const do_t = sdO(buf);
@@ -257,40 +271,30 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_wide_sm90_kernel(cons
             }, 1);
       }
       sm90::wgmma_commit();
-      // dQ[:, half] = dS K: A = dS^T [key][query] (MN-major), B = K [key][DK] (MN-major).
-      float dq[DKH / 8][4];
-      const uint64_t ds_t_desc = sm90::opaque(sm90::gmma_desc_mn<kBlockN, BM>(sdS));
-#pragma unroll
-      for (int kt = 0; kt < kBlockN / 16; ++kt) {
-        sm90::wgmma_ss_cols<T, DKH / 8, kWideSliceTiles<DKH>, 1, 1>(
-            dq, sm90::desc_at<T>(ds_t_desc, kt * 16 * BM), [&](int col) {
-              return sm90::gmma_desc_mn<kBlockN, DK>(
-                  sK + sm90::gmma_kcol<kBlockN, DK>(wg * DKH + col) + kt * 16 * kKWidth);
-            }, kt > 0);
-      }
-      sm90::wgmma_commit();
-      sm90::wgmma_wait<0>(dq);
-      sm90::fence_operand(dk[0]);
-      sm90::fence_operand(dv[0]);
+      sm90::wgmma_wait<1>(dq);
 
       // Rows past the sequence add dS = 0 (their P is masked); rows past the tensor are not
-      // written.
+      // written. Lanes 2i and 2i + 1 trade halves so that each adds four consecutive columns
+      // of one row (even lanes row g, odd lanes row g + 8): half the reductions of pairs.
       {
         const int valid_q = lens.rows_q - m0;
-        const int q_row0 = (warp % 4) * 16;  // the warp's 16 rows of dQ's 64 queries
-        float* const acc = p.dq_accum + (row_stat_offset(p, lens, b, h) + m0) * DK + wg * DKH +
-                           2 * t;
+        const bool odd = t & 1;
+        const int row = (warp % 4) * 16 + g + (odd ? 8 : 0);  // of dQ's 64 queries
+        float* const acc = p.dq_accum + (row_stat_offset(p, lens, b, h) + m0 + row) * DK +
+                           wg * DKH + 2 * (t & 2);
 #pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          const int row = q_row0 + g + 8 * hh;
-          if (row >= valid_q) continue;
-#pragma unroll
-          for (int ni = 0; ni < DKH / 8; ++ni) {
-            atomic_add2(acc + static_cast<int64_t>(row) * DK + ni * 8, dq[ni][2 * hh],
-                        dq[ni][2 * hh + 1]);
-          }
+        for (int ni = 0; ni < DKH / 8; ++ni) {
+          const float give_x = odd ? dq[ni][0] : dq[ni][2];
+          const float give_y = odd ? dq[ni][1] : dq[ni][3];
+          const float got_x = __shfl_xor_sync(0xffffffff, give_x, 1);
+          const float got_y = __shfl_xor_sync(0xffffffff, give_y, 1);
+          const float4 sum = odd ? make_float4(got_x, got_y, dq[ni][2], dq[ni][3])
+                                 : make_float4(dq[ni][0], dq[ni][1], got_x, got_y);
+          if (row < valid_q) atomic_add4(acc + ni * 8, sum);
         }
       }
+      sm90::wgmma_wait<0>(dk[0]);
+      sm90::fence_operand(dv[0]);
       h = next_h;
       m0 = next_m0;
       next_h = after_h;
