@@ -145,12 +145,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_wide_sm90_kernel(cons
       // Step s's tiles are visible, and every product of step s - 1 (which read buffer
       // buf ^ 1, P^T and dS^T) has completed.
       __syncthreads();
-      if (s + 1 < steps) {
-        issue_step(buf ^ 1, next_h, next_m0);
-        cp_async_commit();
-      }
-      int after_h = next_h, after_m0 = next_m0;
-      if (s + 2 < steps) query.at(p, s + 2, after_h, after_m0);
       const float* lse = sLse0 + buf * BM + q0;
       const float* delta = sDelta0 + buf * BM + q0;
 
@@ -178,6 +172,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_wide_sm90_kernel(cons
                               kk > 0);
       }
       sm90::wgmma_commit();
+      // The next step's loads go out while the tensor cores work (behind the previous step's
+      // dQ reductions in the memory pipeline, they would hold the products back).
+      if (s + 1 < steps) {
+        issue_step(buf ^ 1, next_h, next_m0);
+        cp_async_commit();
+      }
+      int after_h = next_h, after_m0 = next_m0;
+      if (s + 2 < steps) query.at(p, s + 2, after_h, after_m0);
       sm90::wgmma_wait<1>(st[0]);
 
       // P^T[key, query] = exp2(s scale - lse log2 e), 0 outside the mask (bwd_sm90.h): P goes
