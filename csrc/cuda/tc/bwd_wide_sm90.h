@@ -277,22 +277,27 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_wide_sm90_kernel(cons
 
       // Rows past the sequence add dS = 0 (their P is masked); rows past the tensor are not
       // written. Lanes 2i and 2i + 1 trade halves so that each adds four consecutive columns
-      // of one row (even lanes row g, odd lanes row g + 8): half the reductions of pairs.
+      // of one row (even lanes row g, odd lanes row g + 8): half the reductions of pairs. All
+      // trades first, in place, so that the reductions go out back to back.
       {
-        const int valid_q = lens.rows_q - m0;
         const bool odd = t & 1;
-        const int row = (warp % 4) * 16 + g + (odd ? 8 : 0);  // of dQ's 64 queries
-        float* const acc = p.dq_accum + (row_stat_offset(p, lens, b, h) + m0 + row) * DK +
-                           wg * DKH + 2 * (t & 2);
 #pragma unroll
         for (int ni = 0; ni < DKH / 8; ++ni) {
-          const float give_x = odd ? dq[ni][0] : dq[ni][2];
-          const float give_y = odd ? dq[ni][1] : dq[ni][3];
-          const float got_x = __shfl_xor_sync(0xffffffff, give_x, 1);
-          const float got_y = __shfl_xor_sync(0xffffffff, give_y, 1);
-          const float4 sum = odd ? make_float4(got_x, got_y, dq[ni][2], dq[ni][3])
-                                 : make_float4(dq[ni][0], dq[ni][1], got_x, got_y);
-          if (row < valid_q) atomic_add4(acc + ni * 8, sum);
+          const float got_x = __shfl_xor_sync(0xffffffff, odd ? dq[ni][0] : dq[ni][2], 1);
+          const float got_y = __shfl_xor_sync(0xffffffff, odd ? dq[ni][1] : dq[ni][3], 1);
+          dq[ni][0] = odd ? got_x : dq[ni][0];
+          dq[ni][1] = odd ? got_y : dq[ni][1];
+          dq[ni][2] = odd ? dq[ni][2] : got_x;
+          dq[ni][3] = odd ? dq[ni][3] : got_y;
+        }
+        const int row = (warp % 4) * 16 + g + (odd ? 8 : 0);  // of dQ's 64 queries
+        if (row < lens.rows_q - m0) {
+          float* const acc = p.dq_accum + (row_stat_offset(p, lens, b, h) + m0 + row) * DK +
+                             wg * DKH + 2 * (t & 2);
+#pragma unroll
+          for (int ni = 0; ni < DKH / 8; ++ni) {
+            atomic_add4(acc + ni * 8, make_float4(dq[ni][0], dq[ni][1], dq[ni][2], dq[ni][3]));
+          }
         }
       }
       sm90::wgmma_wait<0>(dk[0]);
