@@ -6,9 +6,9 @@
 // warpgroups split each step:
 //   S^T = K Q^T, dP^T = V dO^T   warpgroup w: the 64 keys x queries [32 w, 32 w + 32)
 //   P^T, dS^T                     in registers, then staged as 16-bit [key][query] tiles
-//   dV += P^T dO, dK += dS^T Q    warpgroup w: the 64 keys x its share of the columns (half
-//                                 of them: wide_col), both operands in shared memory
-//   dQ += dS K                    warpgroup w: the step's 64 queries x its columns, added to
+//   dV += P^T dO, dK += dS^T Q    warpgroup w: the 64 keys x column half w (both operands in
+//                                 shared memory)
+//   dQ += dS K                    warpgroup w: the step's 64 queries x column half w, added to
 //                                 the float32 accumulator with four-float reductions while
 //                                 the tensor cores run dV and dK
 // Five products per tile pair, as bwd_sm90.h. Q and dO are double-buffered through cp.async
@@ -52,37 +52,12 @@ struct Sm90WideBwdTraits {
   static_assert(kSmemBytes <= 227 * 1024, "the tiles fit shared memory");
 };
 
-// Column c (< D / 2) of a warpgroup's share of a D-column tensor (dK and dQ: DK, dV: DV): its
-// half where halves are whole 64-column blocks of the swizzled layout; at 192, block wg and
-// then columns [128 + 32 wg, 160 + 32 wg), so that wgmma_ss_cols's slices (64, then 32 columns)
-// each start at a block boundary or stay inside one block, as whole halves (0-95, 96-191)
-// would not.
-template <int D>
-__device__ __forceinline__ int wide_col(int wg, int c) {
-  static_assert((D / 2) % 64 == 0 || D == 192, "halves of whole blocks, or 192");
-  if constexpr ((D / 2) % 64 == 0) {
-    return wg * (D / 2) + c;
-  } else {
-    return c < 64 ? wg * 64 + c : 128 + wg * 32 + (c - 64);
-  }
-}
-
-// Writes a warpgroup's share of dK or dV rows (wide_col's columns) through store_rows.
-template <int D, typename T>
-__device__ __forceinline__ void store_wide_rows(const float (&acc)[1][D / 16][4], float scale,
-                                                T* s_tile, int row0, T* dst, int64_t row_stride,
-                                                int valid_rows, int lane, int wg) {
-  const float row_scale[1][2] = {{scale, scale}};
-  if constexpr ((D / 2) % 64 == 0) {
-    store_rows<1, D / 16, D>(acc, row_scale, s_tile, row0, dst, row_stride, valid_rows, lane,
-                             wide_col<D>(wg, 0));
-  } else {
-    store_rows<1, 8, D>(*reinterpret_cast<const float(*)[1][8][4]>(&acc[0][0]), row_scale,
-                        s_tile, row0, dst, row_stride, valid_rows, lane, wide_col<D>(wg, 0));
-    store_rows<1, 4, D>(*reinterpret_cast<const float(*)[1][4][4]>(&acc[0][8]), row_scale,
-                        s_tile, row0, dst, row_stride, valid_rows, lane, wide_col<D>(wg, 64));
-  }
-}
+// Instructions a warpgroup's column half of `cols` columns takes per k-step (in n-tiles of 8):
+// the whole half where it starts at a 64-column block (either half of 128 or 256 columns),
+// else 32-column slices, which never cross a block of the swizzled layout (192: halves start
+// at columns 0 and 96).
+template <int kHalfCols>
+constexpr int kWideSliceTiles = kHalfCols % 64 == 0 ? (kHalfCols < 128 ? kHalfCols : 128) / 8 : 4;
 
 template <typename Traits, typename T, int DK, int DV, typename Variant>
 __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_wide_sm90_kernel(const AttnParams p) {
@@ -262,9 +237,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_wide_sm90_kernel(cons
       sm90::fence_proxy_async();
       __syncthreads();  // both warpgroups' halves of P^T and dS^T are staged
 
-      // dQ = dS K first (A = dS^T [key][query] MN-major, B = K [key][DK] MN-major), then
-      // dV += P^T dO and dK += dS^T Q (A [64 keys][64 queries] K-major, B the step's rows read
-      // transposed), each on this warpgroup's columns (wide_col): dQ's reductions
+      // dQ[:, half] = dS K first (A = dS^T [key][query] MN-major, B = K [key][DK] MN-major),
+      // then dV[:, half] += P^T dO and dK[:, half] += dS^T Q (A [64 keys][64 queries]
+      // K-major, B the step's rows read transposed from column half wg on): dQ's reductions
       // into global memory run while the tensor cores work on dV and dK.
       float dq[DKH / 8][4];
       sm90::fence_operand(dv[0]);
@@ -273,10 +248,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_wide_sm90_kernel(cons
       const uint64_t ds_t_desc = sm90::opaque(sm90::gmma_desc_mn<kBlockN, BM>(sdS));
 #pragma unroll
       for (int kt = 0; kt < kBlockN / 16; ++kt) {
-        sm90::wgmma_ss_cols<T, DKH / 8, 1, 1>(
+        sm90::wgmma_ss_cols<T, DKH / 8, kWideSliceTiles<DKH>, 1, 1>(
             dq, sm90::desc_at<T>(ds_t_desc, kt * 16 * BM), [&](int col) {
               return sm90::gmma_desc_mn<kBlockN, DK>(
-                  sK + sm90::gmma_kcol<kBlockN, DK>(wide_col<DK>(wg, col)) + kt * 16 * kKWidth);
+                  sK + sm90::gmma_kcol<kBlockN, DK>(wg * DKH + col) + kt * 16 * kKWidth);
             }, kt > 0);
       }
       sm90::wgmma_commit();
@@ -286,15 +261,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_wide_sm90_kernel(cons
       const T* const q_t = sQ(buf);
 #pragma unroll
       for (int kt = 0; kt < BM / 16; ++kt) {
-        sm90::wgmma_ss_cols<T, DVH / 8, 0, 1>(
+        sm90::wgmma_ss_cols<T, DVH / 8, kWideSliceTiles<DVH>, 0, 1>(
             dv[0], sm90::desc_at<T>(p_desc, kt * 16), [&](int col) {
               return sm90::gmma_desc_mn<BM, DV>(
-                  do_t + sm90::gmma_kcol<BM, DV>(wide_col<DV>(wg, col)) + kt * 16 * kVWidth);
+                  do_t + sm90::gmma_kcol<BM, DV>(wg * DVH + col) + kt * 16 * kVWidth);
             }, 1);
-        sm90::wgmma_ss_cols<T, DKH / 8, 0, 1>(
+        sm90::wgmma_ss_cols<T, DKH / 8, kWideSliceTiles<DKH>, 0, 1>(
             dk[0], sm90::desc_at<T>(ds_desc, kt * 16), [&](int col) {
               return sm90::gmma_desc_mn<BM, DK>(
-                  q_t + sm90::gmma_kcol<BM, DK>(wide_col<DK>(wg, col)) + kt * 16 * kKWidth);
+                  q_t + sm90::gmma_kcol<BM, DK>(wg * DKH + col) + kt * 16 * kKWidth);
             }, 1);
       }
       sm90::wgmma_commit();
@@ -317,12 +292,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_wide_sm90_kernel(cons
         }
         const int row = (warp % 4) * 16 + g + (odd ? 8 : 0);  // of dQ's 64 queries
         if (row < lens.rows_q - m0) {
-          float* const acc =
-              p.dq_accum + (row_stat_offset(p, lens, b, h) + m0 + row) * DK + 2 * (t & 2);
+          float* const acc = p.dq_accum + (row_stat_offset(p, lens, b, h) + m0 + row) * DK +
+                             wg * DKH + 2 * (t & 2);
 #pragma unroll
           for (int ni = 0; ni < DKH / 8; ++ni) {
-            atomic_add4(acc + wide_col<DK>(wg, ni * 8),
-                        make_float4(dq[ni][0], dq[ni][1], dq[ni][2], dq[ni][3]));
+            atomic_add4(acc + ni * 8, make_float4(dq[ni][0], dq[ni][1], dq[ni][2], dq[ni][3]));
           }
         }
       }
@@ -340,13 +314,17 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_wide_sm90_kernel(cons
     mainloop(query_steps<BM>(p, b, h_kv, n0, rows));
   }
 
-  // dK and dV rows are staged over sK and sV (each warpgroup its columns of the warp's rows),
-  // which nobody reads after this barrier.
+  // dK and dV rows are staged over sK and sV (each warpgroup its column half of the warp's
+  // rows), which nobody reads after this barrier.
   __syncthreads();
-  store_wide_rows<DK>(dk, static_cast<float>(p.scale), sK, key_row0,
-                      dk_rows<T>(p, lens, b, h_kv, n0), p.dk_row_stride, valid_k, lane, wg);
-  store_wide_rows<DV>(dv, 1.f, sV, key_row0, dv_rows<T>(p, lens, b, h_kv, n0), p.dv_row_stride,
-                      valid_k, lane, wg);
+  const float kscale[1][2] = {{static_cast<float>(p.scale), static_cast<float>(p.scale)}};
+  const float one[1][2] = {{1.f, 1.f}};
+  T* dkptr = dk_rows<T>(p, lens, b, h_kv, n0);
+  T* dvptr = dv_rows<T>(p, lens, b, h_kv, n0);
+  store_rows<1, DKH / 8, DK>(dk, kscale, sK, key_row0, dkptr, p.dk_row_stride, valid_k, lane,
+                             wg * DKH);
+  store_rows<1, DVH / 8, DV>(dv, one, sV, key_row0, dvptr, p.dv_row_stride, valid_k, lane,
+                             wg * DVH);
 #endif
 }
 

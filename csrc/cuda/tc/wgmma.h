@@ -445,20 +445,18 @@ __device__ __forceinline__ void wgmma_rs_cols(float (&d)[NT][4], const uint32_t 
   if constexpr (kFirst + kSlice < NT) wgmma_rs_cols<T, NT, kFirst + kSlice>(d, a, desc_cols);
 }
 
-// wgmma_ss over N = 8 * NT output columns (NT a multiple of 4) in instructions of N = 128, then
-// one of 64 and one of 32 for what is left, each on its slice of d. A is the same for every
-// slice; desc_b_cols(c) is the descriptor of B's columns from c on (a slice of a swizzled
-// MN-major B may cross a 64-column block only from its start: the caller maps columns so).
-template <typename T, int NT, int kTransA, int kTransB, int kFirst = 0, typename DescCols>
+// wgmma_ss over N = 8 * NT output columns in instructions of N = 8 * kSliceNT (NT a multiple of
+// kSliceNT, kSliceNT in {4, 8, 16}), each on its slice of d; A is the same for every slice, and
+// desc_b_cols(c) is the descriptor of B's columns from c on (a slice must not cross a 64-column
+// block of a swizzled MN-major B unless it starts at one).
+template <typename T, int NT, int kSliceNT, int kTransA, int kTransB, typename DescCols>
 __device__ __forceinline__ void wgmma_ss_cols(float (&d)[NT][4], uint64_t desc_a,
                                               DescCols desc_b_cols, int scale_d) {
-  constexpr int kRest = NT - kFirst;
-  constexpr int kSlice = kRest >= 16 ? 16 : kRest >= 8 ? 8 : 4;
-  static_assert(kRest % 4 == 0 && kRest > 0, "N a multiple of 32");
-  wgmma_ss<T, kSlice, kTransA, kTransB>(*reinterpret_cast<float(*)[kSlice][4]>(&d[kFirst]),
-                                        desc_a, desc_b_cols(kFirst * 8), scale_d);
-  if constexpr (kFirst + kSlice < NT) {
-    wgmma_ss_cols<T, NT, kTransA, kTransB, kFirst + kSlice>(d, desc_a, desc_b_cols, scale_d);
+  static_assert(NT % kSliceNT == 0, "whole slices");
+#pragma unroll
+  for (int first = 0; first < NT; first += kSliceNT) {
+    wgmma_ss<T, kSliceNT, kTransA, kTransB>(*reinterpret_cast<float(*)[kSliceNT][4]>(&d[first]),
+                                            desc_a, desc_b_cols(first * 8), scale_d);
   }
 }
 
