@@ -390,13 +390,14 @@ def _bf16_copy(model, device):
     return copy.deepcopy(model).to(device=device, dtype=torch.bfloat16)
 
 
-@pytest.mark.parametrize("name", ["llama", "gemma2"])
-def test_bfloat16_logits(name, device):
-    """bfloat16 (on CUDA the tensor-core kernels, head dim 64) for a plain, a left-padded and a
-    packed batch: flash-attn's rule against float64 (float32 for Gemma 2's eager reference,
-    whose float64 masks overflow in padded rows), the reference implementation run in bfloat16
-    on the same device setting the bar. Padding rows are left out."""
-    model = _model(name, torch.float32 if name == "gemma2" else torch.float64, head_dim=64)
+@pytest.mark.parametrize("name,head_dim", [("llama", 64), ("gemma2", 64), ("gemma2", 256)])
+def test_bfloat16_logits(name, head_dim, device):
+    """bfloat16 (on CUDA the tensor-core kernels; Gemma 2 also at its own head dim, 256, with
+    softcap and sliding layers) for a plain, a left-padded and a packed batch: flash-attn's rule
+    against float64 (float32 for Gemma 2's eager reference, whose float64 masks overflow in
+    padded rows), the reference implementation run in bfloat16 on the same device setting the
+    bar. Padding rows are left out."""
+    model = _model(name, torch.float32 if name == "gemma2" else torch.float64, head_dim=head_dim)
     low = _bf16_copy(model, device)
     reference_impl = _reference_impl(name)
     _, packed = _packed([5, 11, 3])
@@ -414,12 +415,15 @@ def test_bfloat16_logits(name, device):
 
 
 @pytest.mark.parametrize("padding", ["none", "left"])
-def test_bfloat16_generate_decode_steps(padding, device):
-    """bfloat16 generation (on CUDA the prefill and split-KV decode kernels): the logits of every
-    step obey flash-attn's rule against float64 full forwards over the generated tokens (teacher
-    forcing; positions as generate() derives them from the mask), sdpa's bfloat16 full forwards
-    setting the bar."""
-    model = _model("llama", torch.float64, head_dim=64)
+@pytest.mark.parametrize("name,head_dim", [("llama", 64), ("gemma2", 256)])
+def test_bfloat16_generate_decode_steps(name, head_dim, padding, device):
+    """bfloat16 generation (on CUDA the prefill and split-KV decode kernels; at Gemma 2's head
+    dim 256 the prefill kernels on the cache): the logits of every step obey flash-attn's rule
+    against float64 full forwards over the generated tokens (float32 for Gemma 2's eager
+    reference; teacher forcing, positions as generate() derives them from the mask), the
+    reference implementation's bfloat16 full forwards setting the bar."""
+    model = _model(name, torch.float32 if name == "gemma2" else torch.float64, head_dim=head_dim)
+    reference_impl = _reference_impl(name)
     low = _bf16_copy(model, device)
     ids, mask = _ids(3, 19), _padding(padding)
     tokens, logits = _generate(low, "adaattn", ids.to(device), mask.to(device), new_tokens=8)
@@ -427,8 +431,9 @@ def test_bfloat16_generate_decode_steps(padding, device):
     full_mask = torch.cat([mask, torch.ones_like(tokens.cpu())], 1)
     positions = (full_mask.cumsum(-1) - 1).masked_fill(full_mask == 0, 1)
     steps = slice(ids.shape[1] - 1, -1)
-    truth = _logits(model, "sdpa", full, attention_mask=full_mask, position_ids=positions)
-    ref_low = _logits(low, "sdpa", full.to(device), attention_mask=full_mask.to(device),
+    truth = _logits(model, reference_impl, full, attention_mask=full_mask,
+                    position_ids=positions)
+    ref_low = _logits(low, reference_impl, full.to(device), attention_mask=full_mask.to(device),
                       position_ids=positions.to(device))
     assert_low_precision_rule("logits", logits, ref_low[:, steps], truth[:, steps])
 
