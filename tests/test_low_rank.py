@@ -263,10 +263,13 @@ def test_flash_value_dim_low_precision(device, dtype, dims, shape):
 
 
 @pytest.mark.parametrize("device", CUDA)
-def test_flash_unsupported_value_dim_on_tensor_cores(device):
+def test_flash_value_dim_past_the_variants_kernels_refused(device):
+    """Every plain (D, Dv) up to 256 has a tensor-core kernel (zero-padded to one); a variant
+    whose kernels stop at (128, 128), ALiBi, refuses (64, 160) naming its supported pairs."""
     q = torch.randn(1, 2, 8, 64, device=device, dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match=r"\(D, Dv\)"):
-        adaattn.flash_attn(q, q, torch.randn(1, 2, 8, 320, device=device, dtype=torch.bfloat16))
+    v = torch.randn(1, 2, 8, 160, device=device, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"Dv = v.size\(-1\) = 160 .*supported \(D, Dv\)"):
+        adaattn.flash_attn(q, q, v, alibi_slopes=torch.ones(2, device=device))
 
 
 def test_lazy_rejects_value_dim():
