@@ -236,19 +236,21 @@ PATHS = [pytest.param("cpu", torch.float64, id="cpu"),
          pytest.param("cuda", torch.bfloat16, id="cuda-bf16", marks=pytest.mark.cuda)]
 
 
+@pytest.mark.parametrize("d", [64, 256])
 @pytest.mark.parametrize("deterministic", [True, False], ids=["det", "atomic"])
 @pytest.mark.parametrize("device, dtype", PATHS)
-def test_nan_past_seqlens_is_never_read(device, dtype, deterministic):
+def test_nan_past_seqlens_is_never_read(device, dtype, deterministic, d):
     """Padding rows and keys (at or past seqlens[b]) may hold anything: the other rows and the
     gradients of real entries do not change, and padding rows give 0 / -inf (the tensor-core
-    kernels load padding as zeros, so no masked entry's zero P multiplies what it holds)."""
+    kernels load padding as zeros, so no masked entry's zero P multiplies what it holds).
+    D = 256 takes the wide kernels on CUDA."""
     length, valid = 150, 70
     seqlens = torch.tensor([valid, length], dtype=torch.int32, device=device)
-    clean = [torch.randn(2, 2, length, 64, dtype=dtype, device=device) for _ in range(3)]
+    clean = [torch.randn(2, 2, length, d, dtype=dtype, device=device) for _ in range(3)]
     dirty = [t.clone() for t in clean]
     for t in dirty:
         t[0, :, valid:] = NAN
-    dout = torch.randn(2, 2, length, 64, dtype=dtype, device=device)
+    dout = torch.randn(2, 2, length, d, dtype=dtype, device=device)
     dout[0, :, valid:] = 0
     results = []
     for tensors in (clean, dirty):
@@ -266,6 +268,22 @@ def test_nan_past_seqlens_is_never_read(device, dtype, deterministic):
     out, lse = results[1][:2]
     assert torch.equal(out[0, :, valid:], torch.zeros_like(out[0, :, valid:]))
     assert bool((lse[0, :, valid:] == -INF).all())
+
+
+@pytest.mark.parametrize("device, dtype", PATHS)
+def test_nan_query_propagates_at_head_dim_256(device, dtype):
+    """D = 256 (the wide kernels on CUDA): a NaN in one query element makes that row's output
+    and its dq NaN, as the reference's, and leaves every other row's output finite."""
+    q, k, v = (torch.randn(1, 2, 150, 256, dtype=dtype, device=device) for _ in range(3))
+    q[0, 1, 77, 5] = NAN
+    q.requires_grad_(True)
+    out = adaattn.flash_attn(q, k, v, causal=True)
+    out.backward(torch.ones_like(out))
+    bad = torch.zeros(out.shape[:-1], dtype=torch.bool, device=device)
+    bad[0, 1, 77] = True
+    assert bool(torch.isnan(out[bad]).all()), "the NaN query's row is not NaN"
+    assert bool(torch.isfinite(out[~bad]).all()), "a NaN reached another row"
+    assert bool(torch.isnan(q.grad[bad]).all()), "the NaN query's dq is not NaN"
 
 
 @pytest.mark.parametrize("device", DEVICES)
