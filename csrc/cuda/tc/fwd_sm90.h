@@ -291,26 +291,20 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_sm90_kernel(const Att
           lse2[0][hh] = lse_log2(lse, m0 + warp_row0 + g + 8 * hh, lens.rows_q);
         }
       } else {
-        float s_even[1][NT][4], s_odd[1][NT][4];
-        wait_full(0);
-        issue_scores(s_even, 0);
-        auto lse_step = [&](float (&s)[1][NT][4], float (&s_next)[1][NT][4], int i) {
-          if (i + 1 < n) {
-            wait_full(i + 1);
-            issue_scores(s_next, (i + 1) % 2);
-            sm90::wgmma_wait<1>(s[0]);
-          } else {
-            sm90::wgmma_wait<0>(s[0]);
-          }
+        // One tile's S at a time (the other warpgroup's products fill the tensor cores):
+        // overlapping the next tile's S takes either a wgmma wait that depends on a branch (the
+        // last tile's), on which ptxas serialises every product of the kernel (C7518), or, peeled,
+        // ~96 bytes of spills at D = 128.
+        for (int i = 0; i < n; ++i) {
+          wait_full(i);
+          float s[1][NT][4];
+          issue_scores(s, i % 2);
+          sm90::wgmma_wait<0>(s[0]);
           release(i);
           const float scale =
               fold_scores<Mod>(s, p, lens, rr, b, h, m0 + warp_row0, tiles.at(i) * BN, lane);
           float corr[1][2];
           online_softmax<true>(s, row_max, row_sum, corr, scale);
-        };
-        for (int i = 0; i < n; i += 2) {
-          lse_step(s_even, s_odd, i);
-          if (i + 1 < n) lse_step(s_odd, s_even, i + 1);
         }
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
