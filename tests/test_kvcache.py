@@ -428,10 +428,11 @@ def _low_precision_cuda_grid():
         Case(b=2, hq=8, hkv=2, lq=1, lmax=8192, d=128, num_splits=1, page_size=16),
         Case(b=2, hq=32, hkv=8, lq=1, lmax=4800, d=128, seqlens=(4799, 1000), page_size=48),
         Case(b=2, hq=8, hkv=2, lq=1, lmax=1000, d=96, seqlens=(999, 517)),
-        # D = 256 (Gemma): no decode kernel, the prefill kernels on the cache
+        # D = 256 (Gemma): no decode kernel, the prefill kernels on the cache (lazy too)
         Case(b=2, hq=8, hkv=2, lq=1, lmax=1024, d=256, softcap=5.0, seqlens=(999, 517),
              page_size=64),
         Case(b=2, hq=16, hkv=8, lq=16, lmax=1024, d=256, window=(512, 0)),
+        Case(b=2, hq=8, hkv=2, lq=3, lmax=1024, d=256, seqlens=(999, 517), page_size=64),
     ]
     return cases
 

@@ -356,11 +356,25 @@ def test_low_precision_cuda_padded_head_dims(d, dtype):
     _check_low_precision(Case(b=2, hq=4, hkv=2, lq=97, lk=128, d=d, w=7, tau=-1.0), dtype, "cuda")
 
 
+WIDE_HEAD_DIM_CASES = [
+    Case(b=2, hq=4, hkv=2, lq=300, lk=300, d=256, w=16, tau=-1.0),
+    Case(b=3, hq=4, hkv=1, lq=97, lk=257, d=256, w=512, tau=0.5, seqlens=(0, 17, 257)),
+    Case(b=2, hq=8, hkv=2, lq=130, lk=130, d=256, w=7, tau=-0.5, transposed=True),
+    Case(b=2, hq=4, hkv=2, lq=97, lk=128, d=160, w=7, tau=-1.0),  # zero-padded to (256, 256)
+]
+
+
 @pytest.mark.cuda
-def test_cuda_head_dims_past_the_kernels_refused():
-    q = torch.randn(1, 2, 8, 160, device="cuda", dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match=r"head dims.*supported"):
-        adaattn.lazy_attn(q, q, q, torch.zeros(2, device="cuda"), torch.zeros(2, 4, device="cuda"))
+@pytest.mark.parametrize("kernels", ["default", "sm80"])
+@pytest.mark.parametrize("dtype", LOW_PRECISION, ids=str)
+@pytest.mark.parametrize("case", WIDE_HEAD_DIM_CASES, ids=str)
+def test_low_precision_cuda_wide_head_dims(case, dtype, kernels, monkeypatch):
+    """Gemma's head dim, 256 (and dims above 128 zero-padded to it): the Hopper wgmma forward
+    and the mma.sync backward, whose dK/dV CTAs split their columns (the bias table's gradient
+    is one slice's), and with ADAATTN_DISABLE_SM90=1 the mma.sync forward too."""
+    if kernels == "sm80":
+        monkeypatch.setenv("ADAATTN_DISABLE_SM90", "1")
+    _check_low_precision(case, dtype, "cuda")
 
 
 # --------------------------------------------------------------------------------------------

@@ -47,9 +47,9 @@ struct BwdKVTraits {
   static constexpr int kSlices = kSliceCount;
   static_assert(DK % (16 * kSlices) == 0 && DV % (16 * kSlices) == 0,
                 "slices of whole 16-column groups");
-  // What every slice would add again: the dQ product and the table's gradient.
-  static_assert(kSlices == 1 || (!kAtomicDQ && !Variant::Mod::kParamGrad),
-                "column slices take the two-pass dQ and no learnable score table");
+  // What every slice would add again: the dQ product (so slices take the two-pass dQ); the
+  // table's gradient is slice 0's alone.
+  static_assert(kSlices == 1 || !kAtomicDQ, "column slices take the two-pass dQ");
   // K, V, and double-buffered Q, dO tiles, then lse2/delta (non-normalised: and the row term)
   // of both buffers; with a learnable score table: an fp32 [kStageKeys][BM] dS^T staging tile
   // for its partial sums, filled in rounds of kStageKeys keys. Rounds of at most 2048 floats
@@ -280,7 +280,8 @@ __device__ __forceinline__ void bwd_dkdv_block(const AttnParams& p, int block) {
 
       // The table's gradient takes dS of the modified scores; dK and dQ that of the raw ones.
       if constexpr (Mod::kParamGrad) {
-        if (param_grads && Mod::tile_active(p, lens, m0, m0 + BM - 1, n0, n0 + kBlockN - 1)) {
+        if (param_grads && block % kSlices == 0 &&
+            Mod::tile_active(p, lens, m0, m0 + BM - 1, n0, n0 + kBlockN - 1)) {
           Mod::template accumulate_param_grad<kBlockN, BM, Traits::kStageKeys, BM, kThreads>(
               p, lens, sStage, dpt, h, m0, n0, tile.slot, warp_row0, lane, tid);
         }

@@ -15,7 +15,7 @@ VARIANTS = {
     "kPlain": ("PlainVariant", ((64, 64), (128, 128), (32, 64), (32, 128), (64, 128),
                                 (192, 128), (192, 192), (256, 256))),
     "kSoftcap": ("SoftcapVariant", ((64, 64), (128, 128), (256, 256))),
-    "kLazy": ("LazyVariant", ((64, 64), (128, 128))),
+    "kLazy": ("LazyVariant", ((64, 64), (128, 128), (256, 256))),
     "kComposed": ("ComposedVariant", ((64, 64), (128, 128))),
 }
 DTYPES = {"bf16": "__nv_bfloat16", "fp16": "__half"}
