@@ -45,10 +45,11 @@ struct Sm90Q8FwdTraits {
   static constexpr int kWarpgroups = kWarpgroupCount;
   static constexpr int kProducerRegs = 32;
   static constexpr int kConsumerRegs = kWarpgroups == 3 ? 160 : 232;
-  static_assert(kWarpgroups * 128 * kConsumerRegs + 128 * kProducerRegs <= 65536,
-                "the register split fits the register file");
   static constexpr int kConsumerThreads = kWarpgroups * 128;
   static constexpr int kThreads = kConsumerThreads + 128;
+  static_assert(kWarpgroups * 128 * kConsumerRegs + 128 * kProducerRegs <=
+                    sm90::launch_register_budget(kThreads),
+                "the register split fits what the CTA was launched with");
   static constexpr int kBlockM = kWarpgroups * 64;
   static constexpr int kBlockN = 128;
   static constexpr int kStages = 2;

@@ -26,10 +26,11 @@ struct Sm90FwdTraits {
   // column blocks of D + Dv > 256 take more than 32).
   static constexpr int kProducerRegs = DK + DV > 256 ? 40 : 32;
   static constexpr int kConsumerRegs = kWarpgroups == 3 ? 160 : 232;
-  static_assert(kWarpgroups * 128 * kConsumerRegs + 128 * kProducerRegs <= 65536,
-                "the register split fits the register file");
   static constexpr int kConsumerThreads = kWarpgroups * 128;
   static constexpr int kThreads = kConsumerThreads + 128;  // and a producer warpgroup
+  static_assert(kWarpgroups * 128 * kConsumerRegs + 128 * kProducerRegs <=
+                    sm90::launch_register_budget(kThreads),
+                "the register split fits what the CTA was launched with");
   static constexpr int kBlockM = kWarpgroups * 64;
   static constexpr int kStages = 2;
   static constexpr int kQElems = kBlockM * DK;
