@@ -1,7 +1,7 @@
 // Hopper forward: the mainloop of fwd_sm80.h with its two products on warpgroup MMAs (wgmma.h)
 // instead of per-warp mma.sync, warp-specialised (see the kernel). Two consumer warpgroups own
 // 64 query rows each and keep O and the softmax state in registers; K and V tiles of 128 keys
-// (64 at the widest head dims: Sm90FwdTraits) are double-buffered in shared memory. Masks
+// (64 or 80 at the widest head dims: Sm90FwdTraits) are double-buffered in shared memory. Masks
 // (dense ranges and block-sparse lists, tiles.h), the softmax and the variant hooks are the
 // fragment-level ones of softmax_frag.h, since a warp's rows of a wgmma accumulator are laid
 // out as its mma.sync fragments.
@@ -18,26 +18,35 @@
 namespace adaattn {
 namespace tc {
 
-// kWarpgroupCount: consumer warpgroups, 2 or 3 (launch.h's sm90_fwd_warpgroups).
-template <typename T, int DK, int DV, int kWarpgroupCount>
+// kWarpgroupCount: consumer warpgroups, 2 or 3 (launch.h's sm90_fwd_warpgroups). kKeys80:
+// 80-key tiles (FA3's at head dim 256) for the online softmax at D + Dv > 384, where 64-key
+// tiles left the tensor pipe waiting on each tile's softmax (launch.h picks them).
+template <typename T, int DK, int DV, int kWarpgroupCount, bool kKeys80 = false>
 struct Sm90FwdTraits {
+  static_assert(!kKeys80 || (DK + DV > 384 && kWarpgroupCount == 2),
+                "80-key tiles are (256, 256)'s, with two consumer warpgroups");
   static constexpr int kWarpgroups = kWarpgroupCount;
   // setmaxnreg's split of the register file: the producer keeps what its copies need (the
-  // column blocks of D + Dv > 256 take more than 32).
-  static constexpr int kProducerRegs = DK + DV > 256 ? 40 : 32;
-  static constexpr int kConsumerRegs = kWarpgroups == 3 ? 160 : 232;
+  // column blocks of D + Dv > 256 take more than 32); 80 keys of S beside a 64 x 256 O take
+  // 240 a consumer thread, which leaves the producer 24.
+  static constexpr int kProducerRegs = kKeys80 ? 24 : DK + DV > 256 ? 40 : 32;
+  static constexpr int kConsumerRegs = kWarpgroups == 3 ? 160 : kKeys80 ? 240 : 232;
   static constexpr int kConsumerThreads = kWarpgroups * 128;
   static constexpr int kThreads = kConsumerThreads + 128;  // and a producer warpgroup
   static_assert(kWarpgroups * 128 * kConsumerRegs + 128 * kProducerRegs <=
                     sm90::launch_register_budget(kThreads),
                 "the register split fits what the CTA was launched with");
+  // Ping-pong turns (the kernel's softmax mainloop): at D + Dv > 384 a product is long beside
+  // a softmax and waiting for the turn cost 4-10% (H200, (256, 256)).
+  static constexpr bool kTakeTurns = DK + DV <= 384;
   static constexpr int kBlockM = kWarpgroups * 64;
   static constexpr int kStages = 2;
   static constexpr int kQElems = kBlockM * DK;
   // Keys per streamed tile: 128, or 64 where 128-key stages do not fit the 227 KiB an SM90 CTA
-  // may take (D + Dv > 320: (192, 192), (256, 256)).
+  // may take (D + Dv > 320: (192, 192), (256, 256)), or 80.
   static constexpr int kBlockN =
-      (kQElems + kStages * 128 * (DK + DV)) * static_cast<int>(sizeof(T)) + 1024 <= 227 * 1024
+      kKeys80 ? 80
+      : (kQElems + kStages * 128 * (DK + DV)) * static_cast<int>(sizeof(T)) + 1024 <= 227 * 1024
           ? 128
           : 64;
   static constexpr int kKElems = kBlockN * DK;
@@ -66,7 +75,7 @@ struct Sm90FwdTraits {
 //   The warpgroups take turns issuing their products (ping-pong, one named barrier each), so
 //   that one's softmax runs under the others' products (7% at D = 128 on the H100; too short
 //   to cover a softmax at the 32-wide low-rank scores, where it neither helps nor hurts). At
-//   D = 64 three warpgroups take turns (sm90_fwd_warpgroups).
+//   D = 64 three warpgroups take turns (sm90_fwd_warpgroups); above D + Dv = 384 none do.
 // * Other transforms (kStats: the weight pass counts into p.stats, a separate instantiation):
 //   groups 0..n-1 hold K_i for the lse pass, whose S_{i+1} is issued before the softmax of S_i;
 //   groups n..2n-1 hold K_i and V_i for the weight pass, which skips the A V product of a
@@ -234,14 +243,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_sm90_kernel(const Att
       // arrival is consumed.
       constexpr int kWgs = Traits::kWarpgroups;
       const sm90::WarpgroupTurns<kWgs, kTurnBarrier> turns{wg};
-      if (wg == kWgs - 1) turns.pass();
+      if (Traits::kTakeTurns && wg == kWgs - 1) turns.pass();
       uint32_t pa[1][NT / 2][4];
       {
         wait_full(0);
         float s[1][NT][4];
-        turns.take();
+        if (Traits::kTakeTurns) turns.take();
         issue_scores(s, 0);
-        turns.pass();
+        if (Traits::kTakeTurns) turns.pass();
         sm90::wgmma_wait<0>(s[0]);
         release(0);
         float corr[1][2];  // O is still 0
@@ -251,10 +260,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_sm90_kernel(const Att
       for (int i = 1; i < tiles.count; ++i) {
         wait_full(i);
         float s[1][NT][4];
-        turns.take();
+        if (Traits::kTakeTurns) turns.take();
         issue_scores(s, i % 2);
         issue_pv(pa[0], (i - 1) % 2);
-        turns.pass();
+        if (Traits::kTakeTurns) turns.pass();
         sm90::wgmma_wait<1>(s[0]);
         float corr[1][2];
         softmax_scores(s, tiles.at(i) * BN, corr);
@@ -270,9 +279,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_sm90_kernel(const Att
         to_a_frags<1, NT, T>(s, pa);
       }
       wait_full(tiles.count);
-      turns.take();
+      if (Traits::kTakeTurns) turns.take();
       issue_pv(pa[0], (tiles.count - 1) % 2);
-      if (wg != kWgs - 1) turns.pass();
+      if (Traits::kTakeTurns && wg != kWgs - 1) turns.pass();
       sm90::wgmma_wait<0>(o[0]);
       sm90::fence_operand(pa[0]);
     };

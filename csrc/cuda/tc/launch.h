@@ -115,10 +115,8 @@ AttnParams in_cta_order(const AttnParams& p, int block_rows, int ctas_per_sm) {
   return ordered;
 }
 
-// kWarpgroups: consumer warpgroups (sm90_fwd_warpgroups below).
-template <typename T, int DK, int DV, typename Variant, int kWarpgroups>
-void launch_fwd_sm90_with(const AttnParams& p_in) {
-  using Traits = Sm90FwdTraits<T, DK, DV, kWarpgroups>;
+template <typename Traits, typename T, int DK, int DV, typename Variant>
+void launch_fwd_sm90_traits(const AttnParams& p_in) {
   const AttnParams p = in_cta_order<false>(p_in, Traits::kBlockM, 1);
   auto kernel = fwd_sm90_kernel<Traits, T, DK, DV, Variant, false>;
   if constexpr (Variant::Transform::kCountsZeros) {
@@ -128,6 +126,20 @@ void launch_fwd_sm90_with(const AttnParams& p_in) {
   const int grid = grid_size(tile_slots<false>(p, Traits::kBlockM) * p.heads_q);
   kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, current_stream()>>>(p);
   check_launch();
+}
+
+// kWarpgroups: consumer warpgroups (sm90_fwd_warpgroups below). The online softmax at
+// D + Dv > 384 streams 80-key tiles, except over block-sparse lists (their blocks must be whole
+// tiles); the lse pass keeps 64 (it keeps more live beside O).
+template <typename T, int DK, int DV, typename Variant, int kWarpgroups>
+void launch_fwd_sm90_with(const AttnParams& p) {
+  if constexpr (DK + DV > 384 && Variant::kNormalized) {
+    if (p.block_kv_num == nullptr) {
+      launch_fwd_sm90_traits<Sm90FwdTraits<T, DK, DV, kWarpgroups, true>, T, DK, DV, Variant>(p);
+      return;
+    }
+  }
+  launch_fwd_sm90_traits<Sm90FwdTraits<T, DK, DV, kWarpgroups>, T, DK, DV, Variant>(p);
 }
 
 // Consumer warpgroups of the Hopper forward for rows that allow more than two (launch_fwd_sm90):

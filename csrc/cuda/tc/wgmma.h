@@ -330,6 +330,10 @@ __device__ __forceinline__ void bulk_wait() { ADAATTN_SM90_ASM("cp.async.bulk.wa
 #define ADAATTN_WGMMA_D32 \
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
   "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define ADAATTN_WGMMA_D40 \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+  "%32, %33, %34, %35, %36, %37, %38, %39}"
 #define ADAATTN_WGMMA_D64 \
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
   "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
@@ -347,6 +351,10 @@ __device__ __forceinline__ void bulk_wait() { ADAATTN_SM90_ASM("cp.async.bulk.wa
   C(d[5][0]), C(d[5][1]), C(d[5][2]), C(d[5][3]), \
   C(d[6][0]), C(d[6][1]), C(d[6][2]), C(d[6][3]), \
   C(d[7][0]), C(d[7][1]), C(d[7][2]), C(d[7][3])
+#define ADAATTN_WGMMA_ACC10(C) \
+  ADAATTN_WGMMA_ACC8(C), \
+  C(d[8][0]), C(d[8][1]), C(d[8][2]), C(d[8][3]), \
+  C(d[9][0]), C(d[9][1]), C(d[9][2]), C(d[9][3])
 #define ADAATTN_WGMMA_ACC16(C) \
   ADAATTN_WGMMA_ACC8(C), \
   C(d[8][0]), C(d[8][1]), C(d[8][2]), C(d[8][3]), \
@@ -382,10 +390,17 @@ __device__ __forceinline__ void bulk_wait() { ADAATTN_SM90_ASM("cp.async.bulk.wa
 template <typename T, int NT, int kTransA = 0, int kTransB = 0>
 __device__ __forceinline__ void wgmma_ss(float (&d)[NT][4], uint64_t desc_a, uint64_t desc_b,
                                          int scale_d) {
-  static_assert(NT == 4 || NT == 8 || NT == 16, "wgmma_ss covers N = 32, 64 and 128");
+  static_assert(NT == 4 || NT == 8 || NT == 10 || NT == 16,
+                "wgmma_ss covers N = 32, 64, 80 and 128");
 #ifdef ADAATTN_SM90A_DEVICE
   constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
-  if constexpr (NT == 16 && kBf16) {
+  if constexpr (NT == 10 && kBf16) {
+    ADAATTN_WGMMA_SS("m64n80k16", "bf16", ADAATTN_WGMMA_D40, ADAATTN_WGMMA_ACC10("+f"),
+                     "40", "41", "42", "43", "44");
+  } else if constexpr (NT == 10) {
+    ADAATTN_WGMMA_SS("m64n80k16", "f16", ADAATTN_WGMMA_D40, ADAATTN_WGMMA_ACC10("+f"),
+                     "40", "41", "42", "43", "44");
+  } else if constexpr (NT == 16 && kBf16) {
     ADAATTN_WGMMA_SS("m64n128k16", "bf16", ADAATTN_WGMMA_D64, ADAATTN_WGMMA_ACC16("+f"),
                      "64", "65", "66", "67", "68");
   } else if constexpr (NT == 16) {
