@@ -1,6 +1,6 @@
 // Hopper backward at head dims above 128 ((D, Dv) = (192, 128), (192, 192), (256, 256)) for
-// normalised transforms whose modifier neither adds terms nor has a learnable table (plain,
-// softcap). bwd_sm90.h's warpgroups each own 64 keys and hold whole dK and dV rows, 256
+// normalised transforms whose modifier neither adds terms nor has a learnable table.
+// bwd_sm90.h's warpgroups each own 64 keys and hold whole dK and dV rows, 256
 // registers a thread at D = Dv = 256; here a CTA owns 64 keys of one (batch, kv head), walks
 // the 64-row query steps that meet them (every query head of its GQA group), and its two
 // warpgroups split each step:
