@@ -77,7 +77,7 @@ struct Sm90FwdTraits {
 //   to cover a softmax at the 32-wide low-rank scores, where it neither helps nor hurts). At
 //   D = 64 three warpgroups take turns (sm90_fwd_warpgroups); above D + Dv = 384 none do.
 // * Other transforms (kStats: the weight pass counts into p.stats, a separate instantiation):
-//   groups 0..n-1 hold K_i for the lse pass, whose S_{i+1} is issued before the softmax of S_i;
+//   groups 0..n-1 hold K_i for the lse pass (one tile's S in flight at a time);
 //   groups n..2n-1 hold K_i and V_i for the weight pass, which skips the A V product of a
 //   warpgroup's 64 x 128 tile whose weights are all zero (a warpgroup vote).
 template <typename Traits, typename T, int DK, int DV, typename Variant, bool kStats>
