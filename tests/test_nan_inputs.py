@@ -270,14 +270,20 @@ def test_nan_past_seqlens_is_never_read(device, dtype, deterministic, d):
     assert bool((lse[0, :, valid:] == -INF).all())
 
 
+@pytest.mark.parametrize("lazy", [False, True], ids=["flash", "lazy"])
 @pytest.mark.parametrize("device, dtype", PATHS)
-def test_nan_query_propagates_at_head_dim_256(device, dtype):
+def test_nan_query_propagates_at_head_dim_256(device, dtype, lazy):
     """D = 256 (the wide kernels on CUDA): a NaN in one query element makes that row's output
     and its dq NaN, as the reference's, and leaves every other row's output finite."""
     q, k, v = (torch.randn(1, 2, 150, 256, dtype=dtype, device=device) for _ in range(3))
     q[0, 1, 77, 5] = NAN
     q.requires_grad_(True)
-    out = adaattn.flash_attn(q, k, v, causal=True)
+    if lazy:
+        tau = torch.tensor([-0.5, 0.3], device=device)
+        bias = (0.1 * torch.randn(2, 16)).to(device)
+        out = adaattn.lazy_attn(q, k, v, tau, bias)
+    else:
+        out = adaattn.flash_attn(q, k, v, causal=True)
     out.backward(torch.ones_like(out))
     bad = torch.zeros(out.shape[:-1], dtype=torch.bool, device=device)
     bad[0, 1, 77] = True
