@@ -245,7 +245,8 @@ __device__ __forceinline__ void publish_stage(uint64_t* full) {
 // these between warpgroups (a split asking for more waits forever), and ptxas gives each thread
 // the largest multiple of 8 that fits the 64K register file.
 constexpr int launch_register_budget(int threads) {
-  return threads * ((65536 / threads / 8 * 8) < 255 ? 65536 / threads / 8 * 8 : 255);
+  const int per_thread = 65536 / threads / 8 * 8;
+  return threads * (per_thread < 255 ? per_thread : 255);
 }
 
 // Moves this warpgroup's register budget (setmaxnreg, sm_90a): a warp-specialised kernel's
