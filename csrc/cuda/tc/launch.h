@@ -142,25 +142,27 @@ void launch_fwd_sm90_with(const AttnParams& p) {
   launch_fwd_sm90_traits<Sm90FwdTraits<T, DK, DV, kWarpgroups>, T, DK, DV, Variant>(p);
 }
 
-// Consumer warpgroups of the Hopper forward for rows that allow more than two (launch_fwd_sm90):
-// three for the plain softmax at D = 64, whose products are too short for two to cover each
-// other's softmax. A score modifier's temporaries spill at the 160 registers a thread three
-// leave. A transform with an lse pass keeps two: three compile without spills for it, but have
-// not been measured against two.
+// Consumer warpgroups of the Hopper forward at D = 64 for rows that allow more than two
+// (launch_fwd_sm90): three for the plain softmax, whose products are too short for two to cover
+// each other's softmax, and for a transform with an lse pass (one tile of S live at a time). A
+// score modifier under the online softmax spills at the 160 registers a thread three leave.
 template <int DK, int DV, typename Variant>
 constexpr int sm90_fwd_warpgroups() {
-  return DK == 64 && DV == 64 && Variant::kNormalized && Variant::Mod::kIdentity ? 3 : 2;
+  constexpr bool kPlainSoftmax = Variant::kNormalized && Variant::Mod::kIdentity;
+  return DK == 64 && DV == 64 && (kPlainSoftmax || !Variant::kNormalized) ? 3 : 2;
 }
 
-// Three consumer warpgroups (192-row tiles) only for whole, unpacked rows: D = 64 on the H100,
-// non-causal, 1.19 / 4.46 ms against 1.29 / 4.95 ms with two at L = 4k / 16k (1.00x / 1.07x
-// cuDNN), while causal rows at L = 1k were 12% slower (the diagonal's partial tiles grow with
-// the tile) and L = 4k-16k 0-2% faster. Block lists are laid out in 128-row blocks.
+// Three consumer warpgroups (192-row tiles) only for whole, unpacked rows; block lists are laid
+// out in 128-row blocks. The online softmax keeps causal rows at two: three were 12% slower at
+// L = 1k (the diagonal's partial tiles grow with the tile) and 0-2% faster at 4k-16k, against
+// 1.00x / 1.07x cuDNN non-causal at 4k / 16k (H100). A transform with an lse pass, whose rows are
+// causal, gains 11% / 21% forward at 4k / 16k (H200, docs/lab/history.md).
 template <typename T, int DK, int DV, typename Variant>
 void launch_fwd_sm90(const AttnParams& p) {
   constexpr int kWarpgroups = sm90_fwd_warpgroups<DK, DV, Variant>();
   if constexpr (kWarpgroups != 2) {
-    const bool whole_rows = p.window_left < 0 && p.window_right < 0 &&
+    constexpr int kWidestRight = Variant::kNormalized ? -1 : 0;  // -1: no window, 0: causal
+    const bool whole_rows = p.window_left < 0 && p.window_right <= kWidestRight &&
                             p.block_kv_num == nullptr && p.cu_seqlens_q == nullptr;
     if (whole_rows) {
       launch_fwd_sm90_with<T, DK, DV, Variant, kWarpgroups>(p);
