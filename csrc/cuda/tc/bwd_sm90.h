@@ -2,7 +2,9 @@
 // scores, D in {32, 64} below it): the dK/dV pass of bwd_sm80.h on warpgroup MMAs. A CTA owns
 // 128 keys of one (batch, kv head), 64 per warpgroup (or 64 keys and one warpgroup, two CTAs per
 // SM: Sm90BwdTraits), and walks the query tiles (64 rows, every query head of its GQA group)
-// that meet them, with Q and dO double-buffered through cp.async. Per step and warpgroup:
+// that meet them, with Q and dO double-buffered through cp.async, issued by every thread or by
+// a producer warpgroup (Sm90BwdTraits::kProducer, launch.h's sm90_bwd_producer says where).
+// Per step and warpgroup:
 //   S^T = K Q^T, dP^T = V dO^T        (both operands in shared memory)
 //   P^T, dS^T = P^T (dP^T - Delta)    (registers: the accumulator rows are keys)
 //   dV += P^T dO, dK += dS^T Q        (P^T, dS^T as register A operands; dO, Q read transposed)
@@ -41,8 +43,13 @@ constexpr int kSm90BwdBlockM = 64;
 // kWithDerivative / kWithTableGrad = false: without the pass that multiplies dS by the
 // derivative of a modifier that adds terms, or without its table's gradient, for calls that
 // need it not (launch.h's launch_bwd_sm90_atomic).
+// kWithProducer: a producer warpgroup loads each step's tiles into a two-stage mbarrier ring
+// (the forward's warp specialisation) and the consumers meet only at a named barrier per step,
+// for dS^T; dS^T and dQ's staging tiles are double-buffered for that (two consumer warpgroups
+// with dQ, no learnable score table: the shared memory fits at D <= 128).
 template <typename T, int DK, int DV, typename Variant, bool kWithDq = true,
-          int kWarpgroupCount = 2, bool kWithDerivative = true, bool kWithTableGrad = true>
+          int kWarpgroupCount = 2, bool kWithDerivative = true, bool kWithTableGrad = true,
+          bool kWithProducer = false>
 struct Sm90BwdTraits {
   static constexpr bool kLsePass = !Variant::kNormalized;
   static constexpr bool kDerivative = kWithDerivative;
@@ -53,7 +60,13 @@ struct Sm90BwdTraits {
   // steps are not tied together by CTA barriers (sm90_bwd_warpgroups says where that pays).
   static constexpr int kWarpgroups = kWarpgroupCount;
   static constexpr int kMinBlocks = kWarpgroups == 1 ? 2 : 1;
-  static constexpr int kThreads = 128 * kWarpgroups;
+  static constexpr bool kProducer = kWithProducer;
+  static constexpr int kConsumerThreads = 128 * kWarpgroups;
+  static constexpr int kThreads = kConsumerThreads + (kProducer ? 128 : 0);
+  // setmaxnreg's split with a producer (FA3's for its backward): the consumers hold dK and dV.
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kConsumerRegs = 240;
+  static constexpr int kBuffers = kProducer ? 2 : 1;  // of dS^T and of dQ's staging
   static constexpr int kBlockN = 64 * kWarpgroups;  // keys per CTA
   static constexpr int kBlockM = kSm90BwdBlockM;  // queries per step
   static constexpr int kKElems = kBlockN * DK;
@@ -70,7 +83,8 @@ struct Sm90BwdTraits {
   // The step's fp32 dQ rows, staged for the bulk reductions: split columns, one [BM][DK] tile
   // (the two warpgroups' column halves), else one [BM][DK] tile per warpgroup. Rows are
   // stored as the accumulator holds them (dq_swizzle), so that a tile is one contiguous copy.
-  static constexpr int kDqStageFloats = kDq ? kWarpgroups * kBlockM * kDqCols : 0;
+  static constexpr int kDqTileFloats = kWarpgroups * kBlockM * kDqCols;
+  static constexpr int kDqStageFloats = kDq ? kBuffers * kDqTileFloats : 0;
   // K, V, two stages of Q and dO, dS^T, then lse and delta (non-normalised: and the row term)
   // of both stages, (learnable score table) the fp32 dS^T staging tile and the dQ staging
   // tiles; 1024 bytes of slack to align the swizzled tiles.
@@ -78,7 +92,8 @@ struct Sm90BwdTraits {
   static constexpr int kStageStride = kBlockM + 8;  // conflict-free paired stores
   static constexpr int kStageFloats = kParamGrad ? kBlockN * kStageStride : 0;
   static constexpr int kSmemBytes =
-      (kKElems + kVElems + 2 * (kQElems + kDoElems) + kDsElems) * static_cast<int>(sizeof(T)) +
+      (kKElems + kVElems + 2 * (kQElems + kDoElems) + kBuffers * kDsElems) *
+          static_cast<int>(sizeof(T)) +
       (2 * kRowVectors * kBlockM + kStageFloats + kDqStageFloats) *
           static_cast<int>(sizeof(float)) +
       1024;
@@ -88,6 +103,12 @@ struct Sm90BwdTraits {
   static_assert(kWarpgroups == 2 || (kWarpgroups == 1 && !kDqSplitCols && !kLsePass &&
                                      !kParamGrad),
                 "one warpgroup per CTA: D <= 64, normalised, no learnable score table");
+  static_assert(!kProducer || (kWarpgroups == 2 && kDq && !kParamGrad),
+                "a producer: two consumer warpgroups with dQ, no learnable score table");
+  static_assert(!kProducer || kWarpgroups * 128 * kConsumerRegs + 128 * kProducerRegs <=
+                                  sm90::launch_register_budget(kThreads),
+                "the register split fits what the CTA was launched with");
+  static_assert(kSmemBytes <= 227 * 1024, "the tiles fit shared memory");
 };
 
 template <typename Traits, typename T, int DK, int DV, typename Variant>
@@ -112,14 +133,21 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   T* const sV = sK + Traits::kKElems;
   T* const sQ0 = sV + Traits::kVElems;         // [2][BM][DK]
   T* const sdO0 = sQ0 + 2 * Traits::kQElems;   // [2][BM][DV]
-  T* const sdS = sdO0 + 2 * Traits::kDoElems;  // [kBlockN keys][BM queries]
-  float* const sLse0 = reinterpret_cast<float*>(sdS + Traits::kDsElems);
+  T* const sdS0 = sdO0 + 2 * Traits::kDoElems;  // [kBuffers][kBlockN keys][BM queries]
+  float* const sLse0 = reinterpret_cast<float*>(sdS0 + Traits::kBuffers * Traits::kDsElems);
   float* const sDelta0 = sLse0 + 2 * BM;
   float* const sRowTerm0 = sDelta0 + 2 * BM;                   // non-normalised only
   float* const sStage = sLse0 + 2 * Traits::kRowVectors * BM;  // learnable score table only
-  float* const sDq = sStage + Traits::kStageFloats;             // dQ staging, see the traits
+  float* const sDq0 = sStage + Traits::kStageFloats;  // [kBuffers] dQ staging, see the traits
   auto sQ = [&](int buf) { return sQ0 + buf * Traits::kQElems; };
   auto sdO = [&](int buf) { return sdO0 + buf * Traits::kDoElems; };
+  // With a producer: its load ring, and each stage's query head and first row.
+  constexpr bool kProducer = Traits::kProducer;
+  constexpr int kConsumerThreads = Traits::kConsumerThreads;
+  __shared__ uint64_t full[2], empty[2];
+  __shared__ int2 stage_rows[2];
+  // Named barrier of the consumers per step (1 + wg are warpgroup_any's).
+  constexpr int kDsBarrier = 3;
 
   const int tid = threadIdx.x;
   const int warp = tid / 32;
@@ -138,6 +166,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   const RowSpan rows = rows_meeting_keys(p, lens, n0, n0 + kBlockN);
   const T* kptr = k_rows<T>(p, lens, b, h_kv, n0);
   const T* vptr = v_rows<T>(p, lens, b, h_kv, n0);
+  if constexpr (kProducer) sm90::init_load_ring(full, empty, kConsumerThreads);
   // Padding (rows past lens.q / lens.k) is loaded as zeros, so whatever it holds reaches no
   // gradient through the masked entries' zero P; outputs are written up to rows_k.
   const int valid_k = lens.rows_k - n0;
@@ -147,64 +176,111 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   zero(dk);
   zero(dv);
 
+  // The loaders: every thread, or the producer warpgroup.
+  constexpr int kLoaders = kProducer ? 128 : kThreads;
+  // Starts the loads of the step at (h, m0) into buffer buf (ltid: the loader's index).
+  auto issue_step = [&](int buf, int h, int m0, int ltid) {
+    const T* q = q_rows<T>(p, lens, b, h, m0);
+    const T* d = dout_rows<T>(p, lens, b, h, m0);
+    sm90::load_tile_gmma<BM, DK, kLoaders>(sQ(buf), q, p.q_row_stride, lens.q - m0, ltid);
+    sm90::load_tile_gmma<BM, DV, kLoaders>(sdO(buf), d, p.do_row_stride, lens.q - m0, ltid);
+    // Raw lse and delta of the step's rows, with the tiles (rows past the sequence or its
+    // padding: 0; they and rows with lse = -inf see no key, so the mask zeroes their P
+    // whatever lse is).
+    if (ltid < BM) {
+      const int64_t off = row_stat_offset(p, lens, b, h) + m0 + ltid;
+      const bool valid = m0 + ltid < lens.q;
+      cp_async4(sLse0 + buf * BM + ltid, p.lse + (valid ? off : 0), valid);
+      cp_async4(sDelta0 + buf * BM + ltid, p.delta + (valid ? off : 0), valid);
+      if (kLsePass) {
+        sRowTerm0[buf * BM + ltid] =
+            valid ? Transform::template row_term<float>(p, h, query_position(lens, m0 + ltid))
+                  : 0.f;
+      }
+    }
+  };
+  auto load_keys = [&](int ltid) {
+    sm90::load_tile_gmma<kBlockN, DK, kLoaders>(sK, kptr, p.k_row_stride, lens.k - n0, ltid);
+    sm90::load_tile_gmma<kBlockN, DV, kLoaders>(sV, vptr, p.v_row_stride, lens.k - n0, ltid);
+  };
+  // Block lists: normalised transforms only (fwd_sm80.h).
+  auto with_steps = [&](auto&& body) {
+    if (kLsePass || p.block_kv_num == nullptr) {
+      body(dense_query_steps<BM>(p, h_kv, rows));
+    } else {
+      body(query_steps<BM>(p, b, h_kv, n0, rows));
+    }
+  };
+
+  if (kProducer && warp >= kConsumerThreads / 32) {
+    // The producer: load group j (K and V with the first) goes to stage j % 2 once both
+    // consumers are done with group j - 2.
+    sm90::regs_dealloc<Traits::kProducerRegs>();
+    const int ptid = tid - kConsumerThreads;
+    with_steps([&](const auto& query) {
+      for (int j = 0; j < query.count; ++j) {
+        if (j >= 2) sm90::mbar_wait(&empty[j % 2], ((j - 2) >> 1) & 1);
+        if (j == 0) load_keys(ptid);
+        int h, m0;
+        query.at(p, j, h, m0);
+        issue_step(j % 2, h, m0, ptid);
+        if (ptid == 0) stage_rows[j % 2] = make_int2(h, m0);
+        sm90::publish_stage(&full[j % 2]);
+      }
+    });
+    return;
+  }
+  if constexpr (kProducer) sm90::regs_alloc<Traits::kConsumerRegs>();
+
   auto mainloop = [&](const auto& query) {
     const int steps = query.count;
     if (steps == 0) return;
-    // Starts the loads of the step at (h, m0) into buffer buf.
-    auto issue_step = [&](int buf, int h, int m0) {
-      const T* q = q_rows<T>(p, lens, b, h, m0);
-      const T* d = dout_rows<T>(p, lens, b, h, m0);
-      // Per-chunk addresses from an opaque tid are recomputed each step, not kept live.
-      const int ltid = sm90::opaque(tid);
-      sm90::load_tile_gmma<BM, DK, kThreads>(sQ(buf), q, p.q_row_stride, lens.q - m0, ltid);
-      sm90::load_tile_gmma<BM, DV, kThreads>(sdO(buf), d, p.do_row_stride, lens.q - m0, ltid);
-      // Raw lse and delta of the step's rows, with the tiles (rows past the sequence or its
-      // padding: 0; they and rows with lse = -inf see no key, so the mask zeroes their P
-      // whatever lse is).
-      if (tid < BM) {
-        const int64_t off = row_stat_offset(p, lens, b, h) + m0 + tid;
-        const bool valid = m0 + tid < lens.q;
-        cp_async4(sLse0 + buf * BM + tid, p.lse + (valid ? off : 0), valid);
-        cp_async4(sDelta0 + buf * BM + tid, p.delta + (valid ? off : 0), valid);
-        if (kLsePass) {
-          sRowTerm0[buf * BM + tid] =
-              valid ? Transform::template row_term<float>(p, h, query_position(lens, m0 + tid))
-                    : 0.f;
-        }
-      }
-    };
-    sm90::load_tile_gmma<kBlockN, DK, kThreads>(sK, kptr, p.k_row_stride, lens.k - n0, tid);
-    sm90::load_tile_gmma<kBlockN, DV, kThreads>(sV, vptr, p.v_row_stride, lens.k - n0, tid);
-    int h, m0;  // this step's query head and first row
-    query.at(p, 0, h, m0);
-    issue_step(0, h, m0);
-    cp_async_commit();
+    int h = 0, m0 = 0;  // this step's query head and first row (a producer's: its stage's)
+    if constexpr (!kProducer) query.at(p, 0, h, m0);
     // The next step's head and row are looked up a step ahead: a block-sparse lookup reads the
     // mask from global memory, and its latency then passes during a whole step.
     int prev_h = h, prev_m0 = m0;  // the step whose dQ is staged
     int next_h = h, next_m0 = m0;
-    if (steps > 1) query.at(p, 1, next_h, next_m0);
+    if constexpr (!kProducer) {
+      load_keys(tid);
+      // Per-chunk addresses from an opaque tid are recomputed each step, not kept live.
+      issue_step(0, h, m0, sm90::opaque(tid));
+      cp_async_commit();
+      if (steps > 1) query.at(p, 1, next_h, next_m0);
+    }
     // dQ of a step is staged at its end and added after the next barrier, by thread 0 (split
     // columns: the whole tile) or the first thread of each warpgroup (its own tile).
     constexpr bool kDqSplit = Traits::kDqSplitCols;
     const bool dq_issuer = kDqSplit ? tid == 0 : tid % 128 == 0;
-    auto add_staged_dq = [&](int dq_h, int dq_m0) {
+    auto add_staged_dq = [&](int dq_h, int dq_m0, int dq_buf) {
       if (!kDq || !dq_issuer) return;
       constexpr int kTileFloats = BM * DK;
       sm90::bulk_reduce_add(p.dq_accum + (row_stat_offset(p, lens, b, dq_h) + dq_m0) * DK,
-                            sDq + (kDqSplit ? 0 : wg * kTileFloats),
+                            sDq0 + dq_buf * Traits::kDqTileFloats +
+                                (kDqSplit ? 0 : wg * kTileFloats),
                             kTileFloats * sizeof(float));
       sm90::bulk_commit();
     };
 
     for (int s = 0; s < steps; ++s) {
       const int buf = s & 1;
-      cp_async_wait_all();
-      sm90::fence_proxy_async();
-      // Step s's tiles are visible; every warpgroup is done with buffer buf ^ 1 and with sdS,
-      // and has staged step s - 1's dQ.
-      __syncthreads();
-      if (s > 0) add_staged_dq(prev_h, prev_m0);
+      // This step's dS^T and dQ staging tiles (with a producer, the consumers' barrier per step
+      // is one step's: buffer buf was last read two steps ago).
+      [[maybe_unused]] T* const sdS = sdS0 + (kProducer ? buf * Traits::kDsElems : 0);
+      [[maybe_unused]] float* const sDq = sDq0 + (kProducer ? buf * Traits::kDqTileFloats : 0);
+      if constexpr (kProducer) {
+        sm90::mbar_wait(&full[buf], (s >> 1) & 1);
+        const int2 rows_at = stage_rows[buf];
+        h = rows_at.x;
+        m0 = rows_at.y;
+      } else {
+        cp_async_wait_all();
+        sm90::fence_proxy_async();
+        // Step s's tiles are visible; every warpgroup is done with buffer buf ^ 1 and with
+        // sdS, and has staged step s - 1's dQ.
+        __syncthreads();
+        if (s > 0) add_staged_dq(prev_h, prev_m0, 0);
+      }
       const float* lse = sLse0 + buf * BM;
       const float* delta = sDelta0 + buf * BM;
       [[maybe_unused]] const float* row_term = sRowTerm0 + buf * BM;  // non-normalised only
@@ -235,12 +311,14 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
       }
       sm90::wgmma_commit();
       // The next step's loads go out while the tensor cores work.
-      if (s + 1 < steps) {
-        issue_step(buf ^ 1, next_h, next_m0);
-        cp_async_commit();
-      }
       int after_h = next_h, after_m0 = next_m0;
-      if (s + 2 < steps) query.at(p, s + 2, after_h, after_m0);
+      if constexpr (!kProducer) {
+        if (s + 1 < steps) {
+          issue_step(buf ^ 1, next_h, next_m0, sm90::opaque(tid));
+          cp_async_commit();
+        }
+        if (s + 2 < steps) query.at(p, s + 2, after_h, after_m0);
+      }
       sm90::wgmma_wait<1>(st[0]);
 
       // P^T[key, query] = exp2(s * scale_log2 - lse[query] * log2 e), 0 outside the mask; a
@@ -391,11 +469,17 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
         sm90::fence_operand(dv[0]);
         sm90::fence_operand(dsa[0]);
       } else {
-        // Once the last step's dQ reduction has read the staging tile, the barrier below frees
-        // it for this step.
+        // Once the last reduction has read its staging tile (with a producer: two steps ago),
+        // the barrier below frees it for this step.
         if (dq_issuer) sm90::bulk_wait_read();
         sm90::fence_proxy_async();
-        __syncthreads();  // both warpgroups' dS^T rows are staged
+        if constexpr (kProducer) {
+          // Both warpgroups' dS^T rows and step s - 1's dQ are staged.
+          sm90::named_sync(kDsBarrier, kConsumerThreads);
+          if (s > 0) add_staged_dq(prev_h, prev_m0, buf ^ 1);
+        } else {
+          __syncthreads();  // both warpgroups' dS^T rows are staged
+        }
         // dQ += dS K (Traits::kDqSplitCols): A = dS^T staged [key][query] (MN-major), B = K
         // [key][DK] (MN-major): split, all keys and column half wg (at DK = 64 the half starts
         // inside a 128-byte swizzle row: the swizzle is a function of the absolute address, so
@@ -421,6 +505,11 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
         sm90::wgmma_wait<0>(dq);
         sm90::fence_operand(dk[0]);
         sm90::fence_operand(dv[0]);
+        if constexpr (kProducer) {
+          // Stage buf is read: every lane's reads of its row statistics come first.
+          __syncwarp();
+          if (lane == 0) sm90::mbar_arrive(&empty[buf]);
+        }
 
         // dQ is staged for the bulk reduction after the next barrier (no per-thread atomics to
         // hold up the next step); rows past the sequence (padding included: their dQ is 0)
@@ -455,19 +544,23 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     // The last step's dQ; the staging tiles and the accumulator must outlive the reductions.
     if constexpr (kDq) {
       sm90::fence_proxy_async();
-      __syncthreads();
-      add_staged_dq(prev_h, prev_m0);
+      if constexpr (kProducer) {
+        sm90::named_sync(kDsBarrier, kConsumerThreads);
+      } else {
+        __syncthreads();
+      }
+      add_staged_dq(prev_h, prev_m0, kProducer ? (steps - 1) & 1 : 0);
       if (dq_issuer) sm90::bulk_wait();
     }
   };
-  if (kLsePass || p.block_kv_num == nullptr) {  // block lists: normalised only (fwd_sm80.h)
-    mainloop(dense_query_steps<BM>(p, h_kv, rows));
-  } else {
-    mainloop(query_steps<BM>(p, b, h_kv, n0, rows));
-  }
+  with_steps(mainloop);
 
-  // dK and dV rows are staged over sK and sV, which nobody reads after this barrier.
-  __syncthreads();
+  // dK and dV rows are staged over sK and sV, which no consumer reads after this barrier.
+  if constexpr (kProducer) {
+    sm90::named_sync(kDsBarrier, kConsumerThreads);
+  } else {
+    __syncthreads();
+  }
   const float kscale[1][2] = {{static_cast<float>(p.scale), static_cast<float>(p.scale)}};
   const float one[1][2] = {{1.f, 1.f}};
   T* dkptr = dk_rows<T>(p, lens, b, h_kv, n0);
