@@ -141,13 +141,18 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   float* const sDq0 = sStage + Traits::kStageFloats;  // [kBuffers] dQ staging, see the traits
   auto sQ = [&](int buf) { return sQ0 + buf * Traits::kQElems; };
   auto sdO = [&](int buf) { return sdO0 + buf * Traits::kDoElems; };
-  // With a producer: its load ring, and each stage's query head and first row.
+  // With a producer: each stage's query head and first row, and the named barriers of the
+  // consumers per step (1 + wg are warpgroup_any's) and of the two-stage load ring: stage b has
+  // landed at kFullBarrier + b (the producer arrives, the consumers wait) and is free at
+  // kEmptyBarrier + b (the other way round). Named barriers, not mbarriers, because the
+  // consumers read the stages' row statistics with ordinary loads, whose ordering racecheck
+  // checks through bar.sync.
   constexpr bool kProducer = Traits::kProducer;
   constexpr int kConsumerThreads = Traits::kConsumerThreads;
-  __shared__ uint64_t full[2], empty[2];
   __shared__ int2 stage_rows[2];
-  // Named barrier of the consumers per step (1 + wg are warpgroup_any's).
   constexpr int kDsBarrier = 3;
+  constexpr int kFullBarrier = 4;
+  constexpr int kEmptyBarrier = 6;
 
   const int tid = threadIdx.x;
   const int warp = tid / 32;
@@ -166,7 +171,6 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   const RowSpan rows = rows_meeting_keys(p, lens, n0, n0 + kBlockN);
   const T* kptr = k_rows<T>(p, lens, b, h_kv, n0);
   const T* vptr = v_rows<T>(p, lens, b, h_kv, n0);
-  if constexpr (kProducer) sm90::init_load_ring(full, empty, kConsumerThreads);
   // Padding (rows past lens.q / lens.k) is loaded as zeros, so whatever it holds reaches no
   // gradient through the masked entries' zero P; outputs are written up to rows_k.
   const int valid_k = lens.rows_k - n0;
@@ -219,13 +223,16 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     const int ptid = tid - kConsumerThreads;
     with_steps([&](const auto& query) {
       for (int j = 0; j < query.count; ++j) {
-        if (j >= 2) sm90::mbar_wait(&empty[j % 2], ((j - 2) >> 1) & 1);
+        if (j >= 2) sm90::named_sync(kEmptyBarrier + j % 2, kThreads);
         if (j == 0) load_keys(ptid);
         int h, m0;
         query.at(p, j, h, m0);
         issue_step(j % 2, h, m0, ptid);
         if (ptid == 0) stage_rows[j % 2] = make_int2(h, m0);
-        sm90::publish_stage(&full[j % 2]);
+        cp_async_commit();
+        cp_async_wait<0>();
+        sm90::fence_proxy_async();  // before the consumers' wgmma reads
+        sm90::named_arrive(kFullBarrier + j % 2, kThreads);
       }
     });
     return;
@@ -269,7 +276,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
       [[maybe_unused]] T* const sdS = sdS0 + (kProducer ? buf * Traits::kDsElems : 0);
       [[maybe_unused]] float* const sDq = sDq0 + (kProducer ? buf * Traits::kDqTileFloats : 0);
       if constexpr (kProducer) {
-        sm90::mbar_wait(&full[buf], (s >> 1) & 1);
+        sm90::named_sync(kFullBarrier + buf, kThreads);
         const int2 rows_at = stage_rows[buf];
         h = rows_at.x;
         m0 = rows_at.y;
@@ -505,11 +512,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
         sm90::wgmma_wait<0>(dq);
         sm90::fence_operand(dk[0]);
         sm90::fence_operand(dv[0]);
-        if constexpr (kProducer) {
-          // Stage buf is read: every lane's reads of its row statistics come first.
-          __syncwarp();
-          if (lane == 0) sm90::mbar_arrive(&empty[buf]);
-        }
+        // Stage buf is read; the producer waits for it only to load step s + 2 (every arrival
+        // is consumed).
+        if (kProducer && s + 2 < steps) sm90::named_arrive(kEmptyBarrier + buf, kThreads);
 
         // dQ is staged for the bulk reduction after the next barrier (no per-thread atomics to
         // hold up the next step); rows past the sequence (padding included: their dQ is 0)
