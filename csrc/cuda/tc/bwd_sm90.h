@@ -43,10 +43,10 @@ constexpr int kSm90BwdBlockM = 64;
 // kWithDerivative / kWithTableGrad = false: without the pass that multiplies dS by the
 // derivative of a modifier that adds terms, or without its table's gradient, for calls that
 // need it not (launch.h's launch_bwd_sm90_atomic).
-// kWithProducer: a producer warpgroup loads each step's tiles into a two-stage mbarrier ring
-// (the forward's warp specialisation) and the consumers meet only at a named barrier per step,
-// for dS^T; dS^T and dQ's staging tiles are double-buffered for that (two consumer warpgroups
-// with dQ, no learnable score table: the shared memory fits at D <= 128).
+// kWithProducer: a producer warpgroup loads each step's tiles into a two-stage ring (the
+// forward's warp specialisation, on named barriers) and the consumers meet only once a step, for
+// dS^T; dS^T and dQ's staging tiles are double-buffered for that (two consumer warpgroups with
+// dQ, no learnable score table: the shared memory fits at D <= 128).
 template <typename T, int DK, int DV, typename Variant, bool kWithDq = true,
           int kWarpgroupCount = 2, bool kWithDerivative = true, bool kWithTableGrad = true,
           bool kWithProducer = false>
