@@ -230,8 +230,9 @@ inline int64_t dq_accum_rows(const AttnParams& p) {
 
 // Whether the Hopper backward with atomic dQ has a producer warpgroup (bwd_sm90.h): at D = 64,
 // for two warpgroups, normalised transforms without a learnable score table. H200, bf16,
-// fwd+bwd, one build: 1.14-1.21x faster at L = 4k / 16k, causal and not, plain and softcap. At
-// D = 128 the consumers' 240 registers spill (255 and 72 bytes without it) and it was 0.92-1.10x.
+// fwd+bwd, one build: 1.14-1.21x faster at L = 4k / 16k, causal and not, with and without a
+// score modifier. At D = 128 the consumers' 240 registers spill (255 and 72 bytes without it)
+// and it was 0.92-1.10x.
 template <int DK, int DV, typename Variant, int kWarpgroups>
 constexpr bool sm90_bwd_producer() {
   return kWarpgroups == 2 && DK == 64 && DV == 64 && Variant::kNormalized &&
@@ -291,8 +292,8 @@ void launch_bwd_wide_sm90(const AttnParams& p_in) {
 // more warpgroups keeps them in step (H100, fwd+bwd: low-rank R = 32 9% faster). Two elsewhere:
 // at D >= 64 the warpgroups split dQ's columns over the CTA's 128 keys, which halves the dQ
 // reductions and the Q/dO reloads per key (H100, D = 64 fwd+bwd: flash 3% / 5% faster than one
-// warpgroup, non-causal / causal; lazy, ALiBi and rel_bias 4-6% faster than two warpgroups
-// with a dQ tile each).
+// warpgroup, non-causal / causal; an lse-pass transform and additive score terms, with and
+// without a table, 4-6% faster than two warpgroups with a dQ tile each).
 template <int DK, int DV, typename Variant>
 constexpr int sm90_bwd_warpgroups() {
   if constexpr (!Variant::kNormalized || Variant::Mod::kParamGrad) return 2;
