@@ -27,15 +27,21 @@ RESULTS_DIR = os.path.join(ROOT, "benchmarks", "results")
 DIRECTIONS = ("fwd", "fwd+bwd")
 
 
-def git_commit() -> str:
-    """$ADAATTN_COMMIT when set (the GPU machine's copy of the tree has no .git), else the
-    checkout's ``git rev-parse --short HEAD``, else "unknown"."""
+def git_commit(root: str = ROOT) -> str:
+    """$ADAATTN_COMMIT when set (a copy of the tree on another machine may carry a stale .git,
+    or none), else the checkout's ``git rev-parse --short HEAD``, with ``-dirty`` when tracked
+    files differ from it (the numbers are then not that commit's), else "unknown"."""
     if os.environ.get("ADAATTN_COMMIT"):
         return os.environ["ADAATTN_COMMIT"]
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, check=True,
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, check=True,
                              capture_output=True, text=True, timeout=30)
-        return out.stdout.strip() or "unknown"
+        head = out.stdout.strip()
+        if not head:
+            return "unknown"
+        diff = subprocess.run(["git", "diff", "--quiet", "HEAD", "--"], cwd=root,
+                              capture_output=True, timeout=60)
+        return head + ("-dirty" if diff.returncode == 1 else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
 
