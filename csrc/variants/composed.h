@@ -112,14 +112,15 @@ struct ComposedMod {
 
   // The table's gradient: RelBiasMod's partial sums and reduction, over the tiles that read the
   // table (the condition is the same for the whole CTA, as its barriers need).
-  template <int kBlockN, int BM, int kStageKeys, int kStride, int kThreads, int MI, int NT>
+  template <int kBlockN, int BM, int kStageKeys, int kStride, int kThreads, int MI, int NT,
+            typename Sync>
   __device__ static void accumulate_param_grad(const AttnParams& p, const SeqLens& lens,
                                                float* sStage, const float (&ds)[MI][NT][4],
                                                int h, int m0, int n0, int slot, int warp_row0,
-                                               int lane, int tid) {
+                                               int lane, int tid, const Sync& sync) {
     if (!RelBiasMod::tile_active(p, lens, m0, m0 + BM - 1, n0, n0 + kBlockN - 1)) return;
     RelBiasMod::accumulate_param_grad<kBlockN, BM, kStageKeys, kStride, kThreads>(
-        p, lens, sStage, ds, h, m0, n0, slot, warp_row0, lane, tid);
+        p, lens, sStage, ds, h, m0, n0, slot, warp_row0, lane, tid, sync);
   }
   template <int kThreads>
   __device__ static void reduce_param_grad(const AttnParams& p, int64_t slots) {

@@ -159,12 +159,14 @@ struct RelBiasMod {
   // kBlockN keys x BM queries are staged in fp32 ([keys][kStride], in rounds of kStageKeys keys;
   // kStride = BM + 8 makes the paired stores conflict-free), then thread i sums diagonals i,
   // i + kThreads, ... (distance d = pos(query) - key) in a fixed order into this CTA's partial
-  // for head h. Every thread of the CTA calls it.
-  template <int kBlockN, int BM, int kStageKeys, int kStride, int kThreads, int MI, int NT>
+  // for head h. The kThreads threads that hold the tile's dS^T call it; sync() is their barrier.
+  template <int kBlockN, int BM, int kStageKeys, int kStride, int kThreads, int MI, int NT,
+            typename Sync>
   __device__ static void accumulate_param_grad(const AttnParams& p, const SeqLens& lens,
                                                       float* sStage, const float (&ds)[MI][NT][4],
                                                       int h, int m0, int n0, int slot,
-                                                      int warp_row0, int lane, int tid) {
+                                                      int warp_row0, int lane, int tid,
+                                                      const Sync& sync) {
     static_assert(kStride % 2 == 0 && kStride >= BM, "paired stores of whole query rows");
     const int bias_span = param_slots(p);
     float* partial = p.dbias_partial +
@@ -190,7 +192,7 @@ struct RelBiasMod {
                   make_float2(ds[mi][ni][2 * hh], ds[mi][ni][2 * hh + 1]);
             }
       }
-      __syncthreads();
+      sync();
       // o = query - key; keys [r0, r0 + kStageKeys) meet queries [0, BM). Four partial sums
       // (a fixed order) keep the loads in flight.
       for (int o = o_first; o < BM - r0; o += kThreads) {
@@ -209,7 +211,7 @@ struct RelBiasMod {
         const float before = o == o_first ? first_partial : partial[d];
         partial[d] = before + ((sum[0] + sum[1]) + (sum[2] + sum[3]));
       }
-      __syncthreads();
+      sync();
     }
   }
 

@@ -283,7 +283,8 @@ __device__ __forceinline__ void bwd_dkdv_block(const AttnParams& p, int block) {
         if (param_grads && block % kSlices == 0 &&
             Mod::tile_active(p, lens, m0, m0 + BM - 1, n0, n0 + kBlockN - 1)) {
           Mod::template accumulate_param_grad<kBlockN, BM, Traits::kStageKeys, BM, kThreads>(
-              p, lens, sStage, dpt, h, m0, n0, tile.slot, warp_row0, lane, tid);
+              p, lens, sStage, dpt, h, m0, n0, tile.slot, warp_row0, lane, tid,
+              [] { __syncthreads(); });
         }
       }
       if constexpr (Mod::kAddsTerms) {

@@ -67,6 +67,9 @@ struct Sm90BwdTraits {
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
   static constexpr int kBuffers = kProducer ? 2 : 1;  // of dS^T and of dQ's staging
+  // Whether the kernel walks block lists: not a producer's at D = 128, whose block-list steps
+  // make both sides spill (launch.h gives block lists the kernel without a producer there).
+  static constexpr bool kBlockLists = !kProducer || DK <= 64;
   static constexpr int kBlockN = 64 * kWarpgroups;  // keys per CTA
   static constexpr int kBlockM = kSm90BwdBlockM;  // queries per step
   static constexpr int kKElems = kBlockN * DK;
@@ -103,8 +106,8 @@ struct Sm90BwdTraits {
   static_assert(kWarpgroups == 2 || (kWarpgroups == 1 && !kDqSplitCols && !kLsePass &&
                                      !kParamGrad),
                 "one warpgroup per CTA: D <= 64, normalised, no learnable score table");
-  static_assert(!kProducer || (kWarpgroups == 2 && kDq && !kParamGrad),
-                "a producer: two consumer warpgroups with dQ, no learnable score table");
+  static_assert(!kProducer || (kWarpgroups == 2 && kDq),
+                "a producer: two consumer warpgroups with dQ");
   static_assert(!kProducer || kWarpgroups * 128 * kConsumerRegs + 128 * kProducerRegs <=
                                   sm90::launch_register_budget(kThreads),
                 "the register split fits what the CTA was launched with");
@@ -209,10 +212,14 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   };
   // Block lists: normalised transforms only (fwd_sm80.h).
   auto with_steps = [&](auto&& body) {
-    if (kLsePass || p.block_kv_num == nullptr) {
-      body(dense_query_steps<BM>(p, h_kv, rows));
+    if constexpr (Traits::kBlockLists) {
+      if (kLsePass || p.block_kv_num == nullptr) {
+        body(dense_query_steps<BM>(p, h_kv, rows));
+      } else {
+        body(query_steps<BM>(p, b, h_kv, n0, rows));
+      }
     } else {
-      body(query_steps<BM>(p, b, h_kv, n0, rows));
+      body(dense_query_steps<BM>(p, h_kv, rows));
     }
   };
 
@@ -222,12 +229,12 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     sm90::regs_dealloc<Traits::kProducerRegs>();
     const int ptid = tid - kConsumerThreads;
     with_steps([&](const auto& query) {
+      if (query.count > 0) load_keys(ptid);
       for (int j = 0; j < query.count; ++j) {
         if (j >= 2) sm90::named_sync(kEmptyBarrier + j % 2, kThreads);
-        if (j == 0) load_keys(ptid);
         int h, m0;
         query.at(p, j, h, m0);
-        issue_step(j % 2, h, m0, ptid);
+        issue_step(j % 2, h, m0, sm90::opaque(ptid));
         if (ptid == 0) stage_rows[j % 2] = make_int2(h, m0);
         cp_async_commit();
         cp_async_wait<0>();
@@ -421,8 +428,14 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
         if (Mod::wants_param_grad(p) &&
             Mod::tile_active(p, lens, m0, m0 + BM - 1, n0, n0 + kBlockN - 1)) {
           Mod::template accumulate_param_grad<kBlockN, BM, kBlockN, Traits::kStageStride,
-                                              kThreads>(p, lens, sStage, dpt, h, m0, n0,
-                                                        tile.slot, warp_row0, lane, tid);
+                                              kConsumerThreads>(
+              p, lens, sStage, dpt, h, m0, n0, tile.slot, warp_row0, lane, tid, [] {
+                if constexpr (kProducer) {
+                  sm90::named_sync(kDsBarrier, kConsumerThreads);
+                } else {
+                  __syncthreads();
+                }
+              });
         }
       }
       if constexpr (Mod::kAddsTerms) {

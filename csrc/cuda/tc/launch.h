@@ -228,26 +228,37 @@ inline int64_t dq_accum_rows(const AttnParams& p) {
   return row_items<false>(p) + kSm90BwdBlockM;
 }
 
-// Whether the Hopper backward with atomic dQ has a producer warpgroup (bwd_sm90.h): at D = 64,
-// for two warpgroups, normalised transforms without a learnable score table. H200, bf16,
-// fwd+bwd, one build: 1.14-1.21x faster at L = 4k / 16k, causal and not, with and without a
-// score modifier. At D = 128 the consumers' 240 registers spill (255 and 72 bytes without it)
-// and it was 0.92-1.10x.
+// Whether the Hopper backward with atomic dQ has a producer warpgroup (bwd_sm90.h), for two
+// warpgroups and DK == DV. H200, bf16, fwd+bwd, one build, against every thread loading:
+// - D = 64: 1.14-1.21x (plain, softcap) and 1.11-1.12x (lse-pass transform with a learnable
+//   table) at L = 4k / 16k; a normalised transform with a learnable table was 0.94-1.02x, so it
+//   keeps all-thread loads.
+// - D = 128: 1.09-1.21x at L = 1k / 4k / 16k, causal and not, for normalised transforms without
+//   a learnable table, on dense rows only: block-list steps make both sides spill, so block
+//   lists take the kernel without a producer (launch_bwd_sm90).
 template <int DK, int DV, typename Variant, int kWarpgroups>
 constexpr bool sm90_bwd_producer() {
-  return kWarpgroups == 2 && DK == 64 && DV == 64 && Variant::kNormalized &&
-         !Variant::Mod::kParamGrad;
+  if constexpr (kWarpgroups != 2 || DK != DV) return false;
+  if constexpr (DK == 64) return !Variant::kNormalized || !Variant::Mod::kParamGrad;
+  return DK == 128 && Variant::kNormalized && !Variant::Mod::kParamGrad;
 }
 
 // The Hopper dK/dV launch (bwd_sm90.h). kDq: with atomic dQ, p.dq_accum zeroed, with
 // dq_accum_rows(p) rows; else the dK/dV pass of the two-pass backward. kDerivative,
-// kTableGrad: see launch_bwd_sm90_atomic.
+// kTableGrad: see launch_bwd_sm90_atomic. kMayProduce = false: the kernel without a producer.
 template <typename T, int DK, int DV, typename Variant, bool kDq = true, int kWarpgroups = 2,
-          bool kDerivative = true, bool kTableGrad = true>
+          bool kDerivative = true, bool kTableGrad = true, bool kMayProduce = true>
 void launch_bwd_sm90(const AttnParams& p_in) {
-  constexpr bool kProducer = kDq && sm90_bwd_producer<DK, DV, Variant, kWarpgroups>();
+  constexpr bool kProducer =
+      kMayProduce && kDq && sm90_bwd_producer<DK, DV, Variant, kWarpgroups>();
   using Traits =
       Sm90BwdTraits<T, DK, DV, Variant, kDq, kWarpgroups, kDerivative, kTableGrad, kProducer>;
+  if constexpr (kProducer && !Traits::kBlockLists) {
+    if (p_in.block_kv_num != nullptr) {
+      launch_bwd_sm90<T, DK, DV, Variant, kDq, kWarpgroups, kDerivative, kTableGrad, false>(p_in);
+      return;
+    }
+  }
   auto kernel = bwd_sm90_kernel<Traits, T, DK, DV, Variant>;
   set_smem(kernel, Traits::kSmemBytes);
   if constexpr (Traits::kMinBlocks > 1) {  // room for the CTAs that share an SM
