@@ -93,13 +93,22 @@ struct Sm90BwdTraits {
   // tiles; 1024 bytes of slack to align the swizzled tiles.
   static constexpr int kRowVectors = kLsePass ? 3 : 2;
   static constexpr int kStageStride = kBlockM + 8;  // conflict-free paired stores
-  static constexpr int kStageFloats = kParamGrad ? kBlockN * kStageStride : 0;
-  static constexpr int kSmemBytes =
+  static constexpr int kTileBytes =
       (kKElems + kVElems + 2 * (kQElems + kDoElems) + kBuffers * kDsElems) *
           static_cast<int>(sizeof(T)) +
-      (2 * kRowVectors * kBlockM + kStageFloats + kDqStageFloats) *
-          static_cast<int>(sizeof(float)) +
-      1024;
+      (2 * kRowVectors * kBlockM + kDqStageFloats) * static_cast<int>(sizeof(float)) + 1024;
+  // Where the fp32 dS^T tile is staged for the table's gradient: its own area, or, where that
+  // would not fit beside a producer's buffers, the step's dQ staging tile (free until dQ is
+  // staged), 64 keys at a time.
+  static constexpr int kStageTileFloats = kParamGrad ? kBlockN * kStageStride : 0;
+  static constexpr bool kStageInDq =
+      kProducer && kParamGrad &&
+      kTileBytes + kStageTileFloats * static_cast<int>(sizeof(float)) > 227 * 1024;
+  static constexpr int kStageKeys = kStageInDq ? 64 : kBlockN;
+  static constexpr int kStageFloats = kStageInDq ? 0 : kStageTileFloats;
+  static constexpr int kSmemBytes = kTileBytes + kStageFloats * static_cast<int>(sizeof(float));
+  static_assert(!kStageInDq || kStageKeys * kStageStride <= kDqTileFloats,
+                "the table's staging fits a dQ staging tile");
   static_assert((DK == 32 || DK == 64 || DK == 128) && (DV == 64 || DV == 128) && DK <= DV,
                 "the Hopper backward takes Dv in {64, 128} and D in {32, 64, 128}, D <= Dv");
   static_assert(kDq || !kLsePass, "a non-normalised transform accumulates dQ in this pass");
@@ -427,9 +436,15 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
       if constexpr (Traits::kParamGrad) {
         if (Mod::wants_param_grad(p) &&
             Mod::tile_active(p, lens, m0, m0 + BM - 1, n0, n0 + kBlockN - 1)) {
-          Mod::template accumulate_param_grad<kBlockN, BM, kBlockN, Traits::kStageStride,
-                                              kConsumerThreads>(
-              p, lens, sStage, dpt, h, m0, n0, tile.slot, warp_row0, lane, tid, [] {
+          if constexpr (Traits::kStageInDq) {
+            // The reduction issued last step read this step's dQ staging tile.
+            if (dq_issuer) sm90::bulk_wait_read();
+            sm90::named_sync(kDsBarrier, kConsumerThreads);
+          }
+          Mod::template accumulate_param_grad<kBlockN, BM, Traits::kStageKeys,
+                                              Traits::kStageStride, kConsumerThreads>(
+              p, lens, Traits::kStageInDq ? sDq : sStage, dpt, h, m0, n0, tile.slot, warp_row0,
+              lane, tid, [] {
                 if constexpr (kProducer) {
                   sm90::named_sync(kDsBarrier, kConsumerThreads);
                 } else {

@@ -229,22 +229,20 @@ inline int64_t dq_accum_rows(const AttnParams& p) {
 }
 
 // Whether the Hopper backward with atomic dQ has a producer warpgroup (bwd_sm90.h), for two
-// warpgroups and DK == DV (kTableGrad: the kernel computes a learnable table's gradient, as in
-// launch_bwd_sm90). H200, bf16, fwd+bwd, one build, against every thread loading:
+// warpgroups and DK == DV. H200, bf16, fwd+bwd, one build, against every thread loading:
 // - D = 64: 1.14-1.21x (plain, softcap) and 1.11-1.12x (lse-pass transform with a learnable
 //   table) at L = 4k / 16k; a normalised transform with a learnable table was 0.94-1.02x, so it
 //   keeps all-thread loads.
-// - D = 128: 1.09-1.21x at L = 1k / 4k / 16k, causal and not, for normalised transforms (plain,
-//   softcap; ALiBi, sinks, ALiBi + softcap 1.11-1.19x) on kernels without a table gradient,
-//   whose staging tile would not fit shared memory beside the producer's buffers; on dense
+// - D = 128, every variant: 1.09-1.21x (plain, softcap; L = 1k / 4k / 16k, causal and not),
+//   1.11-1.19x (ALiBi, sinks, ALiBi + softcap), 1.04-1.17x (learnable tables: rel_bias, with
+//   ALiBi, lazy; their gradient's staging shares the dQ staging tile, Sm90BwdTraits). Dense
 //   rows only: block-list steps make both sides spill, so block lists take the kernel without
 //   a producer (launch_bwd_sm90).
-template <int DK, int DV, typename Variant, int kWarpgroups, bool kTableGrad = true>
+template <int DK, int DV, typename Variant, int kWarpgroups>
 constexpr bool sm90_bwd_producer() {
-  constexpr bool kTable = Variant::Mod::kParamGrad && kTableGrad;
   if constexpr (kWarpgroups != 2 || DK != DV) return false;
   if constexpr (DK == 64) return !Variant::kNormalized || !Variant::Mod::kParamGrad;
-  return DK == 128 && Variant::kNormalized && !kTable;
+  return DK == 128;
 }
 
 // The Hopper dK/dV launch (bwd_sm90.h). kDq: with atomic dQ, p.dq_accum zeroed, with
@@ -254,7 +252,7 @@ template <typename T, int DK, int DV, typename Variant, bool kDq = true, int kWa
           bool kDerivative = true, bool kTableGrad = true, bool kMayProduce = true>
 void launch_bwd_sm90(const AttnParams& p_in) {
   constexpr bool kProducer =
-      kMayProduce && kDq && sm90_bwd_producer<DK, DV, Variant, kWarpgroups, kTableGrad>();
+      kMayProduce && kDq && sm90_bwd_producer<DK, DV, Variant, kWarpgroups>();
   using Traits =
       Sm90BwdTraits<T, DK, DV, Variant, kDq, kWarpgroups, kDerivative, kTableGrad, kProducer>;
   if constexpr (kProducer && !Traits::kBlockLists) {
