@@ -230,14 +230,14 @@ inline int64_t dq_accum_rows(const AttnParams& p) {
 
 // Whether the Hopper backward with atomic dQ has a producer warpgroup (bwd_sm90.h), for two
 // warpgroups and DK == DV. H200, bf16, fwd+bwd, one build, against every thread loading:
-// - D = 64: 1.14-1.21x (plain, softcap) and 1.11-1.12x (lse-pass transform with a learnable
-//   table) at L = 4k / 16k; a normalised transform with a learnable table was 0.94-1.02x, so it
-//   keeps all-thread loads.
-// - D = 128, every variant: 1.09-1.21x (plain, softcap; L = 1k / 4k / 16k, causal and not),
-//   1.11-1.19x (ALiBi, sinks, ALiBi + softcap), 1.04-1.17x (learnable tables: rel_bias, with
-//   ALiBi, lazy; their gradient's staging shares the dQ staging tile, Sm90BwdTraits). Dense
-//   rows only: block-list steps make both sides spill, so block lists take the kernel without
-//   a producer (launch_bwd_sm90).
+// - D = 64: 1.14-1.21x (no modifier, or one without terms) and 1.11-1.12x (an lse-pass
+//   transform with a learnable table) at L = 4k / 16k; a normalised transform with a learnable
+//   table was 0.94-1.02x, so it keeps all-thread loads.
+// - D = 128, every variant: 1.09-1.21x without terms (L = 1k / 4k / 16k, causal and not),
+//   1.11-1.19x with additive terms or an extra logit, 1.04-1.17x with a learnable table (whose
+//   gradient's staging then shares the dQ staging tile, Sm90BwdTraits). Dense rows only:
+//   block-list steps make both sides spill, so block lists take the kernel without a producer
+//   (launch_bwd_sm90).
 template <int DK, int DV, typename Variant, int kWarpgroups>
 constexpr bool sm90_bwd_producer() {
   if constexpr (kWarpgroups != 2 || DK != DV) return false;
