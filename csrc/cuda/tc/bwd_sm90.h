@@ -46,7 +46,7 @@ constexpr int kSm90BwdBlockM = 64;
 // kWithProducer: a producer warpgroup loads each step's tiles into a two-stage ring (the
 // forward's warp specialisation, on named barriers) and the consumers meet only once a step, for
 // dS^T; dS^T and dQ's staging tiles are double-buffered for that (two consumer warpgroups with
-// dQ, no learnable score table: the shared memory fits at D <= 128).
+// dQ; a learnable table's staging may then share dQ's tile: kStageInDq).
 template <typename T, int DK, int DV, typename Variant, bool kWithDq = true,
           int kWarpgroupCount = 2, bool kWithDerivative = true, bool kWithTableGrad = true,
           bool kWithProducer = false>
@@ -165,6 +165,14 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   constexpr int kDsBarrier = 3;
   constexpr int kFullBarrier = 4;
   constexpr int kEmptyBarrier = 6;
+  // A barrier of the consumers alone (with a producer, which never waits on it) or of the CTA.
+  auto consumer_sync = [] {
+    if constexpr (kProducer) {
+      sm90::named_sync(kDsBarrier, kConsumerThreads);
+    } else {
+      __syncthreads();
+    }
+  };
 
   const int tid = threadIdx.x;
   const int warp = tid / 32;
@@ -439,18 +447,12 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
           if constexpr (Traits::kStageInDq) {
             // The reduction issued last step read this step's dQ staging tile.
             if (dq_issuer) sm90::bulk_wait_read();
-            sm90::named_sync(kDsBarrier, kConsumerThreads);
+            consumer_sync();
           }
           Mod::template accumulate_param_grad<kBlockN, BM, Traits::kStageKeys,
                                               Traits::kStageStride, kConsumerThreads>(
               p, lens, Traits::kStageInDq ? sDq : sStage, dpt, h, m0, n0, tile.slot, warp_row0,
-              lane, tid, [] {
-                if constexpr (kProducer) {
-                  sm90::named_sync(kDsBarrier, kConsumerThreads);
-                } else {
-                  __syncthreads();
-                }
-              });
+              lane, tid, consumer_sync);
         }
       }
       if constexpr (Mod::kAddsTerms) {
@@ -577,11 +579,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     // The last step's dQ; the staging tiles and the accumulator must outlive the reductions.
     if constexpr (kDq) {
       sm90::fence_proxy_async();
-      if constexpr (kProducer) {
-        sm90::named_sync(kDsBarrier, kConsumerThreads);
-      } else {
-        __syncthreads();
-      }
+      consumer_sync();
       add_staged_dq(prev_h, prev_m0, kProducer ? (steps - 1) & 1 : 0);
       if (dq_issuer) sm90::bulk_wait();
     }
@@ -589,11 +587,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   with_steps(mainloop);
 
   // dK and dV rows are staged over sK and sV, which no consumer reads after this barrier.
-  if constexpr (kProducer) {
-    sm90::named_sync(kDsBarrier, kConsumerThreads);
-  } else {
-    __syncthreads();
-  }
+  consumer_sync();
   const float kscale[1][2] = {{static_cast<float>(p.scale), static_cast<float>(p.scale)}};
   const float one[1][2] = {{1.f, 1.f}};
   T* dkptr = dk_rows<T>(p, lens, b, h_kv, n0);
