@@ -12,15 +12,15 @@
 namespace adaattn {
 namespace tc {
 
-// The query row of this warp for the one-warp-per-row kernels, in lse order: dense (b, h, i);
-// packed (h, t) with b = 0 (batch strides are 0). valid == false past the last row.
-struct WarpRow {
+// A query row of the row kernels, in lse order: dense (b, h, i); packed (h, t) with b = 0
+// (batch strides are 0). valid == false past the last row.
+struct QueryRow {
   int64_t row;
   int b, h, i;
   bool valid;
 };
-__device__ __forceinline__ WarpRow warp_row(const AttnParams& p) {
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+
+__device__ __forceinline__ QueryRow query_row(const AttnParams& p, int64_t row) {
   const int64_t bh = row / p.len_q;
   return {row, static_cast<int>(bh / p.heads_q), static_cast<int>(bh % p.heads_q),
           static_cast<int>(row % p.len_q), row < row_items<false>(p)};
@@ -33,41 +33,48 @@ __device__ __forceinline__ int dq_swizzle(int64_t row, int col) {
   return col ^ ((static_cast<int>(row) & 3) << 3);
 }
 
+// Lanes per row of bwd_delta_kernel: one 16-byte chunk of an O / dO row each (a power of two,
+// so that several narrow rows share a warp and their loads stay 16 bytes wide).
+template <int DV>
+constexpr int delta_lanes_per_row() {
+  int lanes = 1;
+  while (lanes < DV / 8 && lanes < 32) lanes *= 2;
+  return lanes;
+}
+
 template <typename T, int DV>
 __global__ void bwd_delta_kernel(const AttnParams p) {
-  const WarpRow r = warp_row(p);
-  const int lane = threadIdx.x % 32;
-  if (!r.valid) return;
-  // Each lane reads DV / 32 neighbouring elements (rows are 16-byte aligned), in loads of the
-  // largest power of two dividing that count (one load but at DV = 192: three of two).
-  constexpr int kPer = DV / 32;
-  static_assert(DV % 32 == 0, "the delta kernel takes DV a multiple of 32");
-  constexpr int kVec = kPer & -kPer;
-  struct alignas(kVec * sizeof(T)) Pack {
-    T x[kVec];
-  };
+  static_assert(DV % 8 == 0, "rows of whole 16-byte chunks");
+  constexpr int kLanes = delta_lanes_per_row<DV>();
+  constexpr int kChunks = DV / 8;
+  const int lane = threadIdx.x % kLanes;
+  const QueryRow r = query_row(
+      p, (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kLanes);
   const T* o = static_cast<const T*>(p.out) + r.b * p.o_batch_stride + r.h * p.o_head_stride +
                static_cast<int64_t>(r.i) * p.o_row_stride;
   const T* d = static_cast<const T*>(p.dout) + r.b * p.do_batch_stride + r.h * p.do_head_stride +
                static_cast<int64_t>(r.i) * p.do_row_stride;
-  if (p.dq_accum != nullptr) {
-    // The atomic backward's float32 dQ row starts at zero (no separate fill pass).
-    float* const acc = p.dq_accum + r.row * p.head_dim;
-    for (int c = 4 * lane; c < p.head_dim; c += 128) {
-      *reinterpret_cast<float4*>(acc + c) = make_float4(0.f, 0.f, 0.f, 0.f);
+  float acc = 0.f;
+  if (r.valid) {
+    if (p.dq_accum != nullptr) {
+      // The atomic backward's float32 dQ row starts at zero (no separate fill pass).
+      float4* const zero = reinterpret_cast<float4*>(p.dq_accum + r.row * p.head_dim);
+      for (int c = lane; c < p.head_dim / 4; c += kLanes) zero[c] = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+#pragma unroll
+    for (int c = lane; c < kChunks; c += kLanes) {
+      const uint4 ov = reinterpret_cast<const uint4*>(o)[c];
+      const uint4 dv = reinterpret_cast<const uint4*>(d)[c];
+      const T* ot = reinterpret_cast<const T*>(&ov);
+      const T* dt = reinterpret_cast<const T*>(&dv);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc += to_float(ot[e]) * to_float(dt[e]);
     }
   }
-  float acc = 0.f;
+  // Every lane takes part (rows past the last add zeros): the groups reduce within kLanes.
 #pragma unroll
-  for (int j = 0; j < kPer / kVec; ++j) {
-    const Pack ov = reinterpret_cast<const Pack*>(o)[lane * (kPer / kVec) + j];
-    const Pack dv = reinterpret_cast<const Pack*>(d)[lane * (kPer / kVec) + j];
-#pragma unroll
-    for (int c = 0; c < kVec; ++c) acc += to_float(ov.x[c]) * to_float(dv.x[c]);
-  }
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffff, acc, off);
-  if (lane == 0) p.delta[r.row] = acc;
+  for (int off = kLanes / 2; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffff, acc, off);
+  if (r.valid && lane == 0) p.delta[r.row] = acc;
 }
 
 // Atomic dQ, last step: dq = scale * dq_accum in T (rows in lse order). kSwizzled: the
