@@ -21,6 +21,7 @@
 
 #include "../../core/mask.h"
 #include "../../core/params.h"
+#include "query_ring_sm90.h"
 #include "softmax_frag.h"
 #include "tiles.h"
 #include "wgmma.h"
@@ -40,11 +41,8 @@ __device__ __forceinline__ float dot8(const uint4& a, const uint4& b) {
 }
 
 template <typename T, int DK, int DV>
-struct Sm90BwdDqTraits {
-  static constexpr int kWarpgroups = 2;
-  static constexpr int kConsumerThreads = kWarpgroups * 128;
-  static constexpr int kThreads = kConsumerThreads + 128;  // and a producer warpgroup
-  static constexpr int kBlockM = kWarpgroups * 64;
+struct Sm90BwdDqTraits : sm90::WarpSpecialisedSplit<2, 32, 232> {
+  static constexpr int kBlockM = 2 * 64;
   static constexpr int kBlockN = 128;
   static constexpr int kStages = 2;
   static constexpr int kQElems = kBlockM * DK;
@@ -105,33 +103,18 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_dq_sm90_kernel(const 
   };
 
   if (warp >= kConsumerThreads / 32) {
-    sm90::regs_dealloc<32>();
+    sm90::regs_dealloc<Traits::kProducerRegs>();
     const int ptid = tid - kConsumerThreads;
     const T* k = k_rows<T>(p, lens, b, h_kv, 0);
     const T* v = v_rows<T>(p, lens, b, h_kv, 0);
     with_tiles([&](const auto& tiles) {
       // No key tiles: the consumers write zeros over sQ without waiting, so nothing may load.
       if (tiles.count == 0) return;
-      // Q and dO join the first group.
-      // Padding rows and keys load as zeros (see bwd_sm90.h).
-      sm90::load_tile_gmma<kBlockM, DK, 128>(sQ, q_rows<T>(p, lens, b, h, m0), p.q_row_stride,
-                                             lens.q - m0, ptid);
-      sm90::load_tile_gmma<kBlockM, DV, 128>(sdO, dout_rows<T>(p, lens, b, h, m0),
-                                             p.do_row_stride, lens.q - m0, ptid);
-      for (int j = 0; j < tiles.count; ++j) {
-        if (j >= 2) sm90::mbar_wait(&empty[j % 2], ((j - 2) >> 1) & 1);
-        const int n0 = tiles.at(j) * BN;
-        sm90::load_tile_gmma<BN, DK, 128>(sK + (j % 2) * Traits::kKElems,
-                                          k + static_cast<int64_t>(n0) * p.k_row_stride,
-                                          p.k_row_stride, lens.k - n0, ptid);
-        sm90::load_tile_gmma<BN, DV, 128>(sV + (j % 2) * Traits::kVElems,
-                                          v + static_cast<int64_t>(n0) * p.v_row_stride,
-                                          p.v_row_stride, lens.k - n0, ptid);
-        sm90::publish_stage(&full[j % 2]);
-      }
+      produce_query_tile_ring<kBlockM, BN, DK, DV>(p, lens, b, h, m0, k, v, tiles, sQ, sdO, sK, sV,
+                                                   full, empty, ptid);
     });
   } else {
-    sm90::regs_alloc<232>();
+    sm90::regs_alloc<Traits::kConsumerRegs>();
     const int wg = warp / 4;
     const int warp_row0 = warp * 16;  // = 64 * wg + 16 * (warp % 4)
     const int g = lane >> 2;

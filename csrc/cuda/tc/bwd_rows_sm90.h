@@ -18,17 +18,10 @@
 namespace adaattn {
 namespace tc {
 
+// Two consumer warpgroups of 64 rows; at 32 registers the producer spilled.
 template <typename T, int D>
-struct Sm90RowsTraits {
-  static constexpr int kWarpgroups = 2;  // consumers, 64 rows each
-  static constexpr int kProducerRegs = 40;
-  static constexpr int kConsumerRegs = 224;
-  static constexpr int kConsumerThreads = kWarpgroups * 128;
-  static constexpr int kThreads = kConsumerThreads + 128;
-  static_assert(kWarpgroups * 128 * kConsumerRegs + 128 * kProducerRegs <=
-                    sm90::launch_register_budget(kThreads),
-                "the register split fits what the CTA was launched with");
-  static constexpr int kBlockM = kWarpgroups * 64;
+struct Sm90RowsTraits : sm90::WarpSpecialisedSplit<2, 40, 224> {
+  static constexpr int kBlockM = 2 * 64;
   static constexpr int kBlockN = 128;
   static constexpr int kStages = 2;
   static constexpr int kRowElems = kBlockM * D;

@@ -41,16 +41,9 @@ __host__ __device__ constexpr int q8_vt_position(int kappa) {
 
 // kWarpgroupCount: consumer warpgroups (64 rows each), 2 or 3 (launch_q8).
 template <int DK, int DV, int kWarpgroupCount>
-struct Sm90Q8FwdTraits {
-  static constexpr int kWarpgroups = kWarpgroupCount;
-  static constexpr int kProducerRegs = 32;
-  static constexpr int kConsumerRegs = kWarpgroups == 3 ? 160 : 232;
-  static constexpr int kConsumerThreads = kWarpgroups * 128;
-  static constexpr int kThreads = kConsumerThreads + 128;
-  static_assert(kWarpgroups * 128 * kConsumerRegs + 128 * kProducerRegs <=
-                    sm90::launch_register_budget(kThreads),
-                "the register split fits what the CTA was launched with");
-  static constexpr int kBlockM = kWarpgroups * 64;
+struct Sm90Q8FwdTraits
+    : sm90::WarpSpecialisedSplit<kWarpgroupCount, 32, kWarpgroupCount == 3 ? 160 : 232> {
+  static constexpr int kBlockM = kWarpgroupCount * 64;
   static constexpr int kBlockN = 128;
   static constexpr int kStages = 2;
   // Tiles in 16-bit units (an 8-bit row of D bytes is a 16-bit row of D / 2).

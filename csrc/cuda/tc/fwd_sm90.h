@@ -21,25 +21,19 @@ namespace tc {
 // kWarpgroupCount: consumer warpgroups, 2 or 3 (launch.h's sm90_fwd_warpgroups). kKeys80:
 // 80-key tiles (FA3's at head dim 256) for the online softmax at D + Dv > 384, where 64-key
 // tiles left the tensor pipe waiting on each tile's softmax (launch.h picks them).
+// setmaxnreg's split of the register file: the producer keeps what its copies need (the column
+// blocks of D + Dv > 256 take more than 32); 80 keys of S beside a 64 x 256 O take 240 a
+// consumer thread, which leaves the producer 24.
 template <typename T, int DK, int DV, int kWarpgroupCount, bool kKeys80 = false>
-struct Sm90FwdTraits {
+struct Sm90FwdTraits
+    : sm90::WarpSpecialisedSplit<kWarpgroupCount, (kKeys80 ? 24 : (DK + DV > 256) ? 40 : 32),
+                                 (kWarpgroupCount == 3 ? 160 : kKeys80 ? 240 : 232)> {
   static_assert(!kKeys80 || (DK + DV > 384 && kWarpgroupCount == 2),
                 "80-key tiles are (256, 256)'s, with two consumer warpgroups");
-  static constexpr int kWarpgroups = kWarpgroupCount;
-  // setmaxnreg's split of the register file: the producer keeps what its copies need (the
-  // column blocks of D + Dv > 256 take more than 32); 80 keys of S beside a 64 x 256 O take
-  // 240 a consumer thread, which leaves the producer 24.
-  static constexpr int kProducerRegs = kKeys80 ? 24 : DK + DV > 256 ? 40 : 32;
-  static constexpr int kConsumerRegs = kWarpgroups == 3 ? 160 : kKeys80 ? 240 : 232;
-  static constexpr int kConsumerThreads = kWarpgroups * 128;
-  static constexpr int kThreads = kConsumerThreads + 128;  // and a producer warpgroup
-  static_assert(kWarpgroups * 128 * kConsumerRegs + 128 * kProducerRegs <=
-                    sm90::launch_register_budget(kThreads),
-                "the register split fits what the CTA was launched with");
   // Ping-pong turns (the kernel's softmax mainloop): at D + Dv > 384 a product is long beside
   // a softmax and waiting for the turn cost 4-10% (H200, (256, 256)).
   static constexpr bool kTakeTurns = DK + DV <= 384;
-  static constexpr int kBlockM = kWarpgroups * 64;
+  static constexpr int kBlockM = kWarpgroupCount * 64;
   static constexpr int kStages = 2;
   static constexpr int kQElems = kBlockM * DK;
   // Keys per streamed tile: 128, or 64 where 128-key stages do not fit the 227 KiB an SM90 CTA

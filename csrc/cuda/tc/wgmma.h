@@ -249,6 +249,20 @@ constexpr int launch_register_budget(int threads) {
   return threads * (per_thread < 255 ? per_thread : 255);
 }
 
+// The thread and register split of a warp-specialised CTA: kWarpgroups consumer warpgroups and
+// one producer warpgroup, to which setmaxnreg gives kConsumerRegs and kProducerRegs a thread.
+template <int kConsumerWarpgroups, int kProducerRegisters, int kConsumerRegisters>
+struct WarpSpecialisedSplit {
+  static constexpr int kWarpgroups = kConsumerWarpgroups;
+  static constexpr int kProducerRegs = kProducerRegisters;
+  static constexpr int kConsumerRegs = kConsumerRegisters;
+  static constexpr int kConsumerThreads = kWarpgroups * 128;
+  static constexpr int kThreads = kConsumerThreads + 128;
+  static_assert(kConsumerThreads * kConsumerRegs + 128 * kProducerRegs <=
+                    launch_register_budget(kThreads),
+                "the register split fits what the CTA was launched with");
+};
+
 // Moves this warpgroup's register budget (setmaxnreg, sm_90a): a warp-specialised kernel's
 // producer gives registers up for its consumers.
 template <int N>
