@@ -42,7 +42,7 @@ __device__ __forceinline__ float dot8(const uint4& a, const uint4& b) {
 
 template <typename T, int DK, int DV>
 struct Sm90BwdDqTraits : sm90::WarpSpecialisedSplit<2, 32, 232> {
-  static constexpr int kBlockM = 2 * 64;
+  static constexpr int kBlockM = kWarpgroups * 64;
   static constexpr int kBlockN = 128;
   static constexpr int kStages = 2;
   static constexpr int kQElems = kBlockM * DK;

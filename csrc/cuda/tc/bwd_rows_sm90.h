@@ -21,7 +21,7 @@ namespace tc {
 // Two consumer warpgroups of 64 rows; at 32 registers the producer spilled.
 template <typename T, int D>
 struct Sm90RowsTraits : sm90::WarpSpecialisedSplit<2, 40, 224> {
-  static constexpr int kBlockM = 2 * 64;
+  static constexpr int kBlockM = kWarpgroups * 64;
   static constexpr int kBlockN = 128;
   static constexpr int kStages = 2;
   static constexpr int kRowElems = kBlockM * D;
