@@ -9,11 +9,16 @@
 //   dV += P^T dO, dK += dS^T Q    warpgroup w: the 64 keys x column half w (both operands in
 //                                 shared memory)
 //   dQ += dS K                    warpgroup w: the step's 64 queries x column half w, added to
-//                                 the float32 accumulator with four-float reductions while
-//                                 the tensor cores run dV and dK
+//                                 the float32 accumulator by bulk reductions while the tensor
+//                                 cores run dV and dK
 // Five products per tile pair, as bwd_sm90.h. Q and dO are double-buffered through cp.async
 // (208 KiB at D = Dv = 256); two CTA barriers per step: the step's tiles have landed, and both
-// warpgroups' P^T and dS^T are staged.
+// warpgroups' P^T and dS^T are staged. A step's float32 dQ (64 KiB at D = 256) does not fit
+// beside them: warp w of each warpgroup holds the same 16 rows (w % 4), so each such pair of
+// warps stages its rows 4 at a time as whole rows (contiguous in the accumulator) in 4 KiB of
+// its own, and one lane adds them with one bulk reduction. Per-thread four-float reductions
+// filled the load/store queue and L2's atomic input; bulk reductions of 64-byte row pieces cost
+// more per operation than they saved (docs/lab/head-dims.md).
 #pragma once
 
 #include <cmath>
@@ -42,11 +47,15 @@ struct Sm90WideBwdTraits {
   static constexpr int kQElems = kBlockM * DK;
   static constexpr int kDoElems = kBlockM * DV;
   static constexpr int kPElems = kBlockN * kBlockM;  // P^T, and dS^T
-  // K, V, two stages of Q and dO, P^T and dS^T, then lse and delta of both stages; 1024 bytes
-  // of slack to align the swizzled tiles.
+  // dQ's staging: a slab of kDqSlabRows whole float32 rows per pair of warps (four pairs).
+  static constexpr int kDqSlabRows = 4;
+  static constexpr int kDqSlabFloats = kDqSlabRows * DK;
+  static constexpr int kDqStageFloats = 4 * kDqSlabFloats;
+  // K, V, two stages of Q and dO, P^T and dS^T, then lse and delta of both stages and dQ's
+  // slabs; 1024 bytes of slack to align the swizzled tiles.
   static constexpr int kSmemBytes =
       (kKElems + kVElems + 2 * (kQElems + kDoElems) + 2 * kPElems) * static_cast<int>(sizeof(T)) +
-      2 * 2 * kBlockM * static_cast<int>(sizeof(float)) + 1024;
+      (2 * 2 * kBlockM + kDqStageFloats) * static_cast<int>(sizeof(float)) + 1024;
   static_assert(DK % 64 == 0 && DV % 64 == 0 && DK <= 256 && DV <= 256 && DK >= DV,
                 "(D, Dv) with whole 64-column blocks up to 256, D >= Dv");
   static_assert(kSmemBytes <= 227 * 1024, "the tiles fit shared memory");
@@ -91,6 +100,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_wide_sm90_kernel(cons
   const int wg = warp / 4;
   const int g = lane >> 2;
   const int t = lane & 3;
+  // The pair of warps (one per warpgroup) that holds dQ rows [16 pair, 16 pair + 16) of a step,
+  // its dQ slab and its named barrier (ids 1-4; __syncthreads is 0).
+  const int pair = warp % 4;
+  float* const sDqSlab = sDelta0 + 2 * BM + pair * Traits::kDqSlabFloats;
+  const int pair_barrier = 1 + pair;
+  const bool slab_issuer = wg == 0 && lane == 0;
   const WorkItem tile = tile_item<true, false>(p, blockIdx.x, kBlockN);
   if (!tile.valid) return;
   const int b = tile.b;
@@ -275,28 +290,34 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_wide_sm90_kernel(cons
       sm90::wgmma_commit();
       sm90::wgmma_wait<1>(dq);
 
-      // Rows past the sequence add dS = 0 (their P is masked); rows past the tensor are not
-      // written. Lanes 2i and 2i + 1 trade halves so that each adds four consecutive columns
-      // of one row (even lanes row g, odd lanes row g + 8): half the reductions of pairs. All
-      // trades first, in place, so that the reductions go out back to back.
+      // The pair's 16 rows go out in slabs of 4 (rows g and g + 8 of a lane: slab j holds rows
+      // [4j, 4j + 4)): both warps stage their column halves, then the issuer adds the slab's
+      // rows that exist. Rows past the sequence add dS = 0 (their P is masked); rows past the
+      // tensor are not added. The slab is rewritten once the issuer's reduction has read it.
       {
-        const bool odd = t & 1;
+        constexpr int kRows = Traits::kDqSlabRows;
+        static_assert(kRows == 4, "a lane's rows g and g + 8 fall in slabs g / 4 and 2 + g / 4");
+        const int rows_left = lens.rows_q - m0 - pair * 16;
+        float* const acc = p.dq_accum + (row_stat_offset(p, lens, b, h) + m0 + pair * 16) * DK;
 #pragma unroll
-        for (int ni = 0; ni < DKH / 8; ++ni) {
-          const float got_x = __shfl_xor_sync(0xffffffff, odd ? dq[ni][0] : dq[ni][2], 1);
-          const float got_y = __shfl_xor_sync(0xffffffff, odd ? dq[ni][1] : dq[ni][3], 1);
-          dq[ni][0] = odd ? got_x : dq[ni][0];
-          dq[ni][1] = odd ? got_y : dq[ni][1];
-          dq[ni][2] = odd ? dq[ni][2] : got_x;
-          dq[ni][3] = odd ? dq[ni][3] : got_y;
-        }
-        const int row = (warp % 4) * 16 + g + (odd ? 8 : 0);  // of dQ's 64 queries
-        if (row < lens.rows_q - m0) {
-          float* const acc = p.dq_accum + (row_stat_offset(p, lens, b, h) + m0 + row) * DK +
-                             wg * DKH + 2 * (t & 2);
+        for (int j = 0; j < 16 / kRows; ++j) {
+          if (slab_issuer) sm90::bulk_wait_read();
+          sm90::named_sync(pair_barrier, 64);
+          if ((g >> 2) == (j & 1)) {
+            float* const row = sDqSlab + (g & 3) * DK + wg * DKH + 2 * t;
 #pragma unroll
-          for (int ni = 0; ni < DKH / 8; ++ni) {
-            atomic_add4(acc + ni * 8, make_float4(dq[ni][0], dq[ni][1], dq[ni][2], dq[ni][3]));
+            for (int ni = 0; ni < DKH / 8; ++ni) {
+              *reinterpret_cast<float2*>(row + ni * 8) =
+                  make_float2(dq[ni][2 * (j >> 1)], dq[ni][2 * (j >> 1) + 1]);
+            }
+          }
+          sm90::fence_proxy_async();
+          sm90::named_sync(pair_barrier, 64);
+          const int rows = min(kRows, rows_left - j * kRows);
+          if (slab_issuer && rows > 0) {
+            sm90::bulk_reduce_add(acc + j * kRows * DK, sDqSlab,
+                                  rows * DK * static_cast<int>(sizeof(float)));
+            sm90::bulk_commit();
           }
         }
       }
@@ -325,6 +346,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_wide_sm90_kernel(cons
                              wg * DKH);
   store_rows<1, DVH / 8, DV>(dv, one, sV, key_row0, dvptr, p.dv_row_stride, valid_k, lane,
                              wg * DVH);
+  // The slabs and the accumulator must outlive dQ's reductions.
+  if (slab_issuer) sm90::bulk_wait();
 #endif
 }
 

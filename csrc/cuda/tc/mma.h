@@ -248,16 +248,6 @@ __device__ __forceinline__ void atomic_add2(float* addr, float a, float b) {
 #endif
 }
 
-// Adds four consecutive floats (16-byte aligned) of global memory: one reduction on SM90.
-__device__ __forceinline__ void atomic_add4(float* addr, float4 v) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  atomicAdd(reinterpret_cast<float4*>(addr), v);
-#else
-  atomic_add2(addr, v.x, v.y);
-  atomic_add2(addr + 2, v.z, v.w);
-#endif
-}
-
 // Re-packs accumulator fragments (16 x 8, fp32) as A-fragments (16 x 16, T): the accumulator
 // layout of two neighbouring n-tiles is exactly the A layout, so no data moves between lanes.
 template <int MI, int NT, typename T>
