@@ -16,9 +16,9 @@
 // warpgroups' P^T and dS^T are staged. A step's float32 dQ (64 KiB at D = 256) does not fit
 // beside them: warp w of each warpgroup holds the same 16 rows (w % 4), so each such pair of
 // warps stages its rows 4 at a time as whole rows (contiguous in the accumulator) in 4 KiB of
-// its own, and one lane adds them with one bulk reduction. Per-thread four-float reductions
-// filled the load/store queue and L2's atomic input; bulk reductions of 64-byte row pieces cost
-// more per operation than they saved (docs/lab/head-dims.md).
+// its own, and one lane adds them with one bulk reduction: few large reductions, because
+// per-thread ones fill the load/store queue and small bulk ones cost per operation
+// (docs/lab/head-dims.md).
 #pragma once
 
 #include <cmath>
