@@ -34,8 +34,9 @@ void attention_bwd_tc_cuda(VariantId variant, const AttnParams& p, c10::ScalarTy
 // The (D, Dv) pairs with a tensor-core kernel for `variant`, for error messages.
 const char* tc_head_dims(VariantId variant);
 // The compiled pair (D', Dv') >= (D, Dv) of `variant` with the least work per score
-// (D' + Dv'): the pair itself where it is compiled, else the one other head dims run on
-// zero-padded; {0, 0} when none covers them.
+// (D' + Dv'): the pair itself where it is compiled, else the one whose kernels other head dims
+// run on (multiples of 8 as they are, the kernels masking the columns past them; others
+// zero-padded to it: TcLayout); {0, 0} when none covers them.
 std::pair<int, int> tc_kernel_head_dims(VariantId variant, int head_dim, int head_dim_v);
 
 // Decode against a KV cache (p.cache_seqlens set, p.block_table for a paged cache): the
