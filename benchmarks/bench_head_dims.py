@@ -5,8 +5,8 @@ bf16, H = 16, causal and not: B = 4, L = 4096 for D = Dv in {64, 80, 96, 128, 16
 and 96 run on the (128, 128) kernels, 160 on (192, 192)) and for MLA's (D, Dv) = (192, 128);
 B = 1, L = 16384 for D in {192, 256} and (192, 128). TFLOP/s count the caller's dims
 (flash-attn's count: forward 2*B*H*L^2*(D + Dv), halved when causal, forward+backward 3.5x), so
-a dim on a wider kernel shows what the unused columns cost. Times are medians of triton's do_bench; an SDPA
-backend that refuses a shape is reported as such.
+a dim on a wider kernel shows what the unused columns cost. Times are medians of triton's
+do_bench; an SDPA backend that refuses a shape is reported as such.
 
 Writes benchmarks/results/head-dims.json (a case per D and mask, SDPA's backends as peers) and
 prints the table.

@@ -42,7 +42,7 @@ inline at::Tensor tc_aligned(const at::Tensor& t) {
 struct TcLayout {
   bool tc;
   int64_t head_dim, head_dim_v;      // the caller's D, Dv
-  int64_t kernel_dim, kernel_dim_v;  // the operands' widths as the kernels get them, >= the caller's
+  int64_t kernel_dim, kernel_dim_v;  // the operands' widths as the kernels get them (>= D, Dv)
 
   at::Tensor qk(const at::Tensor& t) const { return operand(t, kernel_dim); }
   at::Tensor vo(const at::Tensor& t) const { return operand(t, kernel_dim_v); }
