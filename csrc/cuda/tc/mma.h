@@ -41,6 +41,10 @@ __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool v
   const int bytes = valid ? 16 : 0;
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
 }
+// 16-byte async copy to the shared address dst, without a bounds operand.
+__device__ __forceinline__ void cp_async16_unmasked(uint32_t dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
+}
 // 4-byte async copy (one float), zero-filled when !valid, as cp_async16.
 __device__ __forceinline__ void cp_async4(void* dst, const void* src, bool valid) {
   const int bytes = valid ? 4 : 0;

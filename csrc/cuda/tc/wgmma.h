@@ -89,13 +89,24 @@ __device__ __forceinline__ void load_tile_gmma(T* dst, const T* src, int64_t row
     const bool col_ok = col < valid_cols;
     const T* s = src + r0 * row_stride + (col_ok ? col : 0);
     if (valid_rows >= ROWS) {
-      // Every row is in bounds: no per-row predicates (the column's is the thread's, so the
-      // warp does not split over the rows), and the shared offsets are compile-time constants.
+      // Every row is in bounds: no per-row predicates, and the shared offsets are compile-time
+      // constants. Where some chunks lie past the caller's columns, their copies read nothing in
+      // the same unrolled loop (the column's predicate is the thread's, so the warp does not
+      // split over the rows); full-width tiles keep copies without a source-size operand, which
+      // were 4-23% faster in the Hopper forward (H100, D = 128-256).
       const uint32_t d0 = smem_addr(d);
+      if (valid_cols >= D) {
 #pragma unroll
-      for (int i = 0; i < ROWS / kRowStep; ++i) {
-        cp_async16(d0 + i * kRowStep * GmmaLayout<D>::kWidth * sizeof(T), s, col_ok);
-        s += kRowStep * row_stride;
+        for (int i = 0; i < ROWS / kRowStep; ++i) {
+          cp_async16_unmasked(d0 + i * kRowStep * GmmaLayout<D>::kWidth * sizeof(T), s);
+          s += kRowStep * row_stride;
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < ROWS / kRowStep; ++i) {
+          cp_async16(d0 + i * kRowStep * GmmaLayout<D>::kWidth * sizeof(T), s, col_ok);
+          s += kRowStep * row_stride;
+        }
       }
       return;
     }
