@@ -91,9 +91,9 @@ def main():
                 path = results_io.write(
                     args.family or "head-dims", json_rows,
                     title=f"head dims: bf16, H = {H}, B * L = 16k",
-                    setup="D = 80 and 96 run on the (128, 128) kernels, 160 on (192, 192) "
-                          "(the columns past D masked in their loads and stores); TFLOP/s count "
-                          "the caller's dims (flash-attn's count); "
+                    setup="D = 80 and 96 run on the (128, 128) kernels (the columns past D "
+                          "masked in their loads and stores), 160 zero-padded on (192, 192); "
+                          "TFLOP/s count the caller's dims (flash-attn's count); "
                           "time: median of triton.testing.do_bench",
                     results_dir=args.results_dir)
     if not args.no_write:

@@ -360,7 +360,7 @@ WIDE_HEAD_DIM_CASES = [
     Case(b=2, hq=4, hkv=2, lq=300, lk=300, d=256, w=16, tau=-1.0),
     Case(b=3, hq=4, hkv=1, lq=97, lk=257, d=256, w=512, tau=0.5, seqlens=(0, 17, 257)),
     Case(b=2, hq=8, hkv=2, lq=130, lk=130, d=256, w=7, tau=-0.5, transposed=True),
-    Case(b=2, hq=4, hkv=2, lq=97, lk=128, d=160, w=7, tau=-1.0),  # on (256, 256)
+    Case(b=2, hq=4, hkv=2, lq=97, lk=128, d=160, w=7, tau=-1.0),  # zero-padded to (256, 256)
 ]
 
 
@@ -369,7 +369,7 @@ WIDE_HEAD_DIM_CASES = [
 @pytest.mark.parametrize("dtype", LOW_PRECISION, ids=str)
 @pytest.mark.parametrize("case", WIDE_HEAD_DIM_CASES, ids=str)
 def test_low_precision_cuda_wide_head_dims(case, dtype, kernels, monkeypatch):
-    """Gemma's head dim, 256 (and dims above 128 on its kernels): the Hopper wgmma forward
+    """Gemma's head dim, 256 (and dims above 128 zero-padded to it): the Hopper wgmma forward
     and the mma.sync backward, whose dK/dV CTAs split their columns (the bias table's gradient
     is one slice's), and with ADAATTN_DISABLE_SM90=1 the mma.sync forward too."""
     if kernels == "sm80":

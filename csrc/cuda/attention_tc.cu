@@ -45,14 +45,14 @@ const Kernel* find(VariantId variant, int head_dim, int head_dim_v) {
   return nullptr;
 }
 
-// The kernels of (D, Dv), or, for multiples of 8 without their own, those of the smallest
-// compiled pair that covers them: they read the columns past the caller's as zeros and write
-// only the caller's (the loads and stores take p.head_dim, p.head_dim_v).
+// The kernels of (D, Dv), or, where tc_masks_head_dims, those of the smallest compiled pair that
+// covers them: they read the columns past the caller's as zeros and write only the caller's
+// (the loads and stores take p.head_dim, p.head_dim_v).
 const Kernel* find_covering(VariantId variant, int head_dim, int head_dim_v) {
   if (const Kernel* exact = find(variant, head_dim, head_dim_v)) return exact;
-  if (head_dim % 8 != 0 || head_dim_v % 8 != 0) return nullptr;
+  if (!tc_masks_head_dims(variant, head_dim, head_dim_v)) return nullptr;
   const std::pair<int, int> cover = tc_kernel_head_dims(variant, head_dim, head_dim_v);
-  return cover.first > 0 ? find(variant, cover.first, cover.second) : nullptr;
+  return find(variant, cover.first, cover.second);
 }
 
 void dispatch(VariantId variant, const AttnParams& p, c10::ScalarType dtype, bool backward) {
@@ -97,6 +97,12 @@ std::pair<int, int> tc_kernel_head_dims(VariantId variant, int head_dim, int hea
     }
   }
   return best;
+}
+
+bool tc_masks_head_dims(VariantId variant, int head_dim, int head_dim_v) {
+  if (head_dim % 8 != 0 || head_dim_v % 8 != 0) return false;
+  const std::pair<int, int> cover = tc_kernel_head_dims(variant, head_dim, head_dim_v);
+  return cover.first > 0 && cover.first <= 128 && cover.second <= 128;
 }
 
 void attention_fwd_tc_cuda(VariantId variant, const AttnParams& p, c10::ScalarType dtype) {

@@ -133,9 +133,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_wide_sm90_kernel(cons
     auto issue_step = [&](int buf, int h, int m0) {
       const int ltid = sm90::opaque(tid);
       sm90::load_tile_gmma<BM, DK, kThreads>(sQ(buf), q_rows<T>(p, lens, b, h, m0),
-                                             p.q_row_stride, lens.q - m0, ltid, p.head_dim);
+                                             p.q_row_stride, lens.q - m0, ltid);
       sm90::load_tile_gmma<BM, DV, kThreads>(sdO(buf), dout_rows<T>(p, lens, b, h, m0),
-                                             p.do_row_stride, lens.q - m0, ltid, p.head_dim_v);
+                                             p.do_row_stride, lens.q - m0, ltid);
       if (tid < BM) {
         const int64_t off = row_stat_offset(p, lens, b, h) + m0 + tid;
         const bool valid = m0 + tid < lens.q;
@@ -143,10 +143,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_wide_sm90_kernel(cons
         cp_async4(sDelta0 + buf * BM + tid, p.delta + (valid ? off : 0), valid);
       }
     };
-    sm90::load_tile_gmma<kBlockN, DK, kThreads>(sK, kptr, p.k_row_stride, lens.k - n0, tid,
-                                                p.head_dim);
-    sm90::load_tile_gmma<kBlockN, DV, kThreads>(sV, vptr, p.v_row_stride, lens.k - n0, tid,
-                                                p.head_dim_v);
+    sm90::load_tile_gmma<kBlockN, DK, kThreads>(sK, kptr, p.k_row_stride, lens.k - n0, tid);
+    sm90::load_tile_gmma<kBlockN, DV, kThreads>(sV, vptr, p.v_row_stride, lens.k - n0, tid);
     int h, m0;  // this step's query head and first row
     query.at(p, 0, h, m0);
     issue_step(0, h, m0);
@@ -345,9 +343,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_wide_sm90_kernel(cons
   T* dkptr = dk_rows<T>(p, lens, b, h_kv, n0);
   T* dvptr = dv_rows<T>(p, lens, b, h_kv, n0);
   store_rows<1, DKH / 8, DK>(dk, kscale, sK, key_row0, dkptr, p.dk_row_stride, valid_k, lane,
-                             wg * DKH, p.head_dim);
+                             wg * DKH);
   store_rows<1, DVH / 8, DV>(dv, one, sV, key_row0, dvptr, p.dv_row_stride, valid_k, lane,
-                             wg * DVH, p.head_dim_v);
+                             wg * DVH);
   // The slabs and the accumulator must outlive dQ's reductions.
   if (slab_issuer) sm90::bulk_wait();
 #endif

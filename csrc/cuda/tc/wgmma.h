@@ -54,28 +54,31 @@ __device__ __forceinline__ int gmma_kcol(int col) {
 }
 
 // Copies a [ROWS][D] tile whose row r lives at src + r * row_stride into a gmma_off tile with
-// cp.async; rows >= valid_rows and columns >= valid_cols (a multiple of 8: a caller's head dim
-// below the kernel's D) are zero-filled. Few registers: each thread keeps one 16-byte
+// cp.async; rows >= valid_rows are zero-filled, and at D <= 128 columns >= valid_cols too (a
+// multiple of 8: a caller's head dim below the kernel's; wider tiles are read whole, the host
+// zero-pads the dims that run on them: TcLayout). Few registers: each thread keeps one 16-byte
 // column chunk and walks its rows (kRowStep apart, a multiple of the swizzle's 8-row period, so
 // the shared-memory offset moves by a constant) with two running pointers. A tile whose rows
 // are all in bounds (all but a sequence's last) takes an unrolled loop without per-row
 // predicates: the predicated loop's ~11 instructions per copy were 36% of the Hopper forward's
-// issued instructions (ncu), and the forward is 11-15% faster without them.
+// issued instructions (ncu), and the forward is 11-15% faster without them. A chunk past
+// valid_cols reads nothing (zero-filled, at its row's column 0, in bounds) in the same loop, so
+// the warp does not split over the rows; full-width tiles keep the copies without a source-size
+// operand. Column tests in the wider tiles' loads slowed the Hopper forward at D = 192 and 256
+// by 14-23% (H100; its producer has 24-40 registers).
 // Tiles wider than the threads cover in whole 8-row groups (D = 192, 256 at 128 threads) are
 // loaded one 64-column block at a time, each block being a [ROWS][64] tile of its own.
 template <int ROWS, int D, int THREADS, typename T>
 __device__ __forceinline__ void load_tile_gmma(T* dst, const T* src, int64_t row_stride,
                                                int valid_rows, int tid, int valid_cols = D) {
   constexpr int kChunksPerRow = D / 8;
+  constexpr bool kColumnTests = D <= 128;
   if constexpr (D > 64 && (THREADS % kChunksPerRow != 0 || (THREADS / kChunksPerRow) % 8 != 0)) {
     static_assert(D % 64 == 0, "wide tiles are whole 64-column blocks");
 #pragma unroll 1
     for (int block = 0; block < D / 64; ++block) {
-      // A block wholly past valid_cols is zero-filled, src its in-bounds fallback address.
-      const int block_cols = valid_cols - block * 64;
-      load_tile_gmma<ROWS, 64, THREADS>(dst + block * ROWS * 64,
-                                        block_cols > 0 ? src + block * 64 : src, row_stride,
-                                        valid_rows, tid, block_cols);
+      load_tile_gmma<ROWS, 64, THREADS>(dst + block * ROWS * 64, src + block * 64, row_stride,
+                                        valid_rows, tid);
     }
   } else {
     constexpr int kRowStep = THREADS / kChunksPerRow;
@@ -84,18 +87,11 @@ __device__ __forceinline__ void load_tile_gmma(T* dst, const T* src, int64_t row
     const int r0 = tid / kChunksPerRow;
     const int col = (tid % kChunksPerRow) * 8;
     T* d = dst + gmma_off<ROWS, D>(r0, col);
-    // A chunk past the caller's columns reads nothing (zero-filled) at its row's column 0, an
-    // in-bounds address for the rows below valid_rows.
-    const bool col_ok = col < valid_cols;
+    const bool col_ok = !kColumnTests || col < valid_cols;
     const T* s = src + r0 * row_stride + (col_ok ? col : 0);
     if (valid_rows >= ROWS) {
-      // Every row is in bounds: no per-row predicates, and the shared offsets are compile-time
-      // constants. Where some chunks lie past the caller's columns, their copies read nothing in
-      // the same unrolled loop (the column's predicate is the thread's, so the warp does not
-      // split over the rows); full-width tiles keep copies without a source-size operand, which
-      // were 4-23% faster in the Hopper forward (H100, D = 128-256).
       const uint32_t d0 = smem_addr(d);
-      if (valid_cols >= D) {
+      if (!kColumnTests || valid_cols >= D) {
 #pragma unroll
         for (int i = 0; i < ROWS / kRowStep; ++i) {
           cp_async16_unmasked(d0 + i * kRowStep * GmmaLayout<D>::kWidth * sizeof(T), s);
@@ -110,7 +106,6 @@ __device__ __forceinline__ void load_tile_gmma(T* dst, const T* src, int64_t row
       }
       return;
     }
-    // A chunk past the caller's columns is zero-filled in every row, as rows past valid_rows.
     const int rows = col_ok ? valid_rows : 0;
 #pragma unroll 2
     for (int r = r0; r < ROWS; r += kRowStep) {
