@@ -318,9 +318,9 @@ def test_low_precision_cuda_masked_head_dims_read_only_their_columns(d, dv, kern
                                                                      monkeypatch):
     """Head dims that are multiples of 8 without a kernel of their own run on the covering
     pair's kernels (up to (128, 128)) without a copy: the loads zero-fill the columns past the
-    caller's D / Dv and the stores skip them. q, k, v and dout are views of wider rows whose extra columns hold NaN,
-    so a kernel that read past the caller's columns would return NaN, and one that wrote past
-    them would overwrite the next row of its output."""
+    caller's D / Dv and the stores skip them. q, k, v and dout are views of wider rows whose
+    extra columns hold NaN, so a kernel that read past the caller's columns would return NaN,
+    and one that wrote past them would overwrite the next row of its output."""
     if kernels == "sm80":
         monkeypatch.setenv("ADAATTN_DISABLE_SM90", "1")
     dtype = torch.bfloat16
