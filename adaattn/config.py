@@ -15,7 +15,8 @@ def build_info() -> Dict[str, str]:
 
     Keys: ``"cuda"`` (the CUDA runtime it was compiled against, or ``"none (CPU-only build)"``),
     and for a CUDA build ``"archs"`` (e.g. ``"sm_80, sm_90a"``), ``"tensor_core_head_dims"``
-    (the compiled ``(D, Dv)`` pairs per variant; other dims up to 256 run zero-padded) and
+    (the compiled ``(D, Dv)`` pairs per variant; other dims up to 256 run on the pair that
+    covers them) and
     ``"decode_head_dims"`` (head dims of the split-KV decode kernel) and
     ``"decode_fp8_cache_head_dims"`` (those of its 8-bit paged-cache path).
     """
@@ -75,7 +76,7 @@ def show_config(file: Optional[TextIO] = None) -> None:
     if "archs" in info:
         lines += [f"compiled archs: {info['archs']}",
                   f"tensor-core head dims (D, Dv): {info['tensor_core_head_dims']}; other dims "
-                  "up to 256 run zero-padded to the smallest pair that covers them",
+                  "up to 256 run on the smallest pair that covers them",
                   f"decode kernel head dims: {info['decode_head_dims']} (8-bit paged cache: "
                   f"{info['decode_fp8_cache_head_dims']})"]
     lines.append("cpu: every op (fp32/fp64; fp16/bf16 computed in fp32)")

@@ -28,7 +28,7 @@ def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: boo
             ``h // (Hq // Hkv)``).
         v: ``[B, Hkv, Lk, Dv]``; the value head dim may differ from ``D`` (CUDA fp16/bf16:
             the compiled ``(D, Dv)`` pairs are listed in csrc/cuda/tc/generate.py; other dims
-            up to 128 run zero-padded to the cheapest pair that covers them).
+            up to 256 run on the cheapest pair that covers them).
         causal: query row ``r`` sees key ``c`` iff ``c <= r + (Lk - Lq)`` (bottom-right aligned).
         softmax_scale: multiplies ``q @ k^T``; defaults to ``D ** -0.5``.
         window: ``(left, right)`` sliding window around the same diagonal; ``-1`` = unbounded.

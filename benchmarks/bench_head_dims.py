@@ -1,12 +1,12 @@
-"""Benchmarks flash_attn across head dims, the compiled ones and those zero-padded to the next
+"""Benchmarks flash_attn across head dims, the compiled ones and those that run on the next
 compiled pair, against SDPA's backends at the same dims.
 
 bf16, H = 16, causal and not: B = 4, L = 4096 for D = Dv in {64, 80, 96, 128, 160, 192, 256} (80
 and 96 run on the (128, 128) kernels, 160 on (192, 192)) and for MLA's (D, Dv) = (192, 128);
 B = 1, L = 16384 for D in {192, 256} and (192, 128). TFLOP/s count the caller's dims
 (flash-attn's count: forward 2*B*H*L^2*(D + Dv), halved when causal, forward+backward 3.5x), so
-a padded dim shows what the padding costs. Times are medians of triton's do_bench; an SDPA
-backend that refuses a shape is reported as such.
+a dim on a wider kernel shows what the unused columns cost. Times are medians of triton's
+do_bench; an SDPA backend that refuses a shape is reported as such.
 
 Writes benchmarks/results/head-dims.json (a case per D and mask, SDPA's backends as peers) and
 prints the table.
@@ -91,8 +91,9 @@ def main():
                 path = results_io.write(
                     args.family or "head-dims", json_rows,
                     title=f"head dims: bf16, H = {H}, B * L = 16k",
-                    setup="D = 80 and 96 run zero-padded on the (128, 128) kernels, 160 on "
-                          "(192, 192); TFLOP/s count the caller's dims (flash-attn's count); "
+                    setup="D = 80 and 96 run on the (128, 128) kernels (the columns past D "
+                          "masked in their loads and stores), 160 zero-padded on (192, 192); "
+                          "TFLOP/s count the caller's dims (flash-attn's count); "
                           "time: median of triton.testing.do_bench",
                     results_dir=args.results_dir)
     if not args.no_write:

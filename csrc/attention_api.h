@@ -34,9 +34,13 @@ void attention_bwd_tc_cuda(VariantId variant, const AttnParams& p, c10::ScalarTy
 // The (D, Dv) pairs with a tensor-core kernel for `variant`, for error messages.
 const char* tc_head_dims(VariantId variant);
 // The compiled pair (D', Dv') >= (D, Dv) of `variant` with the least work per score
-// (D' + Dv'): the pair itself where it is compiled, else the one other head dims run on
-// zero-padded; {0, 0} when none covers them.
+// (D' + Dv'): the pair itself where it is compiled, else the one whose kernels other head dims
+// run on (tc_masks_head_dims; TcLayout); {0, 0} when none covers them.
 std::pair<int, int> tc_kernel_head_dims(VariantId variant, int head_dim, int head_dim_v);
+// Whether (D, Dv) without a kernel of its own runs on that pair's kernels as it is (multiples
+// of 8 under a pair of at most 128 columns: the kernels mask the columns past the caller's);
+// other dims are zero-padded to it.
+bool tc_masks_head_dims(VariantId variant, int head_dim, int head_dim_v);
 
 // Decode against a KV cache (p.cache_seqlens set, p.block_table for a paged cache): the
 // split-KV kernel for fp16/bf16, where decode_tc_supported. Key splits of each (sequence, kv

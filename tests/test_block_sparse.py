@@ -254,7 +254,7 @@ def _low_precision_cuda_grid():
              mask_h=True),
         Case(b=2, hq=4, hkv=1, lq=1025, lk=1025, d=64, block=(128, 128), density=0.5,
              causal=True, mask_b=True),
-        # head dims without a kernel of their own, zero-padded to (128, 128) and (32, 64)
+        # head dims without a kernel of their own, on (128, 128) and (32, 64)
         Case(b=2, hq=4, hkv=2, lq=300, lk=400, d=96, block=(128, 128), density=0.5,
              causal=True, mask_h=True),
         Case(b=2, hq=4, hkv=4, lq=1000, lk=1025, d=32, block=(128, 128), density=0.25),

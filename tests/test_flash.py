@@ -303,11 +303,43 @@ def test_low_precision_cuda_sm80_kernels(case, dtype, monkeypatch):
     Case(b=1, hq=2, hkv=1, lq=1000, lk=1025, d=8, causal=True, scale=0.3),
 ], ids=str)
 def test_low_precision_cuda_padded_head_dims(case, dtype):
-    """Spec §1: head dims <= 128 without a kernel of their own run zero-padded to the next
-    compiled one (D = 32 on (32, 64), D = 96 on (128, 128), ...) and meet the same rule; the
-    default scale stays D^-1/2 of the caller's D, and the outputs and gradients keep their D."""
+    """Spec §1: head dims <= 128 without a kernel of their own run on the next compiled pair
+    (D = 32 on (32, 64), D = 96 on (128, 128), ...: multiples of 8 as they are, the others
+    zero-padded) and meet the same rule; the default scale stays D^-1/2 of the caller's D, and
+    the outputs and gradients keep their D."""
     _check_low_precision(case, dtype, "cuda")
     _check_low_precision(case, dtype, "cuda", deterministic=True)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kernels", ["default", "deterministic", "sm80"])
+@pytest.mark.parametrize("d, dv", [(80, 80), (96, 96), (8, 8), (40, 72), (48, 112)], ids=str)
+def test_low_precision_cuda_masked_head_dims_read_only_their_columns(d, dv, kernels,
+                                                                     monkeypatch):
+    """Head dims that are multiples of 8 without a kernel of their own run on the covering
+    pair's kernels (up to (128, 128)) without a copy: the loads zero-fill the columns past the
+    caller's D / Dv and the stores skip them. q, k, v and dout are views of wider rows whose
+    extra columns hold NaN, so a kernel that read past the caller's columns would return NaN,
+    and one that wrote past them would overwrite the next row of its output."""
+    if kernels == "sm80":
+        monkeypatch.setenv("ADAATTN_DISABLE_SM90", "1")
+    dtype = torch.bfloat16
+    case = Case(b=2, hq=4, hkv=2, lq=97, lk=130, d=d, dv=dv, causal=True)
+
+    def poisoned_view(heads, length, width):
+        wide = torch.randn(case.b, heads, length, width + 24, device="cuda", dtype=dtype)
+        wide[..., width:] = float("nan")
+        return wide[..., :width]
+
+    q = poisoned_view(case.hq, case.lq, d).requires_grad_()
+    k = poisoned_view(case.hkv, case.lk, d).requires_grad_()
+    v = poisoned_view(case.hkv, case.lk, dv).requires_grad_()
+    dout = poisoned_view(case.hq, case.lq, dv)
+    ours = run_ours(case, q, k, v, None, dout, deterministic=kernels == "deterministic")
+    ref64 = run_reference(case, q, k, v, None, dout, torch.float64)
+    ref_low = run_reference(case, q, k, v, None, dout, dtype)
+    for name, a, lo, e in zip(NAMES, ours, ref_low, ref64):
+        assert_low_precision_rule(name, a, lo, e)
 
 
 WIDE_HEAD_DIM_CASES = [
@@ -365,7 +397,7 @@ EMPTY_SHAPES = [  # (B, Hq, Hkv, Lq, Lk, D)
     (1, 2, 2, 5, 0, 64),
     (2, 4, 2, 0, 0, 64),
     (2, 4, 2, 5, 0, 64),
-    (0, 2, 2, 5, 7, 96),  # CUDA bf16: the zero-padded path's early returns
+    (0, 2, 2, 5, 7, 96),  # CUDA bf16: the covering kernel's early returns
     (1, 2, 2, 0, 7, 96),
     (2, 4, 2, 5, 0, 96),
     (1, 2, 2, 5, 0, 256),  # CUDA bf16: the wide kernels
@@ -547,7 +579,7 @@ OPCHECK_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor",
 OPCHECK_CASES = [
     Case(b=2, hq=4, hkv=2, lq=17, lk=33, d=64, causal=True),
     Case(b=2, lq=33, lk=17, d=64, window=(4, 2), seqlens=(0, 12), scale=0.2, transposed=True),
-    Case(b=2, hq=4, hkv=2, lq=17, lk=33, d=96, causal=True),  # CUDA bf16: zero-padded to 128
+    Case(b=2, hq=4, hkv=2, lq=17, lk=33, d=96, causal=True),  # CUDA bf16: on (128, 128)
 ]
 
 
@@ -587,7 +619,7 @@ def test_opcheck_flash_fwd_bwd(device, case):
 
 
 @pytest.mark.parametrize("transposed", [False, True], ids=["BHLD", "BLHD"])
-@pytest.mark.parametrize("d", [64, 96])  # 96: zero-padded to 128 on the CUDA tensor cores
+@pytest.mark.parametrize("d", [64, 96])  # 96: on (128, 128) on the CUDA tensor cores
 def test_fake_strides_match(device, d, transposed):
     """The fake kernels give outputs and gradients the strides of the real ones (inductor plans
     views and copies from them)."""

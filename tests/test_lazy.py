@@ -351,7 +351,7 @@ def test_low_precision_cuda_sm80_kernels(case, dtype, monkeypatch):
 @pytest.mark.parametrize("dtype", LOW_PRECISION, ids=str)
 @pytest.mark.parametrize("d", [32, 96])
 def test_low_precision_cuda_padded_head_dims(d, dtype):
-    """Head dims without a lazy kernel of their own run zero-padded to (64, 64) or (128, 128)
+    """Head dims without a lazy kernel of their own run on (64, 64) or (128, 128)
     and meet the same rule, tau and bias gradients included (spec §1)."""
     _check_low_precision(Case(b=2, hq=4, hkv=2, lq=97, lk=128, d=d, w=7, tau=-1.0), dtype, "cuda")
 
@@ -700,7 +700,7 @@ OPCHECK_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor",
 OPCHECK_CASES = [
     Case(b=2, hq=4, hkv=2, lq=17, lk=33, d=64, w=7, tau=-1.0),
     Case(b=2, lq=33, lk=40, d=64, w=512, tau=0.5, seqlens=(0, 30), scale=0.2, transposed=True),
-    Case(b=2, hq=4, hkv=2, lq=17, lk=33, d=32, w=7, tau=-1.0),  # CUDA bf16: zero-padded to 64
+    Case(b=2, hq=4, hkv=2, lq=17, lk=33, d=32, w=7, tau=-1.0),  # CUDA bf16: on (64, 64)
 ]
 
 

@@ -264,8 +264,9 @@ def test_flash_value_dim_low_precision(device, dtype, dims, shape):
 
 @pytest.mark.parametrize("device", CUDA)
 def test_flash_value_dim_past_the_variants_kernels_refused(device):
-    """Every plain (D, Dv) up to 256 has a tensor-core kernel (zero-padded to one); a variant
-    whose kernels stop at (128, 128), ALiBi, refuses (64, 160) naming its supported pairs."""
+    """Every plain (D, Dv) up to 256 has a tensor-core kernel (its own or one covering it); a
+    variant whose kernels stop at (128, 128), ALiBi, refuses (64, 160) naming its supported
+    pairs."""
     q = torch.randn(1, 2, 8, 64, device=device, dtype=torch.bfloat16)
     v = torch.randn(1, 2, 8, 160, device=device, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match=r"Dv = v.size\(-1\) = 160 .*supported \(D, Dv\)"):

@@ -42,7 +42,9 @@ constexpr int delta_lanes_per_row() {
   return lanes;
 }
 
-template <typename T, int DV>
+// DK: the width of the atomic dQ accumulator's rows (the kernel's D). Columns of O and dO past
+// p.head_dim_v (a caller's Dv below the kernel's) are not read.
+template <typename T, int DK, int DV>
 __global__ void bwd_delta_kernel(const AttnParams p) {
   static_assert(DV % 8 == 0, "rows of whole 16-byte chunks");
   constexpr int kLanes = delta_lanes_per_row<DV>();
@@ -58,11 +60,13 @@ __global__ void bwd_delta_kernel(const AttnParams p) {
   if (r.valid) {
     if (p.dq_accum != nullptr) {
       // The atomic backward's float32 dQ row starts at zero (no separate fill pass).
-      float4* const zero = reinterpret_cast<float4*>(p.dq_accum + r.row * p.head_dim);
-      for (int c = lane; c < p.head_dim / 4; c += kLanes) zero[c] = make_float4(0.f, 0.f, 0.f, 0.f);
+      float4* const zero = reinterpret_cast<float4*>(p.dq_accum + r.row * DK);
+      for (int c = lane; c < DK / 4; c += kLanes) zero[c] = make_float4(0.f, 0.f, 0.f, 0.f);
     }
+    const int chunks = p.head_dim_v / 8;
 #pragma unroll
     for (int c = lane; c < kChunks; c += kLanes) {
+      if (c >= chunks) break;
       const uint4 ov = reinterpret_cast<const uint4*>(o)[c];
       const uint4 dv = reinterpret_cast<const uint4*>(d)[c];
       const T* ot = reinterpret_cast<const T*>(&ov);
@@ -77,8 +81,9 @@ __global__ void bwd_delta_kernel(const AttnParams p) {
   if (r.valid && lane == 0) p.delta[r.row] = acc;
 }
 
-// Atomic dQ, last step: dq = scale * dq_accum in T (rows in lse order). kSwizzled: the
-// accumulator rows are stored permuted by dq_swizzle (the Hopper backward).
+// Atomic dQ, last step: dq = scale * dq_accum in T (rows in lse order), columns below
+// p.head_dim (the caller's D, up to the kernel's DK). kSwizzled: the accumulator rows are
+// stored permuted by dq_swizzle (the Hopper backward).
 template <typename T, int DK, bool kSwizzled>
 __global__ void bwd_dq_convert_kernel(const AttnParams p) {
   // One thread per 8 columns of a row (two 16-byte loads, one 16-byte store), so that narrow
@@ -90,6 +95,7 @@ __global__ void bwd_dq_convert_kernel(const AttnParams p) {
   const int64_t row = item / kChunks;
   if (row >= row_items<false>(p)) return;
   const int col = static_cast<int>(item % kChunks) * 8;
+  if (col >= p.head_dim) return;
   const int64_t bh = row / p.len_q;
   const int b = static_cast<int>(bh / p.heads_q), h = static_cast<int>(bh % p.heads_q);
   T* dq = static_cast<T*>(p.dq) + b * p.dq_batch_stride + h * p.dq_head_stride +

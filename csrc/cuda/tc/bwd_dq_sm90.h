@@ -140,7 +140,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_dq_sm90_kernel(const 
 #pragma unroll
       for (int c = 0; c < DV / 32; ++c) {
         const int col = (t + 4 * c) * 8;
-        const bool valid = row < lens.rows_q;
+        const bool valid = row < lens.rows_q && col < p.head_dim_v;
         o_rows[hh][c] = valid ? *reinterpret_cast<const uint4*>(o + local * p.o_row_stride + col)
                               : make_uint4(0, 0, 0, 0);
         do_rows[hh][c] = valid
@@ -273,7 +273,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_dq_sm90_kernel(const 
     sm90::named_sync(kOutputBarrier, kConsumerThreads);
     const float qscale[1][2] = {{static_cast<float>(p.scale), static_cast<float>(p.scale)}};
     store_rows<1, DKT, DK>(dq, qscale, sQ, warp_row0, dq_rows<T>(p, lens, b, h, m0),
-                           p.dq_row_stride, valid_q, lane);
+                           p.dq_row_stride, valid_q, lane, 0, p.head_dim);
   }
 #endif
 }

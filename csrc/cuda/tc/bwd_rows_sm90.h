@@ -70,17 +70,17 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_rows_sm90_kernel(cons
       if (j >= Traits::kStages) sm90::mbar_wait(&empty[j % 2], ((j - 2) >> 1) & 1);
       if (j == 0) {
         sm90::load_tile_gmma<kBlockM, D, 128>(sQ, q_rows<T>(p, lens, b, h, m0), p.q_row_stride,
-                                              lens.q - m0, ptid);
+                                              lens.q - m0, ptid, p.head_dim);
         sm90::load_tile_gmma<kBlockM, D, 128>(sdO, dout_rows<T>(p, lens, b, h, m0),
-                                              p.do_row_stride, lens.q - m0, ptid);
+                                              p.do_row_stride, lens.q - m0, ptid, p.head_dim_v);
       }
       const int n0 = tiles.at(j) * BN;
       sm90::load_tile_gmma<BN, D, 128>(sK + (j % 2) * Traits::kKeyElems,
                                        k + static_cast<int64_t>(n0) * p.k_row_stride,
-                                       p.k_row_stride, lens.k - n0, ptid);
+                                       p.k_row_stride, lens.k - n0, ptid, p.head_dim);
       sm90::load_tile_gmma<BN, D, 128>(sV + (j % 2) * Traits::kKeyElems,
                                        v + static_cast<int64_t>(n0) * p.v_row_stride,
-                                       p.v_row_stride, lens.k - n0, ptid);
+                                       p.v_row_stride, lens.k - n0, ptid, p.head_dim_v);
       sm90::publish_stage(&full[j % 2]);
     }
     return;

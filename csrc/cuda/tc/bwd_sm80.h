@@ -174,8 +174,9 @@ __device__ __forceinline__ void bwd_dkdv_block(const AttnParams& p, int block) {
       query.at(p, s, h, m0);
       const T* q = q_rows<T>(p, lens, b, h, m0);
       const T* d = dout_rows<T>(p, lens, b, h, m0);
-      load_tile_async<BM, DK, kThreads>(sQ(buf), q, p.q_row_stride, lens.q - m0, tid);
-      load_tile_async<BM, DV, kThreads>(sdO(buf), d, p.do_row_stride, lens.q - m0, tid);
+      load_tile_async<BM, DK, kThreads>(sQ(buf), q, p.q_row_stride, lens.q - m0, tid, p.head_dim);
+      load_tile_async<BM, DV, kThreads>(sdO(buf), d, p.do_row_stride, lens.q - m0, tid,
+                                        p.head_dim_v);
       const int64_t lse_off = row_stat_offset(p, lens, b, h);
       for (int i = tid; i < BM; i += kThreads) {
         const bool valid = m0 + i < lens.rows_q;
@@ -189,8 +190,10 @@ __device__ __forceinline__ void bwd_dkdv_block(const AttnParams& p, int block) {
     };
 
     if (steps > 0) {
-      load_tile_async<kBlockN, DK, kThreads>(sK, kptr, p.k_row_stride, lens.k - n0, tid);
-      load_tile_async<kBlockN, DV, kThreads>(sV, vptr, p.v_row_stride, lens.k - n0, tid);
+      load_tile_async<kBlockN, DK, kThreads>(sK, kptr, p.k_row_stride, lens.k - n0, tid,
+                                             p.head_dim);
+      load_tile_async<kBlockN, DV, kThreads>(sV, vptr, p.v_row_stride, lens.k - n0, tid,
+                                             p.head_dim_v);
       issue_step(0, 0);
       cp_async_commit();
     }
@@ -350,8 +353,9 @@ __device__ __forceinline__ void bwd_dkdv_block(const AttnParams& p, int block) {
   T* dkptr = dk_rows<T>(p, lens, b, h_kv, n0);
   T* dvptr = dv_rows<T>(p, lens, b, h_kv, n0);
   store_rows<MI, DTK, DK>(dk, kscale, sK, warp_row0, dkptr, p.dk_row_stride, valid_k, lane,
-                         k_col0);
-  store_rows<MI, DTV, DV>(dv, one, sV, warp_row0, dvptr, p.dv_row_stride, valid_k, lane, v_col0);
+                         k_col0, p.head_dim);
+  store_rows<MI, DTV, DV>(dv, one, sV, warp_row0, dvptr, p.dv_row_stride, valid_k, lane, v_col0,
+                          p.head_dim_v);
 }
 
 template <typename T, int DK, int DV, int NWARPS, int MI, int BN>
@@ -435,12 +439,14 @@ __device__ __forceinline__ void bwd_dq_block(const AttnParams& p, int block) {
       auto issue_kv = [&](int n_block, int buf) {
         const int n0 = n_block * BN;
         load_tile_async<BN, DK, kThreads>(sK(buf), k + static_cast<int64_t>(n0) * p.k_row_stride,
-                                          p.k_row_stride, lens.k - n0, tid);
+                                          p.k_row_stride, lens.k - n0, tid, p.head_dim);
         load_tile_async<BN, DV, kThreads>(sV(buf), v + static_cast<int64_t>(n0) * p.v_row_stride,
-                                          p.v_row_stride, lens.k - n0, tid);
+                                          p.v_row_stride, lens.k - n0, tid, p.head_dim_v);
       };
-      load_tile_async<kBlockM, DK, kThreads>(sQ, q, p.q_row_stride, lens.q - m0, tid);
-      load_tile_async<kBlockM, DV, kThreads>(sdO, dout, p.do_row_stride, lens.q - m0, tid);
+      load_tile_async<kBlockM, DK, kThreads>(sQ, q, p.q_row_stride, lens.q - m0, tid,
+                                             p.head_dim);
+      load_tile_async<kBlockM, DV, kThreads>(sdO, dout, p.do_row_stride, lens.q - m0, tid,
+                                             p.head_dim_v);
       issue_kv(tiles.at(0), 0);
       cp_async_commit();
 
@@ -560,7 +566,8 @@ __device__ __forceinline__ void bwd_dq_block(const AttnParams& p, int block) {
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) qscale[mi][hh] = static_cast<float>(p.scale);
     T* dqptr = dq_rows<T>(p, lens, b, h, m0);
-    store_rows<MI, DTK, DK>(dq, qscale, sQ, warp_row0, dqptr, p.dq_row_stride, valid_q, lane);
+    store_rows<MI, DTK, DK>(dq, qscale, sQ, warp_row0, dqptr, p.dq_row_stride, valid_q, lane, 0,
+                            p.head_dim);
   }
 }
 

@@ -206,8 +206,10 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   auto issue_step = [&](int buf, int h, int m0, int ltid) {
     const T* q = q_rows<T>(p, lens, b, h, m0);
     const T* d = dout_rows<T>(p, lens, b, h, m0);
-    sm90::load_tile_gmma<BM, DK, kLoaders>(sQ(buf), q, p.q_row_stride, lens.q - m0, ltid);
-    sm90::load_tile_gmma<BM, DV, kLoaders>(sdO(buf), d, p.do_row_stride, lens.q - m0, ltid);
+    sm90::load_tile_gmma<BM, DK, kLoaders>(sQ(buf), q, p.q_row_stride, lens.q - m0, ltid,
+                                           p.head_dim);
+    sm90::load_tile_gmma<BM, DV, kLoaders>(sdO(buf), d, p.do_row_stride, lens.q - m0, ltid,
+                                           p.head_dim_v);
     // Raw lse and delta of the step's rows, with the tiles (rows past the sequence or its
     // padding: 0; they and rows with lse = -inf see no key, so the mask zeroes their P
     // whatever lse is).
@@ -224,8 +226,10 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     }
   };
   auto load_keys = [&](int ltid) {
-    sm90::load_tile_gmma<kBlockN, DK, kLoaders>(sK, kptr, p.k_row_stride, lens.k - n0, ltid);
-    sm90::load_tile_gmma<kBlockN, DV, kLoaders>(sV, vptr, p.v_row_stride, lens.k - n0, ltid);
+    sm90::load_tile_gmma<kBlockN, DK, kLoaders>(sK, kptr, p.k_row_stride, lens.k - n0, ltid,
+                                                p.head_dim);
+    sm90::load_tile_gmma<kBlockN, DV, kLoaders>(sV, vptr, p.v_row_stride, lens.k - n0, ltid,
+                                                p.head_dim_v);
   };
   // Block lists: normalised transforms only (fwd_sm80.h).
   auto with_steps = [&](auto&& body) {
@@ -592,8 +596,10 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   const float one[1][2] = {{1.f, 1.f}};
   T* dkptr = dk_rows<T>(p, lens, b, h_kv, n0);
   T* dvptr = dv_rows<T>(p, lens, b, h_kv, n0);
-  store_rows<1, DKT, DK>(dk, kscale, sK, warp_row0, dkptr, p.dk_row_stride, valid_k, lane);
-  store_rows<1, DVT, DV>(dv, one, sV, warp_row0, dvptr, p.dv_row_stride, valid_k, lane);
+  store_rows<1, DKT, DK>(dk, kscale, sK, warp_row0, dkptr, p.dk_row_stride, valid_k, lane, 0,
+                         p.head_dim);
+  store_rows<1, DVT, DV>(dv, one, sV, warp_row0, dvptr, p.dv_row_stride, valid_k, lane, 0,
+                         p.head_dim_v);
 #endif
 }
 

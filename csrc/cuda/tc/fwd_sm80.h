@@ -115,16 +115,16 @@ __global__ void __launch_bounds__(Traits::kThreads)
   auto mainloop = [&](const auto& tiles) {
     auto load_k = [&](T* dst, int tile) {
       load_tile_async<BN, DK, kThreads>(dst, k + static_cast<int64_t>(tile) * BN * p.k_row_stride,
-                                        p.k_row_stride, lens.rows_k - tile * BN, tid);
+                                        p.k_row_stride, lens.rows_k - tile * BN, tid, p.head_dim);
     };
     // Values past the attended keys (padding) are zero-filled: their weights are 0, and 0 times
     // whatever the padding holds (NaN) must not reach the rows.
     auto load_v = [&](int tile) {
       load_tile_async<BN, DV, kThreads>(sV, v + static_cast<int64_t>(tile) * BN * p.v_row_stride,
-                                        p.v_row_stride, lens.k - tile * BN, tid);
+                                        p.v_row_stride, lens.k - tile * BN, tid, p.head_dim_v);
     };
     if (tiles.count > 0) {
-      load_tile_async<kBlockM, DK, kThreads>(sQ, q, p.q_row_stride, valid_q, tid);
+      load_tile_async<kBlockM, DK, kThreads>(sQ, q, p.q_row_stride, valid_q, tid, p.head_dim);
       load_k(sK, tiles.at(0));
       cp_async_commit();
 
@@ -244,7 +244,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
   // sQ/sK/sV, which nobody reads after this barrier.
   __syncthreads();
   store_rows<MI, DT, DV>(o, inv, reinterpret_cast<T*>(smem_raw), warp_row0, out, p.o_row_stride,
-                         valid_q, lane);
+                         valid_q, lane, 0, p.head_dim_v);
 }
 
 }  // namespace tc

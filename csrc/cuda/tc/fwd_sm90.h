@@ -131,14 +131,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_sm90_kernel(const Att
     auto load_k = [&](int stage, int n) {
       sm90::load_tile_gmma<BN, DK, 128>(sK + stage * Traits::kKElems,
                                         k + static_cast<int64_t>(n) * BN * p.k_row_stride,
-                                        p.k_row_stride, lens.rows_k - n * BN, ptid);
+                                        p.k_row_stride, lens.rows_k - n * BN, ptid, p.head_dim);
     };
     // Values past the attended keys (padding) are zero-filled: their weights are 0, and 0 times
     // whatever the padding holds (NaN) must not reach the rows.
     auto load_v = [&](int stage, int n) {
       sm90::load_tile_gmma<BN, DV, 128>(sV + stage * Traits::kVElems,
                                         v + static_cast<int64_t>(n) * BN * p.v_row_stride,
-                                        p.v_row_stride, lens.k - n * BN, ptid);
+                                        p.v_row_stride, lens.k - n * BN, ptid, p.head_dim_v);
     };
     with_tiles([&](const auto& tiles) {
       // No key tiles: the consumers write zeros over sQ without waiting, so nothing may load.
@@ -149,7 +149,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_sm90_kernel(const Att
       for (int j = 0; j < groups; ++j) {
         if (j >= 2) sm90::mbar_wait(&empty[j % 2], ((j - 2) >> 1) & 1);
         if (j == 0) {
-          sm90::load_tile_gmma<kBlockM, DK, 128>(sQ, q, p.q_row_stride, valid_q, ptid);
+          sm90::load_tile_gmma<kBlockM, DK, 128>(sQ, q, p.q_row_stride, valid_q, ptid,
+                                                 p.head_dim);
         }
         if (kLsePass) {
           const int i = j < lse_groups ? j : j - lse_groups;
@@ -383,7 +384,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_sm90_kernel(const Att
     // Output rows are staged over sQ/sK, which no consumer reads after this barrier (every load
     // has landed: the consumers waited for the last group).
     sm90::named_sync(kOutputBarrier, kConsumerThreads);
-    store_rows<1, DT, DV>(o, inv, sQ, warp_row0, out, p.o_row_stride, valid_q, lane);
+    store_rows<1, DT, DV>(o, inv, sQ, warp_row0, out, p.o_row_stride, valid_q, lane, 0,
+                          p.head_dim_v);
   }
 #endif
 }

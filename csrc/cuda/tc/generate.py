@@ -5,8 +5,10 @@ inst/table.inc, the dispatch table csrc/cuda/attention_tc.cu is built from. Run 
 VARIANTS or DTYPES: `python csrc/cuda/tc/generate.py`.
 
 The plain variant also takes the narrower query/key widths that low-rank attention projects
-to (rank buckets 32 and 64 under Dv = 128, 32 under Dv = 64). Other head dims run zero-padded
-on the cheapest pair of their variant that covers them (attention_tc.cu).
+to (rank buckets 32 and 64 under Dv = 128, 32 under Dv = 64). Other head dims run on the
+cheapest pair of their variant that covers them (attention_tc.cu; multiples of 8 on pairs of
+at most 128 columns with the columns past them masked in the kernels' loads and stores, others
+zero-padded: TcLayout).
 """
 import os
 

@@ -445,7 +445,7 @@ void run_bwd(const AttnParams& p_in) {
     constexpr int kThreads = 256;
     constexpr int kRowsPerBlock = kThreads / delta_lanes_per_row<DV>();
     const int row_grid = grid_size((row_items<false>(p) + kRowsPerBlock - 1) / kRowsPerBlock);
-    bwd_delta_kernel<T, DV><<<row_grid, kThreads, 0, stream>>>(p);
+    bwd_delta_kernel<T, DK, DV><<<row_grid, kThreads, 0, stream>>>(p);
     check_launch();
   } else if (p.row_pass == LsePass::kGiven) {
     // The caller's Delta and G (sums over every block of the row): no row pass.

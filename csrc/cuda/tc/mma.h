@@ -29,12 +29,14 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-// 16-byte async copy global -> shared; when !valid the destination is zero-filled and nothing
-// is read (src must still be a mapped address).
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+// 16-byte async copy global -> shared address dst; when !valid the destination is zero-filled
+// and nothing is read (src must still be a mapped address).
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
   const int bytes = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
-               "r"(bytes));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
+}
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+  cp_async16(smem_addr(dst), src, valid);
 }
 // 16-byte async copy to the shared address dst, without a bounds operand.
 __device__ __forceinline__ void cp_async16_unmasked(uint32_t dst, const void* src) {
@@ -116,21 +118,39 @@ struct MmaOp<__half> {
 };
 
 // Copies a [ROWS][D] tile whose row r lives at src + r * row_stride into shared memory, element
-// (r, col) at dst + offset(r, col). Rows >= valid_rows are zero-filled (their source address falls
-// back to row 0).
+// (r, col) at dst + offset(r, col). Rows >= valid_rows and columns >= valid_cols (a multiple of
+// 8: a caller's head dim below the kernel's D) are zero-filled (their source address falls back
+// to row 0, column 0, in bounds).
 template <int ROWS, int D, int THREADS, typename T, typename Offset>
 __device__ __forceinline__ void load_tile_to(T* dst, const T* src, int64_t row_stride,
-                                             int valid_rows, int tid, Offset offset) {
+                                             int valid_rows, int tid, Offset offset,
+                                             int valid_cols = D) {
   constexpr int kChunksPerRow = D / 8;
   constexpr int kChunks = ROWS * kChunksPerRow;
   static_assert(kChunks % THREADS == 0, "tile chunks must divide evenly among threads");
+  if constexpr (THREADS % kChunksPerRow == 0) {
+    // One column chunk per thread: past valid_cols, it is zero-filled in every row, as rows past
+    // valid_rows (the per-copy work of a full-width tile stays that of the row test alone).
+    const int col = (tid % kChunksPerRow) * 8;
+    const bool col_ok = col < valid_cols;
+    const int rows = col_ok ? valid_rows : 0;
+    const T* base = col_ok ? src + col : src;
 #pragma unroll
-  for (int i = 0; i < kChunks / THREADS; ++i) {
-    const int c = tid + i * THREADS;
-    const int r = c / kChunksPerRow;
-    const int col = (c % kChunksPerRow) * 8;
-    const bool valid = r < valid_rows;
-    cp_async16(dst + offset(r, col), src + (valid ? r * row_stride : 0) + col, valid);
+    for (int i = 0; i < kChunks / THREADS; ++i) {
+      const int r = (tid + i * THREADS) / kChunksPerRow;
+      const bool valid = r < rows;
+      cp_async16(dst + offset(r, col), base + (valid ? r * row_stride : 0), valid);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < kChunks / THREADS; ++i) {
+      const int c = tid + i * THREADS;
+      const int r = c / kChunksPerRow;
+      const int col = (c % kChunksPerRow) * 8;
+      const bool row_ok = r < valid_rows, col_ok = col < valid_cols;
+      cp_async16(dst + offset(r, col), src + (row_ok ? r * row_stride : 0) + (col_ok ? col : 0),
+                 row_ok && col_ok);
+    }
   }
 }
 
@@ -155,9 +175,10 @@ __device__ __forceinline__ void load_rows_async(T* dst, RowPtr row_ptr, int vali
 // load_tile_to into the swz<D> layout of the mma.sync kernels.
 template <int ROWS, int D, int THREADS, typename T>
 __device__ __forceinline__ void load_tile_async(T* dst, const T* src, int64_t row_stride,
-                                                int valid_rows, int tid) {
-  load_tile_to<ROWS, D, THREADS>(dst, src, row_stride, valid_rows, tid,
-                                 [](int r, int col) { return swz<D>(r, col); });
+                                                int valid_rows, int tid, int valid_cols = D) {
+  load_tile_to<ROWS, D, THREADS>(
+      dst, src, row_stride, valid_rows, tid, [](int r, int col) { return swz<D>(r, col); },
+      valid_cols);
 }
 
 // acc[MI][NT] (16 x 8 fragments) += A * B^T where A = rows [a_row0, a_row0 + 16*MI) and
@@ -289,11 +310,12 @@ __device__ __forceinline__ void zero(float (&acc)[MI][NT][4]) {
 // Writes a warp's accumulator rows (16*MI rows x 8*NT cols, scaled) to global memory through
 // the warp's own rows of a swizzled [rows][D] smem tile, so global stores are 16-byte and
 // coalesced: columns [col0, col0 + 8*NT) of rows of D columns (a column slice, or whole rows).
-// Rows >= valid_rows are not written.
+// Rows >= valid_rows and columns >= valid_cols (the caller's head dim) are not written.
 template <int MI, int NT, int D, typename T>
 __device__ __forceinline__ void store_rows(const float (&acc)[MI][NT][4], const float (&row_scale)[MI][2],
                                            T* s_tile, int row0, T* dst, int64_t row_stride,
-                                           int valid_rows, int lane, int col0 = 0) {
+                                           int valid_rows, int lane, int col0 = 0,
+                                           int valid_cols = D) {
   static_assert(8 * NT <= D, "store_rows writes columns of the staging tile");
   const int g = lane >> 2;
   const int t = lane & 3;
@@ -319,7 +341,7 @@ __device__ __forceinline__ void store_rows(const float (&acc)[MI][NT][4], const 
     const int c = lane + 32 * i;
     const int r = c / kChunksPerRow;
     const int col = col0 + (c % kChunksPerRow) * 8;
-    if (r < valid_rows - row0) {
+    if (r < valid_rows - row0 && col < valid_cols) {
       *reinterpret_cast<uint4*>(dst + (row0 + r) * row_stride + col) =
           *reinterpret_cast<const uint4*>(s_tile + swz<D>(row0 + r, col));
     }

@@ -54,18 +54,25 @@ __device__ __forceinline__ int gmma_kcol(int col) {
 }
 
 // Copies a [ROWS][D] tile whose row r lives at src + r * row_stride into a gmma_off tile with
-// cp.async; rows >= valid_rows are zero-filled. Few registers: each thread keeps one 16-byte
+// cp.async; rows >= valid_rows are zero-filled, and at D <= 128 columns >= valid_cols too (a
+// multiple of 8: a caller's head dim below the kernel's; wider tiles are read whole, the host
+// zero-pads the dims that run on them: TcLayout). Few registers: each thread keeps one 16-byte
 // column chunk and walks its rows (kRowStep apart, a multiple of the swizzle's 8-row period, so
 // the shared-memory offset moves by a constant) with two running pointers. A tile whose rows
-// are all in bounds (all but a sequence's last) takes an unrolled loop without predicates: the
-// predicated loop's ~11 instructions per copy were 36% of the Hopper forward's issued
-// instructions (ncu), and the forward is 11-15% faster without them.
+// are all in bounds (all but a sequence's last) takes an unrolled loop without per-row
+// predicates: the predicated loop's ~11 instructions per copy were 36% of the Hopper forward's
+// issued instructions (ncu), and the forward is 11-15% faster without them. A chunk past
+// valid_cols reads nothing (zero-filled, at its row's column 0, in bounds) in the same loop, so
+// the warp does not split over the rows; full-width tiles keep the copies without a source-size
+// operand. Column tests in the wider tiles' loads slowed the Hopper forward at D = 192 and 256
+// by 14-23% (H100; its producer has 24-40 registers).
 // Tiles wider than the threads cover in whole 8-row groups (D = 192, 256 at 128 threads) are
 // loaded one 64-column block at a time, each block being a [ROWS][64] tile of its own.
 template <int ROWS, int D, int THREADS, typename T>
 __device__ __forceinline__ void load_tile_gmma(T* dst, const T* src, int64_t row_stride,
-                                               int valid_rows, int tid) {
+                                               int valid_rows, int tid, int valid_cols = D) {
   constexpr int kChunksPerRow = D / 8;
+  constexpr bool kColumnTests = D <= 128;
   if constexpr (D > 64 && (THREADS % kChunksPerRow != 0 || (THREADS / kChunksPerRow) % 8 != 0)) {
     static_assert(D % 64 == 0, "wide tiles are whole 64-column blocks");
 #pragma unroll 1
@@ -80,20 +87,29 @@ __device__ __forceinline__ void load_tile_gmma(T* dst, const T* src, int64_t row
     const int r0 = tid / kChunksPerRow;
     const int col = (tid % kChunksPerRow) * 8;
     T* d = dst + gmma_off<ROWS, D>(r0, col);
-    const T* s = src + r0 * row_stride + col;
+    const bool col_ok = !kColumnTests || col < valid_cols;
+    const T* s = src + r0 * row_stride + (col_ok ? col : 0);
     if (valid_rows >= ROWS) {
-      // Every row is in bounds: no predicates, and the shared offsets are compile-time constants.
       const uint32_t d0 = smem_addr(d);
+      if (!kColumnTests || valid_cols >= D) {
 #pragma unroll
-      for (int i = 0; i < ROWS / kRowStep; ++i) {
-        cp_async16_unmasked(d0 + i * kRowStep * GmmaLayout<D>::kWidth * sizeof(T), s);
-        s += kRowStep * row_stride;
+        for (int i = 0; i < ROWS / kRowStep; ++i) {
+          cp_async16_unmasked(d0 + i * kRowStep * GmmaLayout<D>::kWidth * sizeof(T), s);
+          s += kRowStep * row_stride;
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < ROWS / kRowStep; ++i) {
+          cp_async16(d0 + i * kRowStep * GmmaLayout<D>::kWidth * sizeof(T), s, col_ok);
+          s += kRowStep * row_stride;
+        }
       }
       return;
     }
+    const int rows = col_ok ? valid_rows : 0;
 #pragma unroll 2
     for (int r = r0; r < ROWS; r += kRowStep) {
-      cp_async16(d, r < valid_rows ? s : src, r < valid_rows);
+      cp_async16(d, r < rows ? s : src, r < rows);
       d += kRowStep * GmmaLayout<D>::kWidth;
       s += kRowStep * row_stride;
     }

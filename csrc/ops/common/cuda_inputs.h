@@ -33,15 +33,16 @@ inline at::Tensor tc_aligned(const at::Tensor& t) {
 }
 
 // How one call's operands reach the kernels. fp16/bf16 go to the tensor cores: q, k (width D)
-// and v, out, dout (width Dv) aligned for cp.async and, where (D, Dv) has no kernel of its own,
-// zero-padded to the compiled pair that covers it (tc_kernel_head_dims). Zero columns add
-// nothing to q.k or to P V, so the padded call computes the same scores and, in its first Dv
-// columns, the same output; crop() drops the padding of outputs and gradients. fp32/fp64
-// operands pass through unchanged.
+// and v, out, dout (width Dv) aligned for cp.async. Where (D, Dv) has no kernel of its own, the
+// kernels of the compiled pair that covers it (tc_kernel_head_dims) run: on the operands as they
+// are where tc_masks_head_dims (multiples of 8 under a pair of at most 128 columns: the loads
+// zero-fill the columns past the caller's, the stores skip them), else zero-padded to that pair,
+// whose zero columns add nothing to q.k or to P V, and crop() drops the padding of outputs and
+// gradients. fp32/fp64 operands pass through unchanged.
 struct TcLayout {
   bool tc;
   int64_t head_dim, head_dim_v;      // the caller's D, Dv
-  int64_t kernel_dim, kernel_dim_v;  // the kernel's, >= the caller's
+  int64_t kernel_dim, kernel_dim_v;  // the operands' widths as the kernels get them (>= D, Dv)
 
   at::Tensor qk(const at::Tensor& t) const { return operand(t, kernel_dim); }
   at::Tensor vo(const at::Tensor& t) const { return operand(t, kernel_dim_v); }
@@ -78,6 +79,9 @@ inline TcLayout tc_layout(const char* op, const at::Tensor& q, const at::Tensor&
               ", Dv = v.size(-1) = ", dv, " are not supported for ", q.scalar_type(),
               " on CUDA; supported (D, Dv): ", tc_head_dims(variant),
               " (float32/float64 accept any D, Dv <= 256)");
+  if (tc_masks_head_dims(variant, static_cast<int>(d), static_cast<int>(dv))) {
+    return {true, d, dv, d, dv};
+  }
   return {true, d, dv, kernel.first, kernel.second};
 }
 

@@ -1,6 +1,6 @@
-// CUDA registration of the flash ops: fp16/bf16 go to the tensor-core kernels (head dims without
-// a kernel of their own zero-padded, see TcLayout), fp32/fp64 to the exact kernels. Launches
-// on the current stream; no host synchronisation.
+// CUDA registration of the flash ops: fp16/bf16 go to the tensor-core kernels (head dims without a
+// kernel of their own on the pair that covers them, see TcLayout), fp32/fp64 to the exact kernels.
+// Launches on the current stream; no host synchronisation.
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 

@@ -26,7 +26,7 @@ constexpr const char* op = "low_rank_attn";
 int64_t projected_width(const at::Tensor& q, int64_t rank, int64_t dim_v) {
 #ifdef ADAATTN_WITH_CUDA
   if (q.is_cuda() && (q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16)) {
-    // flash_attn zero-pads Dv to its kernel's; the scores' width R' must be a kernel's own.
+    // flash_attn runs Dv on its kernel's; the scores' width R' must be a kernel's own.
     for (const int width : {32, 64, 128}) {
       const int kernel_width =
           tc_kernel_head_dims(VariantId::kPlain, width, static_cast<int>(dim_v)).first;
