@@ -16,8 +16,7 @@ def build_info() -> Dict[str, str]:
     Keys: ``"cuda"`` (the CUDA runtime it was compiled against, or ``"none (CPU-only build)"``),
     and for a CUDA build ``"archs"`` (e.g. ``"sm_80, sm_90a"``), ``"tensor_core_head_dims"``
     (the compiled ``(D, Dv)`` pairs per variant; other dims up to 256 run on the pair that
-    covers them) and
-    ``"decode_head_dims"`` (head dims of the split-KV decode kernel) and
+    covers them), ``"decode_head_dims"`` (head dims of the split-KV decode kernel) and
     ``"decode_fp8_cache_head_dims"`` (those of its 8-bit paged-cache path).
     """
     return dict(line.split(": ", 1) for line in ops.build_info().splitlines())
