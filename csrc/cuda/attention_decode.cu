@@ -178,12 +178,10 @@ int decode_num_splits(VariantId variant, const AttnParams& p, c10::ScalarType dt
       return;
     }
     // As many CTAs as stream the cache at full speed, each with as many key tiles as that leaves;
-    // more splits only add partial writes and merging. Three-stage full-width tiles over a
-    // contiguous cache need one CTA per SM, the others (a paged cache's lookups, two-stage tiles,
-    // the smaller stages of 8-bit or narrow keys) two (H100, B = 1, Lk = 128k, 8 kv heads, HBM
-    // fraction: contiguous 0.85-0.86 at one CTA per SM, 0.81 at two; paged 0.82 at two, 0.56 at
-    // one; keys of width 32: 0.234-0.251 ms at one, about 0.17 at two; H200: 33 splits 0.158 ms, 66
-    // 0.19-0.22, 132 0.21).
+    // more splits only add partial writes and merging. Two CTAs per SM (B = 1, Lk = 128k, 8 kv
+    // heads, contiguous cache, CUDA graphs: H200 33 splits 0.137 ms, 16 0.182, 49 0.178, 66
+    // 0.155; H100 0.213 at two per SM against 0.206 at one; paged at one per SM: HBM 0.56),
+    // three for 16-bit keys narrower than the values.
     const int64_t rows = static_cast<int64_t>(p.heads_q / p.heads_kv) * p.len_q;
     const int64_t ctas = static_cast<int64_t>(p.batch) * p.heads_kv *
                          ((rows + Traits::kRows - 1) / Traits::kRows);
@@ -198,9 +196,7 @@ int decode_num_splits(VariantId variant, const AttnParams& p, c10::ScalarType dt
       splits = wave_filling_splits(ctas, 3 * sms, most);
       return;
     }
-    const bool full_width_stages = Traits::kStages >= 3 && Traits::kD == Traits::kDV;
-    const int64_t ctas_per_sm = full_width_stages && p.block_table == nullptr ? 1 : 2;
-    splits = static_cast<int>(std::clamp<int64_t>(ctas_per_sm * sms / ctas, 1, most));
+    splits = static_cast<int>(std::clamp<int64_t>(2 * sms / ctas, 1, most));
   });
   return splits;
 }
