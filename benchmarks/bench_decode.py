@@ -11,7 +11,10 @@ keys inside the op, so its row (``paged64-fp8``, Lq = 1) and its 16-bit peer
 (``adaattn-bf16-cache``: the same paged pool in bf16) attend a cache that already holds all Lk
 keys (no append in either); ``vs_bf16_cache`` is the peer's time over the row's; ``graph_ms`` and
 ``graph_vs_bf16_cache`` are the same from CUDA-graph replays (10 calls per graph, median of the
-replays): the GPU's time without the host's per-call work. A low-rank key cache
+replays): the GPU's time without the host's per-call work. The other rows carry ``graph_ms``
+too, with ``graph_vs_sdpa`` (the fastest SDPA backend's CUDA-graph time over the row's, peers
+replayed the same way) and ``graph_hbm_fraction``: what a serving loop that replays graphs
+sees. A low-rank key cache
 (``paged64-lowrank-R32``, and ``-fp8`` in 8 bits: adaattn.low_rank_attn_with_kvcache on keys
 stored at rank R = 32 and full-width values, the query's projection q U included, a random
 orthonormal basis per sequence and kv head) has the same peer and columns; its bars (the
@@ -228,6 +231,16 @@ def sdpa_decode(s: Shape, len_q: int, backend_name: str) -> Tuple[Callable, str]
     raise RuntimeError("; ".join(errors))
 
 
+def graph_or_none(fn_builder: Callable[[], Callable], reps: int = 50) -> Optional[float]:
+    """graph_time_ms of the built call, or None where it cannot be captured."""
+    try:
+        return graph_time_ms(fn_builder(), reps)
+    except RuntimeError:
+        return None
+    finally:
+        torch.cuda.synchronize()
+
+
 def measure(fn_builder: Callable[[], Callable], args) -> Tuple[Optional[float], str]:
     """``(median ms, note)``; a refusal gives ``(None, the error)``."""
     try:
@@ -248,9 +261,11 @@ def bench_shape(batch: int, len_k: int, args, copy_gbps: float) -> List[dict]:
     base = f"B={batch} Lk={len_k}"
     config = {"b": batch, "lk": len_k, "hq": HEADS_Q, "hkv": HEADS_KV, "d": HEAD_DIM}
     sdpa: Dict[int, Dict[str, Optional[float]]] = {}
+    sdpa_graph: Dict[int, Dict[str, Optional[float]]] = {}
     sdpa_notes: Dict[int, List[str]] = {}
+    replays = max(1, args.reps // 4)
     for len_q in (1, 16):
-        sdpa[len_q], sdpa_notes[len_q] = {}, []
+        sdpa[len_q], sdpa_graph[len_q], sdpa_notes[len_q] = {}, {}, []
         for name, backend in SDPA_BACKENDS:
             built = {}
 
@@ -259,6 +274,8 @@ def bench_shape(batch: int, len_k: int, args, copy_gbps: float) -> List[dict]:
                 return fn
             sdpa[len_q][name], note = measure(build, args)
             sdpa_notes[len_q].append(f"{name}: {note or built['gqa']}")
+            if sdpa[len_q][name] is not None:
+                sdpa_graph[len_q][name] = graph_or_none(build, replays)
 
     rows, ours = [], {}
     for variant, len_q, paged in (("flash", 1, False), ("flash", 1, True), ("flash", 16, False),
@@ -268,7 +285,13 @@ def bench_shape(batch: int, len_k: int, args, copy_gbps: float) -> List[dict]:
                                                   args.num_splits), args)
         ours[variant, len_q, paged] = ms
         peers = dict(sdpa[len_q])
-        extra = {}
+        graph = None if ms is None else graph_or_none(
+            lambda: adaattn_decode(s, len_q, paged, variant == "lazy", args.num_splits), replays)
+        graph_peers = [t for t in sdpa_graph[len_q].values() if t is not None]
+        extra = {"graph_ms": None if graph is None else round(graph, 4),
+                 "graph_vs_sdpa": ratio(min(graph_peers), graph) if graph_peers else None,
+                 "graph_hbm_fraction": None if graph is None else
+                 round(s.bytes_moved(len_q) / (graph * 1e-3) / 1e9 / copy_gbps, 3)}
         if variant == "lazy":
             peers["adaattn-flash"] = ours["flash", 1, paged]
             extra["vs_flash"] = ratio(ms, ours["flash", 1, paged])
@@ -289,7 +312,6 @@ def bench_shape(batch: int, len_k: int, args, copy_gbps: float) -> List[dict]:
         print(f"{rows[-1]['case']:<40} adaattn {ba._fmt(ms, '.3f')} ms  "
               f"{ba._fmt(gbps, '.0f')} GB/s  peers {rows[-1]['ms']}", flush=True)
     bf16, _ = measure(lambda: adaattn_decode_full_cache(s, False, args.num_splits), args)
-    replays = max(1, args.reps // 4)
     bf16_graph = graph_time_ms(adaattn_decode_full_cache(s, False, args.num_splits), replays)
     full_cache = [(f"paged{PAGE_SIZE}-fp8", "float8_e4m3fn", None,
                    lambda: adaattn_decode_full_cache(s, True, args.num_splits)),
@@ -327,8 +349,9 @@ def bars(rows: List[dict]) -> str:
     """The issue's bars, one line per row: HBM fraction and speed against the fastest SDPA
     backend (bars for flash Lq = 1; shown for the rest), and the row's own ratio bar (paged,
     lazy, Lq = 16)."""
-    lines = ["| case | HBM fraction (>= 0.85) | vs fastest SDPA (>= 1.0x) | own ratio bar |",
-             "|:---|:---|:---|:---|"]
+    lines = ["| case | HBM fraction (>= 0.85) | vs fastest SDPA (>= 1.0x) | the same, CUDA graphs "
+             "| own ratio bar |",
+             "|:---|:---|:---|:---|:---|"]
     for r in rows:
         ms = r["ms"]
         sdpa = [t for name, t in ms.items() if name.startswith("sdpa") and t is not None]
@@ -352,8 +375,12 @@ def bars(rows: List[dict]) -> str:
             own = f"vs_bf16_cache {x:.3f} {'ok' if x >= bar else 'MISS'} (>= {bar})"
             if r.get("graph_vs_bf16_cache") is not None:
                 own += f"; CUDA graphs {r['graph_vs_bf16_cache']:.3f}"
+        graphs = "—"
+        if r.get("graph_vs_sdpa") is not None:
+            graphs = (f"HBM {verdict(r['graph_hbm_fraction'], HBM_BAR)}, "
+                      f"{verdict(r['graph_vs_sdpa'], 1.0)}")
         lines.append(f"| {r['case']} | {verdict(r.get('hbm_fraction'), HBM_BAR)} "
-                     f"| {verdict(speed, 1.0)} | {own} |")
+                     f"| {verdict(speed, 1.0)} | {graphs} | {own} |")
     return "\n".join(lines)
 
 
