@@ -471,23 +471,36 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
         }
       }
     } else {
+      // Pages smaller than a tile (block_table set): a block and a slot per row, the slot's
+      // form (mask or division) chosen once per tile so that the rows' copies stay
+      // branch-free.
+      const CacheElem* k_head =
+          static_cast<const CacheElem*>(p.k) + h_kv * p.k_head_stride + my_col;
+      const CacheElem* v_head =
+          static_cast<const CacheElem*>(p.v) + h_kv * p.v_head_stride + my_col;
+      auto copy_rows = [&](auto slot_of) {
 #pragma unroll
-      for (int i = 0; i < kPerThread; ++i) {
-        const int r = my_row + i * kRowStep;
-        const int j = tile * BN + r;
-        const bool valid = j < lens.k;
-        const int jj = valid ? j : 0;
-        const int block = clamp_block(p, blocks[i]);
-        const CacheElem* k_src = static_cast<const CacheElem*>(p.k) +
-                                 cache_offset(p, block, p.k_batch_stride, p.k_head_stride,
-                                              p.k_row_stride, h_kv, jj) + my_col;
-        const CacheElem* v_src = static_cast<const CacheElem*>(p.v) +
-                                 cache_offset(p, block, p.v_batch_stride, p.v_head_stride,
-                                              p.v_row_stride, h_kv, jj) + my_col;
-        if (!kScoresIn && (D == DV || my_col < D)) {
-          cp_async16(sK + swz<D>(r, my_col), k_src, valid);
+        for (int i = 0; i < kPerThread; ++i) {
+          const int r = my_row + i * kRowStep;
+          const int j = tile * BN + r;
+          const bool valid = j < lens.k;
+          const int jj = valid ? j : 0;
+          const int64_t block = min(max(blocks[i], 0), p.num_pages - 1);
+          const int64_t slot = slot_of(jj);
+          if (!kScoresIn && (D == DV || my_col < D)) {
+            cp_async16(sK + swz<D>(r, my_col),
+                       k_head + block * p.k_batch_stride + slot * p.k_row_stride, valid);
+          }
+          if constexpr (kLoadV) {
+            cp_async16(sV + swz<DV>(r, my_col),
+                       v_head + block * p.v_batch_stride + slot * p.v_row_stride, valid);
+          }
         }
-        if constexpr (kLoadV) cp_async16(sV + swz<DV>(r, my_col), v_src, valid);
+      };
+      if (p.page_shift >= 0) {
+        copy_rows([&](int j) { return j & (p.page_size - 1); });
+      } else {
+        copy_rows([&](int j) { return j % p.page_size; });
       }
     }
   };
