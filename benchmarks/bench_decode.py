@@ -3,7 +3,8 @@
 Issue bars: bf16, D = 128, GQA Hq = 32 / Hkv = 8, (B, Lk) in {(32, 8192), (1, 131072), (128, 2048)}
 where Lk is the number of keys each new row attends (``cache_seqlens = Lk - Lq``; the op appends
 the Lq new keys and values in place, as in a real decode step). Rows, per shape: flash Lq = 1 on a
-contiguous cache and on a paged one (page 64, pages shuffled over the pool), flash Lq = 16
+contiguous cache and on paged ones (pages of 64 and of 16 keys, vLLM's default, shuffled over
+the pool), flash Lq = 16
 (speculative decoding, causal) contiguous, and lazy attention Lq = 1 contiguous and paged
 (tau = -1, bias W = 512 ~ 0.1 N(0, 1), as bench_lazy.py). An 8-bit cache (the paged pool in
 float8_e4m3fn, a scale per page and kv head as adaattn.KVCache keeps them) cannot take the new
@@ -56,6 +57,7 @@ DTYPE = torch.bfloat16
 HEADS_Q, HEADS_KV, HEAD_DIM = 32, 8, 128
 SHAPES = ((32, 8192), (1, 131072), (128, 2048))  # (B, Lk)
 PAGE_SIZE = 64
+SMALL_PAGE = 16  # vLLM's default block size: pages smaller than the kernel's 64-key tiles
 WINDOW = 512
 TAU = -1.0
 COPY_BYTES = 2 << 30
@@ -109,8 +111,8 @@ def copy_bandwidth(warmup: int, reps: int) -> float:
 
 class Shape:
     """The tensors of one (B, Lk) shape: a contiguous cache ``[B, Hkv, Lk, D]``, the same keys in
-    a shuffled paged pool ``[B * Lk / 64, Hkv, 64, D]`` with its block table, and the lazy
-    parameters."""
+    shuffled paged pools ``[B * Lk / page, Hkv, page, D]`` (page 64 and SMALL_PAGE) with their
+    block tables (``pools``), and the lazy parameters."""
 
     def __init__(self, batch: int, len_k: int):
         self.batch, self.len_k = batch, len_k
@@ -125,6 +127,17 @@ class Shape:
         self.v_pages = torch.empty_like(self.k_pages)
         for cache, pool in ((self.k_cache, self.k_pages), (self.v_cache, self.v_pages)):
             pool[perm] = cache.unflatten(2, (pages, PAGE_SIZE)).transpose(1, 2).flatten(0, 1)
+        # The same keys in shuffled pages of SMALL_PAGE: page size -> (k pool, v pool, table).
+        self.pools = {PAGE_SIZE: (self.k_pages, self.v_pages, self.block_table)}
+        small = len_k // SMALL_PAGE
+        perm = torch.randperm(batch * small, device="cuda")
+        small_pools = []
+        for cache in (self.k_cache, self.v_cache):
+            pool = torch.empty(batch * small, HEADS_KV, SMALL_PAGE, HEAD_DIM, dtype=DTYPE,
+                               device="cuda")
+            pool[perm] = cache.unflatten(2, (small, SMALL_PAGE)).transpose(1, 2).flatten(0, 1)
+            small_pools.append(pool)
+        self.pools[SMALL_PAGE] = (*small_pools, perm.view(batch, small).to(torch.int32))
         # The same pool in 8 bits: scale = each page's and kv head's largest magnitude / 448.
         self.scales = []
         self.pages8 = []
@@ -158,10 +171,10 @@ class Shape:
         return kv + 2 * self.batch * HEADS_Q * len_q * HEAD_DIM * DTYPE.itemsize
 
 
-def adaattn_decode(s: Shape, len_q: int, paged: bool, lazy: bool, num_splits: int) -> Callable:
+def adaattn_decode(s: Shape, len_q: int, page: int, lazy: bool, num_splits: int) -> Callable:
+    """The op on the contiguous cache (page 0) or on the pool of pages of ``page`` keys."""
     q, k, v, seqlens = s.inputs(len_q)
-    k_cache, v_cache = (s.k_pages, s.v_pages) if paged else (s.k_cache, s.v_cache)
-    table = s.block_table if paged else None
+    k_cache, v_cache, table = s.pools[page] if page else (s.k_cache, s.v_cache, None)
     if lazy:
         return lambda: adaattn.lazy_attn_with_kvcache(
             q, k_cache, v_cache, k, v, s.tau, s.bias, cache_seqlens=seqlens, block_table=table,
@@ -278,27 +291,28 @@ def bench_shape(batch: int, len_k: int, args, copy_gbps: float) -> List[dict]:
                 sdpa_graph[len_q][name] = graph_or_none(build, replays)
 
     rows, ours = [], {}
-    for variant, len_q, paged in (("flash", 1, False), ("flash", 1, True), ("flash", 16, False),
-                                  ("lazy", 1, False), ("lazy", 1, True)):
-        layout = f"paged{PAGE_SIZE}" if paged else "contiguous"
-        ms, note = measure(lambda: adaattn_decode(s, len_q, paged, variant == "lazy",
+    for variant, len_q, page in (("flash", 1, 0), ("flash", 1, PAGE_SIZE), ("flash", 1, SMALL_PAGE),
+                                 ("flash", 16, 0), ("lazy", 1, 0), ("lazy", 1, PAGE_SIZE)):
+        paged = page > 0
+        layout = f"paged{page}" if paged else "contiguous"
+        ms, note = measure(lambda: adaattn_decode(s, len_q, page, variant == "lazy",
                                                   args.num_splits), args)
-        ours[variant, len_q, paged] = ms
+        ours[variant, len_q, page] = ms
         peers = dict(sdpa[len_q])
         graph = None if ms is None else graph_or_none(
-            lambda: adaattn_decode(s, len_q, paged, variant == "lazy", args.num_splits), replays)
+            lambda: adaattn_decode(s, len_q, page, variant == "lazy", args.num_splits), replays)
         graph_peers = [t for t in sdpa_graph[len_q].values() if t is not None]
         extra = {"graph_ms": None if graph is None else round(graph, 4),
                  "graph_vs_sdpa": ratio(min(graph_peers), graph) if graph_peers else None,
                  "graph_hbm_fraction": None if graph is None else
                  round(s.bytes_moved(len_q) / (graph * 1e-3) / 1e9 / copy_gbps, 3)}
         if variant == "lazy":
-            peers["adaattn-flash"] = ours["flash", 1, paged]
-            extra["vs_flash"] = ratio(ms, ours["flash", 1, paged])
+            peers["adaattn-flash"] = ours["flash", 1, page]
+            extra["vs_flash"] = ratio(ms, ours["flash", 1, page])
         if paged:
-            extra["vs_contiguous"] = ratio(ms, ours[variant, len_q, False])
+            extra["vs_contiguous"] = ratio(ms, ours[variant, len_q, 0])
         if len_q == 16:
-            extra["vs_lq1"] = ratio(ms, ours[variant, 1, False])
+            extra["vs_lq1"] = ratio(ms, ours[variant, 1, 0])
         gbps = None if ms is None else s.bytes_moved(len_q) / (ms * 1e-3) / 1e9
         notes = ([f"adaattn: {note}"] if note else []) + sdpa_notes[len_q]
         if paged:
@@ -307,7 +321,9 @@ def bench_shape(batch: int, len_k: int, args, copy_gbps: float) -> List[dict]:
             f"{variant} Lq={len_q} {layout} {base}", "fwd", {"adaattn": ms, **peers},
             gbps=None if gbps is None else round(gbps, 1),
             hbm_fraction=None if gbps is None else round(gbps / copy_gbps, 3),
-            note="; ".join(notes), config=dict(config, lq=len_q, paged=paged, variant=variant),
+            note="; ".join(notes),
+            config=dict(config, lq=len_q, paged=paged, variant=variant,
+                        **({"page_size": page} if paged else {})),
             **extra))
         print(f"{rows[-1]['case']:<40} adaattn {ba._fmt(ms, '.3f')} ms  "
               f"{ba._fmt(gbps, '.0f')} GB/s  peers {rows[-1]['ms']}", flush=True)
