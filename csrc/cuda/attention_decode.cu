@@ -79,10 +79,13 @@ bool with_decode_kernel(VariantId variant, int d, int dv, c10::ScalarType dtype,
             }
             return f(T{}, cfg, V{}, std::false_type{});
           };
-          if constexpr (V::kNormalized) {
-            if (rw == 1) return by_cfg(DeepNarrowCfg<D, DV>{});
+          if (rw == 1) {
+            if constexpr (V::kNormalized) {
+              return by_cfg(DeepNarrowCfg<D, DV>{});
+            } else {
+              return by_cfg(NarrowCfg<D, DV>{});
+            }
           }
-          if (rw == 1) return by_cfg(NarrowCfg<D, DV>{});
           return by_cfg(WideCfg<D, DV>{});
         };
         if constexpr (std::is_same_v<V, PlainVariant>) {
