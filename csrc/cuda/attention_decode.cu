@@ -35,6 +35,20 @@ using DeepNarrowCfg = tc::DecodeTraits<D, DV, 1, 4, 64, 3>;
 template <int D, int DV>
 using WideCfg = tc::DecodeTraits<D, DV, 4, 1, 64, 2>;
 
+// The lse pass of NarrowCfg's rows: eight warps on tiles of 128 keys (16 each), in three K
+// stages. It reads half the online pass's bytes per tile with almost all of its instructions;
+// at NarrowCfg's four warps per CTA (two CTAs, eight warps per SM) its chains of dependent
+// products and exponentials left DRAM at 60% of its peak (ncu, H200, B = 32, Lk = 8k; the
+// online pass 89%): twice the warps hide them. Other configurations run it as they are.
+template <typename Traits>
+struct LsePassCfg {
+  using type = Traits;
+};
+template <int D, int DV>
+struct LsePassCfg<NarrowCfg<D, DV>> {
+  using type = tc::DecodeTraits<D, DV, 1, 8, 128, 2, 1, 3 * 128 * D * 2>;
+};
+
 // An 8-bit cache is read by DeepNarrowCfg's kernel (with_decode_kernel), whose scales are per
 // page, read once per tile: pages must hold whole tiles, and its rows are one row warp's.
 static_assert(DeepNarrowCfg<128, 128>::kBlockN == kDecodeFp8MinPage &&
@@ -210,10 +224,16 @@ int64_t decode_score_cache_stride(VariantId variant, const AttnParams& p,
   with_decode_kernel(variant, p.head_dim, p.head_dim_v, dtype, row_warps(p),
                      p.k_cache_scale != nullptr, [&](auto, auto traits, auto v, auto) {
     using Traits = decltype(traits);
-    const int64_t rows = static_cast<int64_t>(p.heads_q / p.heads_kv) * p.len_q;
-    // Written and read once: 8 bytes per row and key, against a K row of 2 * D bytes.
-    if (!decltype(v)::kNormalized && Traits::kCanCacheScores && 8 * rows < 2 * p.head_dim) {
-      stride = static_cast<int64_t>(key_tiles<Traits>(p)) * Traits::kBlockN;
+    if constexpr (!decltype(v)::kNormalized && Traits::kCanCacheScores) {
+      const int64_t rows = static_cast<int64_t>(p.heads_q / p.heads_kv) * p.len_q;
+      // Written and read once: 8 bytes per row and key, against a K row of 2 * D bytes.
+      if (8 * rows < 2 * p.head_dim) {
+        // Whole tiles of both passes (the lse pass writes its tiles' masked keys too).
+        using Lse = typename LsePassCfg<Traits>::type;
+        static_assert(Lse::kCanCacheScores && Lse::kBlockN % Traits::kBlockN == 0,
+                      "the lse pass's tiles cover the weight pass's");
+        stride = static_cast<int64_t>(key_tiles<Lse>(p)) * Lse::kBlockN;
+      }
     }
   });
   return stride;
@@ -231,25 +251,29 @@ void attention_decode_tc_cuda(VariantId variant, const AttnParams& p, int num_sp
     using Traits = decltype(traits);
     constexpr int DV = Traits::kDV;
     using V = decltype(v);
-    const int tiles = key_tiles<Traits>(p);
-    const tc::DecodeSplits sp{o_part, lse_part, num_splits,
-                              (tiles + num_splits - 1) / num_splits, scores, scores_stride};
     const int64_t rows = static_cast<int64_t>(p.heads_q / p.heads_kv) * p.len_q;
-    const dim3 grid(static_cast<unsigned>(static_cast<int64_t>(p.batch) * p.heads_kv),
-                    static_cast<unsigned>((rows + Traits::kRows - 1) / Traits::kRows),
-                    static_cast<unsigned>(num_splits));
     const int64_t all_rows = static_cast<int64_t>(p.batch) * p.heads_q * p.len_q;
     auto run = [&](auto pass, auto scores_in) {
       constexpr tc::DecodePass kPass = decltype(pass)::value;
+      using PassTraits = std::conditional_t<kPass == tc::DecodePass::kLse,
+                                            typename LsePassCfg<Traits>::type, Traits>;
+      static_assert(PassTraits::kRows == Traits::kRows, "the passes share their row blocks");
+      const int tiles = key_tiles<PassTraits>(p);
+      const tc::DecodeSplits sp{o_part, lse_part, num_splits,
+                                (tiles + num_splits - 1) / num_splits, scores, scores_stride};
+      const dim3 grid(static_cast<unsigned>(static_cast<int64_t>(p.batch) * p.heads_kv),
+                      static_cast<unsigned>((rows + Traits::kRows - 1) / Traits::kRows),
+                      static_cast<unsigned>(num_splits));
       constexpr auto kernel =
-          tc::decode_kernel<T, Traits, V, kPass, decltype(scores_in)::value, kFp8>;
-      constexpr int kSmem = tc::decode_smem_bytes<Traits, kFp8>();
+          tc::decode_kernel<T, PassTraits, V, kPass, decltype(scores_in)::value, kFp8>;
+      constexpr int kSmem =
+          tc::decode_smem_bytes<PassTraits, kPass, decltype(scores_in)::value, kFp8>();
       set_smem<kernel>(kSmem);
-      kernel<<<grid, Traits::kThreads, kSmem, stream>>>(p, sp);
+      kernel<<<grid, PassTraits::kThreads, kSmem, stream>>>(p, sp);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       if (num_splits > 1) {
         tc::decode_combine_kernel<T, DV, kPass>
-            <<<static_cast<unsigned>((all_rows + 3) / 4), 128, 0, stream>>>(p, sp);
+            <<<static_cast<unsigned>(all_rows), 32 * tc::kCombineWarps, 0, stream>>>(p, sp);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       }
     };

@@ -53,8 +53,10 @@ struct DecodeSplits {
   int64_t scores_stride;
 };
 
+// kStages_: the fewest stages of any pass; kStageBytes_ (0: kStages_ whole K + V stages): the
+// shared memory a pass packs with as many of its stages as fit (decode_stages).
 template <int D, int DV, int kRowWarps_, int kKeyWarps_, int kBlockN_, int kStages_,
-          int kMinBlocks_ = 1>
+          int kMinBlocks_ = 1, int kStageBytes_ = 0>
 struct DecodeTraits {
   static constexpr int kMinBlocks = kMinBlocks_;
   static constexpr int kRowWarps = kRowWarps_;
@@ -79,7 +81,7 @@ struct DecodeTraits {
   // Q, then the K/V stages; after the mainloop they hold the warps' merge buffers.
   static constexpr int kQBytes = kRows * D * 2;
   static constexpr int kStageElems = kBlockN * (D + DV);
-  static constexpr int kStagesBytes = kStages * kStageElems * 2;
+  static constexpr int kStagesBytes = kStageBytes_ > 0 ? kStageBytes_ : kStages * kStageElems * 2;
   static constexpr int kMergeBytes = kKeyWarps * kRows * (DV + 2) * 4;
   static constexpr int kSmemBytes = kQBytes + kStagesBytes;
   static_assert(kMergeBytes <= kSmemBytes, "merge buffers fit in shared memory");
@@ -92,10 +94,14 @@ __device__ __forceinline__ int cache_block_raw(const AttnParams& p, int b, int j
   const int index = p.page_shift >= 0 ? j >> p.page_shift : j / p.page_size;
   return p.block_table[b * p.block_table_stride + index];
 }
+// A page of the block table clamped into the page pool (a bad table entry reads a wrong page,
+// never out of bounds).
+__device__ __forceinline__ int clamp_page(const AttnParams& p, int page) {
+  return min(max(page, 0), p.num_pages - 1);
+}
 // A block of cache_block_raw clamped into the page pool.
 __device__ __forceinline__ int clamp_block(const AttnParams& p, int block) {
-  if (p.block_table == nullptr) return block;
-  return block < 0 ? 0 : (block >= p.num_pages ? p.num_pages - 1 : block);
+  return p.block_table == nullptr ? block : clamp_page(p, block);
 }
 __device__ __forceinline__ int cache_block(const AttnParams& p, int b, int j) {
   return clamp_block(p, cache_block_raw(p, b, j));
@@ -111,11 +117,15 @@ __device__ __forceinline__ int64_t cache_offset(const AttnParams& p, int block,
   return block * batch_stride + h * head_stride + slot * row_stride;
 }
 
-// Element offset of the first cache row of the tile starting at key `key0` (clamped into the
-// sequence) of kv head h, when the tile lies in one block (contiguous cache, or pages of whole
-// tiles: page_shift >= 0); the tile's rows follow at row_stride. One address per tile instead
-// of one per row: the per-row block and slot arithmetic (64-bit products, branches) made a
-// paged cache 1.3x a contiguous one at the same addresses (H200).
+// Keys of a tile segment: a page of a power of two >= kDecodeSegmentKeys keys holds whole
+// segments of every tile.
+constexpr int kDecodeSegmentKeys = 64;
+
+// Element offset of the first cache row of the tile segment starting at key `key0` (clamped
+// into the sequence) of kv head h, when the segment lies in one block (contiguous cache, or
+// pages of whole segments: page_shift >= 0); its rows follow at row_stride. One address per
+// segment instead of one per row: the per-row block and slot arithmetic (64-bit products,
+// branches) made a paged cache 1.3x a contiguous one at the same addresses (H200).
 __device__ __forceinline__ int64_t tile_offset(const AttnParams& p, int block,
                                                int64_t batch_stride, int64_t head_stride,
                                                int64_t row_stride, int h, int key0) {
@@ -129,19 +139,42 @@ __device__ __forceinline__ int64_t tile_offset(const AttnParams& p, int block,
 // flight. Three CTAs per SM (registers capped, or q's fragments kept in shared memory) were
 // slower or mixed (docs/lab/decode.md).
 constexpr int kDecodeFp8Stages = 3;
-// Shared memory of the kernel: Q and the stages, with an 8-bit cache's scales (a k, v pair per
-// stage and warp), or the merge buffers if larger.
-template <typename Traits, bool kFp8Cache>
-constexpr int decode_smem_bytes() {
-  if constexpr (!kFp8Cache) {
-    return Traits::kSmemBytes;
+// Cache elements of one stage of a pass (decode_kernel): the tile's K (or, kScoresIn, its
+// cached scores, [kRows][kScoreStride] float32) and, but in the lse pass, its V.
+template <typename Traits, DecodePass kPass, bool kScoresIn>
+constexpr int decode_key_area_elems() {
+  return kScoresIn ? Traits::kRows * Traits::kScoreStride * 2 : Traits::kBlockN * Traits::kD;
+}
+template <typename Traits, DecodePass kPass, bool kScoresIn>
+constexpr int decode_stage_elems() {
+  return decode_key_area_elems<Traits, kPass, kScoresIn>() +
+         (kPass != DecodePass::kLse ? Traits::kBlockN * Traits::kDV : 0);
+}
+// Stages of a pass: as many as Traits::kStagesBytes holds, at least Traits::kStages. A pass
+// that loads less (the lse pass: K alone; the weight pass over cached scores: the scores and
+// V) so keeps as many bytes in flight as the online pass (with half-empty stages each pass
+// streamed the cache below the online pass's rate).
+template <typename Traits, DecodePass kPass, bool kScoresIn, bool kFp8Cache>
+constexpr int decode_stages() {
+  if constexpr (kFp8Cache) {
+    return kDecodeFp8Stages;
   } else {
-    constexpr int kBytes = Traits::kQBytes +
-                           kDecodeFp8Stages * Traits::kBlockN * (Traits::kD + Traits::kDV) +
-                           2 * kDecodeFp8Stages * (Traits::kThreads / 32) *
-                               static_cast<int>(sizeof(float));
-    return kBytes > Traits::kMergeBytes ? kBytes : Traits::kMergeBytes;
+    constexpr int kPacked =
+        Traits::kStagesBytes / (decode_stage_elems<Traits, kPass, kScoresIn>() * 2);
+    return kPacked > Traits::kStages ? kPacked : Traits::kStages;
   }
+}
+// Shared memory of a pass: Q and the stages, with an 8-bit cache's scales (a k, v pair per
+// stage and warp), or the merge buffers if larger.
+template <typename Traits, DecodePass kPass, bool kScoresIn, bool kFp8Cache>
+constexpr int decode_smem_bytes() {
+  constexpr int kStages = decode_stages<Traits, kPass, kScoresIn, kFp8Cache>();
+  constexpr int kElemBytes = kFp8Cache ? 1 : 2;
+  constexpr int kBytes =
+      Traits::kQBytes +
+      kStages * decode_stage_elems<Traits, kPass, kScoresIn>() * kElemBytes +
+      (kFp8Cache ? 2 * kStages * (Traits::kThreads / 32) * static_cast<int>(sizeof(float)) : 0);
+  return kBytes > Traits::kMergeBytes ? kBytes : Traits::kMergeBytes;
 }
 
 // The 8-bit stages' layout: rows of bytes, whose 16-byte units are XOR-swizzled by the row's
@@ -294,25 +327,18 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   constexpr int kWarpKeys = Traits::kWarpKeys;
   static_assert(!kScoresIn || (kPass == DecodePass::kWeights && Traits::kCanCacheScores),
                 "cached scores feed the weight pass");
-  // A stage holds the tile's K (or its cached scores) and V; a pass that loads less (the lse
-  // pass: K alone; the weight pass over cached scores: the scores and V) packs more stages into
-  // the same shared memory, so that as many bytes are in flight as in the online pass (with
-  // half-empty stages each pass streamed the cache below the online pass's rate).
   static_assert(!kFp8Cache || (kPass == DecodePass::kOnline && Mod::kIdentity &&
                                kRowWarps == 1 && kWarpKeys == 16),
                 "an 8-bit cache feeds the online pass of plain softmax, one row warp");
   // Cache elements as stored: q's 16-bit type, or e4m3 bytes.
   using CacheElem = std::conditional_t<kFp8Cache, uint8_t, T>;
   constexpr int kElemBytes = static_cast<int>(sizeof(CacheElem));
-  constexpr int kKeyAreaElems = kScoresIn ? kRows * Traits::kScoreStride * 2 : BN * D;
-  constexpr int kStageElems = kKeyAreaElems + (kLoadV ? BN * DV : 0);
-  constexpr int kPackedStages = Traits::kStagesBytes / (kStageElems * kElemBytes);
-  constexpr int kStages = kFp8Cache                       ? kDecodeFp8Stages
-                          : kPackedStages > Traits::kStages ? kPackedStages
-                                                            : Traits::kStages;
+  // A stage (decode_stages) holds the tile's K (or its cached scores) and, but in the lse
+  // pass, its V; 8-bit stages hold e4m3 bytes.
+  constexpr int kKeyAreaElems = decode_key_area_elems<Traits, kPass, kScoresIn>();
+  constexpr int kStageElems = decode_stage_elems<Traits, kPass, kScoresIn>();
+  constexpr int kStages = decode_stages<Traits, kPass, kScoresIn, kFp8Cache>();
   static_assert(kStages >= 2, "two stages at least");
-  static_assert(kFp8Cache || kStages * kStageElems * kElemBytes <= Traits::kStagesBytes,
-                "stages fit");
   static_assert(kKeyAreaElems * kElemBytes % 128 == 0, "stage areas stay 128-byte aligned");
   constexpr int NT = kWarpKeys / 8;
   constexpr int DT = DV / 8;
@@ -386,14 +412,27 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   // 8-bit cache: each warp copies (and alone reads) its own 16 keys of every tile, so its
   // stages are its own and the mainloop needs warp barriers only; its scales (k, v) per stage.
   auto scale_slot = [&](int stage) { return sScales + 2 * (warp * kStages + stage); };
+  // Pages of kDecodeSegmentKeys keys or more (a power of two) hold whole segments of a tile:
+  // one lookup per segment (blocks[s]), and a thread's row i lies in segment
+  // i * kRowStep / kDecodeSegmentKeys.
+  constexpr int kSegments = BN / kDecodeSegmentKeys;
+  static_assert(BN % kDecodeSegmentKeys == 0 && kDecodeSegmentKeys % kRowStep == 0 &&
+                    kSegments <= kPerThread,
+                "a thread's rows keep to their segments");
   int blocks[kPerThread];
-  // A page of BN keys or more (a power of two) holds whole tiles: one lookup per tile.
-  const bool tile_pages = p.block_table == nullptr || (p.page_shift >= 0 && p.page_size >= BN);
+  const bool tile_pages =
+      p.block_table == nullptr || (p.page_shift >= 0 && p.page_size >= kDecodeSegmentKeys);
+  // A segment's first key, or key 0 for a segment past the sequence (whose rows copy nothing).
+  auto segment_key = [&](int tile, int segment) {
+    const int key = tile * BN + segment * kDecodeSegmentKeys;
+    return key < lens.k ? key : 0;
+  };
   auto lookup = [&](int tile) {
     if (tile_pages) {
-      const int block = cache_block_raw(p, b, tile * BN < lens.k ? tile * BN : 0);
 #pragma unroll
-      for (int i = 0; i < kPerThread; ++i) blocks[i] = block;
+      for (int sg = 0; sg < kSegments; ++sg) {
+        blocks[sg] = cache_block_raw(p, b, segment_key(tile, sg));
+      }
       return;
     }
 #pragma unroll
@@ -422,17 +461,18 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
                    valid);
       }
     }
-    // Rows past the sequence copy nothing; their source is the tile's first row.
-    const int key0 = tile * BN < lens.k ? tile * BN : 0;
+    // Rows past the sequence copy nothing; their source is their segment's first row.
     if constexpr (kFp8Cache) {
       // Pages hold whole tiles (the host requires it): one block and scale pair per tile.
+      static_assert(kSegments == 1, "8-bit tiles are one segment");
       const int block = clamp_block(p, blocks[0]);
       auto copy_rows = [&](CacheElem* dst, const void* src, int64_t batch_stride,
                            int64_t head_stride, int64_t row_stride, auto width) {
         constexpr int W = decltype(width)::value, kUnits = W / 16;
         const CacheElem* tile_src =
             static_cast<const CacheElem*>(src) +
-            tile_offset(p, block, batch_stride, head_stride, row_stride, h_kv, key0);
+            tile_offset(p, block, batch_stride, head_stride, row_stride, h_kv,
+                        segment_key(tile, 0));
 #pragma unroll
         for (int u = lane; u < kWarpKeys * kUnits; u += 32) {
           const int r = warp * kWarpKeys + u / kUnits, unit = u % kUnits;
@@ -451,23 +491,30 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
         cp_async4(scale_slot(stage) + 1, p.v_cache_scale + at, true);
       }
     } else if (tile_pages) {
-      const int block = clamp_block(p, blocks[0]);
-      const CacheElem* k_tile =
-          static_cast<const CacheElem*>(p.k) + my_col +
-          tile_offset(p, block, p.k_batch_stride, p.k_head_stride, p.k_row_stride, h_kv, key0);
-      const CacheElem* v_tile =
-          static_cast<const CacheElem*>(p.v) + my_col +
-          tile_offset(p, block, p.v_batch_stride, p.v_head_stride, p.v_row_stride, h_kv, key0);
+      const CacheElem* k_segment[kSegments];
+      const CacheElem* v_segment[kSegments];
+#pragma unroll
+      for (int sg = 0; sg < kSegments; ++sg) {
+        const int block = clamp_block(p, blocks[sg]);
+        const int key = segment_key(tile, sg);
+        k_segment[sg] = static_cast<const CacheElem*>(p.k) + my_col +
+                        tile_offset(p, block, p.k_batch_stride, p.k_head_stride,
+                                    p.k_row_stride, h_kv, key);
+        v_segment[sg] = static_cast<const CacheElem*>(p.v) + my_col +
+                        tile_offset(p, block, p.v_batch_stride, p.v_head_stride,
+                                    p.v_row_stride, h_kv, key);
+      }
 #pragma unroll
       for (int i = 0; i < kPerThread; ++i) {
+        const int sg = i * kRowStep / kDecodeSegmentKeys;
         const int r = my_row + i * kRowStep;
         const bool valid = tile * BN + r < lens.k;
-        const int rr = valid ? r : 0;
+        const int rr = valid ? r - sg * kDecodeSegmentKeys : 0;
         if (!kScoresIn && (D == DV || my_col < D)) {
-          cp_async16(sK + swz<D>(r, my_col), k_tile + rr * p.k_row_stride, valid);
+          cp_async16(sK + swz<D>(r, my_col), k_segment[sg] + rr * p.k_row_stride, valid);
         }
         if constexpr (kLoadV) {
-          cp_async16(sV + swz<DV>(r, my_col), v_tile + rr * p.v_row_stride, valid);
+          cp_async16(sV + swz<DV>(r, my_col), v_segment[sg] + rr * p.v_row_stride, valid);
         }
       }
     } else {
@@ -485,7 +532,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
           const int j = tile * BN + r;
           const bool valid = j < lens.k;
           const int jj = valid ? j : 0;
-          const int64_t block = min(max(blocks[i], 0), p.num_pages - 1);
+          const int64_t block = clamp_page(p, blocks[i]);
           const int64_t slot = slot_of(jj);
           if (!kScoresIn && (D == DV || my_col < D)) {
             cp_async16(sK + swz<D>(r, my_col),
@@ -808,18 +855,25 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   }
 }
 
-// Merges the splits' partial results of every row (b, h, r), one warp per row. kOnline: outputs
+// Warps of a decode_combine_kernel CTA, and the splits each warp has in flight.
+constexpr int kCombineWarps = 4;
+constexpr int kCombineUnroll = 4;
+
+// Merges the splits' partial results of every row (b, h, r), one CTA per row. kOnline: outputs
 // weighted by their lse (splits that saw no key of the row, lse -inf, are skipped; a row no
-// split saw gets out 0 and lse -inf). kLse: the lse alone. kWeights: outputs summed.
+// split saw gets out 0 and lse -inf). kLse: the lse alone. kWeights: outputs summed. Warp w
+// takes splits w, w + kCombineWarps, ..., kCombineUnroll of them in flight, and the warps' sums
+// meet in shared memory: a warp per row, reading its splits one after another, took 11 us of a
+// 134 us decode at B = 1, Lk = 128k (33 splits, 32 rows; H200).
 template <typename T, int DV, DecodePass kPass>
-__global__ void __launch_bounds__(128) decode_combine_kernel(const AttnParams p,
-                                                             const DecodeSplits sp) {
+__global__ void __launch_bounds__(32 * kCombineWarps) decode_combine_kernel(
+    const AttnParams p, const DecodeSplits sp) {
   const int64_t rows = static_cast<int64_t>(p.batch) * p.heads_q * p.len_q;
-  const int64_t stat = static_cast<int64_t>(blockIdx.x) * 4 + threadIdx.x / 32;
-  if (stat >= rows) return;
-  const int lane = threadIdx.x % 32;
+  const int64_t stat = blockIdx.x;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   float lse = 0.f;
   if constexpr (kPass != DecodePass::kWeights) {
+    // Every warp merges the lse (a few loads per lane), so that none waits for another.
     float m = -INFINITY;
     for (int s = lane; s < sp.num_splits; s += 32) m = fmaxf(m, sp.lse_part[s * rows + stat]);
 #pragma unroll
@@ -831,33 +885,52 @@ __global__ void __launch_bounds__(128) decode_combine_kernel(const AttnParams p,
 #pragma unroll
     for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffff, sum, off);
     lse = row_saw_keys(sum) ? base + logf(sum) : -INFINITY;
-    if (lane == 0) p.lse[stat] = lse;
+    if (threadIdx.x == 0) p.lse[stat] = lse;
     if constexpr (kPass == DecodePass::kLse) return;
   }
 
   constexpr int kCols = (DV + 31) / 32;
   float acc[kCols] = {};
-  for (int s = 0; s < sp.num_splits; ++s) {
-    float w = 1.f;
-    if constexpr (kPass == DecodePass::kOnline) {
-      const float ls = sp.lse_part[s * rows + stat];
-      if (ls == -INFINITY) continue;
-      w = expf(ls - lse);
-    }
-    const float* o = sp.o_part + (s * rows + stat) * DV;
+  for (int s0 = warp; s0 < sp.num_splits; s0 += kCombineWarps * kCombineUnroll) {
+    float w[kCombineUnroll];
+    float part[kCombineUnroll][kCols];
 #pragma unroll
-    for (int c = 0; c < kCols; ++c) {
-      if (lane + 32 * c < DV) acc[c] += w * o[lane + 32 * c];
+    for (int u = 0; u < kCombineUnroll; ++u) {
+      const int s = s0 + u * kCombineWarps;
+      const bool in = s < sp.num_splits;
+      w[u] = in ? 1.f : 0.f;
+      if constexpr (kPass == DecodePass::kOnline) {
+        const float ls = in ? sp.lse_part[s * rows + stat] : -INFINITY;
+        w[u] = ls == -INFINITY ? 0.f : expf(ls - lse);
+      }
+      const float* o = sp.o_part + ((in ? s : 0) * rows + stat) * DV;
+#pragma unroll
+      for (int c = 0; c < kCols; ++c) {
+        part[u][c] = in && lane + 32 * c < DV ? o[lane + 32 * c] : 0.f;
+      }
     }
+#pragma unroll
+    for (int u = 0; u < kCombineUnroll; ++u)
+#pragma unroll
+      for (int c = 0; c < kCols; ++c) {
+        // A skipped split adds nothing, whatever its partial output holds.
+        if (w[u] != 0.f) acc[c] += w[u] * part[u][c];
+      }
   }
+  __shared__ float warp_acc[kCombineWarps][kCols * 32];
+#pragma unroll
+  for (int c = 0; c < kCols; ++c) warp_acc[warp][lane + 32 * c] = acc[c];
+  __syncthreads();
   const int b = static_cast<int>(stat / (static_cast<int64_t>(p.heads_q) * p.len_q));
   const int h = static_cast<int>(stat / p.len_q % p.heads_q);
   const int q_row = static_cast<int>(stat % p.len_q);
   T* out = static_cast<T*>(p.out) + b * p.o_batch_stride + h * p.o_head_stride +
            q_row * p.o_row_stride;
+  for (int col = threadIdx.x; col < DV; col += 32 * kCombineWarps) {
+    float total = 0.f;
 #pragma unroll
-  for (int c = 0; c < kCols; ++c) {
-    if (lane + 32 * c < DV) out[lane + 32 * c] = from_float<T>(acc[c]);
+    for (int w = 0; w < kCombineWarps; ++w) total += warp_acc[w][col];
+    out[col] = from_float<T>(total);
   }
 }
 
