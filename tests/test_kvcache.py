@@ -444,6 +444,19 @@ def test_low_precision_cuda(case, lazy, dtype):
     _check_low_precision(case, dtype, "cuda", lazy)
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("case,lazy", with_variants([
+    Case(b=3, hq=32, hkv=8, lq=16, lmax=1024, d=128, page_size=64),
+    Case(b=2, hq=16, hkv=2, lq=16, lmax=512, d=64, window=(100, 0)),
+    Case(b=2, hq=16, hkv=4, lq=5, lmax=700, d=128, seqlens=(695, 0), softcap=3.0),
+]))
+def test_many_rows_without_sm90_cuda(case, lazy, monkeypatch):
+    """More than 16 query rows per kv head run a wgmma kernel on Hopper GPUs;
+    ADAATTN_DISABLE_SM90=1 selects the mma.sync kernel that other GPUs run."""
+    monkeypatch.setenv("ADAATTN_DISABLE_SM90", "1")
+    _check_low_precision(case, torch.bfloat16, "cuda", lazy)
+
+
 def _poison_unused(p: Problem, cache: torch.Tensor) -> torch.Tensor:
     """A copy of ``cache`` with NaN in every slot past each sequence's last attended position
     and in every page no sequence owns."""

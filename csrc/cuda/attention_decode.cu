@@ -15,6 +15,7 @@
 #include "../attention_api.h"
 #include "../core/seq.h"
 #include "tc/decode.h"
+#include "tc/runtime.h"
 
 namespace adaattn {
 namespace {
@@ -34,6 +35,17 @@ template <int D, int DV>
 using DeepNarrowCfg = tc::DecodeTraits<D, DV, 1, 4, 64, 3>;
 template <int D, int DV>
 using WideCfg = tc::DecodeTraits<D, DV, 4, 1, 64, 2>;
+// WideCfg's rows in one warpgroup whose products are wgmma (sm_90a): the mma.sync kernel's
+// four warps each read all of a tile's K and V fragments from shared memory (ldmatrix), and
+// with the exponentials and two CTAs per SM they issued at 41% with "wait" stalls first (ncu,
+// H200, B = 128, Lk = 2k, Lq = 16: 1.51x the time of Lq = 1).
+template <int D, int DV>
+using WideWgmmaCfg = tc::DecodeTraits<D, DV, 4, 1, 64, 2, 1, 0, true>;
+#ifdef ADAATTN_SM90A
+constexpr bool kWgmmaDecode = true;
+#else
+constexpr bool kWgmmaDecode = false;
+#endif
 
 // The lse pass of NarrowCfg's rows: eight warps on tiles of 128 keys (16 each), in three K
 // stages. It reads half the online pass's bytes per tile with almost all of its instructions;
@@ -99,6 +111,9 @@ bool with_decode_kernel(VariantId variant, int d, int dv, c10::ScalarType dtype,
             } else {
               return by_cfg(NarrowCfg<D, DV>{});
             }
+          }
+          if constexpr (kWgmmaDecode && D == DV) {
+            if (tc::use_sm90()) return by_cfg(WideWgmmaCfg<D, DV>{});
           }
           return by_cfg(WideCfg<D, DV>{});
         };

@@ -32,6 +32,7 @@
 #include "../../core/params.h"
 #include "mma.h"
 #include "softmax_frag.h"
+#include "wgmma.h"
 
 namespace adaattn {
 namespace tc {
@@ -54,10 +55,16 @@ struct DecodeSplits {
 };
 
 // kStages_: the fewest stages of any pass; kStageBytes_ (0: kStages_ whole K + V stages): the
-// shared memory a pass packs with as many of its stages as fit (decode_stages).
+// shared memory a pass packs with as many of its stages as fit (decode_stages). kGmma_: one
+// warpgroup (four row warps, 64 rows) whose products are Hopper wgmma reading Q, K and V in
+// shared memory (sm_90a; launched only where tc::use_sm90()), else mma.sync per warp.
 template <int D, int DV, int kRowWarps_, int kKeyWarps_, int kBlockN_, int kStages_,
-          int kMinBlocks_ = 1, int kStageBytes_ = 0>
+          int kMinBlocks_ = 1, int kStageBytes_ = 0, bool kGmma_ = false>
 struct DecodeTraits {
+  static constexpr bool kGmma = kGmma_;
+  static_assert(!kGmma || (kRowWarps_ == 4 && kKeyWarps_ == 1 && D == DV && D % 64 == 0 &&
+                           (kBlockN_ == 32 || kBlockN_ == 64 || kBlockN_ == 128)),
+                "wgmma decode: one warpgroup of 64 rows, D = Dv a multiple of 64");
   static constexpr int kMinBlocks = kMinBlocks_;
   static constexpr int kRowWarps = kRowWarps_;
   static constexpr int kKeyWarps = kKeyWarps_;
@@ -86,6 +93,17 @@ struct DecodeTraits {
   static constexpr int kSmemBytes = kQBytes + kStagesBytes;
   static_assert(kMergeBytes <= kSmemBytes, "merge buffers fit in shared memory");
 };
+
+// Element offset of (row, col) in a [ROWS][W] shared tile of the decode kernel: the mma.sync
+// kernels' swizzle, or the layout wgmma reads (its column blocks of 64, the same swizzle).
+template <bool kGmma, int ROWS, int W>
+__device__ __forceinline__ int decode_tile_off(int row, int col) {
+  if constexpr (kGmma) {
+    return sm90::gmma_off<ROWS, W>(row, col);
+  } else {
+    return swz<W>(row, col);
+  }
+}
 
 // Where key j of entry b lives: its page as the block table says (paged cache; may be out of
 // range, see clamp_block) or b.
@@ -165,7 +183,7 @@ constexpr int decode_stages() {
   }
 }
 // Shared memory of a pass: Q and the stages, with an 8-bit cache's scales (a k, v pair per
-// stage and warp), or the merge buffers if larger.
+// stage and warp) and wgmma tiles' alignment slack, or the merge buffers if larger.
 template <typename Traits, DecodePass kPass, bool kScoresIn, bool kFp8Cache>
 constexpr int decode_smem_bytes() {
   constexpr int kStages = decode_stages<Traits, kPass, kScoresIn, kFp8Cache>();
@@ -173,7 +191,8 @@ constexpr int decode_smem_bytes() {
   constexpr int kBytes =
       Traits::kQBytes +
       kStages * decode_stage_elems<Traits, kPass, kScoresIn>() * kElemBytes +
-      (kFp8Cache ? 2 * kStages * (Traits::kThreads / 32) * static_cast<int>(sizeof(float)) : 0);
+      (kFp8Cache ? 2 * kStages * (Traits::kThreads / 32) * static_cast<int>(sizeof(float)) : 0) +
+      (Traits::kGmma ? 1024 : 0);
   return kBytes > Traits::kMergeBytes ? kBytes : Traits::kMergeBytes;
 }
 
@@ -342,8 +361,17 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   static_assert(kKeyAreaElems * kElemBytes % 128 == 0, "stage areas stay 128-byte aligned");
   constexpr int NT = kWarpKeys / 8;
   constexpr int DT = DV / 8;
+  constexpr bool kGmma = Traits::kGmma;
+  static_assert(!kGmma || (!kFp8Cache && Traits::kQBytes % 1024 == 0 &&
+                           kKeyAreaElems * 2 % 1024 == 0 && kStageElems * 2 % 1024 == 0),
+                "wgmma tiles start 1024-byte aligned");
+  auto k_off = [](int r, int col) { return decode_tile_off<kGmma, BN, D>(r, col); };
+  auto v_off = [](int r, int col) { return decode_tile_off<kGmma, BN, DV>(r, col); };
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  T* sQ = reinterpret_cast<T*>(smem_raw);
+  // wgmma's 128-byte swizzle is a function of address bits 4-9: its tiles start 1024-byte
+  // aligned (decode_smem_bytes adds the slack).
+  T* sQ = reinterpret_cast<T*>(
+      kGmma ? smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023) : smem_raw);
   CacheElem* sStages = reinterpret_cast<CacheElem*>(sQ + kRows * D);
   // 8-bit cache: the stages' scales (k, v).
   float* const sScales = reinterpret_cast<float*>(sStages + kStages * kStageElems);
@@ -511,10 +539,10 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
         const bool valid = tile * BN + r < lens.k;
         const int rr = valid ? r - sg * kDecodeSegmentKeys : 0;
         if (!kScoresIn && (D == DV || my_col < D)) {
-          cp_async16(sK + swz<D>(r, my_col), k_segment[sg] + rr * p.k_row_stride, valid);
+          cp_async16(sK + k_off(r, my_col), k_segment[sg] + rr * p.k_row_stride, valid);
         }
         if constexpr (kLoadV) {
-          cp_async16(sV + swz<DV>(r, my_col), v_segment[sg] + rr * p.v_row_stride, valid);
+          cp_async16(sV + v_off(r, my_col), v_segment[sg] + rr * p.v_row_stride, valid);
         }
       }
     } else {
@@ -535,11 +563,11 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
           const int64_t block = clamp_page(p, blocks[i]);
           const int64_t slot = slot_of(jj);
           if (!kScoresIn && (D == DV || my_col < D)) {
-            cp_async16(sK + swz<D>(r, my_col),
+            cp_async16(sK + k_off(r, my_col),
                        k_head + block * p.k_batch_stride + slot * p.k_row_stride, valid);
           }
           if constexpr (kLoadV) {
-            cp_async16(sV + swz<DV>(r, my_col),
+            cp_async16(sV + v_off(r, my_col),
                        v_head + block * p.v_batch_stride + slot * p.v_row_stride, valid);
           }
         }
@@ -556,7 +584,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     const int row = row0 + r;
     return static_cast<const T*>(p.q) + b * p.q_batch_stride +
            (h_kv * group + row / p.len_q) * p.q_head_stride + (row % p.len_q) * p.q_row_stride;
-  }, rows - row0, tid);
+  }, rows - row0, tid, [](int r, int col) { return decode_tile_off<kGmma, kRows, D>(r, col); });
   lookup(first);
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
@@ -617,11 +645,31 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
 
   float o[1][DT][4];
   zero(o);
+  // O += P V over this warp's keys of the tile, P as to_a_frags left it; with wgmma the
+  // warpgroup's product (every warp takes part: callers branch uniformly).
+  auto accumulate_pv = [&](uint32_t(&pa)[1][NT / 2][4], const CacheElem* sV) {
+    if constexpr (kGmma) {
+      sm90::wgmma_fence();
+#pragma unroll
+      for (int kt = 0; kt < BN / 16; ++kt) {
+        const T* bv = sV + kt * 16 * sm90::GmmaLayout<DV>::kWidth;
+        sm90::wgmma_rs_cols<T, DT>(o[0], pa[0][kt], [&](int col) {
+          return sm90::gmma_desc_mn<BN, DV>(bv + sm90::gmma_kcol<BN, DV>(col));
+        });
+      }
+      sm90::wgmma_commit();
+      sm90::wgmma_wait<0>(o[0]);
+      sm90::fence_operand(pa[0]);
+    } else if constexpr (!kFp8Cache) {  // (8-bit stages: fp8_gemm_pv)
+      warp_gemm_rs<1, DT, NT / 2, DV>(o, pa, sV, key_warp * kWarpKeys, lane);
+    }
+  };
   float row_max[1][2] = {{-INFINITY, -INFINITY}};
   float row_sum[1][2] = {{0.f, 0.f}};
   for (int tile = first; tile < last; ++tile) {
     const int i = tile - first;
     cp_async_wait<kStages - 2>();
+    if constexpr (kGmma) sm90::fence_proxy_async();  // the copies, before wgmma reads them
     // The first tile's barrier also makes Q, which every warp copied a part of, visible.
     if (kFp8Cache && tile != first) {
       __syncwarp();
@@ -664,6 +712,16 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
 #pragma unroll
           for (int e = 0; e < 4; ++e) s[0][ni][e] *= q_unscale[e >> 1] * k_scale;
         scale = 1.f;
+      } else if constexpr (kGmma) {
+        sm90::wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+          sm90::wgmma_ss<T, NT>(s[0], sm90::gmma_desc_k<D>(sQ + sm90::gmma_kcol<kRows, D>(kk * 16)),
+                                sm90::gmma_desc_k<D>(sK + sm90::gmma_kcol<BN, D>(kk * 16)),
+                                kk > 0);
+        }
+        sm90::wgmma_commit();
+        sm90::wgmma_wait<0>(s[0]);
       } else {
         warp_gemm_nt<1, NT, D>(s, sQ, warp_row0, sK, key_warp * kWarpKeys, lane);
       }
@@ -719,10 +777,10 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
       const float c_frag[1][2] = {{row_term[0], row_term[1]}};
       const bool any =
           transform_weights<Transform, 1, NT, false>(s, lse2_frag, c_frag, unused, scale).any;
-      if (any) {
+      if (kGmma || any) {
         uint32_t pa[1][NT / 2][4];
         to_a_frags<1, NT, T>(s, pa);
-        warp_gemm_rs<1, DT, NT / 2, DV>(o, pa, sV, key_warp * kWarpKeys, lane);
+        accumulate_pv(pa, sV);
       }
       continue;
     }
@@ -752,7 +810,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
         fp8_gemm_pv<DV>(o, pa, sV, key_warp * kWarpKeys, lane);
       } else {
         to_a_frags<1, NT, T>(s, pa);
-        warp_gemm_rs<1, DT, NT / 2, DV>(o, pa, sV, key_warp * kWarpKeys, lane);
+        accumulate_pv(pa, sV);
       }
     }
   }

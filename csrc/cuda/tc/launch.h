@@ -76,19 +76,6 @@ void set_smem(Kernel kernel, int bytes) {
   }
 }
 
-// Whether the Hopper (wgmma) kernels run: the library carries sm_90a code (ADAATTN_SM90A, set by
-// the build when "90a" is among the architectures), the current GPU is an sm_90 one, and
-// env::disable_sm90() does not ask for the SM80 kernels.
-inline bool use_sm90() {
-#ifdef ADAATTN_SM90A
-  if (env::disable_sm90()) return false;
-  const cudaDeviceProp& prop = current_device_properties();
-  return prop.major == 9 && prop.minor == 0;
-#else
-  return false;
-#endif
-}
-
 // p with tile_item's CTA order for a launch of `block_rows`-row tiles (kKeys: key tiles per kv
 // head, else query tiles per query head), `ctas_per_sm` CTAs resident per SM, where a
 // causal-like mask (an upper key bound) makes a unit's tiles differ in work: (head, batch)

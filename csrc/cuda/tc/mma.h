@@ -155,9 +155,11 @@ __device__ __forceinline__ void load_tile_to(T* dst, const T* src, int64_t row_s
 }
 
 // A [ROWS][D] tile whose rows lie anywhere (a paged cache, rows gathered from several heads)
-// into the swz<D> layout: row r is read from row_ptr(r) when r < valid_rows, else zero-filled.
-template <int ROWS, int D, int THREADS, typename T, typename RowPtr>
-__device__ __forceinline__ void load_rows_async(T* dst, RowPtr row_ptr, int valid_rows, int tid) {
+// into the layout offset(r, col) (element offsets): row r is read from row_ptr(r) when
+// r < valid_rows, else zero-filled.
+template <int ROWS, int D, int THREADS, typename T, typename RowPtr, typename Offset>
+__device__ __forceinline__ void load_rows_async(T* dst, RowPtr row_ptr, int valid_rows, int tid,
+                                                Offset offset) {
   constexpr int kChunksPerRow = D / 8;
   constexpr int kChunks = ROWS * kChunksPerRow;
 #pragma unroll
@@ -168,7 +170,7 @@ __device__ __forceinline__ void load_rows_async(T* dst, RowPtr row_ptr, int vali
     const int col = (c % kChunksPerRow) * 8;
     const bool valid = r < valid_rows;
     const T* src = row_ptr(valid ? r : 0);
-    cp_async16(dst + swz<D>(r, col), src + col, valid);
+    cp_async16(dst + offset(r, col), src + col, valid);
   }
 }
 

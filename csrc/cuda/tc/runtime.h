@@ -10,6 +10,8 @@
 #include <cstdint>
 #include <memory>
 
+#include "../../core/env.h"
+
 namespace adaattn {
 namespace tc {
 
@@ -18,6 +20,19 @@ cudaStream_t current_stream();
 
 // The current device's properties (torch caches them).
 const cudaDeviceProp& current_device_properties();
+
+// Whether the Hopper (wgmma) kernels run: the library carries sm_90a code (ADAATTN_SM90A, set by
+// the build when "90a" is among the architectures), the current GPU is an sm_90 one, and
+// env::disable_sm90() does not ask for the SM80 kernels.
+inline bool use_sm90() {
+#ifdef ADAATTN_SM90A
+  if (env::disable_sm90()) return false;
+  const cudaDeviceProp& prop = current_device_properties();
+  return prop.major == 9 && prop.minor == 0;
+#else
+  return false;
+#endif
+}
 
 // Raises torch's CUDA error (C10_CUDA_CHECK) unless err is cudaSuccess.
 void check_cuda(cudaError_t err);
