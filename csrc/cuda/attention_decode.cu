@@ -38,7 +38,8 @@ using WideCfg = tc::DecodeTraits<D, DV, 4, 1, 64, 2>;
 // WideCfg's rows in one warpgroup whose products are wgmma (sm_90a): the mma.sync kernel's
 // four warps each read all of a tile's K and V fragments from shared memory (ldmatrix), and
 // with the exponentials and two CTAs per SM they issued at 41% with "wait" stalls first (ncu,
-// H200, B = 128, Lk = 2k, Lq = 16: 1.51x the time of Lq = 1).
+// H200, B = 128, Lk = 2k, Lq = 16: 1.51x the time of Lq = 1). With wgmma: flash Lq = 16
+// 0.86-0.90x, lazy 0.72-0.81x that time (docs/lab/decode.md).
 template <int D, int DV>
 using WideWgmmaCfg = tc::DecodeTraits<D, DV, 4, 1, 64, 2, 1, 0, true>;
 #ifdef ADAATTN_SM90A

@@ -1,5 +1,6 @@
-// Split-KV decode (flash-decoding) on mma.sync tensor cores, for SM80 and Hopper alike: decode
-// is bound by reading the KV cache, not by the products. One CTA per (sequence, kv head, row
+// Split-KV decode (flash-decoding) on mma.sync tensor cores, for SM80 and Hopper alike (64-row
+// CTAs run their products as wgmma on Hopper: DecodeTraits::kGmma): decode is bound by
+// reading the KV cache, not by the products. One CTA per (sequence, kv head, row
 // block, key split). Its rows are the query rows of every query head of the kv head's GQA group
 // (group * Lq rows, head-major), so each K/V byte is read once per split. The warps split the
 // rows 16 at a time (kRowWarps) and each tile's keys between them (kKeyWarps), each keeping its
