@@ -42,11 +42,6 @@ using WideCfg = tc::DecodeTraits<D, DV, 4, 1, 64, 2>;
 // 0.86-0.90x, lazy 0.72-0.81x that time (docs/lab/decode.md).
 template <int D, int DV>
 using WideWgmmaCfg = tc::DecodeTraits<D, DV, 4, 1, 64, 2, 1, 0, true>;
-#ifdef ADAATTN_SM90A
-constexpr bool kWgmmaDecode = true;
-#else
-constexpr bool kWgmmaDecode = false;
-#endif
 
 // The lse pass of NarrowCfg's rows: eight warps on tiles of 128 keys (16 each), in three K
 // stages. It reads half the online pass's bytes per tile with almost all of its instructions;
@@ -113,7 +108,7 @@ bool with_decode_kernel(VariantId variant, int d, int dv, c10::ScalarType dtype,
               return by_cfg(NarrowCfg<D, DV>{});
             }
           }
-          if constexpr (kWgmmaDecode && D == DV) {
+          if constexpr (tc::kBuiltSm90a && D == DV) {
             if (tc::use_sm90()) return by_cfg(WideWgmmaCfg<D, DV>{});
           }
           return by_cfg(WideCfg<D, DV>{});

@@ -21,17 +21,20 @@ cudaStream_t current_stream();
 // The current device's properties (torch caches them).
 const cudaDeviceProp& current_device_properties();
 
-// Whether the Hopper (wgmma) kernels run: the library carries sm_90a code (ADAATTN_SM90A, set by
-// the build when "90a" is among the architectures), the current GPU is an sm_90 one, and
-// env::disable_sm90() does not ask for the SM80 kernels.
-inline bool use_sm90() {
+// Whether the library carries sm_90a code (ADAATTN_SM90A, set by the build when "90a" is among
+// the architectures): without it, no Hopper kernel runs (and launchers need not instantiate one).
 #ifdef ADAATTN_SM90A
-  if (env::disable_sm90()) return false;
+constexpr bool kBuiltSm90a = true;
+#else
+constexpr bool kBuiltSm90a = false;
+#endif
+
+// Whether the Hopper (wgmma) kernels run: the library carries sm_90a code, the current GPU is an
+// sm_90 one, and env::disable_sm90() does not ask for the SM80 kernels.
+inline bool use_sm90() {
+  if (!kBuiltSm90a || env::disable_sm90()) return false;
   const cudaDeviceProp& prop = current_device_properties();
   return prop.major == 9 && prop.minor == 0;
-#else
-  return false;
-#endif
 }
 
 // Raises torch's CUDA error (C10_CUDA_CHECK) unless err is cudaSuccess.
