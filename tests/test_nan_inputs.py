@@ -228,6 +228,40 @@ def test_nonfinite_input_cuda(case, dtype):
     _check(*case[:1], "cuda", dtype, 150, *case[1:])
 
 
+@pytest.mark.parametrize("where", ["v_cache", "v"])
+def test_nonfinite_decode_lazy_many_rows_cpu(where):
+    """Sixteen new rows per sequence (32 per kv head), a NaN in one value of sequence 0: lazy
+    attention drops a key whose clipped weight is 0, so the NaN reaches exactly the rows that
+    weigh its key (the reference's rows there), and the other rows are the reference's on the
+    cache with that value zeroed (docs/ops.md, NaN and Inf)."""
+    lmax, cached, len_q = 512, torch.tensor([300, 400], dtype=torch.int32), 16
+    q = torch.randn(2, HQ, len_q, 64, dtype=torch.float64)
+    k_cache, v_cache = (torch.randn(2, HKV, lmax, 64, dtype=torch.float64) for _ in range(2))
+    k_new, v_new = (torch.randn(2, HKV, len_q, 64, dtype=torch.float64) for _ in range(2))
+    bad = dict(v_cache=(v_cache, (0, 0, 100, 5)), v=(v_new, (0, 0, 3, 5)))[where]
+    params = _lazy_params("cpu")
+    kwargs = dict(cache_seqlens=cached, return_lse=True)
+
+    def run(fn, values_cache, values_new):
+        return fn(q, k_cache.clone(), values_cache.clone(), k_new, values_new, params["tau"],
+                  params["bias"], **kwargs)[0]
+
+    probe_cache, probe_new = torch.zeros_like(v_cache), torch.zeros_like(v_new)
+    dict(v_cache=probe_cache, v=probe_new)[where][bad[1]] = 1
+    weight = run(reference.lazy_attn_with_kvcache, probe_cache, probe_new)
+    clean = run(reference.lazy_attn_with_kvcache, v_cache, v_new)
+    bad[0][bad[1]] = NAN
+    out = run(adaattn.lazy_attn_with_kvcache, v_cache, v_new)
+    ref = run(reference.lazy_attn_with_kvcache, v_cache, v_new)
+    weighs = weight != 0
+    assert weighs.any() and (~weighs[0, :2, :, 5]).any(), "rows of both kinds"
+    expected = torch.where(weighs, ref, clean)
+    assert torch.equal(torch.isnan(out), torch.isnan(expected))
+    finite = torch.isfinite(expected)
+    torch.testing.assert_close(out[finite], expected[finite], rtol=TOL[torch.float64],
+                               atol=TOL[torch.float64])
+
+
 # ---- Garbage that no row reads --------------------------------------------------------------
 
 # (device, dtype): the CPU kernel, the exact CUDA kernel, the tensor cores.
