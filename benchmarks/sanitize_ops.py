@@ -103,9 +103,13 @@ def decode():
         lens = torch.tensor([0, 200, 1024 - lq], dtype=torch.int32, device="cuda")
         cache_k = torch.randn(3, 2, 1024, d, device="cuda", dtype=dt)
         cache_v = torch.randn_like(cache_k)
+        tau = torch.full((8,), -1.0, device="cuda")
+        bias = 0.1 * torch.randn(8, 64, device="cuda")
         for splits in (0, 1, 5):
             adaattn.flash_attn_with_kvcache(q, cache_k, cache_v, k, v, cache_seqlens=lens,
                                             num_splits=splits, softcap=5.0 if splits else 0)
+            adaattn.lazy_attn_with_kvcache(q, cache_k, cache_v, k, v, tau, bias,
+                                           cache_seqlens=lens, num_splits=splits)
         for page in (16, 64):
             pages = 1024 // page
             pool_k = torch.randn(3 * pages + 1, 2, page, d, device="cuda", dtype=dt)
@@ -118,9 +122,10 @@ def decode():
             bad = torch.tensor([-3, 2000, 1024], dtype=torch.int32, device="cuda")
             adaattn.flash_attn_with_kvcache(q, pool_k, pool_v, k, v, cache_seqlens=bad,
                                             block_table=table)
-        tau = torch.full((8,), -1.0, device="cuda")
-        bias = 0.1 * torch.randn(8, 64, device="cuda")
-        adaattn.lazy_attn_with_kvcache(q, cache_k, cache_v, k, v, tau, bias, cache_seqlens=lens)
+            for splits in (0, 1):
+                adaattn.lazy_attn_with_kvcache(q, pool_k, pool_v, k, v, tau, bias,
+                                               cache_seqlens=bad, block_table=table,
+                                               num_splits=splits)
     # Narrow keys (a low-rank key cache, D = 32 < Dv = 128), contiguous and paged (page 16).
     q = torch.randn(3, 8, 1, 32, device="cuda", dtype=dt)
     lens = torch.tensor([0, 200, 1023], dtype=torch.int32, device="cuda")

@@ -426,6 +426,14 @@ def _low_precision_cuda_grid():
         Case(b=3, hq=8, hkv=2, lq=3, lmax=8192, d=128, num_splits=7, page_size=64),
         # One split over 512 pages; pages whose size is not a power of two.
         Case(b=2, hq=8, hkv=2, lq=1, lmax=8192, d=128, num_splits=1, page_size=16),
+        # One split with GQA 1 and 8, Lq = 3, D = 64, ragged lengths (lazy: its lse and weight
+        # passes then run as one kernel).
+        Case(b=3, hq=8, hkv=1, lq=1, lmax=2048, d=64, num_splits=1, page_size=64,
+             seqlens=(0, 2047, 700)),
+        Case(b=2, hq=16, hkv=4, lq=3, lmax=1000, d=128, num_splits=1, page_size=40,
+             seqlens=(997, 0)),
+        Case(b=4, hq=8, hkv=8, lq=1, lmax=4096, d=128, num_splits=1, page_size=256,
+             new_kv=False, seqlens=(4096, 1, 3000, 64)),
         Case(b=2, hq=32, hkv=8, lq=1, lmax=4800, d=128, seqlens=(4799, 1000), page_size=48),
         Case(b=2, hq=8, hkv=2, lq=1, lmax=1000, d=96, seqlens=(999, 517)),
         # D = 256 (Gemma): no decode kernel, the prefill kernels on the cache (lazy too)

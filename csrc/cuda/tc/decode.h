@@ -10,7 +10,8 @@
 //
 // A normalised transform runs one online pass (DecodePass::kOnline). Any other needs the row's
 // finished lse before its weights: an lse pass over K (kLse, merged over splits by their lse),
-// then a weight pass over K and V (kWeights, whose splits' partial outputs simply add up).
+// then a weight pass over K and V (kWeights, whose splits' partial outputs simply add up); at
+// one split both run in one kernel (decode_lse_weights_kernel).
 // A positional score modifier is applied per score with each row's head and position (the rows
 // of a warp mix heads).
 //
@@ -326,12 +327,14 @@ __device__ __forceinline__ void fp8_gemm_pv(float (&acc)[1][DV / 8][4],
   }
 }
 
+// One pass of the decode kernel, run by the CTA's first Traits::kThreads threads: with
+// kBarrier = 0 they are the whole CTA (__syncthreads), else their barriers are named barrier
+// kBarrier over them (decode_lse_weights_kernel's weight pass, the CTA's other warps gone).
 // kScoresIn: the weight pass reads the scores the lse pass cached (DecodeSplits::scores)
 // instead of K. kFp8Cache: an 8-bit paged cache (p.k_cache_scale, p.v_cache_scale).
-template <typename T, typename Traits, typename Variant, DecodePass kPass, bool kScoresIn = false,
-          bool kFp8Cache = false>
-__global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
-    decode_kernel(const AttnParams p, const DecodeSplits sp) {
+template <typename T, typename Traits, typename Variant, DecodePass kPass, bool kScoresIn,
+          bool kFp8Cache, int kBarrier>
+__device__ __forceinline__ void decode_pass(const AttnParams& p, const DecodeSplits& sp) {
   constexpr int D = Traits::kD;
   constexpr int DV = Traits::kDV;
   constexpr int kThreads = Traits::kThreads;
@@ -369,6 +372,13 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   auto k_off = [](int r, int col) { return decode_tile_off<kGmma, BN, D>(r, col); };
   auto v_off = [](int r, int col) { return decode_tile_off<kGmma, BN, DV>(r, col); };
   extern __shared__ __align__(16) unsigned char smem_raw[];
+  auto cta_sync = [] {
+    if constexpr (kBarrier == 0) {
+      __syncthreads();
+    } else {
+      named_sync(kBarrier, kThreads);
+    }
+  };
   // wgmma's 128-byte swizzle is a function of address bits 4-9: its tiles start 1024-byte
   // aligned (decode_smem_bytes adds the slack).
   T* sQ = reinterpret_cast<T*>(
@@ -604,7 +614,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   float q_unscale[2] = {1.f, 1.f};
   if constexpr (kFp8Cache) {
     cp_async_wait<kStages - 2>();  // Q landed with the first stage
-    __syncthreads();
+    cta_sync();
     const int c = lane & 3;
     auto q_at = [&](int hh, int step) {
       return sQ + swz<D>(warp_row0 + g + 8 * hh, c * D / 4 + 4 * step);
@@ -675,7 +685,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     if (kFp8Cache && tile != first) {
       __syncwarp();
     } else {
-      __syncthreads();
+      cta_sync();
     }
     if (tile + kStages - 1 < last) {
       load_stage(tile + kStages - 1, (i + kStages - 1) % kStages);
@@ -816,7 +826,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     }
   }
   cp_async_wait_all();
-  __syncthreads();  // Q and the stages become the merge buffers
+  cta_sync();  // Q and the stages become the merge buffers
 
   // Merge the key warps: per row the max M and sum L over warps; each warp's O rescaled by
   // exp2(m_w - M) / L (kWeights: as it is), then summed.
@@ -835,7 +845,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
       sSum[key_warp * kRows + r] = l;
     }
   }
-  __syncthreads();
+  cta_sync();
   auto row_stats = [&](int r, float& m, float& l) {
     m = -INFINITY;
 #pragma unroll
@@ -868,7 +878,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
         sO[(key_warp * kRows + r) * DV + col] = o[0][di][2 * hh + e] * f;
       }
   }
-  __syncthreads();
+  cta_sync();
 
   const int valid_rows = min(kRows, rows - row0);
   if constexpr (kPass == DecodePass::kLse) {
@@ -912,6 +922,33 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
       }
     }
   }
+}
+
+template <typename T, typename Traits, typename Variant, DecodePass kPass, bool kScoresIn = false,
+          bool kFp8Cache = false>
+__global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
+    decode_kernel(const AttnParams p, const DecodeSplits sp) {
+  decode_pass<T, Traits, Variant, kPass, kScoresIn, kFp8Cache, 0>(p, sp);
+}
+
+// The lse pass and the weight pass over its cached scores in one kernel, for one split per
+// (sequence, kv head, row block): the CTA (LseTraits) finishes its rows' lse, then its first
+// WeightTraits::kThreads threads weigh the keys. Apart, each pass ran its own pipeline fill and
+// wave tail, and the lse pass (products and exponentials over half the bytes) left DRAM idle
+// that the weight pass could use: here CTAs in either phase share the SMs. Two CTAs per SM, as
+// the passes apart ran (the weight pass alone took 158 registers a thread).
+template <typename T, typename LseTraits, typename WeightTraits, typename Variant>
+__global__ void __launch_bounds__(LseTraits::kThreads, 2)
+    decode_lse_weights_kernel(const AttnParams p, const DecodeSplits lse_sp,
+                              const DecodeSplits weight_sp) {
+  static_assert(WeightTraits::kThreads <= LseTraits::kThreads &&
+                    WeightTraits::kThreads % 128 == 0 && LseTraits::kRows == WeightTraits::kRows,
+                "the weight pass runs on whole warpgroups of the lse pass's CTA, on its rows");
+  decode_pass<T, LseTraits, Variant, DecodePass::kLse, false, false, 0>(p, lse_sp);
+  // p.lse and the cached scores, written above, are read below (one split: no merge).
+  __syncthreads();
+  if (threadIdx.x >= WeightTraits::kThreads) return;
+  decode_pass<T, WeightTraits, Variant, DecodePass::kWeights, true, false, 1>(p, weight_sp);
 }
 
 // Warps of a decode_combine_kernel CTA, and the splits each warp has in flight.

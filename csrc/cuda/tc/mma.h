@@ -29,6 +29,18 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
+// Named barrier `id` over `threads` threads (bar.sync), which __syncthreads (barrier 0) never
+// uses.
+__device__ __forceinline__ void named_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+// Arrives at named barrier `id` over `threads` threads (bar.arrive) without waiting: the
+// producer side of a named_sync.
+__device__ __forceinline__ void named_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
 // 16-byte async copy global -> shared address dst; when !valid the destination is zero-filled
 // and nothing is read (src must still be a mapped address).
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {

@@ -294,21 +294,8 @@ __device__ __forceinline__ void regs_alloc() {
 #endif
 }
 
-// Named barrier `id` over `threads` threads (bar.sync), which __syncthreads (barrier 0) never
-// uses.
-__device__ __forceinline__ void named_sync(int id, int threads) {
-#ifdef ADAATTN_SM90A_DEVICE
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-#endif
-}
-
-// Arrives at named barrier `id` over `threads` threads (bar.arrive) without waiting: the
-// producer side of a named_sync.
-__device__ __forceinline__ void named_arrive(int id, int threads) {
-#ifdef ADAATTN_SM90A_DEVICE
-  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-#endif
-}
+using tc::named_arrive;
+using tc::named_sync;
 
 // Turns passed round kWarpgroups consumer warpgroups in order (FA3's ping-pong): warpgroup wg
 // waits on named barrier kFirstBarrier + wg for its turn and passes it to the next on that
