@@ -228,40 +228,6 @@ def test_nonfinite_input_cuda(case, dtype):
     _check(*case[:1], "cuda", dtype, 150, *case[1:])
 
 
-@pytest.mark.parametrize("where", ["v_cache", "v"])
-def test_nonfinite_decode_lazy_many_rows_cpu(where):
-    """Sixteen new rows per sequence (32 per kv head), a NaN in one value of sequence 0: lazy
-    attention drops a key whose clipped weight is 0, so the NaN reaches exactly the rows that
-    weigh its key (the reference's rows there), and the other rows are the reference's on the
-    cache with that value zeroed (docs/ops.md, NaN and Inf)."""
-    lmax, cached, len_q = 512, torch.tensor([300, 400], dtype=torch.int32), 16
-    q = torch.randn(2, HQ, len_q, 64, dtype=torch.float64)
-    k_cache, v_cache = (torch.randn(2, HKV, lmax, 64, dtype=torch.float64) for _ in range(2))
-    k_new, v_new = (torch.randn(2, HKV, len_q, 64, dtype=torch.float64) for _ in range(2))
-    bad = dict(v_cache=(v_cache, (0, 0, 100, 5)), v=(v_new, (0, 0, 3, 5)))[where]
-    params = _lazy_params("cpu")
-    kwargs = dict(cache_seqlens=cached, return_lse=True)
-
-    def run(fn, values_cache, values_new):
-        return fn(q, k_cache.clone(), values_cache.clone(), k_new, values_new, params["tau"],
-                  params["bias"], **kwargs)[0]
-
-    probe_cache, probe_new = torch.zeros_like(v_cache), torch.zeros_like(v_new)
-    dict(v_cache=probe_cache, v=probe_new)[where][bad[1]] = 1
-    weight = run(reference.lazy_attn_with_kvcache, probe_cache, probe_new)
-    clean = run(reference.lazy_attn_with_kvcache, v_cache, v_new)
-    bad[0][bad[1]] = NAN
-    out = run(adaattn.lazy_attn_with_kvcache, v_cache, v_new)
-    ref = run(reference.lazy_attn_with_kvcache, v_cache, v_new)
-    weighs = weight != 0
-    assert weighs.any() and (~weighs[0, :2, :, 5]).any(), "rows of both kinds"
-    expected = torch.where(weighs, ref, clean)
-    assert torch.equal(torch.isnan(out), torch.isnan(expected))
-    finite = torch.isfinite(expected)
-    torch.testing.assert_close(out[finite], expected[finite], rtol=TOL[torch.float64],
-                               atol=TOL[torch.float64])
-
-
 # ---- Garbage that no row reads --------------------------------------------------------------
 
 # (device, dtype): the CPU kernel, the exact CUDA kernel, the tensor cores.
@@ -385,3 +351,89 @@ def test_nonfinite_decode(device, dtype, lazy, where, value):
         finite = torch.isfinite(b)
         tol = TOL.get(dtype, 3e-2)
         torch.testing.assert_close(a.double()[finite], b.double()[finite], rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("value", list(VALUES))
+@pytest.mark.parametrize("where", ["q", "k_cache", "v_cache", "k", "v"])
+@pytest.mark.parametrize("lazy", [False, True], ids=["flash", "lazy"])
+@pytest.mark.parametrize("device, dtype", PATHS)
+def test_nonfinite_decode_many_rows(device, dtype, lazy, where, value):
+    """Sixteen new rows per sequence (32 rows per kv head: the wide decode kernels, wgmma on
+    Hopper), the bad value in sequence 0 and kv head 0: in q's row 3, in a cached key or value
+    every row sees, or in the new token of row 3, which rows 0-2 do not see. The expectation is
+    the reference run row by row over each row's keys, where lazy attention drops the keys its
+    row weighs 0 (their bad values reach no row); the tensor cores may also carry a bad value to
+    the other rows of its tile (0 * NaN), up to the dense reference's rows, but no further."""
+    lmax, len_q, bad_row = 512, 16, 3
+    cached = torch.tensor([300, 400], dtype=torch.int32)
+    q = torch.randn(2, HQ, len_q, 64, dtype=torch.float64)
+    k_cache, v_cache = (torch.randn(2, HKV, lmax, 64, dtype=torch.float64) for _ in range(2))
+    k_new, v_new = (torch.randn(2, HKV, len_q, 64, dtype=torch.float64) for _ in range(2))
+    tensors = dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k_new, v=v_new)
+    at = dict(q=(0, 0, bad_row, 5), k_cache=(0, 0, 100, 5), v_cache=(0, 0, 100, 5),
+              k=(0, 0, bad_row, 5), v=(0, 0, bad_row, 5))[where]
+    params = {name: t.cpu().double() for name, t in _lazy_params("cpu").items()}
+
+    def reference_rows(ts, row_wise):
+        """out, lse of the reference in float64: all rows at once (dense), or row_wise: row r
+        alone against the cache holding the new tokens up to its own."""
+        if not row_wise:
+            fn = reference.lazy_attn_with_kvcache if lazy else reference.flash_attn_with_kvcache
+            extra = (params["tau"], params["bias"]) if lazy else ()
+            return fn(ts["q"], ts["k_cache"], ts["v_cache"], ts["k"], ts["v"], *extra,
+                      cache_seqlens=cached, return_lse=True)
+        k_full, v_full = ts["k_cache"].clone(), ts["v_cache"].clone()
+        for b in range(2):
+            span = slice(int(cached[b]), int(cached[b]) + len_q)
+            k_full[b, :, span], v_full[b, :, span] = ts["k"][b], ts["v"][b]
+        outs, lses = [], []
+        for r in range(len_q):
+            lens = cached + r + 1
+            if lazy:
+                o, l = reference.lazy_attn_with_kvcache(
+                    ts["q"][:, :, r:r + 1], k_full, v_full, None, None, params["tau"],
+                    params["bias"], cache_seqlens=lens, return_lse=True)
+            else:
+                o, l = reference.flash_attn_with_kvcache(
+                    ts["q"][:, :, r:r + 1], k_full, v_full, cache_seqlens=lens, return_lse=True)
+            outs.append(o)
+            lses.append(l)
+        return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+
+    clean_out = reference_rows(tensors, True)[0]
+    weighs = None
+    if lazy and where in ("v_cache", "v"):
+        # The row weighs the key iff its output is non-zero for values one-hot at the key.
+        probe = dict(tensors, v_cache=torch.zeros_like(v_cache), v=torch.zeros_like(v_new))
+        probe[where][at] = 1
+        weighs = reference_rows(probe, True)[0][..., at[-1]:at[-1] + 1] != 0
+    tensors[where][at] = VALUES[value]
+    rows_out, rows_lse = reference_rows(tensors, True)
+    dense_out, dense_lse = reference_rows(tensors, False)
+    if weighs is not None:
+        # Lazy attention drops a key its row weighs 0: there the row is the clean one.
+        assert weighs.any() and not weighs[0, :2].all(), "rows of both kinds"
+        rows_out = torch.where(weighs, rows_out, clean_out)
+
+    args = [t.to(device=device, dtype=dtype) for t in (q, k_cache, v_cache, k_new, v_new)]
+    kwargs = dict(cache_seqlens=cached.to(device), return_lse=True,
+                  num_splits=4 if device == "cuda" else 0)
+    if lazy:
+        out, lse = adaattn.lazy_attn_with_kvcache(*args, params["tau"].float().to(device),
+                                                  params["bias"].float().to(device), **kwargs)
+    else:
+        out, lse = adaattn.flash_attn_with_kvcache(*args, **kwargs)
+    tensor_cores = dtype not in TOL
+    for name, ours, row_wise, dense in (("out", out, rows_out, dense_out),
+                                        ("lse", lse, rows_lse, dense_lse)):
+        ours, row_wise, dense = ours.double().cpu(), row_wise.double(), dense.double()
+        bad_ours, bad_rows = ~torch.isfinite(ours), ~torch.isfinite(row_wise)
+        if tensor_cores:
+            assert bool((bad_ours >= bad_rows).all()), f"{name}: a bad entry became finite"
+            assert bool((bad_ours <= ~torch.isfinite(dense)).all()), f"{name}: a bad entry leaked"
+        else:
+            assert torch.equal(bad_ours, bad_rows), f"{name}: non-finite entries differ"
+            assert torch.equal(torch.isnan(ours), torch.isnan(row_wise)), f"{name}: NaN differ"
+        finite = ~bad_ours & ~bad_rows
+        tol = TOL.get(dtype, 3e-2)
+        torch.testing.assert_close(ours[finite], row_wise[finite], rtol=tol, atol=tol)
