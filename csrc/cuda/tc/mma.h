@@ -225,6 +225,42 @@ __device__ __forceinline__ void warp_gemm_nt(float (&acc)[MI][NT][4], const T* s
   }
 }
 
+// The A-fragments of rows [a_row0, a_row0 + 16*MI) of a swizzled [rows][D] tile, all D / 16
+// k-steps, as warp_gemm_nt loads them step by step (for an A read by many products).
+template <int MI, int D, typename T>
+__device__ __forceinline__ void load_a_frags(uint32_t (&a)[MI][D / 16][4], const T* sA, int a_row0,
+                                             int lane) {
+#pragma unroll
+  for (int kt = 0; kt < D / 16; ++kt)
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi) {
+      const int row = a_row0 + mi * 16 + (lane & 15);
+      ldmatrix_x4(a[mi][kt], sA + swz<D>(row, kt * 16 + (lane >> 4) * 8));
+    }
+}
+
+// warp_gemm_nt with A in registers (load_a_frags).
+template <int MI, int NT, int D, typename T>
+__device__ __forceinline__ void warp_gemm_nt_ra(float (&acc)[MI][NT][4],
+                                                const uint32_t (&a)[MI][D / 16][4], const T* sB,
+                                                int b_row0, int lane) {
+  static_assert(NT % 2 == 0, "NT must be even (x4 ldmatrix loads two n-tiles)");
+#pragma unroll
+  for (int kt = 0; kt < D / 16; ++kt) {
+#pragma unroll
+    for (int ni = 0; ni < NT; ni += 2) {
+      uint32_t b[4];
+      const int row = b_row0 + ni * 8 + (lane & 7) + ((lane >> 4) << 3);
+      ldmatrix_x4(b, sB + swz<D>(row, kt * 16 + ((lane >> 3) & 1) * 8));
+#pragma unroll
+      for (int mi = 0; mi < MI; ++mi) {
+        MmaOp<T>::run(acc[mi][ni], a[mi][kt], b[0], b[1]);
+        MmaOp<T>::run(acc[mi][ni + 1], a[mi][kt], b[2], b[3]);
+      }
+    }
+  }
+}
+
 // acc[MI][NT] += A * B where A is in registers as A-fragments a[MI][KT] (16 x 16 each, e.g. the
 // probabilities P from to_a_frags) and B = rows [b_row0, b_row0 + 16*KT) of a swizzled [rows][D]
 // tile, columns [b_col0, b_col0 + 8*NT). (O += P V, dQ += dS K, dV += P^T dO, dK += dS^T Q.)
