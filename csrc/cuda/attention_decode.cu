@@ -278,6 +278,10 @@ void attention_decode_tc_cuda(VariantId variant, const AttnParams& p, int num_sp
     using V = decltype(v);
     const int64_t rows = static_cast<int64_t>(p.heads_q / p.heads_kv) * p.len_q;
     const int64_t all_rows = static_cast<int64_t>(p.batch) * p.heads_q * p.len_q;
+    // One CTA per (sequence, kv head, row block, key split).
+    const dim3 grid(static_cast<unsigned>(static_cast<int64_t>(p.batch) * p.heads_kv),
+                    static_cast<unsigned>((rows + Traits::kRows - 1) / Traits::kRows),
+                    static_cast<unsigned>(num_splits));
     auto run = [&](auto pass, auto scores_in) {
       constexpr tc::DecodePass kPass = decltype(pass)::value;
       using PassTraits = std::conditional_t<kPass == tc::DecodePass::kLse,
@@ -286,9 +290,6 @@ void attention_decode_tc_cuda(VariantId variant, const AttnParams& p, int num_sp
       const int tiles = key_tiles<PassTraits>(p);
       const tc::DecodeSplits sp{o_part, lse_part, num_splits,
                                 (tiles + num_splits - 1) / num_splits, scores, scores_stride};
-      const dim3 grid(static_cast<unsigned>(static_cast<int64_t>(p.batch) * p.heads_kv),
-                      static_cast<unsigned>((rows + Traits::kRows - 1) / Traits::kRows),
-                      static_cast<unsigned>(num_splits));
       constexpr auto kernel =
           tc::decode_kernel<T, PassTraits, V, kPass, decltype(scores_in)::value, kFp8>;
       constexpr int kSmem =
@@ -315,8 +316,6 @@ void attention_decode_tc_cuda(VariantId variant, const AttnParams& p, int num_sp
                                         scores_stride};
           const tc::DecodeSplits weight_sp{nullptr, nullptr, 1, key_tiles<Fused>(p), scores,
                                            scores_stride};
-          const dim3 grid(static_cast<unsigned>(static_cast<int64_t>(p.batch) * p.heads_kv),
-                          static_cast<unsigned>((rows + Traits::kRows - 1) / Traits::kRows));
           constexpr auto kernel = tc::decode_lse_weights_kernel<T, Lse, Fused, V>;
           constexpr int kSmem =
               std::max(tc::decode_smem_bytes<Lse, Pass::kLse, false, false>(),

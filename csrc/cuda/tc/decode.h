@@ -954,8 +954,8 @@ __global__ void __launch_bounds__(LseTraits::kThreads, 2)
     decode_lse_weights_kernel(const AttnParams p, const DecodeSplits lse_sp,
                               const DecodeSplits weight_sp) {
   static_assert(WeightTraits::kThreads <= LseTraits::kThreads &&
-                    WeightTraits::kThreads % 128 == 0 && LseTraits::kRows == WeightTraits::kRows,
-                "the weight pass runs on whole warpgroups of the lse pass's CTA, on its rows");
+                    LseTraits::kRows == WeightTraits::kRows,
+                "the weight pass runs on the first warps of the lse pass's CTA, on its rows");
   decode_pass<T, LseTraits, Variant, DecodePass::kLse, false, false, 0>(p, lse_sp);
   // p.lse and the cached scores, written above, are read below (one split: no merge).
   __syncthreads();
