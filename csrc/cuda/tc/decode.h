@@ -743,8 +743,8 @@ __device__ __forceinline__ void decode_pass(const AttnParams& p, const DecodeSpl
         sm90::wgmma_commit();
         sm90::wgmma_wait<0>(s[0]);
       } else if constexpr (kQInRegs) {
-        if (tile == first) load_a_frags<1, D>(qa, sQ, warp_row0, lane);
-        warp_gemm_nt_ra<1, NT, D>(s, qa, sK, key_warp * kWarpKeys, lane);
+        if (tile == first) load_a_frags<1, D / 16, D>(qa, sQ, warp_row0, lane);
+        warp_gemm_rs_nt<1, NT, D / 16, D>(s, qa, sK, key_warp * kWarpKeys, lane);
       } else {
         warp_gemm_nt<1, NT, D>(s, sQ, warp_row0, sK, key_warp * kWarpKeys, lane);
       }

@@ -135,46 +135,6 @@ __device__ __forceinline__ Chunk locate_chunk(const LinearParams& p, int64_t cps
   return c;
 }
 
-// ---- warp-level products beyond mma.h ------------------------------------------------------
-
-// A-fragments a[MI][KT] of rows [row0, row0 + 16*MI) x cols [0, 16*KT) of a swizzled [rows][W]
-// tile (the A loads of warp_gemm_nt).
-template <int MI, int KT, int W, typename T>
-__device__ __forceinline__ void load_a_frags(uint32_t (&a)[MI][KT][4], const T* sA, int row0,
-                                             int lane) {
-#pragma unroll
-  for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-    for (int kt = 0; kt < KT; ++kt) {
-      const int row = row0 + mi * 16 + (lane & 15);
-      ldmatrix_x4(a[mi][kt], sA + swz<W>(row, kt * 16 + (lane >> 4) * 8));
-    }
-}
-
-// acc[MI][NT] += A B^T with A in registers (16*MI x 16*KT) and B = rows [b_row0, b_row0 + 8*NT)
-// of a swizzled [rows][W] tile, reduced over its first 16*KT columns (the B loads of
-// warp_gemm_nt). (dU S^T, dU V^T, V dR^T.)
-template <int MI, int NT, int KT, int W, typename T>
-__device__ __forceinline__ void warp_gemm_rs_nt(float (&acc)[MI][NT][4],
-                                                const uint32_t (&a)[MI][KT][4], const T* sB,
-                                                int b_row0, int lane) {
-  static_assert(NT % 2 == 0, "NT must be even (x4 ldmatrix loads two n-tiles)");
-#pragma unroll
-  for (int kt = 0; kt < KT; ++kt) {
-#pragma unroll
-    for (int ni = 0; ni < NT; ni += 2) {
-      uint32_t b[4];
-      const int row = b_row0 + ni * 8 + (lane & 7) + ((lane >> 4) << 3);
-      ldmatrix_x4(b, sB + swz<W>(row, kt * 16 + ((lane >> 3) & 1) * 8));
-#pragma unroll
-      for (int mi = 0; mi < MI; ++mi) {
-        MmaOp<T>::run(acc[mi][ni], a[mi][kt], b[0], b[1]);
-        MmaOp<T>::run(acc[mi][ni + 1], a[mi][kt], b[2], b[3]);
-      }
-    }
-  }
-}
-
 // ---- tile passes ---------------------------------------------------------------------------
 
 // The four packed pairs of a 16-byte chunk, each mapped by fn(float2) -> packed pair.

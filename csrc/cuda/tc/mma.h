@@ -225,33 +225,35 @@ __device__ __forceinline__ void warp_gemm_nt(float (&acc)[MI][NT][4], const T* s
   }
 }
 
-// The A-fragments of rows [a_row0, a_row0 + 16*MI) of a swizzled [rows][D] tile, all D / 16
-// k-steps, as warp_gemm_nt loads them step by step (for an A read by many products).
-template <int MI, int D, typename T>
-__device__ __forceinline__ void load_a_frags(uint32_t (&a)[MI][D / 16][4], const T* sA, int a_row0,
+// A-fragments a[MI][KT] of rows [row0, row0 + 16*MI) x cols [0, 16*KT) of a swizzled [rows][W]
+// tile (the A loads of warp_gemm_nt).
+template <int MI, int KT, int W, typename T>
+__device__ __forceinline__ void load_a_frags(uint32_t (&a)[MI][KT][4], const T* sA, int row0,
                                              int lane) {
 #pragma unroll
-  for (int kt = 0; kt < D / 16; ++kt)
+  for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
-    for (int mi = 0; mi < MI; ++mi) {
-      const int row = a_row0 + mi * 16 + (lane & 15);
-      ldmatrix_x4(a[mi][kt], sA + swz<D>(row, kt * 16 + (lane >> 4) * 8));
+    for (int kt = 0; kt < KT; ++kt) {
+      const int row = row0 + mi * 16 + (lane & 15);
+      ldmatrix_x4(a[mi][kt], sA + swz<W>(row, kt * 16 + (lane >> 4) * 8));
     }
 }
 
-// warp_gemm_nt with A in registers (load_a_frags).
-template <int MI, int NT, int D, typename T>
-__device__ __forceinline__ void warp_gemm_nt_ra(float (&acc)[MI][NT][4],
-                                                const uint32_t (&a)[MI][D / 16][4], const T* sB,
+// acc[MI][NT] += A B^T with A in registers (16*MI x 16*KT) and B = rows [b_row0, b_row0 + 8*NT)
+// of a swizzled [rows][W] tile, reduced over its first 16*KT columns (the B loads of
+// warp_gemm_nt). (S = Q K^T with q held over many tiles, dU S^T, dU V^T, V dR^T.)
+template <int MI, int NT, int KT, int W, typename T>
+__device__ __forceinline__ void warp_gemm_rs_nt(float (&acc)[MI][NT][4],
+                                                const uint32_t (&a)[MI][KT][4], const T* sB,
                                                 int b_row0, int lane) {
   static_assert(NT % 2 == 0, "NT must be even (x4 ldmatrix loads two n-tiles)");
 #pragma unroll
-  for (int kt = 0; kt < D / 16; ++kt) {
+  for (int kt = 0; kt < KT; ++kt) {
 #pragma unroll
     for (int ni = 0; ni < NT; ni += 2) {
       uint32_t b[4];
       const int row = b_row0 + ni * 8 + (lane & 7) + ((lane >> 4) << 3);
-      ldmatrix_x4(b, sB + swz<D>(row, kt * 16 + ((lane >> 3) & 1) * 8));
+      ldmatrix_x4(b, sB + swz<W>(row, kt * 16 + ((lane >> 3) & 1) * 8));
 #pragma unroll
       for (int mi = 0; mi < MI; ++mi) {
         MmaOp<T>::run(acc[mi][ni], a[mi][kt], b[0], b[1]);
