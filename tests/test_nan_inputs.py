@@ -315,7 +315,7 @@ def test_nan_in_unlisted_block_is_never_read(device):
 def test_nonfinite_decode(device, dtype, lazy, where, value):
     """One decode step (Lq = 1, new k/v appended) of two sequences, the bad value in sequence
     0: the reference's rows; ``past`` puts it in the cache past the sequence, where no row
-    reads. Several splits on CUDA, so the split merge must carry the NaN too."""
+    reads. On CUDA with several splits (the split merge must carry the NaN too) and with one."""
     lmax, cached = 512, torch.tensor([300, 400], dtype=torch.int32)
     q = torch.randn(2, HQ, 1, 64)
     k_cache, v_cache = torch.randn(2, HKV, lmax, 64), torch.randn(2, HKV, lmax, 64)
@@ -334,23 +334,27 @@ def test_nonfinite_decode(device, dtype, lazy, where, value):
     params = _lazy_params(device)
     kwargs = dict(cache_seqlens=cached.to(device), return_lse=True)
     if lazy:
-        out, lse = adaattn.lazy_attn_with_kvcache(*args, params["tau"], params["bias"],
-                                                  num_splits=4 if device == "cuda" else 0,
-                                                  **kwargs)
         ref_out, ref_lse = reference.lazy_attn_with_kvcache(
             *[t.double() for t in args], params["tau"], params["bias"], **kwargs)
     else:
-        out, lse = adaattn.flash_attn_with_kvcache(*args, num_splits=4 if device == "cuda" else 0,
-                                                   **kwargs)
         ref_out, ref_lse = reference.flash_attn_with_kvcache(
             *[t.double() for t in args], **kwargs)
-    for name, a, b in (("out", out, ref_out), ("lse", lse, ref_lse)):
-        assert torch.equal(_kind(a.double()).clamp(max=1), _kind(b.double()).clamp(max=1)), name
-        if name == "lse" or dtype in TOL:
-            assert torch.equal(torch.isnan(a), torch.isnan(b)), f"{name}: NaN entries differ"
-        finite = torch.isfinite(b)
-        tol = TOL.get(dtype, 3e-2)
-        torch.testing.assert_close(a.double()[finite], b.double()[finite], rtol=tol, atol=tol)
+    # CUDA: four splits (the merge carries the bad value) and one (lazy's passes in one kernel).
+    for splits in (4, 1) if device == "cuda" else (0,):
+        if lazy:
+            out, lse = adaattn.lazy_attn_with_kvcache(*args, params["tau"], params["bias"],
+                                                      num_splits=splits, **kwargs)
+        else:
+            out, lse = adaattn.flash_attn_with_kvcache(*args, num_splits=splits, **kwargs)
+        for name, a, b in (("out", out, ref_out), ("lse", lse, ref_lse)):
+            assert torch.equal(_kind(a.double()).clamp(max=1),
+                               _kind(b.double()).clamp(max=1)), name
+            if name == "lse" or dtype in TOL:
+                assert torch.equal(torch.isnan(a), torch.isnan(b)), f"{name}: NaN entries differ"
+            finite = torch.isfinite(b)
+            tol = TOL.get(dtype, 3e-2)
+            torch.testing.assert_close(a.double()[finite], b.double()[finite], rtol=tol,
+                                       atol=tol)
 
 
 @pytest.mark.parametrize("value", list(VALUES))
