@@ -15,7 +15,10 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             window=(-1, -1), softmax_scale: Optional[float] = None,
                             softcap: float = 0, return_lse: bool = False, num_splits: int = 0,
                             k_scale: Optional[torch.Tensor] = None,
-                            v_scale: Optional[torch.Tensor] = None
+                            v_scale: Optional[torch.Tensor] = None,
+                            alibi_slopes: Optional[torch.Tensor] = None,
+                            sinks: Optional[torch.Tensor] = None,
+                            rel_bias: Optional[torch.Tensor] = None
                             ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Softmax attention of new query rows against a KV cache (flash-attn's semantics).
 
@@ -44,6 +47,16 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         causal, window: as :func:`flash_attn` (``window = (left, right)``, -1 unbounded).
         softmax_scale: multiplies ``q @ k^T``; defaults to ``D ** -0.5``.
         softcap: ``s <- softcap * tanh(s / softcap)`` after scaling; 0 = off.
+        alibi_slopes: float32 ``[Hq]`` or ``[B, Hq]``: ``s <- s - slope * |i - j|`` with ``i``
+            the row's position above (flash-attn's ALiBi).
+        sinks: float32 ``[Hq]`` attention sinks (gpt-oss): logit ``sinks[h]`` joins every row's
+            softmax denominator and attends to nothing (a row that sees no key gets
+            ``lse = sinks[h]``, ``out = 0``).
+        rel_bias: float32 ``[Hq, W]``: ``s <- s + rel_bias[h, i - j]`` for ``0 <= i - j < W``.
+            The three as in :func:`flash_attn` on the whole sequence (order ``scale -> softcap
+            -> alibi + rel_bias -> mask -> softmax with sinks``); contiguous copies are taken.
+            The CUDA decode kernel takes them at its head dims (not with an 8-bit cache: such
+            calls run on its dequantised pages).
         return_lse: also return the float32 log-sum-exp ``[B, Hq, Lq]`` (``-inf``: the row
             sees no key and ``out`` is 0).
         num_splits: key splits per (sequence, kv head) of the CUDA decode kernel, whose partial
@@ -73,14 +86,16 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     """
     op = "flash_attn_with_kvcache"
     C.tensors(op, q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens)
-    C.optional_tensors(op, k=k, v=v, block_table=block_table, k_scale=k_scale, v_scale=v_scale)
+    C.optional_tensors(op, k=k, v=v, block_table=block_table, k_scale=k_scale, v_scale=v_scale,
+                       alibi_slopes=alibi_slopes, sinks=sinks, rel_bias=rel_bias)
     return_lse = C.boolean(op, "return_lse", return_lse)
     left, right = C.window_pair(op, window)
     out, lse = ops.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
                                            C.optional_float(op, "softmax_scale", softmax_scale),
                                            C.boolean(op, "causal", causal), left, right,
                                            C.softcap_value(op, softcap),
-                                           C.num_splits_value(op, num_splits), k_scale, v_scale)
+                                           C.num_splits_value(op, num_splits), k_scale, v_scale,
+                                           alibi_slopes, sinks, rel_bias)
     return (out, lse) if return_lse else out
 
 

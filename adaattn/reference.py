@@ -390,7 +390,7 @@ def kvcache_gather(cache: torch.Tensor, block_table: Optional[torch.Tensor] = No
 
 
 def _kvcache_per_batch(fn, q, k_cache, v_cache, k, v, cache_seqlens, block_table):
-    """Appends ``k, v``, then runs ``fn(q_b [1, Hq, Lq, D], k_b [1, Hkv, L_b, D], v_b)`` on the
+    """Appends ``k, v``, then runs ``fn(b, q_b [1, Hq, Lq, D], k_b [1, Hkv, L_b, D], v_b)`` on the
     ``L_b = cache_seqlens[b] (+ Lq when k is given)`` cached keys of every batch; returns
     ``(out [B, Hq, Lq, Dv], lse [B, Hq, Lq] float32)``."""
     k_full, v_full = kvcache_append(k_cache, v_cache, k, v, cache_seqlens, block_table)
@@ -399,7 +399,7 @@ def _kvcache_per_batch(fn, q, k_cache, v_cache, k, v, cache_seqlens, block_table
     new = 0 if k is None else q.shape[2]
     outs, lses = [], []
     for b, length in enumerate(cache_seqlens.tolist()):
-        out, lse = fn(q[b:b + 1], keys[b:b + 1, :, :length + new],
+        out, lse = fn(b, q[b:b + 1], keys[b:b + 1, :, :length + new],
                       values[b:b + 1, :, :length + new])
         outs.append(out)
         lses.append(lse)
@@ -414,7 +414,10 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             *, cache_seqlens: torch.Tensor,
                             block_table: Optional[torch.Tensor] = None, causal: bool = True,
                             window=(-1, -1), softmax_scale: Optional[float] = None,
-                            softcap: float = 0.0, return_lse: bool = False, num_splits: int = 0):
+                            softcap: float = 0.0, return_lse: bool = False, num_splits: int = 0,
+                            alibi_slopes: Optional[torch.Tensor] = None,
+                            sinks: Optional[torch.Tensor] = None,
+                            rel_bias: Optional[torch.Tensor] = None):
     """Decoding against a KV cache (flash-attn's ``flash_attn_with_kvcache`` in the
     ``[B, H, L, D]`` layout), as :func:`flash_attn` on each batch's cached keys; the inputs,
     caches included, are not modified (the updated caches are :func:`kvcache_append`'s).
@@ -424,17 +427,23 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     positions ``[0, cache_seqlens[b] + Lq)`` after the append and query row r sits at position
     ``cache_seqlens[b] + r``; with ``k = v = None`` they are ``[0, cache_seqlens[b])`` and row r
     sits at ``cache_seqlens[b] - Lq + r`` (rows at negative positions see no key when causal).
-    ``causal``/``window`` are relative to that position (bottom-right aligned). ``num_splits``
-    only schedules the fused kernel; it is accepted here for the same signature.
+    ``causal``/``window`` are relative to that position (bottom-right aligned), as are
+    ``alibi_slopes`` (``[Hq]`` or ``[B, Hq]``), ``sinks`` and ``rel_bias`` (:func:`flash_attn`'s).
+    ``num_splits`` only schedules the fused kernel; it is accepted here for the same signature.
 
     Returns ``out [B, Hq, Lq, Dv]`` (q's dtype; computed in it), and ``lse [B, Hq, Lq]`` float32
     when ``return_lse``.
     """
     del num_splits
-    out, lse = _kvcache_per_batch(
-        lambda qb, kb, vb: flash_attn(qb, kb, vb, causal=causal, softmax_scale=softmax_scale,
-                                      window=window, softcap=softcap),
-        q, k_cache, v_cache, k, v, cache_seqlens, block_table)
+
+    def attend(b, qb, kb, vb):
+        slopes = alibi_slopes
+        if slopes is not None and slopes.dim() == 2:
+            slopes = slopes[b:b + 1]
+        return flash_attn(qb, kb, vb, causal=causal, softmax_scale=softmax_scale, window=window,
+                          softcap=softcap, alibi_slopes=slopes, sinks=sinks, rel_bias=rel_bias)
+
+    out, lse = _kvcache_per_batch(attend, q, k_cache, v_cache, k, v, cache_seqlens, block_table)
     return (out, lse) if return_lse else out
 
 
@@ -455,7 +464,7 @@ def lazy_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """
     del num_splits
     out, lse = _kvcache_per_batch(
-        lambda qb, kb, vb: lazy_attn(qb, kb, vb, tau, bias, softmax_scale=softmax_scale,
+        lambda b, qb, kb, vb: lazy_attn(qb, kb, vb, tau, bias, softmax_scale=softmax_scale,
                                      upcast=upcast),
         q, k_cache, v_cache, k, v, cache_seqlens, block_table)
     return (out, lse) if return_lse else out

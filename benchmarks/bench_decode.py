@@ -156,6 +156,9 @@ class Shape:
                                                  device="cuda"))[0]
         self.tau = torch.full((HEADS_Q,), TAU, device="cuda")
         self.bias = 0.1 * torch.randn(HEADS_Q, WINDOW, device="cuda")
+        # BLOOM's ALiBi slopes and gpt-oss-like sinks.
+        self.alibi_slopes = 2.0 ** (-8.0 * torch.arange(1, HEADS_Q + 1, device="cuda") / HEADS_Q)
+        self.sinks = torch.randn(HEADS_Q, device="cuda")
 
     def inputs(self, len_q: int):
         """q ``[B, Hq, Lq, D]``, new k, v ``[B, Hkv, Lq, D]`` and ``cache_seqlens = Lk - Lq``."""
@@ -171,17 +174,21 @@ class Shape:
         return kv + 2 * self.batch * HEADS_Q * len_q * HEAD_DIM * DTYPE.itemsize
 
 
-def adaattn_decode(s: Shape, len_q: int, page: int, lazy: bool, num_splits: int) -> Callable:
-    """The op on the contiguous cache (page 0) or on the pool of pages of ``page`` keys."""
+def adaattn_decode(s: Shape, len_q: int, page: int, variant: str, num_splits: int) -> Callable:
+    """The op on the contiguous cache (page 0) or on the pool of pages of ``page`` keys;
+    ``variant`` "flash", "lazy", or "flash+alibi+sinks" (ALiBi slopes and attention sinks)."""
     q, k, v, seqlens = s.inputs(len_q)
     k_cache, v_cache, table = s.pools[page] if page else (s.k_cache, s.v_cache, None)
-    if lazy:
+    if variant == "lazy":
         return lambda: adaattn.lazy_attn_with_kvcache(
             q, k_cache, v_cache, k, v, s.tau, s.bias, cache_seqlens=seqlens, block_table=table,
             num_splits=num_splits)
+    scores = {}
+    if variant == "flash+alibi+sinks":
+        scores = dict(alibi_slopes=s.alibi_slopes, sinks=s.sinks)
     return lambda: adaattn.flash_attn_with_kvcache(
         q, k_cache, v_cache, k, v, cache_seqlens=seqlens, block_table=table, causal=True,
-        num_splits=num_splits)
+        num_splits=num_splits, **scores)
 
 
 def adaattn_decode_full_cache(s: Shape, fp8: bool, num_splits: int) -> Callable:
@@ -292,15 +299,15 @@ def bench_shape(batch: int, len_k: int, args, copy_gbps: float) -> List[dict]:
 
     rows, ours = [], {}
     for variant, len_q, page in (("flash", 1, 0), ("flash", 1, PAGE_SIZE), ("flash", 1, SMALL_PAGE),
-                                 ("flash", 16, 0), ("lazy", 1, 0), ("lazy", 1, PAGE_SIZE)):
+                                 ("flash", 16, 0), ("lazy", 1, 0), ("lazy", 1, PAGE_SIZE),
+                                 ("flash+alibi+sinks", 1, PAGE_SIZE)):
         paged = page > 0
         layout = f"paged{page}" if paged else "contiguous"
-        ms, note = measure(lambda: adaattn_decode(s, len_q, page, variant == "lazy",
-                                                  args.num_splits), args)
+        ms, note = measure(lambda: adaattn_decode(s, len_q, page, variant, args.num_splits), args)
         ours[variant, len_q, page] = ms
         peers = dict(sdpa[len_q])
         graph = None if ms is None else graph_or_none(
-            lambda: adaattn_decode(s, len_q, page, variant == "lazy", args.num_splits), replays)
+            lambda: adaattn_decode(s, len_q, page, variant, args.num_splits), replays)
         graph_peers = [t for t in sdpa_graph[len_q].values() if t is not None]
         extra = {"graph_ms": None if graph is None else round(graph, 4),
                  "graph_vs_sdpa": ratio(min(graph_peers), graph) if graph_peers else None,
@@ -309,13 +316,19 @@ def bench_shape(batch: int, len_k: int, args, copy_gbps: float) -> List[dict]:
         if variant == "lazy":
             peers["adaattn-flash"] = ours["flash", 1, page]
             extra["vs_flash"] = ratio(ms, ours["flash", 1, page])
-        if paged:
+        if variant == "flash+alibi+sinks":
+            peers = {"adaattn-flash": ours["flash", 1, page]}
+            extra["vs_plain"] = ratio(ms, ours["flash", 1, page])
+            extra["graph_vs_sdpa"] = None
+        if paged and variant != "flash+alibi+sinks":
             extra["vs_contiguous"] = ratio(ms, ours[variant, len_q, 0])
         if len_q == 16:
             extra["vs_lq1"] = ratio(ms, ours[variant, 1, 0])
         gbps = None if ms is None else s.bytes_moved(len_q) / (ms * 1e-3) / 1e9
-        notes = ([f"adaattn: {note}"] if note else []) + sdpa_notes[len_q]
-        if paged:
+        notes = ([f"adaattn: {note}"] if note else [])
+        if variant != "flash+alibi+sinks":
+            notes += sdpa_notes[len_q]
+        if paged and variant != "flash+alibi+sinks":
             notes.append("SDPA peers on the contiguous cache")
         rows.append(results_io.row(
             f"{variant} Lq={len_q} {layout} {base}", "fwd", {"adaattn": ms, **peers},
@@ -384,6 +397,8 @@ def bars(rows: List[dict]) -> str:
                            ("vs_lq1", SPECULATIVE_BAR)):
             if r.get(key) is not None:
                 own = f"{key} {r[key]:.3f} {'ok' if r[key] <= limit else 'MISS'} (<= {limit})"
+        if r.get("vs_plain") is not None:
+            own = f"vs_plain {r['vs_plain']:.3f} (no bar)"
         if r.get("vs_bf16_cache") is not None:
             x, c = r["vs_bf16_cache"], r["config"]
             fp8 = c["cache"] == "float8_e4m3fn"

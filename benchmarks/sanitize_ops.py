@@ -93,8 +93,9 @@ def main():
 
 def decode():
     """KV-cache decode: contiguous and paged (pages of 16 and 64), one and several splits, Lq 1
-    and 16, lazy, keys narrower than values; cache_seqlens past the capacity and block-table entries out of range, which the
-    kernels must clamp without reading or writing outside the caches."""
+    and 16, lazy, ALiBi / sinks / relative bias, keys narrower than values; cache_seqlens past
+    the capacity and block-table entries out of range, which the kernels must clamp without
+    reading or writing outside the caches."""
     dt = torch.bfloat16
     for d, lq in ((128, 1), (64, 16)):
         q = torch.randn(3, 8, lq, d, device="cuda", dtype=dt)
@@ -105,9 +106,13 @@ def decode():
         cache_v = torch.randn_like(cache_k)
         tau = torch.full((8,), -1.0, device="cuda")
         bias = 0.1 * torch.randn(8, 64, device="cuda")
+        scores = dict(alibi_slopes=torch.rand(3, 8, device="cuda"),
+                      sinks=torch.randn(8, device="cuda"), rel_bias=bias)
         for splits in (0, 1, 5):
             adaattn.flash_attn_with_kvcache(q, cache_k, cache_v, k, v, cache_seqlens=lens,
                                             num_splits=splits, softcap=5.0 if splits else 0)
+            adaattn.flash_attn_with_kvcache(q, cache_k, cache_v, k, v, cache_seqlens=lens,
+                                            num_splits=splits, **scores)
             adaattn.lazy_attn_with_kvcache(q, cache_k, cache_v, k, v, tau, bias,
                                            cache_seqlens=lens, num_splits=splits)
         for page in (16, 64):
@@ -122,6 +127,8 @@ def decode():
             bad = torch.tensor([-3, 2000, 1024], dtype=torch.int32, device="cuda")
             adaattn.flash_attn_with_kvcache(q, pool_k, pool_v, k, v, cache_seqlens=bad,
                                             block_table=table)
+            adaattn.flash_attn_with_kvcache(q, pool_k, pool_v, k, v, cache_seqlens=bad,
+                                            block_table=table, sinks=scores["sinks"])
             for splits in (0, 1):
                 adaattn.lazy_attn_with_kvcache(q, pool_k, pool_v, k, v, tau, bias,
                                                cache_seqlens=bad, block_table=table,

@@ -537,6 +537,14 @@ BAD = [
     Bad("kv_block_table_entry", KV, V, r"block_table\[1, 0\] = 8 is out of range \[0, "
         r"num_pages = 8\)", lambda d: paged(d, lambda d: ints(d, [[0, 1, 2, 3], [8, 5, 6, 7]])),
         values=True),
+    Bad("kv_alibi_shape", KV, V, r"alibi_slopes must have shape \[Hq\] = \[4\] or \[B, Hq\]",
+        lambda d: decode(d, alibi_slopes=torch.zeros(3, device=d))),
+    Bad("kv_sinks_dtype", KV, T, r"sinks must be float32, got Double",
+        lambda d: decode(d, sinks=torch.zeros(4, dtype=F64, device=d))),
+    Bad("kv_rel_bias_shape", KV, V, r"rel_bias must have shape \[Hq, W\]",
+        lambda d: decode(d, rel_bias=torch.zeros(2, 8, device=d))),
+    Bad("kv_sinks_list", KV, T, r"sinks must be a tensor",
+        lambda d: decode(d, sinks=[0.0] * 4)),
     # lazy_attn_with_kvcache
     Bad("lkv_tau_shape", LKV, V, r"tau must have shape \[Hq\] = \[4\]",
         lambda d: decode(d, lazy_op=True, tau=torch.zeros(2, device=d))),

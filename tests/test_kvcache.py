@@ -59,6 +59,11 @@ class Case:
     w: int = 16  # lazy bias window
     tau: float = -0.5
     num_splits: int = 0
+    # Score variants of flash attention: ALiBi slopes per head ("head", [Hq]) or per sequence
+    # and head ("batch", [B, Hq]); attention sinks; a relative-bias table of width rel_w.
+    alibi: str = ""
+    sinks: bool = False
+    rel_w: int = 0
 
     def __post_init__(self):
         if self.seqlens is None:
@@ -86,7 +91,16 @@ class Case:
             parts.append("T")
         if self.num_splits:
             parts.append(f"splits{self.num_splits}")
+        if self.alibi:
+            parts.append(f"alibi_{self.alibi}")
+        if self.sinks:
+            parts.append("sinks")
+        if self.rel_w:
+            parts.append(f"relbias{self.rel_w}")
         return "-".join(parts)
+
+    def has_score_variant(self) -> bool:
+        return bool(self.alibi) or self.sinks or bool(self.rel_w)
 
 
 class Problem:
@@ -106,6 +120,20 @@ class Problem:
         self.cache_seqlens = torch.tensor(c.seqlens, dtype=torch.int32, device=device)
         self.tau = (c.tau * (1 + 0.1 * torch.randn(c.hq, dtype=torch.float64))).float().to(device)
         self.bias = (0.5 * torch.randn(c.hq, c.w, dtype=torch.float64)).float().to(device)
+        # ALiBi's geometric slopes (shuffled over heads; per sequence, scaled by 1 + b / 4), sinks
+        # around the scores' own scale (a few rows' lse), and a table as lazy attention's bias.
+        self.score_kwargs = {}
+        if c.alibi:
+            slopes = 2.0 ** (-8.0 * (torch.randperm(c.hq, dtype=torch.float64) + 1) / c.hq)
+            if c.alibi == "batch":
+                slopes = slopes * (1 + torch.arange(c.b, dtype=torch.float64).view(-1, 1) / 4)
+            self.score_kwargs["alibi_slopes"] = slopes.float().to(device)
+        if c.sinks:
+            self.score_kwargs["sinks"] = (1.5 * torch.randn(c.hq, dtype=torch.float64)
+                                          + 2.0).float().to(device)
+        if c.rel_w:
+            self.score_kwargs["rel_bias"] = (0.5 * torch.randn(c.hq, c.rel_w, dtype=torch.float64)
+                                             ).float().to(device)
         if c.page_size is None:
             self.block_table = None
             self.k_cache = self._layout(self.k_seq)
@@ -143,7 +171,7 @@ class Problem:
         kw = dict(cache_seqlens=self.cache_seqlens, block_table=self.block_table,
                   softmax_scale=c.scale, return_lse=True, num_splits=c.num_splits)
         if not lazy:
-            kw.update(causal=c.causal, window=c.window, softcap=c.softcap)
+            kw.update(causal=c.causal, window=c.window, softcap=c.softcap, **self.score_kwargs)
         return kw
 
     def args(self, lazy, k_cache, v_cache):
@@ -201,13 +229,22 @@ class Problem:
         else:
             out, lse = adaattn.flash_attn(q, keys, values, causal=c.causal, window=c.window,
                                           softmax_scale=c.scale, softcap=c.softcap,
-                                          return_lse=True)
+                                          return_lse=True, **self.batch_score_kwargs(b))
         return out[:, :, -c.lq:], lse[:, :, -c.lq:]
+
+    def batch_score_kwargs(self, b):
+        """The score variants' arguments for sequence b alone (per-sequence slopes sliced)."""
+        kw = dict(self.score_kwargs)
+        slopes = kw.get("alibi_slopes")
+        if slopes is not None and slopes.dim() == 2:
+            kw["alibi_slopes"] = slopes[b:b + 1]
+        return kw
 
 
 def flash_only(case: Case) -> bool:
-    """Options lazy attention does not have: windows, softcap, non-causal."""
-    return case.window != (-1, -1) or bool(case.softcap) or not case.causal
+    """Options lazy attention does not have: windows, softcap, non-causal, score variants."""
+    return (case.window != (-1, -1) or bool(case.softcap) or not case.causal
+            or case.has_score_variant())
 
 
 def with_variants(cases):
@@ -233,6 +270,7 @@ REFERENCE_CASES = [
     Case(b=2, lq=3, lmax=32, seqlens=(1, 32), new_kv=False),
     Case(lq=3, lmax=64, window=(5, 0), page_size=32),
     Case(lq=3, lmax=48, causal=False, window=(4, 2), softcap=1.0, scale=0.3),
+    Case(hq=8, hkv=2, lq=3, lmax=48, page_size=16, alibi="batch", sinks=True, rel_w=5),
 ]
 
 
@@ -261,7 +299,8 @@ def test_reference_matches_full_sequence(case, lazy):
         else:
             ref_out, ref_lse = reference.flash_attn(q, keys, values, causal=case.causal,
                                                     window=case.window, softmax_scale=case.scale,
-                                                    softcap=case.softcap)
+                                                    softcap=case.softcap,
+                                                    **p.batch_score_kwargs(b))
         assert_rel_close("out", out[b:b + 1], ref_out[:, :, -case.lq:], FP64_RTOL)
         assert_rel_close("lse", lse[b:b + 1], ref_lse[:, :, -case.lq:], LSE_RTOL)
     # Outside the appended slots the caches are the inputs'.
@@ -303,6 +342,15 @@ FP64_CASES = [
     Case(lq=1, lmax=64, new_kv=False, seqlens=(0, 64, 33)),
     Case(hq=8, hkv=2, lq=3, lmax=64, new_kv=False, seqlens=(2, 64, 3), page_size=16),
     Case(lq=16, lmax=64, new_kv=False, seqlens=(16, 40, 64), window=(4, 0)),
+    # ALiBi, sinks and a relative-bias table, alone and together (with softcap, windows,
+    # non-causal rows, k = None).
+    Case(hq=8, hkv=2, lq=1, lmax=64, alibi="head"),
+    Case(b=4, hq=8, hkv=1, lq=16, lmax=96, page_size=16, alibi="batch", causal=False),
+    Case(hq=8, hkv=2, lq=3, lmax=80, sinks=True),
+    Case(lq=1, lmax=64, new_kv=False, seqlens=(0, 64, 33), sinks=True, page_size=16),
+    Case(hq=8, hkv=2, lq=3, lmax=96, rel_w=7, window=(8, 0)),
+    Case(hq=8, hkv=4, lq=3, lmax=128, page_size=64, softcap=1.0, alibi="head", sinks=True,
+         rel_w=40, transposed=True),
 ]
 
 # Lazy attention is causal and attends its bias to the absolute position; ``k = None`` cases keep
@@ -357,6 +405,38 @@ def test_rows_without_keys(lazy):
     assert_rel_close("lse", lse, ref[1], LSE_RTOL)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("lmax", [0, 128])
+@pytest.mark.parametrize("device,dtype", [
+    pytest.param("cpu", torch.float64, id="cpu-fp64"),
+    pytest.param("cuda", torch.bfloat16, marks=pytest.mark.cuda, id="cuda-bf16"),
+])
+def test_rows_without_keys_take_the_sink(device, dtype, lmax, num_splits):
+    """With sinks, a row that sees no key (before position 0, or an empty cache) has only its
+    sink in the denominator: out 0 exactly and lse = sinks[h]; the sink joins the other rows'
+    lse once, whether one CTA finishes the row or the split merge does."""
+    case = Case(b=3, hq=8, hkv=2, lq=3, lmax=lmax, d=64, new_kv=False, sinks=True,
+                seqlens=(0, 1, lmax) if lmax else (0, 0, 0), num_splits=num_splits)
+    p = Problem(case, dtype, device)
+    out, lse, _, _ = p.run(lazy=False)
+    empty = torch.zeros_like(lse, dtype=torch.bool)
+    empty[0] = True
+    empty[1, :, :2] = True
+    if not lmax:
+        empty[:] = True
+    sink = p.score_kwargs["sinks"].view(1, -1, 1).expand_as(lse)
+    assert (out[empty.unsqueeze(-1).expand_as(out)] == 0).all()
+    assert_rel_close("lse", lse[empty], sink[empty], LSE_RTOL)
+    ref64 = p.cast(torch.float64).run_reference(lazy=False)
+    if dtype == torch.float64:
+        assert_rel_close("out", out, ref64[0], FP64_RTOL)
+        assert_rel_close("lse", lse, ref64[1], LSE_RTOL)
+    else:
+        ref_low = p.run_reference(lazy=False)
+        assert_low_precision_rule("out", out, ref_low[0], ref64[0])
+        assert_low_precision_rule("lse", lse, ref_low[1], ref64[1])
+
+
 # --------------------------------------------------------------------------------------------
 # float32 (CPU and CUDA) and float16/bfloat16 (2x rule)
 # --------------------------------------------------------------------------------------------
@@ -365,6 +445,7 @@ FP32_CASES = [
     Case(hq=8, hkv=2, lq=1, lmax=256, d=64, page_size=16),
     Case(b=2, hq=8, hkv=1, lq=16, lmax=320, d=128, page_size=64, seqlens=(304, 33)),
     Case(hq=4, hkv=4, lq=3, lmax=200, d=64, window=(32, 0), softcap=2.0, transposed=True),
+    Case(hq=8, hkv=2, lq=1, lmax=256, d=64, page_size=16, alibi="batch", sinks=True, rel_w=20),
 ]
 
 
@@ -391,6 +472,7 @@ def _check_low_precision(case, dtype, device, lazy):
 LOW_PRECISION_CPU_CASES = [
     Case(hq=8, hkv=2, lq=3, lmax=128, d=64, page_size=16),
     Case(b=2, hq=8, hkv=1, lq=16, lmax=96, d=32, transposed=True),
+    Case(hq=8, hkv=2, lq=3, lmax=128, d=64, alibi="head", sinks=True, rel_w=9),
 ]
 
 
@@ -436,6 +518,23 @@ def _low_precision_cuda_grid():
              new_kv=False, seqlens=(4096, 1, 3000, 64)),
         Case(b=2, hq=32, hkv=8, lq=1, lmax=4800, d=128, seqlens=(4799, 1000), page_size=48),
         Case(b=2, hq=8, hkv=2, lq=1, lmax=1000, d=96, seqlens=(999, 517)),
+        # ALiBi, sinks and the relative-bias table: one and several splits, 16 and 64 rows per
+        # kv head (the combine kernel adds a sink once), GQA 8 at D = 64 as gpt-oss, ragged.
+        Case(b=4, hq=32, hkv=8, lq=1, lmax=2048, d=128, page_size=64, alibi="head"),
+        Case(b=3, hq=8, hkv=2, lq=3, lmax=4096, d=128, alibi="batch", num_splits=5,
+             seqlens=(4093, 0, 1500)),
+        Case(b=3, hq=64, hkv=8, lq=1, lmax=2048, d=64, sinks=True, num_splits=1,
+             seqlens=(0, 2047, 700), page_size=64),
+        Case(b=3, hq=64, hkv=8, lq=1, lmax=8192, d=64, sinks=True, num_splits=6,
+             seqlens=(0, 8191, 3000)),
+        Case(b=2, hq=64, hkv=8, lq=1, lmax=4096, d=64, sinks=True, window=(128, 0),
+             page_size=16),
+        Case(b=2, hq=32, hkv=8, lq=16, lmax=2048, d=128, alibi="head", sinks=True, rel_w=64,
+             page_size=64, num_splits=3),
+        Case(b=2, hq=16, hkv=4, lq=3, lmax=1000, d=128, softcap=5.0, sinks=True, rel_w=300,
+             num_splits=1),
+        Case(b=2, hq=8, hkv=2, lq=1, lmax=1000, d=96, alibi="head", sinks=True,
+             seqlens=(999, 517)),
         # D = 256 (Gemma): no decode kernel, the prefill kernels on the cache (lazy too)
         Case(b=2, hq=8, hkv=2, lq=1, lmax=1024, d=256, softcap=5.0, seqlens=(999, 517),
              page_size=64),
@@ -457,6 +556,8 @@ def test_low_precision_cuda(case, lazy, dtype):
     Case(b=3, hq=32, hkv=8, lq=16, lmax=1024, d=128, page_size=64),
     Case(b=2, hq=16, hkv=2, lq=16, lmax=512, d=64, window=(100, 0)),
     Case(b=2, hq=16, hkv=4, lq=5, lmax=700, d=128, seqlens=(695, 0), softcap=3.0),
+    Case(b=2, hq=16, hkv=4, lq=5, lmax=700, d=128, seqlens=(695, 0), alibi="batch", sinks=True,
+         num_splits=2),
 ]))
 def test_many_rows_without_sm90_cuda(case, lazy, monkeypatch):
     """More than 16 query rows per kv head run a wgmma kernel on Hopper GPUs;
@@ -650,6 +751,8 @@ OPCHECK_CASES = [
     Case(b=2, hq=4, hkv=4, lq=1, lmax=48, d=32, seqlens=(0, 30), window=(8, 0), softcap=2.0,
          scale=0.2, transposed=True),
     Case(b=2, hq=4, hkv=1, lq=3, lmax=48, d=32, seqlens=(3, 48), new_kv=False, page_size=16),
+    Case(b=2, hq=4, hkv=2, lq=3, lmax=64, d=32, page_size=16, seqlens=(5, 61), alibi="batch",
+         sinks=True, rel_w=6),
 ]
 
 
@@ -667,6 +770,9 @@ def test_opcheck(case, lazy):
         op = torch.ops.adaattn.flash_attn_with_kvcache.default
         args = (p.q, p.k_cache, p.v_cache, p.k, p.v, p.cache_seqlens, p.block_table, case.scale,
                 case.causal, case.window[0], case.window[1], case.softcap, case.num_splits)
+        if case.has_score_variant():
+            sc = p.score_kwargs
+            args += (None, None, sc.get("alibi_slopes"), sc.get("sinks"), sc.get("rel_bias"))
     torch.library.opcheck(op, args, test_utils=OPCHECK_UTILS)
 
 

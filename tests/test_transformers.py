@@ -489,7 +489,8 @@ def _gpt_oss(dtype=torch.float32):
 
 def test_gpt_oss_sinks_match_eager():
     """GPT-OSS's sinks (s_aux) reach the ops: logits, packed logits, the sinks' gradients and
-    greedy generation (decode steps on the dense op) equal transformers' eager attention."""
+    greedy generation (decode steps on the KV-cache op), also of a left-padded batch through
+    the sliding layers, equal transformers' eager attention."""
     model = _gpt_oss()
     ids = _ids(2, 19)
     expected = _logits(model, "eager", ids)
@@ -506,18 +507,17 @@ def test_gpt_oss_sinks_match_eager():
         grads[impl] = torch.stack([layer.self_attn.sinks.grad for layer in model.model.layers])
     assert grads["eager"].abs().sum() > 0
     assert_rel_close("d sinks", grads["adaattn"], grads["eager"], FP32_RTOL)
-    tokens = {}
+    mask = torch.ones(2, 10, dtype=torch.long)
+    mask[1, :4] = 0
+    tokens, padded = {}, {}
     for impl in ("eager", "adaattn"):
         model.set_attn_implementation(impl)
         tokens[impl] = model.generate(ids[:1, :10], max_new_tokens=12, do_sample=False,
                                       min_new_tokens=12)
+        padded[impl] = model.generate(ids[:, :10], attention_mask=mask, max_new_tokens=12,
+                                      do_sample=False, min_new_tokens=12, pad_token_id=0)
     assert torch.equal(tokens["adaattn"], tokens["eager"])
-    # Left padding against the cache would place the padded rows' windows wrongly: refused.
-    model.set_attn_implementation("adaattn")
-    with pytest.raises(NotImplementedError, match="sinks with a sliding window"):
-        mask = torch.ones(2, 10, dtype=torch.long)
-        mask[1, :4] = 0
-        model.generate(ids[:, :10], attention_mask=mask, max_new_tokens=2)
+    assert torch.equal(padded["adaattn"], padded["eager"])
 
 
 def test_unsupported_calls_raise():

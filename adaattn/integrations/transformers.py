@@ -39,9 +39,8 @@ them; causal limits are bottom-right aligned, so a cache's ``Lq < Lk`` needs no 
   the call runs as a padded one (a host sync per forward, a K/V gather per layer: DynamicCache, the
   default, is the fast path).
 
-Attention sinks (``s_aux`` / ``module.sinks``, e.g. GPT-OSS) go to the ops' ``sinks``; a decode
-step with sinks runs the dense op on the cache, and a left-padded batch with sinks and a sliding
-window against a cache is refused.
+Attention sinks (``s_aux`` / ``module.sinks``, e.g. GPT-OSS) go to the ops' ``sinks``, the
+KV-cache op's included.
 
 Not supported (a clear error rather than a wrong answer): attention dropout, prepared 4D masks, mask overlays (``or_mask_function`` /
 ``and_mask_function``, e.g. image tokens attending bidirectionally, or ``block_sequence_ids``
@@ -202,12 +201,14 @@ class _Flash:
 
 class _FlashWithSinks:
     """A :class:`_Flash` whose calls add attention sinks (float32 ``[Hq]``, one logit per head in
-    every row's softmax denominator): the dense and packed ops take them; the KV-cache ops do
-    not, so a decode step runs the dense op on the cache (rows bottom-right aligned)."""
+    every row's softmax denominator), to the dense, packed and KV-cache ops alike."""
 
     def __init__(self, base: _Flash, sinks: torch.Tensor):
         self.base, self.sinks = base, sinks
-        self.needs_grad = base.needs_grad
+
+    def needs_grad(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+        return self.base.needs_grad(q, k, v) or (torch.is_grad_enabled()
+                                                 and self.sinks.requires_grad)
 
     def dense(self, q, k, v, seqlens=None):
         b = self.base
@@ -219,18 +220,11 @@ class _FlashWithSinks:
         return _FLASH_OP(q, k, v, None, b.scale, b.causal, b.left, b.right, False, cu_seqlens_q,
                          cu_seqlens_k, b.softcap, None, self.sinks, None)[0]
 
-    def decode(self, q, k_cache, v_cache, cache_seqlens, full=False):
-        """``full``: every cache holds ``Lk`` tokens. Otherwise keys past ``cache_seqlens[b]`` are
-        padding, and the dense op places row r at ``Lk - Lq + r`` instead of
-        ``cache_seqlens[b] - Lq + r``: exact for causal masks, not for windows."""
-        if full:
-            return self.dense(q, k_cache, v_cache)
-        if self.base.left >= 0 or self.base.right >= 0:
-            raise NotImplementedError(
-                "adaattn: attention sinks with a sliding window in a left-padded batch against "
-                "a KV cache are not supported; generate without padding or with "
-                "attn_implementation='eager'")
-        return self.dense(q, k_cache, v_cache, seqlens=cache_seqlens)
+    def decode(self, q, k_cache, v_cache, cache_seqlens):
+        b = self.base
+        return _KVCACHE_OP(q, k_cache, v_cache, None, None, cache_seqlens, None, b.scale,
+                           b.causal, b.left, b.right, b.softcap, 0, None, None, None,
+                           self.sinks, None)[0]
 
 
 # The op overloads themselves (an OpOverloadPacket call resolves the overload each time).
@@ -392,8 +386,6 @@ def _attend_exact(kernel, query: torch.Tensor, key: torch.Tensor, value: torch.T
         if (len_q < key.shape[2] and not kernel.needs_grad(query, key, value)
                 and heads // key.shape[1] * len_q <= DECODE_MAX_ROWS):
             # The cache already holds the new keys: keys [0, Lk), row r at Lk - Lq + r.
-            if isinstance(kernel, _FlashWithSinks):
-                return kernel.decode(query, key, value, None, full=True).transpose(1, 2)
             return kernel.decode(query, key, value,
                                  _full_seqlens(batch, key.shape[2], query.device)).transpose(1, 2)
         return kernel.dense(query, key, value).transpose(1, 2)
@@ -462,8 +454,7 @@ def adaattn_attention_forward(module: nn.Module, query: torch.Tensor, key: torch
             itself (both sides when not causal), as transformers' masks define it.
         softcap: ``s <- softcap * tanh(s / softcap)`` on the scaled scores (None = off).
         is_causal: overrides ``module.is_causal``.
-        s_aux: attention sinks ``[Hq]`` (else ``module.sinks`` is read), e.g. GPT-OSS; a
-            decode step with sinks runs the dense op on the cache (the KV-cache ops take none).
+        s_aux: attention sinks ``[Hq]`` (else ``module.sinks`` is read), e.g. GPT-OSS.
         position_ids: ``[B | 1, Lq]``; restarts mark packed sequences (no mask, ``Lq == Lk``).
         cu_seq_lens_q, cu_seq_lens_k: int ``[N + 1]`` boundaries of packed sequences over the
             ``B * L`` tokens (transformers' padding-free kwargs).

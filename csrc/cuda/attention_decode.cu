@@ -100,47 +100,43 @@ bool with_decode_kernel(VariantId variant, int d, int dv, c10::ScalarType dtype,
   if (fp8 && (variant != VariantId::kPlain || rw != 1)) return false;
   return with_variant(variant, [&](auto v) {
     using V = decltype(v);
-    if constexpr (!kHasDecodeKernel<V>) {
-      return false;
-    } else {
-      auto by_dtype = [&](auto t) {
-        using T = decltype(t);
-        auto by_dims = [&](auto dim, auto dim_v) {
-          constexpr int D = decltype(dim)::value, DV = decltype(dim_v)::value;
-          auto by_cfg = [&](auto cfg) {
-            // The 8-bit kernel (its own stages) for the one configuration that reaches it.
-            if constexpr (std::is_same_v<V, PlainVariant> &&
-                          std::is_same_v<decltype(cfg), DeepNarrowCfg<D, DV>>) {
-              if (fp8) return f(T{}, cfg, V{}, std::true_type{});
-            }
-            return f(T{}, cfg, V{}, std::false_type{});
-          };
-          if (rw == 1) {
-            if constexpr (V::kNormalized) {
-              return by_cfg(DeepNarrowCfg<D, DV>{});
-            } else {
-              return by_cfg(NarrowCfg<D, DV>{});
-            }
+    auto by_dtype = [&](auto t) {
+      using T = decltype(t);
+      auto by_dims = [&](auto dim, auto dim_v) {
+        constexpr int D = decltype(dim)::value, DV = decltype(dim_v)::value;
+        auto by_cfg = [&](auto cfg) {
+          // The 8-bit kernel (its own stages) for the one configuration that reaches it.
+          if constexpr (std::is_same_v<V, PlainVariant> &&
+                        std::is_same_v<decltype(cfg), DeepNarrowCfg<D, DV>>) {
+            if (fp8) return f(T{}, cfg, V{}, std::true_type{});
           }
-          if constexpr (tc::kBuiltSm90a && D == DV) {
-            if (tc::use_sm90()) return by_cfg(WideWgmmaCfg<D, DV>{});
-          }
-          return by_cfg(WideCfg<D, DV>{});
+          return f(T{}, cfg, V{}, std::false_type{});
         };
-        if constexpr (std::is_same_v<V, PlainVariant>) {
-          if (d == 32) return by_dims(Int<32>{}, Int<128>{});
-          if (d == 64 && dv == 128) return by_dims(Int<64>{}, Int<128>{});
+        if (rw == 1) {
+          if constexpr (V::kNormalized) {
+            return by_cfg(DeepNarrowCfg<D, DV>{});
+          } else {
+            return by_cfg(NarrowCfg<D, DV>{});
+          }
         }
-        if (d == 64) return by_dims(Int<64>{}, Int<64>{});
-        return by_dims(Int<128>{}, Int<128>{});
+        if constexpr (tc::kBuiltSm90a && D == DV) {
+          if (tc::use_sm90()) return by_cfg(WideWgmmaCfg<D, DV>{});
+        }
+        return by_cfg(WideCfg<D, DV>{});
       };
-      if (dtype == c10::kBFloat16) {
-        by_dtype(__nv_bfloat16{});
-      } else {
-        by_dtype(__half{});
+      if constexpr (std::is_same_v<V, PlainVariant>) {
+        if (d == 32) return by_dims(Int<32>{}, Int<128>{});
+        if (d == 64 && dv == 128) return by_dims(Int<64>{}, Int<128>{});
       }
-      return true;
+      if (d == 64) return by_dims(Int<64>{}, Int<64>{});
+      return by_dims(Int<128>{}, Int<128>{});
+    };
+    if (dtype == c10::kBFloat16) {
+      by_dtype(__nv_bfloat16{});
+    } else {
+      by_dtype(__half{});
     }
+    return true;
   });
 }
 
@@ -298,7 +294,7 @@ void attention_decode_tc_cuda(VariantId variant, const AttnParams& p, int num_sp
       kernel<<<grid, PassTraits::kThreads, kSmem, stream>>>(p, sp);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       if (num_splits > 1) {
-        tc::decode_combine_kernel<T, DV, kPass>
+        tc::decode_combine_kernel<T, DV, kPass, typename V::Transform>
             <<<static_cast<unsigned>(all_rows), 32 * tc::kCombineWarps, 0, stream>>>(p, sp);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       }

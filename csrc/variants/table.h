@@ -3,8 +3,6 @@
 // (and in csrc/cuda/tc/generate.py's VARIANTS for the tensor-core instantiations).
 #pragma once
 
-#include <type_traits>
-
 #include "composed.h"
 #include "elastic.h"
 #include "rel_bias.h"
@@ -21,11 +19,6 @@ using LazyVariant = Variant<RelBiasMod, ElasticTransform>;     // lazy_attn
 // alibi_slopes, sinks or rel_bias (with or without softcap): one type for every combination,
 // each member off when its argument is absent (composed.h, sinks.h).
 using ComposedVariant = Variant<ComposedMod, SinkSoftmaxTransform>;
-
-// Whether the decode kernel (csrc/cuda/tc/decode.h) is compiled for variant V: the composed
-// variant's sinks have no place in its split merge yet.
-template <typename V>
-constexpr bool kHasDecodeKernel = !std::is_same_v<V, ComposedVariant>;
 
 // Names of the compiled variants across the launcher API (attention_api.h).
 enum class VariantId { kPlain, kSoftcap, kLazy, kComposed, kCount };

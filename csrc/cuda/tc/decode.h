@@ -859,12 +859,22 @@ __device__ __forceinline__ void decode_pass(const AttnParams& p, const DecodeSpl
   }
   cta_sync();
   auto row_stats = [&](int r, float& m, float& l) {
-    m = -INFINITY;
+    // The transform's state before the first key (Transform::row_init: an attention sink's
+    // logit with weight 1), counted once per row: here where this CTA finishes the row, else
+    // in decode_combine_kernel. (8-bit caches: plain softmax, whose state is empty.)
+    float m0 = -INFINITY, l0 = 0.f;
+    if constexpr (kPass == DecodePass::kOnline && !kFp8Cache) {
+      if (sp.num_splits == 1 && row0 + r < rows) {
+        Transform::template row_init<float>(p, h_kv * group + (row0 + r) / p.len_q, m0, l0);
+        m0 *= float(M_LOG2E);
+      }
+    }
+    m = m0;
 #pragma unroll
     for (int w = 0; w < kKeyWarps; ++w) m = fmaxf(m, sMax[w * kRows + r]);
     // A warp whose scores were all NaN keeps max -inf and sum NaN: its NaN still reaches l.
     const float base = m == -INFINITY ? 0.f : m;
-    l = 0.f;
+    l = l0 != 0.f ? l0 * exp2f(m0 - base) : 0.f;
 #pragma unroll
     for (int w = 0; w < kKeyWarps; ++w) {
       const float lw = sSum[w * kRows + r];
@@ -969,20 +979,27 @@ constexpr int kCombineUnroll = 4;
 
 // Merges the splits' partial results of every row (b, h, r), one CTA per row. kOnline: outputs
 // weighted by their lse (splits that saw no key of the row, lse -inf, are skipped; a row no
-// split saw gets out 0 and lse -inf). kLse: the lse alone. kWeights: outputs summed. Warp w
+// split saw gets out 0 and lse -inf), the transform's state before the first key (an attention
+// sink, Transform::row_init) joining the lse once. kLse: the lse alone. kWeights: outputs
+// summed. Warp w
 // takes splits w, w + kCombineWarps, ..., kCombineUnroll of them in flight, and the warps' sums
 // meet in shared memory: a warp per row, reading its splits one after another, took 11 us of a
 // 134 us decode at B = 1, Lk = 128k (33 splits, 32 rows; H200).
-template <typename T, int DV, DecodePass kPass>
+template <typename T, int DV, DecodePass kPass, typename Transform>
 __global__ void __launch_bounds__(32 * kCombineWarps) decode_combine_kernel(
     const AttnParams p, const DecodeSplits sp) {
   const int64_t rows = static_cast<int64_t>(p.batch) * p.heads_q * p.len_q;
   const int64_t stat = blockIdx.x;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int b = static_cast<int>(stat / (static_cast<int64_t>(p.heads_q) * p.len_q));
+  const int h = static_cast<int>(stat / p.len_q % p.heads_q);
+  const int q_row = static_cast<int>(stat % p.len_q);
   float lse = 0.f;
   if constexpr (kPass != DecodePass::kWeights) {
     // Every warp merges the lse (a few loads per lane), so that none waits for another.
-    float m = -INFINITY;
+    float m0 = -INFINITY, l0 = 0.f;
+    if constexpr (kPass == DecodePass::kOnline) Transform::template row_init<float>(p, h, m0, l0);
+    float m = m0;
     for (int s = lane; s < sp.num_splits; s += 32) m = fmaxf(m, sp.lse_part[s * rows + stat]);
 #pragma unroll
     for (int off = 16; off > 0; off /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, off));
@@ -992,6 +1009,7 @@ __global__ void __launch_bounds__(32 * kCombineWarps) decode_combine_kernel(
     for (int s = lane; s < sp.num_splits; s += 32) sum += expf(sp.lse_part[s * rows + stat] - base);
 #pragma unroll
     for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffff, sum, off);
+    if (l0 != 0.f) sum += l0 * expf(m0 - base);
     lse = row_saw_keys(sum) ? base + logf(sum) : -INFINITY;
     if (threadIdx.x == 0) p.lse[stat] = lse;
     if constexpr (kPass == DecodePass::kLse) return;
@@ -1029,9 +1047,6 @@ __global__ void __launch_bounds__(32 * kCombineWarps) decode_combine_kernel(
 #pragma unroll
   for (int c = 0; c < kCols; ++c) warp_acc[warp][lane + 32 * c] = acc[c];
   __syncthreads();
-  const int b = static_cast<int>(stat / (static_cast<int64_t>(p.heads_q) * p.len_q));
-  const int h = static_cast<int>(stat / p.len_q % p.heads_q);
-  const int q_row = static_cast<int>(stat % p.len_q);
   T* out = static_cast<T*>(p.out) + b * p.o_batch_stride + h * p.o_head_stride +
            q_row * p.o_row_stride;
   for (int col = threadIdx.x; col < DV; col += 32 * kCombineWarps) {

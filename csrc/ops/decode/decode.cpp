@@ -234,6 +234,15 @@ at::Tensor gather_pages(const at::Tensor& cache, const at::Tensor& block_table) 
       .reshape({batch, cache.size(1), pages * cache.size(2), cache.size(3)});
 }
 
+void fill_keyless_lse(at::Tensor& lse, const ScoreTensors* mods) {
+  if (mods != nullptr && mods->sinks.defined()) {
+    // A row that sees no key has only its sink in the denominator.
+    lse.copy_(mods->sinks.view({1, -1, 1}).expand_as(lse));
+  } else {
+    lse.fill_(-std::numeric_limits<float>::infinity());
+  }
+}
+
 namespace {
 
 using OptTensor = std::optional<at::Tensor>;
@@ -265,7 +274,8 @@ std::tuple<at::Tensor, at::Tensor> kvcache_attn_cpu(
     const char* op, const at::Tensor& q_in, at::Tensor& k_cache, at::Tensor& v_cache,
     const OptTensor& k, const OptTensor& v, const at::Tensor& cache_seqlens,
     const OptTensor& block_table, const KvCacheShape& shape, const FlashOptions& opt,
-    VariantId variant, const at::Tensor* tau, const at::Tensor* bias) {
+    VariantId variant, const at::Tensor* tau, const at::Tensor* bias,
+    const ScoreTensors* mods = nullptr) {
   const int64_t appended = k.has_value() ? q_in.size(2) : 0;
   check_kvcache_values(op, cache_seqlens, block_table, shape, appended);
   if (k.has_value()) append_cpu(k_cache, v_cache, *k, *v, cache_seqlens, block_table, shape);
@@ -276,10 +286,11 @@ std::tuple<at::Tensor, at::Tensor> kvcache_attn_cpu(
   at::Tensor lse = at::empty(lse_shape(q, false), q.options().dtype(at::kFloat));
   if (q.numel() == 0 || kc.size(2) == 0) {
     out.zero_();
-    lse.fill_(-std::numeric_limits<float>::infinity());
+    fill_keyless_lse(lse, mods);
   } else {
     AttnParams p = make_kvcache_params(q, kc, vc, cache_seqlens, appended, opt);
     set_lazy_params(p, tau, bias);
+    if (mods != nullptr) mods->set(p);
     set_fwd_outputs(p, out, lse);
     attention_fwd_cpu(variant, p, q.scalar_type());
   }
@@ -290,7 +301,8 @@ std::tuple<at::Tensor, at::Tensor> flash_kvcache_cpu_op(
     const at::Tensor& q, at::Tensor& k_cache, at::Tensor& v_cache, const OptTensor& k,
     const OptTensor& v, const at::Tensor& cache_seqlens, const OptTensor& block_table,
     std::optional<double> softmax_scale, bool causal, int64_t window_left, int64_t window_right,
-    double softcap, int64_t num_splits, const OptTensor& k_scale, const OptTensor& v_scale) {
+    double softcap, int64_t num_splits, const OptTensor& k_scale, const OptTensor& v_scale,
+    const OptTensor& alibi_slopes, const OptTensor& sinks, const OptTensor& rel_bias) {
   constexpr const char* op = "flash_attn_with_kvcache";
   const bool fp8 = is_fp8_cache(k_cache, v_cache);
   const KvCacheShape shape = check_kvcache_inputs(op, q, k_cache, v_cache, k, v, cache_seqlens,
@@ -298,16 +310,18 @@ std::tuple<at::Tensor, at::Tensor> flash_kvcache_cpu_op(
   check_fp8_cache(op, q, k_cache, k, block_table, k_scale, v_scale, fp8);
   const FlashOptions opt = resolve_flash_options(op, q, softmax_scale, causal, window_left,
                                                  window_right, BwdMode::kAtomic, softcap);
+  const ScoreTensors mods(op, q, q.size(0), alibi_slopes, sinks, rel_bias);
+  const VariantId variant = softmax_variant(opt, mods);
   if (fp8) {
     // The table's values are checked before the copy's table replaces it.
     check_kvcache_values(op, cache_seqlens, block_table, shape, 0);
     DequantizedPages d = dequantize_pages(k_cache, v_cache, *k_scale, *v_scale, *block_table,
                                           shape, q.scalar_type());
     return kvcache_attn_cpu(op, q, d.k_cache, d.v_cache, k, v, cache_seqlens, d.block_table,
-                            d.shape, opt, softmax_variant(opt), nullptr, nullptr);
+                            d.shape, opt, variant, nullptr, nullptr, &mods);
   }
   return kvcache_attn_cpu(op, q, k_cache, v_cache, k, v, cache_seqlens, block_table, shape, opt,
-                          softmax_variant(opt), nullptr, nullptr);
+                          variant, nullptr, nullptr, &mods);
 }
 
 std::tuple<at::Tensor, at::Tensor> lazy_kvcache_cpu_op(
@@ -339,7 +353,8 @@ TORCH_LIBRARY_FRAGMENT(adaattn, m) {
       "flash_attn_with_kvcache(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k, "
       "Tensor? v, Tensor cache_seqlens, Tensor? block_table=None, float? softmax_scale=None, "
       "bool causal=True, int window_left=-1, int window_right=-1, float softcap=0.0, "
-      "int num_splits=0, Tensor? k_scale=None, Tensor? v_scale=None) -> (Tensor out, "
+      "int num_splits=0, Tensor? k_scale=None, Tensor? v_scale=None, "
+      "Tensor? alibi_slopes=None, Tensor? sinks=None, Tensor? rel_bias=None) -> (Tensor out, "
       "Tensor lse)");
   m.def(
       "lazy_attn_with_kvcache(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k, "

@@ -48,7 +48,8 @@ std::tuple<at::Tensor, at::Tensor> kvcache_attn_cuda(
     const OptTensor& k, const OptTensor& v, const at::Tensor& cache_seqlens,
     const OptTensor& block_table, const KvCacheShape& shape, const FlashOptions& opt,
     VariantId variant, int64_t num_splits, const at::Tensor* tau, const at::Tensor* bias,
-    const at::Tensor* k_scale = nullptr, const at::Tensor* v_scale = nullptr) {
+    const ScoreTensors* mods = nullptr, const at::Tensor* k_scale = nullptr,
+    const at::Tensor* v_scale = nullptr) {
   const c10::cuda::CUDAGuard guard(q_in.device());
   const int64_t appended = k.has_value() ? q_in.size(2) : 0;
   check_kvcache_values(op, cache_seqlens, block_table, shape, appended);
@@ -66,7 +67,7 @@ std::tuple<at::Tensor, at::Tensor> kvcache_attn_cuda(
   at::Tensor lse = at::empty(lse_shape(q_in, false), lse_options);
   if (q_in.numel() == 0 || shape.capacity == 0) {
     out.zero_();
-    lse.fill_(-std::numeric_limits<float>::infinity());
+    fill_keyless_lse(lse, mods);
     return {out, lse};
   }
 
@@ -82,6 +83,7 @@ std::tuple<at::Tensor, at::Tensor> kvcache_attn_cuda(
       p.v_cache_scale = v_scale->data_ptr<float>();
     }
     set_lazy_params(p, tau, bias);
+    if (mods != nullptr) mods->set(p);
     set_fwd_outputs(p, out, lse);
     const int splits = decode_num_splits(variant, p, q.scalar_type(), num_splits);
     // The splits' partial outputs [splits, B, Hq, Lq, Dv] and their lse [splits, B, Hq, Lq] in one
@@ -117,6 +119,7 @@ std::tuple<at::Tensor, at::Tensor> kvcache_attn_cuda(
   // opt's default scale is already the caller's D^-1/2, not the padded D's.
   AttnParams p = make_kvcache_params(q, kq, vq, cache_seqlens, appended, opt);
   set_lazy_params(p, tau, bias);
+  if (mods != nullptr) mods->set(p);
   set_fwd_outputs(p, kernel_out, lse);
   if (layout.tc) {
     attention_fwd_tc_cuda(variant, p, q.scalar_type());
@@ -143,7 +146,8 @@ std::tuple<at::Tensor, at::Tensor> flash_kvcache_cuda_op(
     const at::Tensor& q, at::Tensor& k_cache, at::Tensor& v_cache, const OptTensor& k,
     const OptTensor& v, const at::Tensor& cache_seqlens, const OptTensor& block_table,
     std::optional<double> softmax_scale, bool causal, int64_t window_left, int64_t window_right,
-    double softcap, int64_t num_splits, const OptTensor& k_scale, const OptTensor& v_scale) {
+    double softcap, int64_t num_splits, const OptTensor& k_scale, const OptTensor& v_scale,
+    const OptTensor& alibi_slopes, const OptTensor& sinks, const OptTensor& rel_bias) {
   constexpr const char* op = "flash_attn_with_kvcache";
   const bool fp8 = is_fp8_cache(k_cache, v_cache);
   const KvCacheShape shape = check_kvcache_inputs(op, q, k_cache, v_cache, k, v, cache_seqlens,
@@ -151,7 +155,8 @@ std::tuple<at::Tensor, at::Tensor> flash_kvcache_cuda_op(
   check_fp8_cache(op, q, k_cache, k, block_table, k_scale, v_scale, fp8);
   const FlashOptions opt = resolve_flash_options(op, q, softmax_scale, causal, window_left,
                                                  window_right, BwdMode::kAtomic, softcap);
-  const VariantId variant = softmax_variant(opt);
+  const ScoreTensors mods(op, q, q.size(0), alibi_slopes, sinks, rel_bias);
+  const VariantId variant = softmax_variant(opt, mods);
   if (fp8 && !fp8_decode_kernel(q, k_cache, v_cache, shape, variant)) {
     // No kernel reads this 8-bit cache: the 16-bit paths on a dequantised copy of its pages
     // (the table's values are checked, where checked at all, before the copy's replaces it).
@@ -160,10 +165,10 @@ std::tuple<at::Tensor, at::Tensor> flash_kvcache_cuda_op(
     DequantizedPages d = dequantize_pages(k_cache, v_cache, *k_scale, *v_scale, *block_table,
                                           shape, q.scalar_type());
     return kvcache_attn_cuda(op, q, d.k_cache, d.v_cache, k, v, cache_seqlens, d.block_table,
-                             d.shape, opt, variant, num_splits, nullptr, nullptr);
+                             d.shape, opt, variant, num_splits, nullptr, nullptr, &mods);
   }
   return kvcache_attn_cuda(op, q, k_cache, v_cache, k, v, cache_seqlens, block_table, shape, opt,
-                           variant, num_splits, nullptr, nullptr,
+                           variant, num_splits, nullptr, nullptr, &mods,
                            fp8 ? &*k_scale : nullptr, fp8 ? &*v_scale : nullptr);
 }
 

@@ -80,6 +80,9 @@ void check_lazy_kvcache_args(const char* op, const at::Tensor& q, const at::Tens
 // The lazy variant's tau/bias in p (null tau: a softmax variant, nothing to set).
 void set_lazy_params(AttnParams& p, const at::Tensor* tau, const at::Tensor* bias);
 
+// The lse [B, Hq, Lq] of rows that see no key: -inf, or the head's sink where mods has sinks.
+void fill_keyless_lse(at::Tensor& lse, const ScoreTensors* mods);
+
 // A paged cache [num_pages, Hkv, page_size, D] gathered into [B, Hkv, max_pages * page_size, D]
 // through block_table (entries clamped into range: positions past a sequence's length are never
 // attended, so what their pages hold does not matter).
