@@ -58,17 +58,21 @@ struct LsePassCfg<NarrowCfg<D, DV>> {
 };
 
 // The weight pass in the lse pass's kernel (decode_lse_weights_kernel, at one split): NarrowCfg's
-// warps with the stages that the lse pass's shared memory holds; void where the passes run
-// apart. Lazy decode in one kernel against two (H200, GQA 32/8, D = 128, CUDA graphs): B = 128
-// Lk = 2k 290 -> 282 us (paged 295 -> 287), B = 32 Lk = 8k 273 -> 268 (paged 278 -> 271).
+// rows on all eight of the lse pass's warps and its 128-key tiles, in the stages that the lse
+// pass's shared memory holds; void where the passes run apart. Lazy decode in one kernel against
+// two (H200, GQA 32/8, D = 128, CUDA graphs; four warps then): B = 128 Lk = 2k 290 -> 282 us
+// (paged 295 -> 287), B = 32 Lk = 8k 273 -> 268 (paged 278 -> 271). Eight warps against four
+// (three alternating rounds): B = 32 273.9 -> 269.8 (paged 276.2 -> 273.8), B = 128 286.3 ->
+// 284.1 (292.3 -> 290.5); the weight pass apart (B = 1) was not faster with eight (154.2 ->
+// 154.4), so it keeps NarrowCfg.
 template <typename Traits>
 struct FusedWeightsCfg {
   using type = void;
 };
 template <int D, int DV>
 struct FusedWeightsCfg<NarrowCfg<D, DV>> {
-  using type = tc::DecodeTraits<D, DV, 1, 4, 64, 2, 1,
-                                LsePassCfg<NarrowCfg<D, DV>>::type::kStagesBytes>;
+  using Lse = typename LsePassCfg<NarrowCfg<D, DV>>::type;
+  using type = tc::DecodeTraits<D, DV, 1, Lse::kKeyWarps, Lse::kBlockN, 2, 1, Lse::kStagesBytes>;
 };
 
 // An 8-bit cache is read by DeepNarrowCfg's kernel (with_decode_kernel), whose scales are per

@@ -327,13 +327,11 @@ __device__ __forceinline__ void fp8_gemm_pv(float (&acc)[1][DV / 8][4],
   }
 }
 
-// One pass of the decode kernel, run by the CTA's first Traits::kThreads threads: with
-// kBarrier = 0 they are the whole CTA (__syncthreads), else their barriers are named barrier
-// kBarrier over them (decode_lse_weights_kernel's weight pass, the CTA's other warps gone).
+// One pass of the decode kernel by the whole CTA (Traits::kThreads threads).
 // kScoresIn: the weight pass reads the scores the lse pass cached (DecodeSplits::scores)
 // instead of K. kFp8Cache: an 8-bit paged cache (p.k_cache_scale, p.v_cache_scale).
 template <typename T, typename Traits, typename Variant, DecodePass kPass, bool kScoresIn,
-          bool kFp8Cache, int kBarrier>
+          bool kFp8Cache>
 __device__ __forceinline__ void decode_pass(const AttnParams& p, const DecodeSplits& sp) {
   constexpr int D = Traits::kD;
   constexpr int DV = Traits::kDV;
@@ -372,13 +370,6 @@ __device__ __forceinline__ void decode_pass(const AttnParams& p, const DecodeSpl
   auto k_off = [](int r, int col) { return decode_tile_off<kGmma, BN, D>(r, col); };
   auto v_off = [](int r, int col) { return decode_tile_off<kGmma, BN, DV>(r, col); };
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  auto cta_sync = [] {
-    if constexpr (kBarrier == 0) {
-      __syncthreads();
-    } else {
-      named_sync(kBarrier, kThreads);
-    }
-  };
   // wgmma's 128-byte swizzle is a function of address bits 4-9: its tiles start 1024-byte
   // aligned (decode_smem_bytes adds the slack).
   T* sQ = reinterpret_cast<T*>(
@@ -614,7 +605,7 @@ __device__ __forceinline__ void decode_pass(const AttnParams& p, const DecodeSpl
   float q_unscale[2] = {1.f, 1.f};
   if constexpr (kFp8Cache) {
     cp_async_wait<kStages - 2>();  // Q landed with the first stage
-    cta_sync();
+    __syncthreads();
     const int c = lane & 3;
     auto q_at = [&](int hh, int step) {
       return sQ + swz<D>(warp_row0 + g + 8 * hh, c * D / 4 + 4 * step);
@@ -694,7 +685,7 @@ __device__ __forceinline__ void decode_pass(const AttnParams& p, const DecodeSpl
     if (kFp8Cache && tile != first) {
       __syncwarp();
     } else {
-      cta_sync();
+      __syncthreads();
     }
     if (tile + kStages - 1 < last) {
       load_stage(tile + kStages - 1, (i + kStages - 1) % kStages);
@@ -838,7 +829,7 @@ __device__ __forceinline__ void decode_pass(const AttnParams& p, const DecodeSpl
     }
   }
   cp_async_wait_all();
-  cta_sync();  // Q and the stages become the merge buffers
+  __syncthreads();  // Q and the stages become the merge buffers
 
   // Merge the key warps: per row the max M and sum L over warps; each warp's O rescaled by
   // exp2(m_w - M) / L (kWeights: as it is), then summed.
@@ -857,7 +848,7 @@ __device__ __forceinline__ void decode_pass(const AttnParams& p, const DecodeSpl
       sSum[key_warp * kRows + r] = l;
     }
   }
-  cta_sync();
+  __syncthreads();
   auto row_stats = [&](int r, float& m, float& l) {
     // The transform's state before the first key (Transform::row_init: an attention sink's
     // logit with weight 1), counted once per row: here where this CTA finishes the row, else
@@ -900,7 +891,7 @@ __device__ __forceinline__ void decode_pass(const AttnParams& p, const DecodeSpl
         sO[(key_warp * kRows + r) * DV + col] = o[0][di][2 * hh + e] * f;
       }
   }
-  cta_sync();
+  __syncthreads();
 
   const int valid_rows = min(kRows, rows - row0);
   if constexpr (kPass == DecodePass::kLse) {
@@ -950,12 +941,12 @@ template <typename T, typename Traits, typename Variant, DecodePass kPass, bool 
           bool kFp8Cache = false>
 __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     decode_kernel(const AttnParams p, const DecodeSplits sp) {
-  decode_pass<T, Traits, Variant, kPass, kScoresIn, kFp8Cache, 0>(p, sp);
+  decode_pass<T, Traits, Variant, kPass, kScoresIn, kFp8Cache>(p, sp);
 }
 
 // The lse pass and the weight pass over its cached scores in one kernel, for one split per
-// (sequence, kv head, row block): the CTA (LseTraits) finishes its rows' lse, then its first
-// WeightTraits::kThreads threads weigh the keys. Apart, each pass ran its own pipeline fill and
+// (sequence, kv head, row block): the CTA finishes its rows' lse (LseTraits), then weighs the
+// keys (WeightTraits: the same warps and rows). Apart, each pass ran its own pipeline fill and
 // wave tail, and the lse pass (products and exponentials over half the bytes) left DRAM idle
 // that the weight pass could use: here CTAs in either phase share the SMs. Two CTAs per SM, as
 // the passes apart ran (the weight pass alone took 158 registers a thread).
@@ -963,14 +954,13 @@ template <typename T, typename LseTraits, typename WeightTraits, typename Varian
 __global__ void __launch_bounds__(LseTraits::kThreads, 2)
     decode_lse_weights_kernel(const AttnParams p, const DecodeSplits lse_sp,
                               const DecodeSplits weight_sp) {
-  static_assert(WeightTraits::kThreads <= LseTraits::kThreads &&
+  static_assert(WeightTraits::kThreads == LseTraits::kThreads &&
                     LseTraits::kRows == WeightTraits::kRows,
-                "the weight pass runs on the first warps of the lse pass's CTA, on its rows");
-  decode_pass<T, LseTraits, Variant, DecodePass::kLse, false, false, 0>(p, lse_sp);
+                "the weight pass runs on the lse pass's warps and rows");
+  decode_pass<T, LseTraits, Variant, DecodePass::kLse, false, false>(p, lse_sp);
   // p.lse and the cached scores, written above, are read below (one split: no merge).
   __syncthreads();
-  if (threadIdx.x >= WeightTraits::kThreads) return;
-  decode_pass<T, WeightTraits, Variant, DecodePass::kWeights, true, false, 1>(p, weight_sp);
+  decode_pass<T, WeightTraits, Variant, DecodePass::kWeights, true, false>(p, weight_sp);
 }
 
 // Warps of a decode_combine_kernel CTA, and the splits each warp has in flight.
