@@ -102,11 +102,13 @@ at::Tensor lazy_attn_with_kvcache(const at::Tensor& q, at::Tensor k_cache, at::T
                                   const at::Tensor& cache_seqlens, const KVCacheOptions& opts) {
   TORCH_CHECK_VALUE(opts.causal && opts.window_left == -1 && opts.window_right == -1 &&
                         opts.softcap == 0.0 && !opts.k_scale.has_value() &&
-                        !opts.v_scale.has_value(),
+                        !opts.v_scale.has_value() && !opts.alibi_slopes.has_value() &&
+                        !opts.sinks.has_value() && !opts.rel_bias.has_value(),
                     "adaattn.lazy_attn_with_kvcache: opts.causal, window_left, window_right, "
-                    "softcap, k_scale and v_scale apply to flash_attn_with_kvcache only (lazy "
-                    "attention is causal, unwindowed and uncapped, on a 16-bit or wider "
-                    "cache); leave them at their defaults");
+                    "softcap, k_scale, v_scale, alibi_slopes, sinks and rel_bias apply to "
+                    "flash_attn_with_kvcache only (lazy attention is causal, unwindowed and "
+                    "uncapped, with its own bias, on a 16-bit or wider cache); leave them at "
+                    "their defaults");
   using Sig = std::tuple<at::Tensor, at::Tensor>(
       const at::Tensor&, at::Tensor&, at::Tensor&, const detail::OptTensor&,
       const detail::OptTensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,

@@ -316,6 +316,11 @@ struct KVCacheOptions {
   // values are cached value * scale of their page and kv head; new k/v are not appended to one.
   std::optional<at::Tensor> k_scale = std::nullopt;
   std::optional<at::Tensor> v_scale = std::nullopt;
+  // Flash only, as FlashOptions' (positions: each row's in the cache): float32 [Hq] or [B, Hq]
+  // ALiBi slopes, [Hq] attention sinks, [Hq, W] relative-bias table.
+  std::optional<at::Tensor> alibi_slopes = std::nullopt;
+  std::optional<at::Tensor> sinks = std::nullopt;
+  std::optional<at::Tensor> rel_bias = std::nullopt;
 };
 
 // Softmax attention of new query rows q [B, Hq, Lq, D] against a KV cache. With k [B, Hkv, Lq, D]
@@ -331,12 +336,13 @@ inline at::Tensor flash_attn_with_kvcache(const at::Tensor& q, at::Tensor k_cach
       const at::Tensor&, at::Tensor&, at::Tensor&, const detail::OptTensor&,
       const detail::OptTensor&, const at::Tensor&, const detail::OptTensor&,
       std::optional<double>, bool, int64_t, int64_t, double, int64_t, const detail::OptTensor&,
+      const detail::OptTensor&, const detail::OptTensor&, const detail::OptTensor&,
       const detail::OptTensor&);
   static const auto op = detail::typed_op<Sig>("flash_attn_with_kvcache");
   return std::get<0>(op.call(q, k_cache, v_cache, k, v, cache_seqlens, opts.block_table,
                              opts.softmax_scale, opts.causal, opts.window_left,
                              opts.window_right, opts.softcap, opts.num_splits, opts.k_scale,
-                             opts.v_scale));
+                             opts.v_scale, opts.alibi_slopes, opts.sinks, opts.rel_bias));
 }
 
 // Lazy attention (see lazy_attn) of new query rows against a KV cache, as

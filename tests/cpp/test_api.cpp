@@ -229,6 +229,16 @@ TEST_CASE("api: KV-cache decode wrappers append in place and match the full ops"
   flash.causal = true;
   flash.window_left = 4;
   CHECK(rel_err(out, adaattn::flash_attn(q, k_all, v_all, flash)) < 1e-12);
+  // ALiBi and sinks reach the op: the rows of the dense op with them.
+  adaattn::KVCacheOptions scored = opts;
+  scored.alibi_slopes = torch::tensor({0.5f, 0.25f});
+  scored.sinks = torch::tensor({1.0f, -0.5f});
+  const at::Tensor with_scores = adaattn::flash_attn_with_kvcache(
+      q, k_cache, v_cache, std::nullopt, std::nullopt, lens + 1, scored);
+  flash.alibi_slopes = scored.alibi_slopes;
+  flash.sinks = scored.sinks;
+  CHECK(rel_err(with_scores, adaattn::flash_attn(q, k_all, v_all, flash)) < 1e-12);
+  CHECK(rel_err(with_scores, out) > 1e-3);
 
   const at::Tensor tau = torch::full({2}, -0.2, torch::kFloat);
   const at::Tensor bias = torch::randn({2, 5}, torch::kFloat);
