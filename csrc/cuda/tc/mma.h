@@ -239,21 +239,20 @@ __device__ __forceinline__ void load_a_frags(uint32_t (&a)[MI][KT][4], const T* 
     }
 }
 
-// acc[MI][NT] += A B^T with A in registers (16*MI x 16*KT) and B = rows [b_row0, b_row0 + 8*NT)
-// of a swizzled [rows][W] tile, reduced over its first 16*KT columns (the B loads of
-// warp_gemm_nt). (S = Q K^T with q held over many tiles, dU S^T, dU V^T, V dR^T.)
-template <int MI, int NT, int KT, int W, typename T>
-__device__ __forceinline__ void warp_gemm_rs_nt(float (&acc)[MI][NT][4],
-                                                const uint32_t (&a)[MI][KT][4], const T* sB,
-                                                int b_row0, int lane) {
+// acc[MI][NT] += A B with A in registers as A-fragments a[MI][KT] and B's fragments of k-step
+// kt and n-tiles (ni, ni + 1) as load_b(kt, ni, b[4]) reads them (b[0..1] for ni, b[2..3] for
+// ni + 1): the loop of warp_gemm_rs_nt and warp_gemm_rs.
+template <int MI, int NT, int KT, typename T, typename LoadB>
+__device__ __forceinline__ void warp_gemm_rs_loads(float (&acc)[MI][NT][4],
+                                                   const uint32_t (&a)[MI][KT][4],
+                                                   const LoadB& load_b) {
   static_assert(NT % 2 == 0, "NT must be even (x4 ldmatrix loads two n-tiles)");
 #pragma unroll
   for (int kt = 0; kt < KT; ++kt) {
 #pragma unroll
     for (int ni = 0; ni < NT; ni += 2) {
       uint32_t b[4];
-      const int row = b_row0 + ni * 8 + (lane & 7) + ((lane >> 4) << 3);
-      ldmatrix_x4(b, sB + swz<W>(row, kt * 16 + ((lane >> 3) & 1) * 8));
+      load_b(kt, ni, b);
 #pragma unroll
       for (int mi = 0; mi < MI; ++mi) {
         MmaOp<T>::run(acc[mi][ni], a[mi][kt], b[0], b[1]);
@@ -263,6 +262,19 @@ __device__ __forceinline__ void warp_gemm_rs_nt(float (&acc)[MI][NT][4],
   }
 }
 
+// acc[MI][NT] += A B^T with A in registers (16*MI x 16*KT) and B = rows [b_row0, b_row0 + 8*NT)
+// of a swizzled [rows][W] tile, reduced over its first 16*KT columns (the B loads of
+// warp_gemm_nt). (S = Q K^T with q held over many tiles, dU S^T, dU V^T, V dR^T.)
+template <int MI, int NT, int KT, int W, typename T>
+__device__ __forceinline__ void warp_gemm_rs_nt(float (&acc)[MI][NT][4],
+                                                const uint32_t (&a)[MI][KT][4], const T* sB,
+                                                int b_row0, int lane) {
+  warp_gemm_rs_loads<MI, NT, KT, T>(acc, a, [&](int kt, int ni, uint32_t(&b)[4]) {
+    const int row = b_row0 + ni * 8 + (lane & 7) + ((lane >> 4) << 3);
+    ldmatrix_x4(b, sB + swz<W>(row, kt * 16 + ((lane >> 3) & 1) * 8));
+  });
+}
+
 // acc[MI][NT] += A * B where A is in registers as A-fragments a[MI][KT] (16 x 16 each, e.g. the
 // probabilities P from to_a_frags) and B = rows [b_row0, b_row0 + 16*KT) of a swizzled [rows][D]
 // tile, columns [b_col0, b_col0 + 8*NT). (O += P V, dQ += dS K, dV += P^T dO, dK += dS^T Q.)
@@ -270,21 +282,10 @@ template <int MI, int NT, int KT, int D, typename T>
 __device__ __forceinline__ void warp_gemm_rs(float (&acc)[MI][NT][4],
                                              const uint32_t (&a)[MI][KT][4], const T* sB,
                                              int b_row0, int lane, int b_col0 = 0) {
-  static_assert(NT % 2 == 0, "NT must be even (x4 ldmatrix loads two n-tiles)");
-#pragma unroll
-  for (int kt = 0; kt < KT; ++kt) {
-#pragma unroll
-    for (int ni = 0; ni < NT; ni += 2) {
-      uint32_t b[4];
-      const int row = b_row0 + kt * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
-      ldmatrix_x4_trans(b, sB + swz<D>(row, b_col0 + ni * 8 + (lane >> 4) * 8));
-#pragma unroll
-      for (int mi = 0; mi < MI; ++mi) {
-        MmaOp<T>::run(acc[mi][ni], a[mi][kt], b[0], b[1]);
-        MmaOp<T>::run(acc[mi][ni + 1], a[mi][kt], b[2], b[3]);
-      }
-    }
-  }
+  warp_gemm_rs_loads<MI, NT, KT, T>(acc, a, [&](int kt, int ni, uint32_t(&b)[4]) {
+    const int row = b_row0 + kt * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
+    ldmatrix_x4_trans(b, sB + swz<D>(row, b_col0 + ni * 8 + (lane >> 4) * 8));
+  });
 }
 
 // acc[NT] (one 16 x 8 fragment row) += A^T * B where A = rows [0, 16*KT) x columns
