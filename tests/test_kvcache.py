@@ -437,6 +437,22 @@ def test_rows_without_keys_take_the_sink(device, dtype, lmax, num_splits):
         assert_low_precision_rule("lse", lse, ref_low[1], ref64[1])
 
 
+@pytest.mark.parametrize("sink", [float("nan"), float("inf"), float("-inf")])
+def test_nonfinite_sink_cpu(sink):
+    """A NaN or +inf sink makes its head's rows NaN, as the reference's softmax does; a -inf sink
+    is no sink. The other heads are untouched (float64, CPU)."""
+    p = Problem(Case(hq=8, hkv=2, lq=3, lmax=64, sinks=True, alibi="head"), torch.float64, "cpu")
+    p.score_kwargs["sinks"] = p.score_kwargs["sinks"].clone()
+    p.score_kwargs["sinks"][3] = sink
+    out, lse, _, _ = p.run(lazy=False)
+    ref = p.run_reference(lazy=False)
+    assert torch.equal(out.isnan(), ref[0].isnan()) and torch.equal(lse.isnan(), ref[1].isnan())
+    assert out[:, 3].isnan().all() == (sink != float("-inf"))
+    assert not out[:, :3].isnan().any() and not out[:, 4:].isnan().any()
+    finite = ~ref[0].isnan()
+    assert_rel_close("out", out[finite], ref[0][finite], FP64_RTOL)
+
+
 # --------------------------------------------------------------------------------------------
 # float32 (CPU and CUDA) and float16/bfloat16 (2x rule)
 # --------------------------------------------------------------------------------------------
