@@ -93,9 +93,9 @@ def main():
 
 def decode():
     """KV-cache decode: contiguous and paged (pages of 16 and 64), one and several splits, Lq 1
-    and 16, lazy, ALiBi / sinks / relative bias, keys narrower than values; cache_seqlens past
-    the capacity and block-table entries out of range, which the kernels must clamp without
-    reading or writing outside the caches."""
+    and 16, lazy, ALiBi / sinks / relative bias, keys narrower than values, 8-bit pages;
+    cache_seqlens past the capacity and block-table entries out of range, which the kernels must
+    clamp without reading or writing outside the caches."""
     dt = torch.bfloat16
     for d, lq in ((128, 1), (64, 16)):
         q = torch.randn(3, 8, lq, d, device="cuda", dtype=dt)
@@ -143,6 +143,21 @@ def decode():
     table = torch.randperm(3 * 64, device="cuda").int().view(3, 64)
     adaattn.flash_attn_with_kvcache(q, cache_k.view(-1, 2, 16, 32), cache_v.view(-1, 2, 16, 128),
                                     cache_seqlens=lens, block_table=table)
+    # 8-bit pages of 64 keys: 4 and 16 query rows per kv head, keys narrower than values, one
+    # and several splits, with the same lengths and table entries out of range.
+    for lq, d, dv in ((1, 128, 128), (4, 64, 64), (1, 32, 128)):
+        pool_k = torch.randn(3 * 16 + 1, 2, 64, d, device="cuda").to(torch.float8_e4m3fn)
+        pool_v = torch.randn(3 * 16 + 1, 2, 64, dv, device="cuda").to(torch.float8_e4m3fn)
+        scales = [torch.rand(3 * 16 + 1, 2, device="cuda") for _ in range(2)]
+        q = torch.randn(3, 8, lq, d, device="cuda", dtype=dt)
+        table = torch.randperm(3 * 16, device="cuda").int().view(3, 16)
+        table[1, 3] = -5
+        table[2, 0] = 10 ** 6
+        bad = torch.tensor([-3, 2000, 1024], dtype=torch.int32, device="cuda")
+        for splits in (0, 1, 5):
+            adaattn.flash_attn_with_kvcache(q, pool_k, pool_v, cache_seqlens=bad,
+                                            block_table=table, k_scale=scales[0],
+                                            v_scale=scales[1], num_splits=splits)
 
 
 if __name__ == "__main__":

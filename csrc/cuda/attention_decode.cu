@@ -14,7 +14,7 @@
 
 #include "../attention_api.h"
 #include "../core/seq.h"
-#include "tc/decode.h"
+#include "tc/decode_fp8.h"
 #include "tc/runtime.h"
 
 namespace adaattn {
@@ -75,8 +75,9 @@ struct FusedWeightsCfg<NarrowCfg<D, DV>> {
   using type = tc::DecodeTraits<D, DV, 1, Lse::kKeyWarps, Lse::kBlockN, 2, 1, Lse::kStagesBytes>;
 };
 
-// An 8-bit cache is read by DeepNarrowCfg's kernel (with_decode_kernel), whose scales are per
-// page, read once per tile: pages must hold whole tiles, and its rows are one row warp's.
+// An 8-bit cache is read by decode_fp8_kernel on DeepNarrowCfg's tiles (with_decode_kernel),
+// whose scales are per page, read once per tile: pages must hold whole tiles, and its rows are
+// one row warp's.
 static_assert(DeepNarrowCfg<128, 128>::kBlockN == kDecodeFp8MinPage &&
                   DeepNarrowCfg<64, 64>::kBlockN == kDecodeFp8MinPage,
               "8-bit caches take pages of whole tiles");
@@ -238,7 +239,11 @@ int decode_num_splits(VariantId variant, const AttnParams& p, c10::ScalarType dt
       splits = wave_filling_splits(ctas, 3 * sms, most);
       return;
     }
-    splits = static_cast<int>(std::clamp<int64_t>(2 * sms / ctas, 1, most));
+    int per_sm = 2;
+    if constexpr (decltype(fp8)::value) {
+      per_sm = rows <= 8 ? tc::decode_fp8_ctas_per_sm<1>() : tc::decode_fp8_ctas_per_sm<2>();
+    }
+    splits = static_cast<int>(std::clamp<int64_t>(per_sm * sms / ctas, 1, most));
   });
   return splits;
 }
@@ -282,6 +287,30 @@ void attention_decode_tc_cuda(VariantId variant, const AttnParams& p, int num_sp
     const dim3 grid(static_cast<unsigned>(static_cast<int64_t>(p.batch) * p.heads_kv),
                     static_cast<unsigned>((rows + Traits::kRows - 1) / Traits::kRows),
                     static_cast<unsigned>(num_splits));
+    if constexpr (kFp8) {
+      static_assert(Traits::kRows == kDecodeFp8MaxRows, "one CTA takes every row");
+      const tc::DecodeSplits sp{o_part, lse_part, num_splits,
+                                (key_tiles<Traits>(p) + num_splits - 1) / num_splits, nullptr, 0};
+      auto launch = [&](auto row_tiles) {
+        constexpr int kRowTiles = decltype(row_tiles)::value;
+        constexpr auto kernel = tc::decode_fp8_kernel<T, Traits, kRowTiles>;
+        constexpr int kSmem = tc::decode_fp8_smem_bytes<Traits, kRowTiles>();
+        set_smem<kernel>(kSmem);
+        kernel<<<grid, Traits::kThreads, kSmem, stream>>>(p, sp);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      };
+      if (rows <= 8) {
+        launch(Int<1>{});
+      } else {
+        launch(Int<2>{});
+      }
+      if (num_splits > 1) {
+        tc::decode_combine_kernel<T, DV, tc::DecodePass::kOnline, typename V::Transform>
+            <<<static_cast<unsigned>(all_rows), 32 * tc::kCombineWarps, 0, stream>>>(p, sp);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      }
+      return;
+    }
     auto run = [&](auto pass, auto scores_in) {
       constexpr tc::DecodePass kPass = decltype(pass)::value;
       using PassTraits = std::conditional_t<kPass == tc::DecodePass::kLse,
@@ -290,10 +319,9 @@ void attention_decode_tc_cuda(VariantId variant, const AttnParams& p, int num_sp
       const int tiles = key_tiles<PassTraits>(p);
       const tc::DecodeSplits sp{o_part, lse_part, num_splits,
                                 (tiles + num_splits - 1) / num_splits, scores, scores_stride};
-      constexpr auto kernel =
-          tc::decode_kernel<T, PassTraits, V, kPass, decltype(scores_in)::value, kFp8>;
-      constexpr int kSmem =
-          tc::decode_smem_bytes<PassTraits, kPass, decltype(scores_in)::value, kFp8>();
+      constexpr bool kScoresIn = decltype(scores_in)::value;
+      constexpr auto kernel = tc::decode_kernel<T, PassTraits, V, kPass, kScoresIn>;
+      constexpr int kSmem = tc::decode_smem_bytes<PassTraits, kPass, kScoresIn>();
       set_smem<kernel>(kSmem);
       kernel<<<grid, PassTraits::kThreads, kSmem, stream>>>(p, sp);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -318,8 +346,8 @@ void attention_decode_tc_cuda(VariantId variant, const AttnParams& p, int num_sp
                                            scores_stride};
           constexpr auto kernel = tc::decode_lse_weights_kernel<T, Lse, Fused, V>;
           constexpr int kSmem =
-              std::max(tc::decode_smem_bytes<Lse, Pass::kLse, false, false>(),
-                       tc::decode_smem_bytes<Fused, Pass::kWeights, true, false>());
+              std::max(tc::decode_smem_bytes<Lse, Pass::kLse, false>(),
+                       tc::decode_smem_bytes<Fused, Pass::kWeights, true>());
           set_smem<kernel>(kSmem);
           kernel<<<grid, Lse::kThreads, kSmem, stream>>>(p, lse_sp, weight_sp);
           C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -14,17 +14,8 @@
 // one split both run in one kernel (decode_lse_weights_kernel).
 // A positional score modifier is applied per score with each row's head and position (the rows
 // of a warp mix heads).
-//
-// An 8-bit paged cache (kFp8Cache: e4m3 k/v, one float32 scale per page and kv head) streams
-// half the bytes. Each warp copies, converts and multiplies its own 16 keys of a tile (warp
-// barriers only): e4m3 converts exactly to f16 (one instruction per pair), so the products run
-// in f16 on the stored values, with q converted to f16 at a power-of-two scale per row and the
-// page scales applied outside the products: k's to the scores, v's to the probabilities (see
-// Fp8ValueScale). The fragments read the 8-bit rows without ldmatrix, in permuted orders that
-// the products do not see (fp8_gemm_qk, fp8_gemm_pv).
+// An 8-bit paged cache has a mainloop of its own (decode_fp8.h).
 #pragma once
-
-#include <cuda_fp8.h>
 
 #include <climits>
 #include <cmath>
@@ -153,12 +144,6 @@ __device__ __forceinline__ int64_t tile_offset(const AttnParams& p, int block,
   return block * batch_stride + h * head_stride + slot * row_stride;
 }
 
-// Stages of an 8-bit cache's tiles (each half a 16-bit tile's bytes). Three, four and six
-// stages ran within 5% of each other on the bench_decode shapes (H100; three marginally
-// fastest): at two CTAs per SM (the registers allow no more) even three keep enough bytes in
-// flight. Three CTAs per SM (registers capped, or q's fragments kept in shared memory) were
-// slower or mixed (docs/lab/decode.md).
-constexpr int kDecodeFp8Stages = 3;
 // Cache elements of one stage of a pass (decode_kernel): the tile's K (or, kScoresIn, its
 // cached scores, [kRows][kScoreStride] float32) and, but in the lse pass, its V.
 template <typename Traits, DecodePass kPass, bool kScoresIn>
@@ -174,164 +159,60 @@ constexpr int decode_stage_elems() {
 // that loads less (the lse pass: K alone; the weight pass over cached scores: the scores and
 // V) so keeps as many bytes in flight as the online pass (with half-empty stages each pass
 // streamed the cache below the online pass's rate).
-template <typename Traits, DecodePass kPass, bool kScoresIn, bool kFp8Cache>
+template <typename Traits, DecodePass kPass, bool kScoresIn>
 constexpr int decode_stages() {
-  if constexpr (kFp8Cache) {
-    return kDecodeFp8Stages;
-  } else {
-    constexpr int kPacked =
-        Traits::kStagesBytes / (decode_stage_elems<Traits, kPass, kScoresIn>() * 2);
-    return kPacked > Traits::kStages ? kPacked : Traits::kStages;
-  }
+  constexpr int kPacked =
+      Traits::kStagesBytes / (decode_stage_elems<Traits, kPass, kScoresIn>() * 2);
+  return kPacked > Traits::kStages ? kPacked : Traits::kStages;
 }
-// Shared memory of a pass: Q and the stages, with an 8-bit cache's scales (a k, v pair per
-// stage and warp) and wgmma tiles' alignment slack, or the merge buffers if larger.
-template <typename Traits, DecodePass kPass, bool kScoresIn, bool kFp8Cache>
+// Shared memory of a pass: Q and the stages, with wgmma tiles' alignment slack, or the merge
+// buffers if larger.
+template <typename Traits, DecodePass kPass, bool kScoresIn>
 constexpr int decode_smem_bytes() {
-  constexpr int kStages = decode_stages<Traits, kPass, kScoresIn, kFp8Cache>();
-  constexpr int kElemBytes = kFp8Cache ? 1 : 2;
-  constexpr int kBytes =
-      Traits::kQBytes +
-      kStages * decode_stage_elems<Traits, kPass, kScoresIn>() * kElemBytes +
-      (kFp8Cache ? 2 * kStages * (Traits::kThreads / 32) * static_cast<int>(sizeof(float)) : 0) +
-      (Traits::kGmma ? 1024 : 0);
+  constexpr int kStages = decode_stages<Traits, kPass, kScoresIn>();
+  constexpr int kBytes = Traits::kQBytes +
+                         kStages * decode_stage_elems<Traits, kPass, kScoresIn>() * 2 +
+                         (Traits::kGmma ? 1024 : 0);
   return kBytes > Traits::kMergeBytes ? kBytes : Traits::kMergeBytes;
 }
 
-// The 8-bit stages' layout: rows of bytes, whose 16-byte units are XOR-swizzled by the row's
-// place in its warp's 16 keys so that the fragment reads below (four rows 4 apart, or rows
-// pairwise adjacent, per quarter warp) hit distinct banks. kUnits: units per row (a power of 2).
-template <int kUnits>
-__device__ __forceinline__ int fp8_unit(int row, int unit) {
-  return unit ^ ((((row >> 1) & 6) ^ (row & 1)) & (kUnits - 1));
-}
-// Two e4m3 values (low byte first) as f16x2, exactly.
-__device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t pair) {
-  const __half2_raw h =
-      __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(pair & 0xffff), __NV_E4M3);
-  return static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
-}
-// Score column n of n-tile t (of a warp's 16 keys) is key fp8_key(t, n): the four keys of each
-// lane's probabilities (columns 2c, 2c + 1 of both n-tiles) are the consecutive keys 4c..4c+3,
-// the rows whose bytes one lane transposes into its V fragments.
-__device__ __forceinline__ int fp8_key(int t, int n) { return 4 * (n >> 1) + (n & 1) + 2 * t; }
-// Output column j * 8 + n of the P V product holds value column fp8_out_col(j, n): lane g's V
-// fragments are the DV / 8 consecutive bytes DV / 8 * g.. of a row, one per n-tile j.
-template <int DV>
-__device__ __forceinline__ int fp8_out_col(int j, int n) { return DV / 8 * n + j; }
-
-// The value scales of an 8-bit cache in the probabilities: P V over tiles of scales v_t is
-// v_ref * sum_t (P_t * v_t / v_ref) V8_t, with v_ref rebased (the accumulator rescaled by
-// v_ref_old / v_ref_new) when a tile's scale exceeds it or falls below kMinRatio of it, so that
-// the f16 probabilities keep their range. A zero scale (a page of zeros) weighs 0; a NaN one
-// makes the row NaN.
-struct Fp8ValueScale {
-  static constexpr float kMinRatio = 1.f / 64;
-  float ref = 0.f;
-  // The tile's factor for the probabilities; *rebase (1 unless rebased) scales the accumulator.
-  __device__ __forceinline__ float tile(float v_t, float* rebase) {
-    *rebase = 1.f;
-    if (v_t > ref || (v_t > 0.f && v_t < ref * kMinRatio)) {
-      *rebase = ref / v_t;
-      ref = v_t;
-    }
-    return v_t == 0.f ? 0.f : v_t / ref;
-  }
-};
-
-// acc[1][NT] += Q K^T over a warp's 8-bit keys [key0, key0 + 8 NT) of a stage (fp8_unit
-// layout): qf, q's f16 A-fragments in fp8 order (decode_kernel); n-tile t column n is key
-// key0 + 16 (t / 2) + fp8_key(t % 2, n). Lane c reads the D / 4 bytes c * D / 4.. of its row
-// (D = 32: 8 bytes, half a unit; the rows of a half warp then share banks two ways).
-template <int D, int NT>
-__device__ __forceinline__ void fp8_gemm_qk(float (&acc)[1][NT][4],
-                                            const uint32_t (&qf)[D / 16][4], const uint8_t* sK,
-                                            int key0, int lane) {
-  static_assert(D == 32 || D == 64 || D == 128, "keys of width 32, 64 or 128");
-  constexpr int kUnits = D / 16, kLaneBytes = D / 4;
-  const int g = lane >> 2, c = lane & 3;
+// The CTA's rows once its key warps are merged: each valid row's output (or, with several
+// splits, the split's partial output and lse), the sum over the warps' scaled outputs in sO
+// ([kKeyWarps][kRows][kStride] float32, row r of the CTA is query row row0 + r of its kv
+// head's group); kWithLse: lse_of(r), the row's natural-log lse, goes out beside it.
+template <typename T, int DV, int kKeyWarps, int kRows, int kStride, int kThreads, bool kWithLse,
+          typename LseOf>
+__device__ __forceinline__ void store_decode_rows(const AttnParams& p, const DecodeSplits& sp,
+                                                  const float* sO, int valid_rows, int row0,
+                                                  int b, int h_kv, int group, int split, int tid,
+                                                  LseOf&& lse_of) {
+  for (int idx = tid; idx < valid_rows * DV; idx += kThreads) {
+    const int r = idx / DV, col = idx % DV;
+    float acc = 0.f;
 #pragma unroll
-  for (int t = 0; t < NT; ++t) {
-    const int r = key0 + 16 * (t / 2) + fp8_key(t % 2, g);
-    uint32_t w[D / 16];
-#pragma unroll
-    for (int u = 0; u < (kLaneBytes + 15) / 16; ++u) {
-      const int byte = c * kLaneBytes + 16 * u;
-      const uint8_t* src = sK + r * D + 16 * fp8_unit<kUnits>(r, byte / 16) + byte % 16;
-      if constexpr (kLaneBytes >= 16) {
-        const uint4 x = *reinterpret_cast<const uint4*>(src);
-        w[4 * u] = x.x;
-        w[4 * u + 1] = x.y;
-        w[4 * u + 2] = x.z;
-        w[4 * u + 3] = x.w;
-      } else {
-        const uint2 x = *reinterpret_cast<const uint2*>(src);
-        w[0] = x.x;
-        w[1] = x.y;
-      }
-    }
-#pragma unroll
-    for (int step = 0; step < D / 16; ++step) {
-      MmaOp<__half>::run(acc[0][t], qf[step], e4m3x2_to_f16x2(w[step]),
-                         e4m3x2_to_f16x2(w[step] >> 16));
-    }
-  }
-}
-
-// acc[1][DV / 8] += P V over a warp's 8-bit values of keys [key0, key0 + 16 KT) (fp8_unit
-// layout), P as f16 A-fragments in fp8_key order; output column j * 8 + n is value column
-// fp8_out_col(j, n). Lane (g, c) reads bytes DV / 8 * g.. of the rows 4c..4c+3 of each 16
-// keys and transposes them (keys 4c..4c+3 of one column per word) into its B-fragments.
-template <int DV, int KT>
-__device__ __forceinline__ void fp8_gemm_pv(float (&acc)[1][DV / 8][4],
-                                            const uint32_t (&pa)[1][KT][4], const uint8_t* sV,
-                                            int key0, int lane) {
-  constexpr int kUnits = DV / 16, kLaneBytes = DV / 8, kLaneWords = kLaneBytes / 4;
-  static_assert(kLaneBytes == 8 || kLaneBytes == 16, "Dv of 64 or 128");
-  const int g = lane >> 2, c = lane & 3;
-#pragma unroll
-  for (int kt = 0; kt < KT; ++kt) {
-    uint32_t w[4][kLaneWords];
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const int row = key0 + 16 * kt + 4 * c + r;
-      const int byte = kLaneBytes * g;
-      const uint8_t* src = sV + row * DV + 16 * fp8_unit<kUnits>(row, byte / 16) + byte % 16;
-      if constexpr (kLaneWords == 4) {
-        const uint4 x = *reinterpret_cast<const uint4*>(src);
-        w[r][0] = x.x;
-        w[r][1] = x.y;
-        w[r][2] = x.z;
-        w[r][3] = x.w;
-      } else {
-        const uint2 x = *reinterpret_cast<const uint2*>(src);
-        w[r][0] = x.x;
-        w[r][1] = x.y;
-      }
-    }
-#pragma unroll
-    for (int q = 0; q < kLaneWords; ++q) {
-      // A 4 x 4 byte transpose: t[i] holds byte i of the four rows.
-      const uint32_t lo01 = __byte_perm(w[0][q], w[1][q], 0x5140);
-      const uint32_t lo23 = __byte_perm(w[2][q], w[3][q], 0x5140);
-      const uint32_t hi01 = __byte_perm(w[0][q], w[1][q], 0x7362);
-      const uint32_t hi23 = __byte_perm(w[2][q], w[3][q], 0x7362);
-      const uint32_t t[4] = {__byte_perm(lo01, lo23, 0x5410), __byte_perm(lo01, lo23, 0x7632),
-                             __byte_perm(hi01, hi23, 0x5410), __byte_perm(hi01, hi23, 0x7632)};
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        MmaOp<__half>::run(acc[0][4 * q + i], pa[0][kt], e4m3x2_to_f16x2(t[i]),
-                           e4m3x2_to_f16x2(t[i] >> 16));
-      }
+    for (int w = 0; w < kKeyWarps; ++w) acc += sO[(w * kRows + r) * kStride + col];
+    const int row = row0 + r;
+    const int h = h_kv * group + row / p.len_q, q_row = row % p.len_q;
+    const int64_t stat = (static_cast<int64_t>(b) * p.heads_q + h) * p.len_q + q_row;
+    const bool with_lse = kWithLse && col == 0;
+    const float lse = with_lse ? lse_of(r) : 0.f;
+    if (sp.num_splits == 1) {
+      T* out = static_cast<T*>(p.out) + b * p.o_batch_stride + h * p.o_head_stride +
+               q_row * p.o_row_stride;
+      out[col] = from_float<T>(acc);
+      if (with_lse) p.lse[stat] = lse;
+    } else {
+      const int64_t part = static_cast<int64_t>(split) * p.batch * p.heads_q * p.len_q + stat;
+      sp.o_part[part * DV + col] = acc;
+      if (with_lse) sp.lse_part[part] = lse;
     }
   }
 }
 
 // One pass of the decode kernel by the whole CTA (Traits::kThreads threads).
 // kScoresIn: the weight pass reads the scores the lse pass cached (DecodeSplits::scores)
-// instead of K. kFp8Cache: an 8-bit paged cache (p.k_cache_scale, p.v_cache_scale).
-template <typename T, typename Traits, typename Variant, DecodePass kPass, bool kScoresIn,
-          bool kFp8Cache>
+// instead of K.
+template <typename T, typename Traits, typename Variant, DecodePass kPass, bool kScoresIn>
 __device__ __forceinline__ void decode_pass(const AttnParams& p, const DecodeSplits& sp) {
   constexpr int D = Traits::kD;
   constexpr int DV = Traits::kDV;
@@ -348,23 +229,17 @@ __device__ __forceinline__ void decode_pass(const AttnParams& p, const DecodeSpl
   constexpr int kWarpKeys = Traits::kWarpKeys;
   static_assert(!kScoresIn || (kPass == DecodePass::kWeights && Traits::kCanCacheScores),
                 "cached scores feed the weight pass");
-  static_assert(!kFp8Cache || (kPass == DecodePass::kOnline && Mod::kIdentity &&
-                               kRowWarps == 1 && kWarpKeys == 16),
-                "an 8-bit cache feeds the online pass of plain softmax, one row warp");
-  // Cache elements as stored: q's 16-bit type, or e4m3 bytes.
-  using CacheElem = std::conditional_t<kFp8Cache, uint8_t, T>;
-  constexpr int kElemBytes = static_cast<int>(sizeof(CacheElem));
   // A stage (decode_stages) holds the tile's K (or its cached scores) and, but in the lse
-  // pass, its V; 8-bit stages hold e4m3 bytes.
+  // pass, its V.
   constexpr int kKeyAreaElems = decode_key_area_elems<Traits, kPass, kScoresIn>();
   constexpr int kStageElems = decode_stage_elems<Traits, kPass, kScoresIn>();
-  constexpr int kStages = decode_stages<Traits, kPass, kScoresIn, kFp8Cache>();
+  constexpr int kStages = decode_stages<Traits, kPass, kScoresIn>();
   static_assert(kStages >= 2, "two stages at least");
-  static_assert(kKeyAreaElems * kElemBytes % 128 == 0, "stage areas stay 128-byte aligned");
+  static_assert(kKeyAreaElems * 2 % 128 == 0, "stage areas stay 128-byte aligned");
   constexpr int NT = kWarpKeys / 8;
   constexpr int DT = DV / 8;
   constexpr bool kGmma = Traits::kGmma;
-  static_assert(!kGmma || (!kFp8Cache && Traits::kQBytes % 1024 == 0 &&
+  static_assert(!kGmma || (Traits::kQBytes % 1024 == 0 &&
                            kKeyAreaElems * 2 % 1024 == 0 && kStageElems * 2 % 1024 == 0),
                 "wgmma tiles start 1024-byte aligned");
   auto k_off = [](int r, int col) { return decode_tile_off<kGmma, BN, D>(r, col); };
@@ -374,9 +249,7 @@ __device__ __forceinline__ void decode_pass(const AttnParams& p, const DecodeSpl
   // aligned (decode_smem_bytes adds the slack).
   T* sQ = reinterpret_cast<T*>(
       kGmma ? smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023) : smem_raw);
-  CacheElem* sStages = reinterpret_cast<CacheElem*>(sQ + kRows * D);
-  // 8-bit cache: the stages' scales (k, v).
-  float* const sScales = reinterpret_cast<float*>(sStages + kStages * kStageElems);
+  T* sStages = sQ + kRows * D;
 
   const int b = blockIdx.x / p.heads_kv, h_kv = blockIdx.x % p.heads_kv;
   const int row0 = blockIdx.y * kRows;
@@ -439,9 +312,6 @@ __device__ __forceinline__ void decode_pass(const AttnParams& p, const DecodeSpl
   constexpr int kRowStep = kThreads / Traits::kChunksPerRow;
   const int my_row = tid / Traits::kChunksPerRow;
   const int my_col = (tid % Traits::kChunksPerRow) * 8;
-  // 8-bit cache: each warp copies (and alone reads) its own 16 keys of every tile, so its
-  // stages are its own and the mainloop needs warp barriers only; its scales (k, v) per stage.
-  auto scale_slot = [&](int stage) { return sScales + 2 * (warp * kStages + stage); };
   // Pages of kDecodeSegmentKeys keys or more (a power of two) hold whole segments of a tile:
   // one lookup per segment (blocks[s]), and a thread's row i lies in segment
   // i * kRowStep / kDecodeSegmentKeys.
@@ -477,8 +347,8 @@ __device__ __forceinline__ void decode_pass(const AttnParams& p, const DecodeSpl
   const int64_t scores_row0 =
       ((static_cast<int64_t>(b) * p.heads_kv + h_kv) * rows + row0) * sp.scores_stride;
   auto load_stage = [&](int tile, int stage) {
-    CacheElem* sK = sStages + stage * kStageElems;
-    CacheElem* sV = sK + kKeyAreaElems;
+    T* sK = sStages + stage * kStageElems;
+    T* sV = sK + kKeyAreaElems;
     if constexpr (kScoresIn) {
       float* sS = reinterpret_cast<float*>(sK);
       constexpr int kChunks = kRows * BN / 4;
@@ -492,45 +362,17 @@ __device__ __forceinline__ void decode_pass(const AttnParams& p, const DecodeSpl
       }
     }
     // Rows past the sequence copy nothing; their source is their segment's first row.
-    if constexpr (kFp8Cache) {
-      // Pages hold whole tiles (the host requires it): one block and scale pair per tile.
-      static_assert(kSegments == 1, "8-bit tiles are one segment");
-      const int block = clamp_block(p, blocks[0]);
-      auto copy_rows = [&](CacheElem* dst, const void* src, int64_t batch_stride,
-                           int64_t head_stride, int64_t row_stride, auto width) {
-        constexpr int W = decltype(width)::value, kUnits = W / 16;
-        const CacheElem* tile_src =
-            static_cast<const CacheElem*>(src) +
-            tile_offset(p, block, batch_stride, head_stride, row_stride, h_kv,
-                        segment_key(tile, 0));
-#pragma unroll
-        for (int u = lane; u < kWarpKeys * kUnits; u += 32) {
-          const int r = warp * kWarpKeys + u / kUnits, unit = u % kUnits;
-          const bool valid = tile * BN + r < lens.k;
-          cp_async16(dst + r * W + 16 * fp8_unit<kUnits>(r, unit),
-                     tile_src + (valid ? r : 0) * row_stride + 16 * unit, valid);
-        }
-      };
-      copy_rows(sK, p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride,
-                std::integral_constant<int, D>{});
-      copy_rows(sV, p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride,
-                std::integral_constant<int, DV>{});
-      if (lane == 0) {
-        const int64_t at = static_cast<int64_t>(block) * p.heads_kv + h_kv;
-        cp_async4(scale_slot(stage), p.k_cache_scale + at, true);
-        cp_async4(scale_slot(stage) + 1, p.v_cache_scale + at, true);
-      }
-    } else if (tile_pages) {
-      const CacheElem* k_segment[kSegments];
-      const CacheElem* v_segment[kSegments];
+    if (tile_pages) {
+      const T* k_segment[kSegments];
+      const T* v_segment[kSegments];
 #pragma unroll
       for (int sg = 0; sg < kSegments; ++sg) {
         const int block = clamp_block(p, blocks[sg]);
         const int key = segment_key(tile, sg);
-        k_segment[sg] = static_cast<const CacheElem*>(p.k) + my_col +
+        k_segment[sg] = static_cast<const T*>(p.k) + my_col +
                         tile_offset(p, block, p.k_batch_stride, p.k_head_stride,
                                     p.k_row_stride, h_kv, key);
-        v_segment[sg] = static_cast<const CacheElem*>(p.v) + my_col +
+        v_segment[sg] = static_cast<const T*>(p.v) + my_col +
                         tile_offset(p, block, p.v_batch_stride, p.v_head_stride,
                                     p.v_row_stride, h_kv, key);
       }
@@ -551,10 +393,10 @@ __device__ __forceinline__ void decode_pass(const AttnParams& p, const DecodeSpl
       // Pages smaller than a tile (block_table set): a block and a slot per row, the slot's
       // form (mask or division) chosen once per tile so that the rows' copies stay
       // branch-free.
-      const CacheElem* k_head =
-          static_cast<const CacheElem*>(p.k) + h_kv * p.k_head_stride + my_col;
-      const CacheElem* v_head =
-          static_cast<const CacheElem*>(p.v) + h_kv * p.v_head_stride + my_col;
+      const T* k_head =
+          static_cast<const T*>(p.k) + h_kv * p.k_head_stride + my_col;
+      const T* v_head =
+          static_cast<const T*>(p.v) + h_kv * p.v_head_stride + my_col;
       auto copy_rows = [&](auto slot_of) {
 #pragma unroll
         for (int i = 0; i < kPerThread; ++i) {
@@ -597,59 +439,11 @@ __device__ __forceinline__ void decode_pass(const AttnParams& p, const DecodeSpl
     cp_async_commit();
   }
 
-  // 8-bit cache: q's rows as f16 A-fragments in the K fragments' order of dims (k-step s of
-  // lane c: dims c * D / 4 + 4s .. + 3), a 16-bit row scaled by the power of two that puts its
-  // largest magnitude in [2^14, 2^15) (exact but for values below 2^-24 of it, which f16
-  // rounds as subnormals); q_unscale undoes it in the scores.
-  uint32_t qf[kFp8Cache ? D / 16 : 1][4];
-  float q_unscale[2] = {1.f, 1.f};
-  if constexpr (kFp8Cache) {
-    cp_async_wait<kStages - 2>();  // Q landed with the first stage
-    __syncthreads();
-    const int c = lane & 3;
-    auto q_at = [&](int hh, int step) {
-      return sQ + swz<D>(warp_row0 + g + 8 * hh, c * D / 4 + 4 * step);
-    };
-    float q_scale[2] = {1.f, 1.f};
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-        float mx = 0.f;
-#pragma unroll
-        for (int step = 0; step < D / 16; ++step)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) mx = fmaxf(mx, fabsf(to_float(q_at(hh, step)[e])));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
-        // Its exponent, clamped so that both powers stay normal floats (inf and NaN rows
-        // stay inf and NaN).
-        const int e = min(max(((__float_as_int(mx) >> 23) & 0xff) - 127, -100), 100);
-        q_scale[hh] = __int_as_float((127 + 14 - e) << 23);
-        q_unscale[hh] = __int_as_float((127 - 14 + e) << 23);
-      }
-    }
-#pragma unroll
-    for (int step = 0; step < D / 16; ++step)
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const T* x = q_at(hh, step);
-        qf[step][hh] =
-            MmaOp<__half>::pack(to_float(x[0]) * q_scale[hh], to_float(x[1]) * q_scale[hh]);
-        qf[step][2 + hh] =
-            MmaOp<__half>::pack(to_float(x[2]) * q_scale[hh], to_float(x[3]) * q_scale[hh]);
-      }
-  }
-  Fp8ValueScale v_scale;
-  // The 8-bit cache's probabilities come out times 2^kLog2Gain (within f16's range: at most
-  // 2^(kMaxSlack + kLog2Gain), capped at 2^15 for scores beyond 2^25), so that fewer of them
-  // are f16 subnormals.
-  constexpr float kLog2Gain = kFp8Cache ? 6.f : 0.f;
-
   float o[1][DT][4];
   zero(o);
   // O += P V over this warp's keys of the tile, P as to_a_frags left it; with wgmma the
   // warpgroup's product (every warp takes part: callers branch uniformly).
-  auto accumulate_pv = [&](uint32_t(&pa)[1][NT / 2][4], const CacheElem* sV) {
+  auto accumulate_pv = [&](uint32_t(&pa)[1][NT / 2][4], const T* sV) {
     if constexpr (kGmma) {
       sm90::wgmma_fence();
 #pragma unroll
@@ -662,7 +456,7 @@ __device__ __forceinline__ void decode_pass(const AttnParams& p, const DecodeSpl
       sm90::wgmma_commit();
       sm90::wgmma_wait<0>(o[0]);
       sm90::fence_operand(pa[0]);
-    } else if constexpr (!kFp8Cache) {  // (8-bit stages: fp8_gemm_pv)
+    } else {
       warp_gemm_rs<1, DT, NT / 2, DV>(o, pa, sV, key_warp * kWarpKeys, lane);
     }
   };
@@ -674,26 +468,22 @@ __device__ __forceinline__ void decode_pass(const AttnParams& p, const DecodeSpl
   // thread) would cost D = 64 a CTA per SM, and keys narrower than the values the three CTAs per
   // SM they run at; in the lazy passes the gain was mixed (B = 1 1.3% faster, B = 32 paged 1.6%
   // slower in decode_lse_weights_kernel).
-  constexpr bool kQInRegs = kPass == DecodePass::kOnline && !kGmma && !kFp8Cache &&
-                            kRowWarps == 1 && D == DV && D >= 128;
+  constexpr bool kQInRegs =
+      kPass == DecodePass::kOnline && !kGmma && kRowWarps == 1 && D == DV && D >= 128;
   uint32_t qa[1][kQInRegs ? D / 16 : 1][4];
   for (int tile = first; tile < last; ++tile) {
     const int i = tile - first;
     cp_async_wait<kStages - 2>();
     if constexpr (kGmma) sm90::fence_proxy_async();  // the copies, before wgmma reads them
     // The first tile's barrier also makes Q, which every warp copied a part of, visible.
-    if (kFp8Cache && tile != first) {
-      __syncwarp();
-    } else {
-      __syncthreads();
-    }
+    __syncthreads();
     if (tile + kStages - 1 < last) {
       load_stage(tile + kStages - 1, (i + kStages - 1) % kStages);
       lookup(tile + kStages);
     }
     cp_async_commit();
-    const CacheElem* sK = sStages + (i % kStages) * kStageElems;
-    const CacheElem* sV = sK + kKeyAreaElems;
+    const T* sK = sStages + (i % kStages) * kStageElems;
+    const T* sV = sK + kKeyAreaElems;
 
     float s[1][NT][4];
     const int n0 = tile * BN + key_warp * kWarpKeys;
@@ -713,17 +503,7 @@ __device__ __forceinline__ void decode_pass(const AttnParams& p, const DecodeSpl
       scale = 1.f;
     } else {
       zero(s);
-      if constexpr (kFp8Cache) {
-        fp8_gemm_qk<D>(s, qf, sK, key_warp * kWarpKeys, lane);
-        // The softmax scale joins the page's: the row max is then taken on the very values
-        // exponentiated (a fused scale's rounding at large scores would exceed f16's range).
-        const float k_scale = scale_slot(i % kStages)[0] * scale;
-#pragma unroll
-        for (int ni = 0; ni < NT; ++ni)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) s[0][ni][e] *= q_unscale[e >> 1] * k_scale;
-        scale = 1.f;
-      } else if constexpr (kGmma) {
+      if constexpr (kGmma) {
         sm90::wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
@@ -758,18 +538,7 @@ __device__ __forceinline__ void decode_pass(const AttnParams& p, const DecodeSpl
         scale = 1.f;
       }
       if (!(n0 >= all_lo && n0 + kWarpKeys <= all_hi)) {
-        if constexpr (kFp8Cache) {
-#pragma unroll
-          for (int ni = 0; ni < NT; ++ni)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const int hh = e >> 1;
-              const int j = n0 + 16 * (ni / 2) + fp8_key(ni % 2, 2 * (lane & 3) + (e & 1));
-              if (j < rr.lo[0][hh] || j >= rr.hi[0][hh]) s[0][ni][e] = -INFINITY;
-            }
-        } else {
-          mask_scores(s, rr, n0, lane);
-        }
+        mask_scores(s, rr, n0, lane);
       }
       if (kPass == DecodePass::kLse && cached) {
 #pragma unroll
@@ -802,16 +571,8 @@ __device__ __forceinline__ void decode_pass(const AttnParams& p, const DecodeSpl
     // rescaled only when it grows by more (as the Hopper forward, fwd_sm90.h).
     constexpr float kMaxSlack = 8.f;
     float corr[1][2];
-    online_softmax<true, false, kFp8Cache>(s, row_max, row_sum, corr, scale, kMaxSlack,
-                                           kLog2Gain);
+    online_softmax<true>(s, row_max, row_sum, corr, scale, kMaxSlack);
     if constexpr (kPass == DecodePass::kOnline) {
-      if constexpr (kFp8Cache) {
-        float rebase;
-        const float factor = v_scale.tile(scale_slot(i % kStages)[1], &rebase);
-        corr[0][0] *= rebase;
-        corr[0][1] *= rebase;
-        scale_frag(s, factor);
-      }
       if (__any_sync(0xffffffff, corr[0][0] != 1.f || corr[0][1] != 1.f)) {
 #pragma unroll
         for (int di = 0; di < DT; ++di)
@@ -819,13 +580,8 @@ __device__ __forceinline__ void decode_pass(const AttnParams& p, const DecodeSpl
           for (int e = 0; e < 4; ++e) o[0][di][e] *= corr[0][e >> 1];
       }
       uint32_t pa[1][NT / 2][4];
-      if constexpr (kFp8Cache) {
-        to_a_frags<1, NT, __half>(s, pa);
-        fp8_gemm_pv<DV>(o, pa, sV, key_warp * kWarpKeys, lane);
-      } else {
-        to_a_frags<1, NT, T>(s, pa);
-        accumulate_pv(pa, sV);
-      }
+      to_a_frags<1, NT, T>(s, pa);
+      accumulate_pv(pa, sV);
     }
   }
   cp_async_wait_all();
@@ -852,9 +608,9 @@ __device__ __forceinline__ void decode_pass(const AttnParams& p, const DecodeSpl
   auto row_stats = [&](int r, float& m, float& l) {
     // The transform's state before the first key (Transform::row_init: an attention sink's
     // logit with weight 1), counted once per row: here where this CTA finishes the row, else
-    // in decode_combine_kernel. (8-bit caches: plain softmax, whose state is empty.)
+    // in decode_combine_kernel.
     float m0 = -INFINITY, l0 = 0.f;
-    if constexpr (kPass == DecodePass::kOnline && !kFp8Cache) {
+    if constexpr (kPass == DecodePass::kOnline) {
       if (sp.num_splits == 1 && row0 + r < rows) {
         Transform::template row_init<float>(p, h_kv * group + (row0 + r) / p.len_q, m0, l0);
         m0 *= float(M_LOG2E);
@@ -878,17 +634,14 @@ __device__ __forceinline__ void decode_pass(const AttnParams& p, const DecodeSpl
     const int r = warp_row0 + g + 8 * hh;
     float m, l;
     row_stats(r, m, l);
-    const float f = kPass == DecodePass::kWeights ? 1.f
-                    : row_saw_keys(row_sum[0][hh]) ? exp2f(row_max[0][hh] - m) / l *
-                                                        (kFp8Cache ? v_scale.ref : 1.f)
-                                                  : 0.f;
+    const float f = kPass == DecodePass::kWeights     ? 1.f
+                    : row_saw_keys(row_sum[0][hh]) ? exp2f(row_max[0][hh] - m) / l
+                                                   : 0.f;
 #pragma unroll
     for (int di = 0; di < DT; ++di)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const int n = 2 * (lane & 3) + e;
-        const int col = kFp8Cache ? fp8_out_col<DV>(di, n) : di * 8 + n;
-        sO[(key_warp * kRows + r) * DV + col] = o[0][di][2 * hh + e] * f;
+        sO[(key_warp * kRows + r) * DV + di * 8 + 2 * (lane & 3) + e] = o[0][di][2 * hh + e] * f;
       }
   }
   __syncthreads();
@@ -909,39 +662,19 @@ __device__ __forceinline__ void decode_pass(const AttnParams& p, const DecodeSpl
       }
     }
   } else {
-    for (int idx = tid; idx < valid_rows * DV; idx += kThreads) {
-      const int r = idx / DV, col = idx % DV;
-      float acc = 0.f;
-#pragma unroll
-      for (int w = 0; w < kKeyWarps; ++w) acc += sO[(w * kRows + r) * DV + col];
-      const int row = row0 + r;
-      const int h = h_kv * group + row / p.len_q, q_row = row % p.len_q;
-      const int64_t stat = (static_cast<int64_t>(b) * p.heads_q + h) * p.len_q + q_row;
-      float lse = 0.f;
-      if (kPass == DecodePass::kOnline && col == 0) {
-        float m, l;
-        row_stats(r, m, l);
-        lse = row_saw_keys(l) ? (m + log2f(l) - kLog2Gain) * float(M_LN2) : -INFINITY;
-      }
-      if (sp.num_splits == 1) {
-        T* out = static_cast<T*>(p.out) + b * p.o_batch_stride + h * p.o_head_stride +
-                 q_row * p.o_row_stride;
-        out[col] = from_float<T>(acc);
-        if (kPass == DecodePass::kOnline && col == 0) p.lse[stat] = lse;
-      } else {
-        const int64_t part = static_cast<int64_t>(split) * p.batch * p.heads_q * p.len_q + stat;
-        sp.o_part[part * DV + col] = acc;
-        if (kPass == DecodePass::kOnline && col == 0) sp.lse_part[part] = lse;
-      }
-    }
+    store_decode_rows<T, DV, kKeyWarps, kRows, DV, kThreads, kPass == DecodePass::kOnline>(
+        p, sp, sO, valid_rows, row0, b, h_kv, group, split, tid, [&](int r) {
+          float m, l;
+          row_stats(r, m, l);
+          return row_saw_keys(l) ? (m + log2f(l)) * float(M_LN2) : -INFINITY;
+        });
   }
 }
 
-template <typename T, typename Traits, typename Variant, DecodePass kPass, bool kScoresIn = false,
-          bool kFp8Cache = false>
+template <typename T, typename Traits, typename Variant, DecodePass kPass, bool kScoresIn = false>
 __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     decode_kernel(const AttnParams p, const DecodeSplits sp) {
-  decode_pass<T, Traits, Variant, kPass, kScoresIn, kFp8Cache>(p, sp);
+  decode_pass<T, Traits, Variant, kPass, kScoresIn>(p, sp);
 }
 
 // The lse pass and the weight pass over its cached scores in one kernel, for one split per
@@ -957,10 +690,10 @@ __global__ void __launch_bounds__(LseTraits::kThreads, 2)
   static_assert(WeightTraits::kThreads == LseTraits::kThreads &&
                     LseTraits::kRows == WeightTraits::kRows,
                 "the weight pass runs on the lse pass's warps and rows");
-  decode_pass<T, LseTraits, Variant, DecodePass::kLse, false, false>(p, lse_sp);
+  decode_pass<T, LseTraits, Variant, DecodePass::kLse, false>(p, lse_sp);
   // p.lse and the cached scores, written above, are read below (one split: no merge).
   __syncthreads();
-  decode_pass<T, WeightTraits, Variant, DecodePass::kWeights, true, false>(p, weight_sp);
+  decode_pass<T, WeightTraits, Variant, DecodePass::kWeights, true>(p, weight_sp);
 }
 
 // Warps of a decode_combine_kernel CTA, and the splits each warp has in flight.

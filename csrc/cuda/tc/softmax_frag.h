@@ -85,11 +85,7 @@ __device__ __forceinline__ float fold_pairwise(float (&x)[N], Op op) {
 // kBiasedInt (with kRaw): the raw scores are integers x held as the floats 1.5 * 2^23 + x
 // (s32_to_float without its subtraction), whose order is x's; the bias leaves through the
 // exponent's FMA (one rounding of a per-row constant).
-// kF16Probs: the probabilities become f16 (max 65504): exponents are capped at 15 (a NaN
-// passes), in the sum as in P. slack + log2_gain may leave f16 only about two bits of headroom,
-// which the rounding of the shift exceeds where scores reach 2^25 (log2 units); below that the
-// cap never binds.
-template <bool kRaw = false, bool kBiasedInt = false, bool kF16Probs = false, int MI, int NT>
+template <bool kRaw = false, bool kBiasedInt = false, int MI, int NT>
 __device__ __forceinline__ void online_softmax(float (&s)[MI][NT][4], float (&row_max)[MI][2],
                                                float (&row_sum)[MI][2], float (&corr)[MI][2],
                                                float scale = 1.f, float slack = 0.f,
@@ -129,7 +125,6 @@ __device__ __forceinline__ void online_softmax(float (&s)[MI][NT][4], float (&ro
         for (int e = 0; e < 2; ++e) {
           float x = kRaw ? fmaf(s[mi][ni][2 * hh + e], scale, -shift)
                          : s[mi][ni][2 * hh + e] - shift;
-          if constexpr (kF16Probs) x = x > 15.f ? 15.f : x;
           const float pe = exp2f(x);
           s[mi][ni][2 * hh + e] = pe;
           if constexpr (!kTrees) sum += pe;

@@ -20,11 +20,11 @@ namespace {
 
 using OptTensor = std::optional<at::Tensor>;
 
-// cp.async reads 16-byte chunks: base and strides (but the last dim's) multiples of 8 elements.
+// cp.async reads 16-byte chunks: base and strides (but the last dim's) multiples of 16 bytes.
 bool chunk_aligned(const at::Tensor& t) {
   if (reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 != 0) return false;
   for (int64_t d = 0; d + 1 < t.dim(); ++d) {
-    if (t.stride(d) % 8 != 0) return false;
+    if (t.stride(d) * t.element_size() % 16 != 0) return false;
   }
   return true;
 }
