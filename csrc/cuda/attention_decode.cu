@@ -224,7 +224,9 @@ int decode_num_splits(VariantId variant, const AttnParams& p, c10::ScalarType dt
     // more splits only add partial writes and merging. Two CTAs per SM (B = 1, Lk = 128k, 8 kv
     // heads, contiguous cache, CUDA graphs: H200 33 splits 0.137 ms, 16 0.182, 49 0.178, 66
     // 0.155; H100 0.213 at two per SM against 0.206 at one; paged at one per SM: HBM 0.56),
-    // three for 16-bit keys narrower than the values.
+    // three for 16-bit keys narrower than the values. The 8-bit kernel's three CTAs per SM
+    // are a cap, not a target: at B = 1 (4 rows per kv head) 33 splits took 73 us, 49 75 us,
+    // 66 99 us; at B = 32 and 128 one split beat 2-4 (H200, CUDA graphs).
     const int64_t rows = static_cast<int64_t>(p.heads_q / p.heads_kv) * p.len_q;
     const int64_t ctas = static_cast<int64_t>(p.batch) * p.heads_kv *
                          ((rows + Traits::kRows - 1) / Traits::kRows);
@@ -239,11 +241,7 @@ int decode_num_splits(VariantId variant, const AttnParams& p, c10::ScalarType dt
       splits = wave_filling_splits(ctas, 3 * sms, most);
       return;
     }
-    int per_sm = 2;
-    if constexpr (decltype(fp8)::value) {
-      per_sm = rows <= 8 ? tc::decode_fp8_ctas_per_sm<1>() : tc::decode_fp8_ctas_per_sm<2>();
-    }
-    splits = static_cast<int>(std::clamp<int64_t>(per_sm * sms / ctas, 1, most));
+    splits = static_cast<int>(std::clamp<int64_t>(2 * sms / ctas, 1, most));
   });
   return splits;
 }
