@@ -52,30 +52,6 @@ __device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t pair) {
   return static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
 }
 
-// The transpose of an 8 x 8 matrix of 16-bit pairs held as mma fragments (lane 4r + c: row r,
-// columns 2c and 2c + 1).
-__device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
-  uint32_t y;
-  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
-  return y;
-}
-
-// The two 16-bit values of a word (low half first) as floats.
-template <typename T>
-__device__ __forceinline__ void unpack_pair(uint32_t w, float& lo, float& hi) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    lo = __uint_as_float(w << 16);
-    hi = __uint_as_float(w & 0xffff0000u);
-  } else {
-    __half2_raw h;
-    h.x = static_cast<unsigned short>(w & 0xffff);
-    h.y = static_cast<unsigned short>(w >> 16);
-    const float2 f = __half22float2(__half2(h));
-    lo = f.x;
-    hi = f.y;
-  }
-}
-
 // The tile row (of a warp's 16 keys) of S^T's fragment row m: the keys of lane c's P^T
 // B-fragments (m = 2c, 2c + 1, 2c + 8, 2c + 9) are the consecutive rows 4c..4c+3, whose bytes
 // the lane interleaves into its V^T A-fragments.

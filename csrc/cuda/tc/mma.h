@@ -8,6 +8,7 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 namespace adaattn {
 namespace tc {
@@ -78,10 +79,32 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* 
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(smem_addr(p)));
 }
+// The transpose of an 8 x 8 matrix of 16-bit pairs held as mma fragments (lane 4r + c: row r,
+// columns 2c and 2c + 1).
+__device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
+  uint32_t y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
+}
 
 // Explicit conversions: torch builds with __CUDA_NO_HALF_CONVERSIONS__ and friends.
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+// The two 16-bit values of a word (low half first) as floats.
+template <typename T>
+__device__ __forceinline__ void unpack_pair(uint32_t w, float& lo, float& hi) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    lo = __uint_as_float(w << 16);
+    hi = __uint_as_float(w & 0xffff0000u);
+  } else {
+    __half2_raw h;
+    h.x = static_cast<unsigned short>(w & 0xffff);
+    h.y = static_cast<unsigned short>(w >> 16);
+    const float2 f = __half22float2(__half2(h));
+    lo = f.x;
+    hi = f.y;
+  }
+}
 
 template <typename T>
 __device__ __forceinline__ T from_float(float x);
