@@ -231,14 +231,19 @@ int decode_num_splits(VariantId variant, const AttnParams& p, c10::ScalarType dt
     const int64_t ctas = static_cast<int64_t>(p.batch) * p.heads_kv *
                          ((rows + Traits::kRows - 1) / Traits::kRows);
     const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-    if constexpr (Traits::kD < Traits::kDV && Traits::kRowWarps == 1 && !decltype(fp8)::value) {
+    if constexpr (Traits::kD < Traits::kDV && Traits::kRowWarps == 1) {
       // 16-bit keys narrower than the values (a low-rank key cache), one row warp: three CTAs
       // per SM (152 registers, 62-74 KB of shared memory), the grid sized to fill its last
       // wave (H200, R = 32, Dv = 128, GQA 32/8, CUDA graphs: B = 1, Lk = 128k 1.14x -> 1.41x
       // the full-width cache at 49 splits instead of 33 (66: 0.95x); B = 32, Lk = 8k 1.20x ->
       // 1.52x at 3 splits instead of 1 (2: 1.14x)).
+      // An 8-bit cache's narrow keys alike, at its kernel's CTAs per SM.
       static_assert(3 * (Traits::kSmemBytes + 1024) <= 228 * 1024, "three CTAs per SM fit");
-      splits = wave_filling_splits(ctas, 3 * sms, most);
+      int per_sm = 3;
+      if constexpr (decltype(fp8)::value) {
+        per_sm = rows <= 8 ? tc::decode_fp8_ctas_per_sm<1>() : tc::decode_fp8_ctas_per_sm<2>();
+      }
+      splits = wave_filling_splits(ctas, per_sm * sms, most);
       return;
     }
     splits = static_cast<int>(std::clamp<int64_t>(2 * sms / ctas, 1, most));
