@@ -30,7 +30,8 @@ namespace tc {
 // copies per SM in flight.
 constexpr int kDecodeFp8Stages = 3;
 
-// CTAs per SM that decode_fp8_kernel's registers allow (its launch bounds, and the split count).
+// CTAs per SM that decode_fp8_kernel's registers allow (its launch bounds; the split count of
+// keys narrower than the values).
 template <int kRowTiles>
 constexpr int decode_fp8_ctas_per_sm() {
   return kRowTiles == 1 ? 3 : 2;
