@@ -144,6 +144,17 @@ __device__ __forceinline__ int64_t tile_offset(const AttnParams& p, int block,
   return block * batch_stride + h * head_stride + slot * row_stride;
 }
 
+// The key tiles [x, y) of kBlockN keys that split `split` of a CTA takes: of the tiles the query
+// rows' ranges cover (every head of a GQA group shares them), the split's share.
+template <int kBlockN>
+__device__ __forceinline__ int2 split_key_tiles(const AttnParams& p, const SeqLens& lens,
+                                                const DecodeSplits& sp, int split) {
+  const KeyRange keys = tile_key_range(p, lens, 0, p.len_q);
+  const int first = keys.lo / kBlockN + split * sp.tiles_per_split;
+  const int end_tile = keys.hi > keys.lo ? (keys.hi + kBlockN - 1) / kBlockN : 0;
+  return make_int2(first, min(first + sp.tiles_per_split, end_tile));
+}
+
 // Cache elements of one stage of a pass (decode_kernel): the tile's K (or, kScoresIn, its
 // cached scores, [kRows][kScoreStride] float32) and, but in the lse pass, its V.
 template <typename Traits, DecodePass kPass, bool kScoresIn>
@@ -298,12 +309,8 @@ __device__ __forceinline__ void decode_pass(const AttnParams& p, const DecodeSpl
     all_hi = min(all_hi, __shfl_xor_sync(0xffffffff, all_hi, off));
   }
 
-  // This split's key tiles: of the tiles the query rows' ranges cover (every head of the
-  // group shares them), the split's share.
-  const KeyRange keys = tile_key_range(p, lens, 0, p.len_q);
-  const int first = keys.lo / BN + split * sp.tiles_per_split;
-  const int end_tile = keys.hi > keys.lo ? (keys.hi + BN - 1) / BN : 0;
-  const int last = min(first + sp.tiles_per_split, end_tile);
+  const int2 tiles = split_key_tiles<BN>(p, lens, sp, split);
+  const int first = tiles.x, last = tiles.y;
 
   // Each thread copies the same kRowsPerThread rows of every K and V tile; their blocks (pages)
   // are looked up one tile ahead and first used (clamped) when that tile is loaded, so the

@@ -151,11 +151,8 @@ __device__ __forceinline__ void decode_fp8_pass(const AttnParams& p, const Decod
     all_hi = min(all_hi, __shfl_xor_sync(0xffffffff, all_hi, off));
   }
 
-  // This split's key tiles: of the tiles the query rows' ranges cover, the split's share.
-  const KeyRange keys = tile_key_range(p, lens, 0, p.len_q);
-  const int first = keys.lo / BN + split * sp.tiles_per_split;
-  const int end_tile = keys.hi > keys.lo ? (keys.hi + BN - 1) / BN : 0;
-  const int last = min(first + sp.tiles_per_split, end_tile);
+  const int2 tiles = split_key_tiles<BN>(p, lens, sp, split);
+  const int first = tiles.x, last = tiles.y;
 
   // The copies: lane copies units u = lane + 32 i of the warp's 16 rows, row u / kUnits; its
   // source offsets advance by a fixed step, its destinations are fixed per stage.
