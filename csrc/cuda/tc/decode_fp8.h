@@ -6,9 +6,10 @@
 // are the rows of an mma, the query rows (group * Lq <= 16 per kv head) its 8 or 16 columns
 // (kRowTiles). With the few rows of decode (four at GQA 4, Lq = 1) this takes half the
 // products, exponentials and registers of row-major fragments, whose 16 mma rows would be
-// mostly padding. e4m3 converts exactly to f16 (one instruction per pair), so the products run on the
-// stored values, with q converted to f16 at a power-of-two scale per row and the page scales
-// applied outside the products: k's to the scores, v's to the probabilities (Fp8ValueScale).
+// mostly padding. e4m3 converts exactly to f16 (one instruction per pair), so the products run
+// on the stored values, with q converted to f16 at a power-of-two scale per row and the page
+// scales applied outside the products: k's to the scores, v's to the probabilities
+// (Fp8ValueScale).
 // Fragments are built from the bytes in registers: K^T's from 16-byte loads of the lane's own
 // dims (q's B-fragments take the same dims), V^T's from byte interleaves of rows pairwise, P^T's
 // from S^T by movmatrix. Each warp copies, converts and multiplies its own 16 keys of a tile, so
