@@ -155,6 +155,24 @@ __device__ __forceinline__ int2 split_key_tiles(const AttnParams& p, const SeqLe
   return make_int2(first, min(first + sp.tiles_per_split, end_tile));
 }
 
+// Row r's max m and sum l (log2 units) merged over the key warps' states in sMax / sSum
+// ([kKeyWarps][kRows]), from the state (m0, l0) before the first key. A warp whose scores were
+// all NaN keeps max -inf and sum NaN: its NaN still reaches l.
+template <int kKeyWarps, int kRows>
+__device__ __forceinline__ void merge_warp_stats(const float* sMax, const float* sSum, int r,
+                                                 float m0, float l0, float& m, float& l) {
+  m = m0;
+#pragma unroll
+  for (int w = 0; w < kKeyWarps; ++w) m = fmaxf(m, sMax[w * kRows + r]);
+  const float base = m == -INFINITY ? 0.f : m;
+  l = l0 != 0.f ? l0 * exp2f(m0 - base) : 0.f;
+#pragma unroll
+  for (int w = 0; w < kKeyWarps; ++w) {
+    const float lw = sSum[w * kRows + r];
+    if (row_saw_keys(lw)) l += lw * exp2f(sMax[w * kRows + r] - base);
+  }
+}
+
 // Cache elements of one stage of a pass (decode_kernel): the tile's K (or, kScoresIn, its
 // cached scores, [kRows][kScoreStride] float32) and, but in the lse pass, its V.
 template <typename Traits, DecodePass kPass, bool kScoresIn>
@@ -623,17 +641,7 @@ __device__ __forceinline__ void decode_pass(const AttnParams& p, const DecodeSpl
         m0 *= float(M_LOG2E);
       }
     }
-    m = m0;
-#pragma unroll
-    for (int w = 0; w < kKeyWarps; ++w) m = fmaxf(m, sMax[w * kRows + r]);
-    // A warp whose scores were all NaN keeps max -inf and sum NaN: its NaN still reaches l.
-    const float base = m == -INFINITY ? 0.f : m;
-    l = l0 != 0.f ? l0 * exp2f(m0 - base) : 0.f;
-#pragma unroll
-    for (int w = 0; w < kKeyWarps; ++w) {
-      const float lw = sSum[w * kRows + r];
-      if (row_saw_keys(lw)) l += lw * exp2f(sMax[w * kRows + r] - base);
-    }
+    merge_warp_stats<kKeyWarps, kRows>(sMax, sSum, r, m0, l0, m, l);
   };
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {

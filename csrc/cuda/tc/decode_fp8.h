@@ -483,17 +483,7 @@ __device__ __forceinline__ void decode_fp8_pass(const AttnParams& p, const Decod
     }
   __syncthreads();
   auto row_stats = [&](int r, float& m, float& l) {
-    m = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) m = fmaxf(m, sMax[w * kRows + r]);
-    // A warp whose scores were all NaN keeps max -inf and sum NaN: its NaN still reaches l.
-    const float base = m == -INFINITY ? 0.f : m;
-    l = 0.f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) {
-      const float lw = sSum[w * kRows + r];
-      if (row_saw_keys(lw)) l += lw * exp2f(sMax[w * kRows + r] - base);
-    }
+    merge_warp_stats<kWarps, kRows>(sMax, sSum, r, -INFINITY, 0.f, m, l);
   };
 #pragma unroll
   for (int nr = 0; nr < kRowTiles; ++nr)
