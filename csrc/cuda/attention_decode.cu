@@ -324,11 +324,23 @@ void attention_decode_tc_cuda(VariantId variant, const AttnParams& p, int num_sp
       const tc::DecodeSplits sp{o_part, lse_part, num_splits,
                                 (tiles + num_splits - 1) / num_splits, scores, scores_stride};
       constexpr bool kScoresIn = decltype(scores_in)::value;
-      constexpr auto kernel = tc::decode_kernel<T, PassTraits, V, kPass, kScoresIn>;
-      constexpr int kSmem = tc::decode_smem_bytes<PassTraits, kPass, kScoresIn>();
-      set_smem<kernel>(kSmem);
-      kernel<<<grid, PassTraits::kThreads, kSmem, stream>>>(p, sp);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      auto launch = [&](auto key_major) {
+        constexpr auto kernel =
+            tc::decode_kernel<T, PassTraits, V, kPass, kScoresIn, decltype(key_major)::value>;
+        constexpr int kSmem = tc::decode_smem_bytes<PassTraits, kPass, kScoresIn>();
+        set_smem<kernel>(kSmem);
+        kernel<<<grid, PassTraits::kThreads, kSmem, stream>>>(p, sp);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      };
+      if constexpr (tc::decode_has_key_major<PassTraits, V, kPass, kScoresIn>()) {
+        if (rows <= tc::kKeyMajorMaxRows) {
+          launch(std::true_type{});
+        } else {
+          launch(std::false_type{});
+        }
+      } else {
+        launch(std::false_type{});
+      }
       if (num_splits > 1) {
         tc::decode_combine_kernel<T, DV, kPass, typename V::Transform>
             <<<static_cast<unsigned>(all_rows), 32 * tc::kCombineWarps, 0, stream>>>(p, sp);
@@ -348,13 +360,24 @@ void attention_decode_tc_cuda(VariantId variant, const AttnParams& p, int num_sp
                                         scores_stride};
           const tc::DecodeSplits weight_sp{nullptr, nullptr, 1, key_tiles<Fused>(p), scores,
                                            scores_stride};
-          constexpr auto kernel = tc::decode_lse_weights_kernel<T, Lse, Fused, V>;
-          constexpr int kSmem =
-              std::max(tc::decode_smem_bytes<Lse, Pass::kLse, false>(),
-                       tc::decode_smem_bytes<Fused, Pass::kWeights, true>());
-          set_smem<kernel>(kSmem);
-          kernel<<<grid, Lse::kThreads, kSmem, stream>>>(p, lse_sp, weight_sp);
-          C10_CUDA_KERNEL_LAUNCH_CHECK();
+          auto launch = [&](auto key_major) {
+            constexpr auto kernel =
+                tc::decode_lse_weights_kernel<T, Lse, Fused, V, decltype(key_major)::value>;
+            constexpr int kSmem =
+                std::max(tc::decode_smem_bytes<Lse, Pass::kLse, false>(),
+                         tc::decode_smem_bytes<Fused, Pass::kWeights, true>());
+            set_smem<kernel>(kSmem);
+            kernel<<<grid, Lse::kThreads, kSmem, stream>>>(p, lse_sp, weight_sp);
+            C10_CUDA_KERNEL_LAUNCH_CHECK();
+          };
+          if constexpr (tc::decode_has_key_major<Lse, V, Pass::kLse, false>() &&
+                        tc::decode_has_key_major<Fused, V, Pass::kWeights, true>()) {
+            if (rows <= tc::kKeyMajorMaxRows) {
+              launch(std::true_type{});
+              return;
+            }
+          }
+          launch(std::false_type{});
           return;
         }
       }

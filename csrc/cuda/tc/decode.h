@@ -238,10 +238,29 @@ __device__ __forceinline__ void store_decode_rows(const AttnParams& p, const Dec
   }
 }
 
+// The most rows (query heads of a kv head times new tokens) a key-major pass takes: the 8
+// columns of one mma n-tile.
+constexpr int kKeyMajorMaxRows = 8;
+
+// Whether a pass has the key-major form (decode_pass's kKeyMajor): the lse pass, or the weight
+// pass over its cached scores, of one row warp with 16 keys a warp, under no or a positional
+// score modifier.
+template <typename Traits, typename Variant, DecodePass kPass, bool kScoresIn>
+constexpr bool decode_has_key_major() {
+  using Mod = typename Variant::Mod;
+  return (kPass == DecodePass::kLse || kScoresIn) && Traits::kRowWarps == 1 && !Traits::kGmma &&
+         Traits::kWarpKeys == 16 && (Mod::kIdentity || Mod::kPositional) && !Mod::kFoldsScale;
+}
+
 // One pass of the decode kernel by the whole CTA (Traits::kThreads threads).
 // kScoresIn: the weight pass reads the scores the lse pass cached (DecodeSplits::scores)
 // instead of K.
-template <typename T, typename Traits, typename Variant, DecodePass kPass, bool kScoresIn>
+// kKeyMajor: the lse pass, or the weight pass over its cached scores, of one row warp over at
+// most kKeyMajorMaxRows rows, key-major: S^T = K Q^T and O^T = V^T P^T with the warp's 16 keys
+// as mma rows and the query rows as the 8 columns of one n-tile, half the products,
+// exponentials and score modifications of 16 padded rows.
+template <typename T, typename Traits, typename Variant, DecodePass kPass, bool kScoresIn,
+          bool kKeyMajor = false>
 __device__ __forceinline__ void decode_pass(const AttnParams& p, const DecodeSplits& sp) {
   constexpr int D = Traits::kD;
   constexpr int DV = Traits::kDV;
@@ -258,6 +277,9 @@ __device__ __forceinline__ void decode_pass(const AttnParams& p, const DecodeSpl
   constexpr int kWarpKeys = Traits::kWarpKeys;
   static_assert(!kScoresIn || (kPass == DecodePass::kWeights && Traits::kCanCacheScores),
                 "cached scores feed the weight pass");
+  static_assert(!kKeyMajor || decode_has_key_major<Traits, Variant, kPass, kScoresIn>(),
+                "key-major: the lse pass or the weight pass over cached scores, one row warp, "
+                "16 keys a warp, positional modifiers");
   // A stage (decode_stages) holds the tile's K (or its cached scores) and, but in the lse
   // pass, its V.
   constexpr int kKeyAreaElems = decode_key_area_elems<Traits, kPass, kScoresIn>();
@@ -496,6 +518,26 @@ __device__ __forceinline__ void decode_pass(const AttnParams& p, const DecodeSpl
   constexpr bool kQInRegs =
       kPass == DecodePass::kOnline && !kGmma && kRowWarps == 1 && D == DV && D >= 128;
   uint32_t qa[1][kQInRegs ? D / 16 : 1][4];
+  // kKeyMajor: this lane's S^T columns are rows 2c + e (rows < rows - row0 <= 8): their key
+  // ranges, heads, positions and softmax state; q's B-fragments (loaded with the first tile).
+  const int c4 = lane & 3;
+  int km_lo[2], km_hi[2], km_head[2], km_pos[2];
+  float km_max[2] = {-INFINITY, -INFINITY}, km_sum[2] = {0.f, 0.f};
+  uint32_t qb[kKeyMajor ? D / 16 : 1][2];
+  // kKeyMajor weight pass: O^T, m-tile t holding value columns 16t + g (+ 8) of rows 2c, 2c + 1.
+  float ot[kKeyMajor && kPass == DecodePass::kWeights ? DV / 16 : 1][4] = {};
+  if constexpr (kKeyMajor) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int row = row0 + 2 * c4 + e;
+      const int q_row = row % p.len_q;
+      const KeyRange r = row < rows ? key_range(p, lens, q_row) : KeyRange{0, 0};
+      km_lo[e] = r.lo;
+      km_hi[e] = r.hi;
+      km_head[e] = h_kv * group + (row < rows ? row / p.len_q : 0);
+      km_pos[e] = row_position(lens, q_row);
+    }
+  }
   for (int tile = first; tile < last; ++tile) {
     const int i = tile - first;
     cp_async_wait<kStages - 2>();
@@ -509,6 +551,105 @@ __device__ __forceinline__ void decode_pass(const AttnParams& p, const DecodeSpl
     cp_async_commit();
     const T* sK = sStages + (i % kStages) * kStageElems;
     const T* sV = sK + kKeyAreaElems;
+
+    if constexpr (kKeyMajor && kPass == DecodePass::kWeights) {
+      // P^T's B-fragments straight from the cached scores: lane (g, c) takes row g's keys
+      // 2c, 2c + 1 and 2c + 8, 2c + 9 of the warp's 16 (both halves at row g's lse and term).
+      const float* sS = reinterpret_cast<const float*>(sK) + g * Traits::kScoreStride +
+                        key_warp * kWarpKeys + 2 * c4;
+      const float2 lo = *reinterpret_cast<const float2*>(sS);
+      const float2 hi = *reinterpret_cast<const float2*>(sS + 8);
+      float w[1][1][4] = {{{lo.x, lo.y, hi.x, hi.y}}};
+      WeightStats unused;
+      const float lse2_frag[1][2] = {{lse2[0], lse2[0]}};
+      const float c_frag[1][2] = {{row_term[0], row_term[0]}};
+      if (transform_weights<Transform, 1, 1, false>(w, lse2_frag, c_frag, unused).any) {
+        const uint32_t b0 = MmaOp<T>::pack(w[0][0][0], w[0][0][1]);
+        const uint32_t b1 = MmaOp<T>::pack(w[0][0][2], w[0][0][3]);
+        // V^T's A-fragments by transposing loads: lanes 8m.. address matrix m = (keys 8 (m / 2)..,
+        // value columns 16t + 8 (m % 2)..).
+        const int key = key_warp * kWarpKeys + (lane & 7) + ((lane >> 4) << 3);
+#pragma unroll
+        for (int t = 0; t < DV / 16; ++t) {
+          uint32_t a[4];
+          ldmatrix_x4_trans(a, sV + v_off(key, 16 * t + ((lane >> 3) & 1) * 8));
+          MmaOp<T>::run(ot[t], a, b0, b1);
+        }
+      }
+      continue;
+    }
+    if constexpr (kKeyMajor && kPass == DecodePass::kLse) {
+      const int n0 = tile * BN + key_warp * kWarpKeys;
+      if (tile == first) {
+        // B-fragments of q rows 0..7 (k-steps kk, kk + 1 per x4 load: dims kk * 16 + 8 m).
+#pragma unroll
+        for (int kk = 0; kk < D / 16; kk += 2) {
+          uint32_t f[4];
+          ldmatrix_x4(f, sQ + swz<D>(lane & 7, kk * 16 + (lane >> 3) * 8));
+          qb[kk][0] = f[0];
+          qb[kk][1] = f[1];
+          qb[kk + 1][0] = f[2];
+          qb[kk + 1][1] = f[3];
+        }
+      }
+      // st[e]: key n0 + g + 8 (e >> 1), row 2c + (e & 1).
+      float st[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        uint32_t a[4];
+        ldmatrix_x4(a, sK + k_off(key_warp * kWarpKeys + (lane & 15), kk * 16 + (lane >> 4) * 8));
+        MmaOp<T>::run(st, a, qb[kk][0], qb[kk][1]);
+      }
+      float scale = p.scale_log2;
+      if constexpr (Mod::kPositional) {
+        const float x_scale = static_cast<float>(p.scale);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          st[e] = Mod::apply(p, b, km_head[e & 1], km_pos[e & 1], n0 + g + 8 * (e >> 1),
+                             st[e] * x_scale) *
+                  float(M_LOG2E);
+        }
+        scale = 1.f;
+      } else if (!(scale > 0.f)) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) st[e] *= scale;
+        scale = 1.f;
+      }
+      if (!(n0 >= all_lo && n0 + kWarpKeys <= all_hi)) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int j = n0 + g + 8 * (e >> 1);
+          if (j < km_lo[e & 1] || j >= km_hi[e & 1]) st[e] = -INFINITY;
+        }
+      }
+      if (cached) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = 2 * c4 + (e & 1);
+          if (row0 + r < rows) {
+            sp.scores[scores_row0 + r * sp.scores_stride + n0 + g + 8 * (e >> 1)] = st[e] * scale;
+          }
+        }
+      }
+      // The online max and sum of each column, over its keys in lanes 4 apart (as
+      // online_softmax: the max may stay up to kMaxSlack below the true one).
+      constexpr float kMaxSlack = 8.f;
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float mx = fmaxf(st[e], st[2 + e]);
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 4));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 8));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 16));
+        mx = fmaxf(km_max[e], mx * scale);
+        if (!(mx - km_max[e] > kMaxSlack)) mx = km_max[e];
+        const float base = mx == -INFINITY ? 0.f : mx;
+        const float corr = exp2f(km_max[e] - base);
+        km_max[e] = mx;
+        km_sum[e] = km_sum[e] * corr + (exp2f(fmaf(st[e], scale, -base)) +
+                                        exp2f(fmaf(st[2 + e], scale, -base)));
+      }
+      continue;
+    }
 
     float s[1][NT][4];
     const int n0 = tile * BN + key_warp * kWarpKeys;
@@ -617,16 +758,30 @@ __device__ __forceinline__ void decode_pass(const AttnParams& p, const DecodeSpl
   float* sMax = reinterpret_cast<float*>(smem_raw);
   float* sSum = sMax + kKeyWarps * kRows;
   float* sO = sSum + kKeyWarps * kRows;
+  if constexpr (kKeyMajor) {
 #pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    float l = row_sum[0][hh];
-    l += __shfl_xor_sync(0xffffffff, l, 1);
-    l += __shfl_xor_sync(0xffffffff, l, 2);
-    row_sum[0][hh] = l;
-    if ((lane & 3) == 0) {
-      const int r = warp_row0 + g + 8 * hh;
-      sMax[key_warp * kRows + r] = row_max[0][hh];
-      sSum[key_warp * kRows + r] = l;
+    for (int e = 0; e < 2; ++e) {
+      float l = km_sum[e];
+      l += __shfl_xor_sync(0xffffffff, l, 4);
+      l += __shfl_xor_sync(0xffffffff, l, 8);
+      l += __shfl_xor_sync(0xffffffff, l, 16);
+      if (g == 0) {
+        sMax[key_warp * kRows + 2 * c4 + e] = km_max[e];
+        sSum[key_warp * kRows + 2 * c4 + e] = l;
+      }
+    }
+  } else {
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      float l = row_sum[0][hh];
+      l += __shfl_xor_sync(0xffffffff, l, 1);
+      l += __shfl_xor_sync(0xffffffff, l, 2);
+      row_sum[0][hh] = l;
+      if ((lane & 3) == 0) {
+        const int r = warp_row0 + g + 8 * hh;
+        sMax[key_warp * kRows + r] = row_max[0][hh];
+        sSum[key_warp * kRows + r] = l;
+      }
     }
   }
   __syncthreads();
@@ -643,9 +798,17 @@ __device__ __forceinline__ void decode_pass(const AttnParams& p, const DecodeSpl
     }
     merge_warp_stats<kKeyWarps, kRows>(sMax, sSum, r, m0, l0, m, l);
   };
+  if constexpr (kKeyMajor && kPass == DecodePass::kWeights) {
+#pragma unroll
+    for (int t = 0; t < DV / 16; ++t)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        sO[(key_warp * kRows + 2 * c4 + (e & 1)) * DV + 16 * t + g + 8 * (e >> 1)] = ot[t][e];
+      }
+  }
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
-    if constexpr (kPass == DecodePass::kLse) break;
+    if constexpr (kPass == DecodePass::kLse || kKeyMajor) break;
     const int r = warp_row0 + g + 8 * hh;
     float m, l;
     row_stats(r, m, l);
@@ -686,10 +849,11 @@ __device__ __forceinline__ void decode_pass(const AttnParams& p, const DecodeSpl
   }
 }
 
-template <typename T, typename Traits, typename Variant, DecodePass kPass, bool kScoresIn = false>
+template <typename T, typename Traits, typename Variant, DecodePass kPass, bool kScoresIn = false,
+          bool kKeyMajor = false>
 __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     decode_kernel(const AttnParams p, const DecodeSplits sp) {
-  decode_pass<T, Traits, Variant, kPass, kScoresIn>(p, sp);
+  decode_pass<T, Traits, Variant, kPass, kScoresIn, kKeyMajor>(p, sp);
 }
 
 // The lse pass and the weight pass over its cached scores in one kernel, for one split per
@@ -698,17 +862,17 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
 // wave tail, and the lse pass (products and exponentials over half the bytes) left DRAM idle
 // that the weight pass could use: here CTAs in either phase share the SMs. Two CTAs per SM, as
 // the passes apart ran (the weight pass alone took 158 registers a thread).
-template <typename T, typename LseTraits, typename WeightTraits, typename Variant>
+template <typename T, typename LseTraits, typename WeightTraits, typename Variant, bool kKeyMajor>
 __global__ void __launch_bounds__(LseTraits::kThreads, 2)
     decode_lse_weights_kernel(const AttnParams p, const DecodeSplits lse_sp,
                               const DecodeSplits weight_sp) {
   static_assert(WeightTraits::kThreads == LseTraits::kThreads &&
                     LseTraits::kRows == WeightTraits::kRows,
                 "the weight pass runs on the lse pass's warps and rows");
-  decode_pass<T, LseTraits, Variant, DecodePass::kLse, false>(p, lse_sp);
+  decode_pass<T, LseTraits, Variant, DecodePass::kLse, false, kKeyMajor>(p, lse_sp);
   // p.lse and the cached scores, written above, are read below (one split: no merge).
   __syncthreads();
-  decode_pass<T, WeightTraits, Variant, DecodePass::kWeights, true>(p, weight_sp);
+  decode_pass<T, WeightTraits, Variant, DecodePass::kWeights, true, kKeyMajor>(p, weight_sp);
 }
 
 // Warps of a decode_combine_kernel CTA, and the splits each warp has in flight.
