@@ -849,6 +849,82 @@ def test_torch_compile_fullgraph_decode_step(lazy, backend, lq):
         assert not torch.equal(k_c, p.k_cache), "the compiled step did not write the cache"
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged64"])
+@pytest.mark.parametrize("num_splits", [0, 5])
+@pytest.mark.parametrize("lazy", [False, True], ids=["flash", "lazy"])
+def test_cuda_graph_decode_steps(lazy, num_splits, paged):
+    """Four decode steps captured in one CUDA graph (each appends a token at ``cache_seqlens``,
+    attends, then advances ``cache_seqlens`` in place) give the eager steps' outputs and caches
+    bit for bit, and the eager steps meet the 2x rule against the references run step by step:
+    every step's kernels read the rows it appended (new keys at 3x the cache's scale, so a stale
+    slot shows) and what the steps before it wrote."""
+    b, hq, hkv, d, lmax, steps, page = 2, 8, 2, 128, 1024, 4, 64
+    dev, dt = "cuda", torch.bfloat16
+
+    def draw(*shape):
+        return torch.randn(*shape, dtype=torch.float64).to(dev, dt)
+
+    k_seq, v_seq = draw(b, hkv, lmax, d), draw(b, hkv, lmax, d)
+    block_table = None
+    k0, v0 = k_seq, v_seq
+    if paged:
+        pages = lmax // page
+        perm = torch.randperm(b * pages, device=dev)
+        block_table = perm.view(b, pages).to(torch.int32)
+        k0, v0 = (x.unflatten(2, (pages, page)).transpose(1, 2).flatten(0, 1)[perm.argsort()]
+                  for x in (k_seq, v_seq))
+    q = draw(steps, b, hq, 1, d)
+    k_new, v_new = 3 * draw(steps, b, hkv, 1, d), draw(steps, b, hkv, 1, d)
+    tau = torch.full((hq,), -0.5, device=dev)
+    bias = 0.1 * torch.randn(hq, 16, device=dev)
+    start = torch.tensor([300, 777], dtype=torch.int32, device=dev)
+
+    def run_steps(module, k_cache, v_cache, seqlens, outs, **kw):
+        fn = module.lazy_attn_with_kvcache if lazy else module.flash_attn_with_kvcache
+        extra = (tau, bias) if lazy else ()
+        for s in range(steps):
+            qs, ks, vs = (x[s].to(k_cache.dtype) for x in (q, k_new, v_new))
+            out = fn(qs, k_cache, v_cache, ks, vs, *extra, cache_seqlens=seqlens,
+                     block_table=block_table, **kw)
+            if module is reference:
+                k_cache, v_cache = reference.kvcache_append(k_cache, v_cache, ks, vs, seqlens,
+                                                            block_table)
+                seqlens = seqlens + 1
+            else:
+                seqlens.add_(1)
+            outs[s].copy_(out)
+        return k_cache, v_cache
+
+    eager = torch.empty(steps, b, hq, 1, d, dtype=dt, device=dev)
+    k_eager, v_eager = run_steps(adaattn, k0.clone(), v0.clone(), start.clone(), eager,
+                                 num_splits=num_splits)
+    k_graph, v_graph, seqlens = k0.clone(), v0.clone(), start.clone()
+    graphed = torch.empty_like(eager)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(side), torch.cuda.graph(graph, stream=side):
+        run_steps(adaattn, k_graph, v_graph, seqlens, graphed, num_splits=num_splits)
+    torch.cuda.current_stream().wait_stream(side)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(graphed, eager)
+    assert torch.equal(k_graph, k_eager) and torch.equal(v_graph, v_eager)
+    assert seqlens.tolist() == [300 + steps, 777 + steps]
+
+    refs = []
+    for dtype in (dt, torch.float64):
+        outs = torch.empty(steps, b, hq, 1, d, dtype=dtype, device=dev)
+        kw = dict(upcast=dtype == torch.float64) if lazy else {}
+        k_ref, v_ref = run_steps(reference, k0.to(dtype), v0.to(dtype), start.clone(), outs, **kw)
+        refs.append(outs)
+        if dtype == dt:
+            assert torch.equal(k_ref, k_eager) and torch.equal(v_ref, v_eager)
+    for s in range(steps):
+        assert_low_precision_rule(f"step {s}", eager[s], refs[0][s], refs[1][s])
+
+
 # --------------------------------------------------------------------------------------------
 # adaattn.KVCache
 # --------------------------------------------------------------------------------------------

@@ -11,10 +11,12 @@
 #include <atomic>
 #include <cstdint>
 #include <type_traits>
+#include <utility>
 
 #include "../attention_api.h"
 #include "../core/seq.h"
 #include "tc/decode_fp8.h"
+#include "tc/pdl.h"
 #include "tc/runtime.h"
 
 namespace adaattn {
@@ -166,6 +168,9 @@ int key_tiles(const AttnParams& p) {
 // One CTA per new row (b, h, r) of k and v; E is a type of the element's size.
 template <typename E>
 __global__ void append_kernel(const AttnParams p, const KvAppendParams a) {
+  // The decode kernel behind it (launched overlapping) copies the appended rows only after
+  // waiting for this grid.
+  tc::allow_dependent_grids();
   const int item = blockIdx.x;  // (b, h, r)
   const int r = item % p.len_q;
   const int h = item / p.len_q % p.heads_kv;
@@ -273,10 +278,51 @@ int64_t decode_score_cache_stride(VariantId variant, const AttnParams& p,
   return stride;
 }
 
+// Whether the decode kernels may overlap the kernel ahead of them (tc/pdl.h): the library's
+// sm_90a code runs on this GPU.
+static bool overlapping_launches() {
+  const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
+  return tc::kBuiltSm90a && prop->major == 9 && prop->minor == 0;
+}
+
+static void launch_append(const AttnParams& p, const KvAppendParams& a, c10::ScalarType dtype,
+                          cudaStream_t stream) {
+  const int64_t items = static_cast<int64_t>(p.batch) * p.heads_kv * p.len_q;
+  if (items == 0) return;
+  const dim3 grid(static_cast<unsigned>(items));
+  switch (c10::elementSize(dtype)) {
+    case 2:
+      append_kernel<uint16_t><<<grid, 64, 0, stream>>>(p, a);
+      break;
+    case 4:
+      append_kernel<uint32_t><<<grid, 64, 0, stream>>>(p, a);
+      break;
+    default:
+      append_kernel<uint64_t><<<grid, 64, 0, stream>>>(p, a);
+      break;
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 void attention_decode_tc_cuda(VariantId variant, const AttnParams& p, int num_splits,
                               float* o_part, float* lse_part, float* scores,
-                              int64_t scores_stride, c10::ScalarType dtype) {
+                              int64_t scores_stride, c10::ScalarType dtype,
+                              const KvAppendParams* append) {
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  // The first decode kernel overlaps the append (it waits before it copies the appended rows),
+  // every combine kernel the decode kernel ahead of it: each hides a launch and a grid's ramp
+  // (H200, CUDA graphs: see docs/lab/decode.md).
+  const bool overlap = overlapping_launches();
+  bool overlap_first = false;
+  if (append != nullptr) {
+    launch_append(p, *append, dtype, stream);
+    overlap_first = overlap;
+  }
+  auto launch = [&](auto kernel, dim3 grid, int threads, int smem, bool overlaps,
+                    const auto&... args) {
+    C10_CUDA_CHECK(tc::launch_overlapping(kernel, grid, dim3(threads), smem, stream, overlaps,
+                                          args...));
+  };
   const bool found = with_decode_kernel(variant, p.head_dim, p.head_dim_v, dtype, row_warps(p),
                                         p.k_cache_scale != nullptr,
                                         [&](auto t, auto traits, auto v, auto fp8) {
@@ -295,23 +341,21 @@ void attention_decode_tc_cuda(VariantId variant, const AttnParams& p, int num_sp
       static_assert(Traits::kRows == kDecodeFp8MaxRows, "one CTA takes every row");
       const tc::DecodeSplits sp{o_part, lse_part, num_splits,
                                 (key_tiles<Traits>(p) + num_splits - 1) / num_splits, nullptr, 0};
-      auto launch = [&](auto row_tiles) {
+      auto launch_fp8 = [&](auto row_tiles) {
         constexpr int kRowTiles = decltype(row_tiles)::value;
         constexpr auto kernel = tc::decode_fp8_kernel<T, Traits, kRowTiles>;
         constexpr int kSmem = tc::decode_fp8_smem_bytes<Traits, kRowTiles>();
         set_smem<kernel>(kSmem);
-        kernel<<<grid, Traits::kThreads, kSmem, stream>>>(p, sp);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        launch(kernel, grid, Traits::kThreads, kSmem, std::exchange(overlap_first, false), p, sp);
       };
       if (rows <= 8) {
-        launch(Int<1>{});
+        launch_fp8(Int<1>{});
       } else {
-        launch(Int<2>{});
+        launch_fp8(Int<2>{});
       }
       if (num_splits > 1) {
-        tc::decode_combine_kernel<T, DV, tc::DecodePass::kOnline, typename V::Transform>
-            <<<static_cast<unsigned>(all_rows), 32 * tc::kCombineWarps, 0, stream>>>(p, sp);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        launch(tc::decode_combine_kernel<T, DV, tc::DecodePass::kOnline, typename V::Transform>,
+               dim3(static_cast<unsigned>(all_rows)), 32 * tc::kCombineWarps, 0, overlap, p, sp);
       }
       return;
     }
@@ -324,27 +368,26 @@ void attention_decode_tc_cuda(VariantId variant, const AttnParams& p, int num_sp
       const tc::DecodeSplits sp{o_part, lse_part, num_splits,
                                 (tiles + num_splits - 1) / num_splits, scores, scores_stride};
       constexpr bool kScoresIn = decltype(scores_in)::value;
-      auto launch = [&](auto key_major) {
+      auto launch_pass = [&](auto key_major) {
         constexpr auto kernel =
             tc::decode_kernel<T, PassTraits, V, kPass, kScoresIn, decltype(key_major)::value>;
         constexpr int kSmem = tc::decode_smem_bytes<PassTraits, kPass, kScoresIn>();
         set_smem<kernel>(kSmem);
-        kernel<<<grid, PassTraits::kThreads, kSmem, stream>>>(p, sp);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        launch(kernel, grid, PassTraits::kThreads, kSmem, std::exchange(overlap_first, false), p,
+               sp);
       };
       if constexpr (tc::decode_has_key_major<PassTraits, V, kPass, kScoresIn>()) {
         if (rows <= tc::kKeyMajorMaxRows) {
-          launch(std::true_type{});
+          launch_pass(std::true_type{});
         } else {
-          launch(std::false_type{});
+          launch_pass(std::false_type{});
         }
       } else {
-        launch(std::false_type{});
+        launch_pass(std::false_type{});
       }
       if (num_splits > 1) {
-        tc::decode_combine_kernel<T, DV, kPass, typename V::Transform>
-            <<<static_cast<unsigned>(all_rows), 32 * tc::kCombineWarps, 0, stream>>>(p, sp);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        launch(tc::decode_combine_kernel<T, DV, kPass, typename V::Transform>,
+               dim3(static_cast<unsigned>(all_rows)), 32 * tc::kCombineWarps, 0, overlap, p, sp);
       }
     };
     using Pass = tc::DecodePass;
@@ -360,24 +403,23 @@ void attention_decode_tc_cuda(VariantId variant, const AttnParams& p, int num_sp
                                         scores_stride};
           const tc::DecodeSplits weight_sp{nullptr, nullptr, 1, key_tiles<Fused>(p), scores,
                                            scores_stride};
-          auto launch = [&](auto key_major) {
+          auto launch_fused = [&](auto key_major) {
             constexpr auto kernel =
                 tc::decode_lse_weights_kernel<T, Lse, Fused, V, decltype(key_major)::value>;
             constexpr int kSmem =
                 std::max(tc::decode_smem_bytes<Lse, Pass::kLse, false>(),
                          tc::decode_smem_bytes<Fused, Pass::kWeights, true>());
             set_smem<kernel>(kSmem);
-            kernel<<<grid, Lse::kThreads, kSmem, stream>>>(p, lse_sp, weight_sp);
-            C10_CUDA_KERNEL_LAUNCH_CHECK();
+            launch(kernel, grid, Lse::kThreads, kSmem, overlap_first, p, lse_sp, weight_sp);
           };
           if constexpr (tc::decode_has_key_major<Lse, V, Pass::kLse, false>() &&
                         tc::decode_has_key_major<Fused, V, Pass::kWeights, true>()) {
             if (rows <= tc::kKeyMajorMaxRows) {
-              launch(std::true_type{});
+              launch_fused(std::true_type{});
               return;
             }
           }
-          launch(std::false_type{});
+          launch_fused(std::false_type{});
           return;
         }
       }
@@ -398,22 +440,7 @@ void attention_decode_tc_cuda(VariantId variant, const AttnParams& p, int num_sp
 }
 
 void kvcache_append_cuda(const AttnParams& p, const KvAppendParams& a, c10::ScalarType dtype) {
-  const int64_t items = static_cast<int64_t>(p.batch) * p.heads_kv * p.len_q;
-  if (items == 0) return;
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  const dim3 grid(static_cast<unsigned>(items));
-  switch (c10::elementSize(dtype)) {
-    case 2:
-      append_kernel<uint16_t><<<grid, 64, 0, stream>>>(p, a);
-      break;
-    case 4:
-      append_kernel<uint32_t><<<grid, 64, 0, stream>>>(p, a);
-      break;
-    default:
-      append_kernel<uint64_t><<<grid, 64, 0, stream>>>(p, a);
-      break;
-  }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_append(p, a, dtype, at::cuda::getCurrentCUDAStream());
 }
 
 }  // namespace adaattn

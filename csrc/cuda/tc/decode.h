@@ -24,6 +24,7 @@
 #include "../../core/mask.h"
 #include "../../core/params.h"
 #include "mma.h"
+#include "pdl.h"
 #include "softmax_frag.h"
 #include "wgmma.h"
 
@@ -351,6 +352,9 @@ __device__ __forceinline__ void decode_pass(const AttnParams& p, const DecodeSpl
 
   const int2 tiles = split_key_tiles<BN>(p, lens, sp, split);
   const int first = tiles.x, last = tiles.y;
+  // Tiles from this one on hold the rows this call appends (append_kernel, which the launcher
+  // lets this kernel overlap): they are copied only after wait_prior_grid().
+  const int appended_tile = (lens.k - min(lens.k, p.cache_appended)) / BN;
 
   // Each thread copies the same kRowsPerThread rows of every K and V tile; their blocks (pages)
   // are looked up one tile ahead and first used (clamped) when that tile is loaded, so the
@@ -394,6 +398,7 @@ __device__ __forceinline__ void decode_pass(const AttnParams& p, const DecodeSpl
   const int64_t scores_row0 =
       ((static_cast<int64_t>(b) * p.heads_kv + h_kv) * rows + row0) * sp.scores_stride;
   auto load_stage = [&](int tile, int stage) {
+    if (tile >= appended_tile) wait_prior_grid();
     T* sK = sStages + stage * kStageElems;
     T* sV = sK + kKeyAreaElems;
     if constexpr (kScoresIn) {
@@ -853,7 +858,9 @@ template <typename T, typename Traits, typename Variant, DecodePass kPass, bool 
           bool kKeyMajor = false>
 __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     decode_kernel(const AttnParams p, const DecodeSplits sp) {
+  allow_dependent_grids();
   decode_pass<T, Traits, Variant, kPass, kScoresIn, kKeyMajor>(p, sp);
+  wait_prior_grid();
 }
 
 // The lse pass and the weight pass over its cached scores in one kernel, for one split per
@@ -869,10 +876,12 @@ __global__ void __launch_bounds__(LseTraits::kThreads, 2)
   static_assert(WeightTraits::kThreads == LseTraits::kThreads &&
                     LseTraits::kRows == WeightTraits::kRows,
                 "the weight pass runs on the lse pass's warps and rows");
+  allow_dependent_grids();
   decode_pass<T, LseTraits, Variant, DecodePass::kLse, false, kKeyMajor>(p, lse_sp);
   // p.lse and the cached scores, written above, are read below (one split: no merge).
   __syncthreads();
   decode_pass<T, WeightTraits, Variant, DecodePass::kWeights, true, kKeyMajor>(p, weight_sp);
+  wait_prior_grid();
 }
 
 // Warps of a decode_combine_kernel CTA, and the splits each warp has in flight.
@@ -896,6 +905,8 @@ __global__ void __launch_bounds__(32 * kCombineWarps) decode_combine_kernel(
   const int b = static_cast<int>(stat / (static_cast<int64_t>(p.heads_q) * p.len_q));
   const int h = static_cast<int>(stat / p.len_q % p.heads_q);
   const int q_row = static_cast<int>(stat % p.len_q);
+  // Launched overlapping the decode kernel: its partial results are read only from here on.
+  wait_prior_grid();
   float lse = 0.f;
   if constexpr (kPass != DecodePass::kWeights) {
     // Every warp merges the lse (a few loads per lane), so that none waits for another.

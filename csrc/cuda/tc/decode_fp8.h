@@ -513,6 +513,9 @@ __device__ __forceinline__ void decode_fp8_pass(const AttnParams& p, const Decod
 template <typename T, typename Traits, int kRowTiles>
 __global__ void __launch_bounds__(Traits::kThreads, decode_fp8_ctas_per_sm<kRowTiles>())
     decode_fp8_kernel(const AttnParams p, const DecodeSplits sp) {
+  // Its combine kernel may start (and wait) as soon as every CTA runs; nothing is appended to
+  // an 8-bit cache in the op, so no kernel ahead writes what this one reads.
+  allow_dependent_grids();
   decode_fp8_pass<T, Traits, kRowTiles>(p, sp);
 }
 

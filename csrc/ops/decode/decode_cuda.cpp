@@ -53,19 +53,25 @@ std::tuple<at::Tensor, at::Tensor> kvcache_attn_cuda(
   const c10::cuda::CUDAGuard guard(q_in.device());
   const int64_t appended = k.has_value() ? q_in.size(2) : 0;
   check_kvcache_values(op, cache_seqlens, block_table, shape, appended);
-  if (k.has_value() && k->numel() > 0 && shape.capacity > 0) {
+  const bool append = k.has_value() && k->numel() > 0 && shape.capacity > 0;
+  const KvAppendParams new_rows =
+      append ? KvAppendParams{k->data_ptr(), v->data_ptr(), k->stride(0), k->stride(1),
+                              k->stride(2), v->stride(0), v->stride(1), v->stride(2)}
+             : KvAppendParams{};
+  // The kernels other than the decode kernel read the cache after the rows are in.
+  auto append_first = [&] {
+    if (!append) return;
     // The cache operands as the decode kernel reads them: cache_row() for paged caches.
     AttnParams a = make_kvcache_params(q_in, k_cache, v_cache, cache_seqlens, appended, opt);
     set_cache_layout(a, block_table, shape);
-    const KvAppendParams rows{k->data_ptr(), v->data_ptr(), k->stride(0), k->stride(1),
-                              k->stride(2), v->stride(0), v->stride(1), v->stride(2)};
-    kvcache_append_cuda(a, rows, q_in.scalar_type());
-  }
+    kvcache_append_cuda(a, new_rows, q_in.scalar_type());
+  };
 
   const auto lse_options = q_in.options().dtype(at::kFloat);
   at::Tensor out = at::empty(out_shape(q_in, v_cache), q_in.options());
   at::Tensor lse = at::empty(lse_shape(q_in, false), lse_options);
   if (q_in.numel() == 0 || shape.capacity == 0) {
+    append_first();
     out.zero_();
     fill_keyless_lse(lse, mods);
     return {out, lse};
@@ -106,9 +112,10 @@ std::tuple<at::Tensor, at::Tensor> kvcache_attn_cuda(
     }
     attention_decode_tc_cuda(variant, p, splits, o_part, lse_part,
                              scores_stride > 0 ? scores.data_ptr<float>() : nullptr,
-                             scores_stride, q.scalar_type());
+                             scores_stride, q.scalar_type(), append ? &new_rows : nullptr);
     return {out, lse};
   }
+  append_first();
 
   // The prefill kernels on a [B, Hkv, L, D] cache (head dims padded where fp16/bf16 need it).
   const TcLayout layout = tc_layout(op, q_in, v_cache, variant);
