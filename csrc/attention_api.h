@@ -61,24 +61,14 @@ int decode_num_splits(VariantId variant, const AttnParams& p, c10::ScalarType dt
 // reading K again) where they take fewer bytes: the row stride of that float32 scratch
 // [B, Hkv, Hq / Hkv * Lq, stride], or 0 when it is not used.
 int64_t decode_score_cache_stride(VariantId variant, const AttnParams& p, c10::ScalarType dtype);
-// The new rows k [B, Hkv, Lq, D] and v [B, Hkv, Lq, Dv] of a KV-cache call, written into the
-// cache of p (contiguous or paged) at positions cache_seqlens[b] + r; rows that fall outside
-// the cache are dropped. Any dtype; strides in elements, last dims contiguous.
-struct KvAppendParams {
-  const void* k;
-  const void* v;
-  int64_t k_batch_stride, k_head_stride, k_row_stride;
-  int64_t v_batch_stride, v_head_stride, v_row_stride;
-};
-// `append` (or nullptr): rows to write into the cache first, which the decode kernels attend.
+// p.k_new / p.v_new (or null): rows the kernel writes into the cache before it attends them.
 void attention_decode_tc_cuda(VariantId variant, const AttnParams& p, int num_splits,
                               float* o_part, float* lse_part, float* scores,
-                              int64_t scores_stride, c10::ScalarType dtype,
-                              const KvAppendParams* append);
+                              int64_t scores_stride, c10::ScalarType dtype);
 
-// Writes the new rows of a (below) into the cache of p; the decode path passes them to
-// attention_decode_tc_cuda instead, which appends them itself.
-void kvcache_append_cuda(const AttnParams& p, const KvAppendParams& a, c10::ScalarType dtype);
+// Writes p's new rows (k_new, v_new) into its cache, for the kernels other than the decode
+// kernel (which writes them itself).
+void kvcache_append_cuda(const AttnParams& p, c10::ScalarType dtype);
 
 // precision="fp8" (cuda/attention_q8.cu, tc/fwd_q8_sm90.h). The pre-pass's operands of the
 // 8-bit forward from fp16/bf16 q [B, Hq, Lq, D], k [B, Hkv, Lk, D], v [B, Hkv, Lk, Dv] (last

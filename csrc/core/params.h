@@ -157,6 +157,14 @@ struct VariantParams {
 struct KvCacheParams {
   const int* cache_seqlens;  // [B] int32: tokens in the cache before this call's appends
   int cache_appended;        // tokens this call appended (Lq, or 0 when it appended none)
+  // The rows this call appends, k_new [B, Hkv, Lq, D] and v_new [B, Hkv, Lq, Dv] in the cache's
+  // dtype (strides in elements), written at positions cache_seqlens[b] + r (rows past the cache
+  // are dropped) by the decode kernel itself, or by append_kernel ahead of the prefill
+  // kernels. Null: the cache already holds them (or there are none).
+  const void* k_new;
+  const void* v_new;
+  int64_t k_new_batch_stride, k_new_head_stride, k_new_row_stride;
+  int64_t v_new_batch_stride, v_new_head_stride, v_new_row_stride;
   // Paged cache (read by the decode kernel only; the other kernels get a gathered copy): k/v are
   // [num_pages, Hkv, page_size, D] (k/v batch strides are page strides) and key j of entry b
   // lives in page block_table[b * block_table_stride + j / page_size], slot j % page_size.

@@ -11,7 +11,6 @@
 #include <atomic>
 #include <cstdint>
 #include <type_traits>
-#include <utility>
 
 #include "../attention_api.h"
 #include "../core/seq.h"
@@ -165,12 +164,9 @@ int key_tiles(const AttnParams& p) {
   return std::max(1, (p.len_k + Traits::kBlockN - 1) / Traits::kBlockN);
 }
 
-// One CTA per new row (b, h, r) of k and v; E is a type of the element's size.
+// One CTA per new row (b, h, r) of p.k_new and p.v_new; E is a type of the element's size.
 template <typename E>
-__global__ void append_kernel(const AttnParams p, const KvAppendParams a) {
-  // The decode kernel behind it (launched overlapping) copies the appended rows only after
-  // waiting for this grid.
-  tc::allow_dependent_grids();
+__global__ void append_kernel(const AttnParams p) {
   const int item = blockIdx.x;  // (b, h, r)
   const int r = item % p.len_q;
   const int h = item / p.len_q % p.heads_kv;
@@ -178,10 +174,10 @@ __global__ void append_kernel(const AttnParams p, const KvAppendParams a) {
   const int cached = p.cache_seqlens[b];
   if (cached < 0 || cached + r >= p.len_k) return;
   const int pos = cached + r;
-  const E* ks = static_cast<const E*>(a.k) + b * a.k_batch_stride + h * a.k_head_stride +
-                r * a.k_row_stride;
-  const E* vs = static_cast<const E*>(a.v) + b * a.v_batch_stride + h * a.v_head_stride +
-                r * a.v_row_stride;
+  const E* ks = static_cast<const E*>(p.k_new) + b * p.k_new_batch_stride +
+                h * p.k_new_head_stride + r * p.k_new_row_stride;
+  const E* vs = static_cast<const E*>(p.v_new) + b * p.v_new_batch_stride +
+                h * p.v_new_head_stride + r * p.v_new_row_stride;
   const int block = tc::cache_block(p, b, pos);
   E* kd = static_cast<E*>(const_cast<void*>(p.k)) +
           tc::cache_offset(p, block, p.k_batch_stride, p.k_head_stride, p.k_row_stride, h, pos);
@@ -278,46 +274,20 @@ int64_t decode_score_cache_stride(VariantId variant, const AttnParams& p,
   return stride;
 }
 
-// Whether the decode kernels may overlap the kernel ahead of them (tc/pdl.h): the library's
-// sm_90a code runs on this GPU.
+// Whether the combine kernels may overlap the decode kernel ahead of them (tc/pdl.h): the
+// library's sm_90a code runs on this GPU.
 static bool overlapping_launches() {
   const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
   return tc::kBuiltSm90a && prop->major == 9 && prop->minor == 0;
 }
 
-static void launch_append(const AttnParams& p, const KvAppendParams& a, c10::ScalarType dtype,
-                          cudaStream_t stream) {
-  const int64_t items = static_cast<int64_t>(p.batch) * p.heads_kv * p.len_q;
-  if (items == 0) return;
-  const dim3 grid(static_cast<unsigned>(items));
-  switch (c10::elementSize(dtype)) {
-    case 2:
-      append_kernel<uint16_t><<<grid, 64, 0, stream>>>(p, a);
-      break;
-    case 4:
-      append_kernel<uint32_t><<<grid, 64, 0, stream>>>(p, a);
-      break;
-    default:
-      append_kernel<uint64_t><<<grid, 64, 0, stream>>>(p, a);
-      break;
-  }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
 void attention_decode_tc_cuda(VariantId variant, const AttnParams& p, int num_splits,
                               float* o_part, float* lse_part, float* scores,
-                              int64_t scores_stride, c10::ScalarType dtype,
-                              const KvAppendParams* append) {
+                              int64_t scores_stride, c10::ScalarType dtype) {
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  // The first decode kernel overlaps the append (it waits before it copies the appended rows),
-  // every combine kernel the decode kernel ahead of it: each hides a launch and a grid's ramp
-  // (H200, CUDA graphs: see docs/lab/decode.md).
+  // Every combine kernel starts while the decode kernel ahead of it runs, and waits for it
+  // (H200, CUDA graphs: docs/lab/decode.md).
   const bool overlap = overlapping_launches();
-  bool overlap_first = false;
-  if (append != nullptr) {
-    launch_append(p, *append, dtype, stream);
-    overlap_first = overlap;
-  }
   auto launch = [&](auto kernel, dim3 grid, int threads, int smem, bool overlaps,
                     const auto&... args) {
     C10_CUDA_CHECK(tc::launch_overlapping(kernel, grid, dim3(threads), smem, stream, overlaps,
@@ -339,6 +309,7 @@ void attention_decode_tc_cuda(VariantId variant, const AttnParams& p, int num_sp
                     static_cast<unsigned>(num_splits));
     if constexpr (kFp8) {
       static_assert(Traits::kRows == kDecodeFp8MaxRows, "one CTA takes every row");
+      TORCH_CHECK(p.k_new == nullptr, "adaattn: the 8-bit decode kernel appends no rows");
       const tc::DecodeSplits sp{o_part, lse_part, num_splits,
                                 (key_tiles<Traits>(p) + num_splits - 1) / num_splits, nullptr, 0};
       auto launch_fp8 = [&](auto row_tiles) {
@@ -346,7 +317,7 @@ void attention_decode_tc_cuda(VariantId variant, const AttnParams& p, int num_sp
         constexpr auto kernel = tc::decode_fp8_kernel<T, Traits, kRowTiles>;
         constexpr int kSmem = tc::decode_fp8_smem_bytes<Traits, kRowTiles>();
         set_smem<kernel>(kSmem);
-        launch(kernel, grid, Traits::kThreads, kSmem, std::exchange(overlap_first, false), p, sp);
+        launch(kernel, grid, Traits::kThreads, kSmem, false, p, sp);
       };
       if (rows <= 8) {
         launch_fp8(Int<1>{});
@@ -373,8 +344,7 @@ void attention_decode_tc_cuda(VariantId variant, const AttnParams& p, int num_sp
             tc::decode_kernel<T, PassTraits, V, kPass, kScoresIn, decltype(key_major)::value>;
         constexpr int kSmem = tc::decode_smem_bytes<PassTraits, kPass, kScoresIn>();
         set_smem<kernel>(kSmem);
-        launch(kernel, grid, PassTraits::kThreads, kSmem, std::exchange(overlap_first, false), p,
-               sp);
+        launch(kernel, grid, PassTraits::kThreads, kSmem, false, p, sp);
       };
       if constexpr (tc::decode_has_key_major<PassTraits, V, kPass, kScoresIn>()) {
         if (rows <= tc::kKeyMajorMaxRows) {
@@ -410,7 +380,7 @@ void attention_decode_tc_cuda(VariantId variant, const AttnParams& p, int num_sp
                 std::max(tc::decode_smem_bytes<Lse, Pass::kLse, false>(),
                          tc::decode_smem_bytes<Fused, Pass::kWeights, true>());
             set_smem<kernel>(kSmem);
-            launch(kernel, grid, Lse::kThreads, kSmem, overlap_first, p, lse_sp, weight_sp);
+            launch(kernel, grid, Lse::kThreads, kSmem, false, p, lse_sp, weight_sp);
           };
           if constexpr (tc::decode_has_key_major<Lse, V, Pass::kLse, false>() &&
                         tc::decode_has_key_major<Fused, V, Pass::kWeights, true>()) {
@@ -439,8 +409,23 @@ void attention_decode_tc_cuda(VariantId variant, const AttnParams& p, int num_sp
               p.head_dim_v, ") and ", dtype);
 }
 
-void kvcache_append_cuda(const AttnParams& p, const KvAppendParams& a, c10::ScalarType dtype) {
-  launch_append(p, a, dtype, at::cuda::getCurrentCUDAStream());
+void kvcache_append_cuda(const AttnParams& p, c10::ScalarType dtype) {
+  const int64_t items = static_cast<int64_t>(p.batch) * p.heads_kv * p.len_q;
+  if (items == 0) return;
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const dim3 grid(static_cast<unsigned>(items));
+  switch (c10::elementSize(dtype)) {
+    case 2:
+      append_kernel<uint16_t><<<grid, 64, 0, stream>>>(p);
+      break;
+    case 4:
+      append_kernel<uint32_t><<<grid, 64, 0, stream>>>(p);
+      break;
+    default:
+      append_kernel<uint64_t><<<grid, 64, 0, stream>>>(p);
+      break;
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 }  // namespace adaattn

@@ -239,6 +239,33 @@ __device__ __forceinline__ void store_decode_rows(const AttnParams& p, const Dec
   }
 }
 
+// Writes the rows this call appends (p.k_new, p.v_new) of kv head h of entry b whose positions
+// lie in [key_lo, key_hi) into the cache, by the CTA's `threads` threads (element by element:
+// the new rows' strides need not be 16-byte multiples; a decode step appends a few rows).
+template <typename T>
+__device__ __forceinline__ void write_appended_rows(const AttnParams& p, int b, int h,
+                                                    const SeqLens& lens, int key_lo, int key_hi,
+                                                    int tid, int threads) {
+  const int cached = p.cache_seqlens[b];
+  if (cached < 0) return;
+  const int lo = max(key_lo, cached);
+  const int hi = min(min(key_hi, lens.k), cached + p.cache_appended);
+  for (int pos = lo; pos < hi; ++pos) {
+    const int r = pos - cached;
+    const int block = cache_block(p, b, pos);
+    T* kd = static_cast<T*>(const_cast<void*>(p.k)) +
+            cache_offset(p, block, p.k_batch_stride, p.k_head_stride, p.k_row_stride, h, pos);
+    T* vd = static_cast<T*>(const_cast<void*>(p.v)) +
+            cache_offset(p, block, p.v_batch_stride, p.v_head_stride, p.v_row_stride, h, pos);
+    const T* ks = static_cast<const T*>(p.k_new) + b * p.k_new_batch_stride +
+                  h * p.k_new_head_stride + r * p.k_new_row_stride;
+    const T* vs = static_cast<const T*>(p.v_new) + b * p.v_new_batch_stride +
+                  h * p.v_new_head_stride + r * p.v_new_row_stride;
+    for (int c = tid; c < p.head_dim; c += threads) kd[c] = ks[c];
+    for (int c = tid; c < p.head_dim_v; c += threads) vd[c] = vs[c];
+  }
+}
+
 // The most rows (query heads of a kv head times new tokens) a key-major pass takes: the 8
 // columns of one mma n-tile.
 constexpr int kKeyMajorMaxRows = 8;
@@ -352,9 +379,23 @@ __device__ __forceinline__ void decode_pass(const AttnParams& p, const DecodeSpl
 
   const int2 tiles = split_key_tiles<BN>(p, lens, sp, split);
   const int first = tiles.x, last = tiles.y;
-  // Tiles from this one on hold the rows this call appends (append_kernel, which the launcher
-  // lets this kernel overlap): they are copied only after wait_prior_grid().
-  const int appended_tile = (lens.k - min(lens.k, p.cache_appended)) / BN;
+  // The rows this call appends (p.k_new) that fall in this CTA's tiles go into the cache before
+  // the first tile holding one is copied: at the barrier of the iteration kStages - 1 tiles
+  // ahead of it (write_tile), or before the prologue when the prologue copies it. Every CTA that
+  // reads such a row writes it itself (CTAs of other row blocks write the same values), so none
+  // waits for another; and every appended row lies in some split's tiles: the rows' key range
+  // ends at the newest key and starts at or before the oldest new one.
+  int write_tile = INT_MAX;
+  if (kPass != DecodePass::kWeights && p.k_new != nullptr) {
+    write_tile = max(first, max(p.cache_seqlens[b], 0) / BN) - (kStages - 1);
+  }
+  auto write_new_rows = [&] {
+    write_appended_rows<T>(p, b, h_kv, lens, first * BN, last * BN, tid, kThreads);
+  };
+  if (write_tile < first) {
+    write_new_rows();
+    __syncthreads();
+  }
 
   // Each thread copies the same kRowsPerThread rows of every K and V tile; their blocks (pages)
   // are looked up one tile ahead and first used (clamped) when that tile is loaded, so the
@@ -398,7 +439,6 @@ __device__ __forceinline__ void decode_pass(const AttnParams& p, const DecodeSpl
   const int64_t scores_row0 =
       ((static_cast<int64_t>(b) * p.heads_kv + h_kv) * rows + row0) * sp.scores_stride;
   auto load_stage = [&](int tile, int stage) {
-    if (tile >= appended_tile) wait_prior_grid();
     T* sK = sStages + stage * kStageElems;
     T* sV = sK + kKeyAreaElems;
     if constexpr (kScoresIn) {
@@ -545,6 +585,7 @@ __device__ __forceinline__ void decode_pass(const AttnParams& p, const DecodeSpl
   }
   for (int tile = first; tile < last; ++tile) {
     const int i = tile - first;
+    if (tile == write_tile) write_new_rows();
     cp_async_wait<kStages - 2>();
     if constexpr (kGmma) sm90::fence_proxy_async();  // the copies, before wgmma reads them
     // The first tile's barrier also makes Q, which every warp copied a part of, visible.
@@ -858,9 +899,8 @@ template <typename T, typename Traits, typename Variant, DecodePass kPass, bool 
           bool kKeyMajor = false>
 __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     decode_kernel(const AttnParams p, const DecodeSplits sp) {
-  allow_dependent_grids();
+  allow_dependent_grids();  // its combine kernel may start, and waits for this grid
   decode_pass<T, Traits, Variant, kPass, kScoresIn, kKeyMajor>(p, sp);
-  wait_prior_grid();
 }
 
 // The lse pass and the weight pass over its cached scores in one kernel, for one split per
@@ -881,7 +921,6 @@ __global__ void __launch_bounds__(LseTraits::kThreads, 2)
   // p.lse and the cached scores, written above, are read below (one split: no merge).
   __syncthreads();
   decode_pass<T, WeightTraits, Variant, DecodePass::kWeights, true, kKeyMajor>(p, weight_sp);
-  wait_prior_grid();
 }
 
 // Warps of a decode_combine_kernel CTA, and the splits each warp has in flight.

@@ -1,4 +1,5 @@
-// CUDA registration of the KV-cache ops. The new rows are appended by a kernel; fp16/bf16 at the
+// CUDA registration of the KV-cache ops. The decode kernel writes the new rows into the cache
+// itself (append_kernel does ahead of the other kernels); fp16/bf16 at the
 // decode kernel's head dims (D == Dv in {64, 128}; D in {32, 64} with Dv = 128) go to the
 // split-KV kernel, reading a paged cache through its block table. Everything else
 // (float32/float64, other head dims) runs the prefill kernels of the attention core on the cache
@@ -41,6 +42,18 @@ void set_cache_layout(AttnParams& p, const OptTensor& block_table, const KvCache
   p.len_k = static_cast<int>(shape.capacity);
 }
 
+// The rows k [B, Hkv, Lq, D] and v [B, Hkv, Lq, Dv] that the kernels write into the cache.
+void set_new_rows(AttnParams& p, const at::Tensor& k, const at::Tensor& v) {
+  p.k_new = k.data_ptr();
+  p.v_new = v.data_ptr();
+  p.k_new_batch_stride = k.stride(0);
+  p.k_new_head_stride = k.stride(1);
+  p.k_new_row_stride = k.stride(2);
+  p.v_new_batch_stride = v.stride(0);
+  p.v_new_head_stride = v.stride(1);
+  p.v_new_row_stride = v.stride(2);
+}
+
 // k_scale/v_scale: an 8-bit cache that the decode kernel reads as it is (the caller has
 // checked that one applies: fp8_decode_kernel).
 std::tuple<at::Tensor, at::Tensor> kvcache_attn_cuda(
@@ -54,17 +67,14 @@ std::tuple<at::Tensor, at::Tensor> kvcache_attn_cuda(
   const int64_t appended = k.has_value() ? q_in.size(2) : 0;
   check_kvcache_values(op, cache_seqlens, block_table, shape, appended);
   const bool append = k.has_value() && k->numel() > 0 && shape.capacity > 0;
-  const KvAppendParams new_rows =
-      append ? KvAppendParams{k->data_ptr(), v->data_ptr(), k->stride(0), k->stride(1),
-                              k->stride(2), v->stride(0), v->stride(1), v->stride(2)}
-             : KvAppendParams{};
   // The kernels other than the decode kernel read the cache after the rows are in.
   auto append_first = [&] {
     if (!append) return;
     // The cache operands as the decode kernel reads them: cache_row() for paged caches.
     AttnParams a = make_kvcache_params(q_in, k_cache, v_cache, cache_seqlens, appended, opt);
     set_cache_layout(a, block_table, shape);
-    kvcache_append_cuda(a, new_rows, q_in.scalar_type());
+    set_new_rows(a, *k, *v);
+    kvcache_append_cuda(a, q_in.scalar_type());
   };
 
   const auto lse_options = q_in.options().dtype(at::kFloat);
@@ -88,6 +98,7 @@ std::tuple<at::Tensor, at::Tensor> kvcache_attn_cuda(
       p.k_cache_scale = k_scale->data_ptr<float>();
       p.v_cache_scale = v_scale->data_ptr<float>();
     }
+    if (append) set_new_rows(p, *k, *v);
     set_lazy_params(p, tau, bias);
     if (mods != nullptr) mods->set(p);
     set_fwd_outputs(p, out, lse);
@@ -112,7 +123,7 @@ std::tuple<at::Tensor, at::Tensor> kvcache_attn_cuda(
     }
     attention_decode_tc_cuda(variant, p, splits, o_part, lse_part,
                              scores_stride > 0 ? scores.data_ptr<float>() : nullptr,
-                             scores_stride, q.scalar_type(), append ? &new_rows : nullptr);
+                             scores_stride, q.scalar_type());
     return {out, lse};
   }
   append_first();
