@@ -239,31 +239,53 @@ __device__ __forceinline__ void store_decode_rows(const AttnParams& p, const Dec
   }
 }
 
-// Writes the rows this call appends (p.k_new, p.v_new) of kv head h of entry b whose positions
-// lie in [key_lo, key_hi) into the cache, by the CTA's `threads` threads (element by element:
-// the new rows' strides need not be 16-byte multiples; a decode step appends a few rows).
-template <typename T>
-__device__ __forceinline__ void write_appended_rows(const AttnParams& p, int b, int h,
-                                                    const SeqLens& lens, int key_lo, int key_hi,
-                                                    int tid, int threads) {
+// The decode kernel writes the rows a call appends (p.k_new, p.v_new) where each of the first
+// kAppendChunkThreads threads of a CTA takes at most one 16-byte chunk of them (a decode step's
+// few rows: Lq * (D + Dv) / 8 chunks); the launcher runs append_kernel ahead of it otherwise.
+constexpr int kAppendChunkThreads = 128;
+
+// One thread's chunk of the appended rows: 16 bytes of a new K or V row and its cache address
+// (null: the thread has none).
+struct AppendChunk {
+  uint4 value;
+  void* dst;
+};
+
+// Thread tid's chunk of the appended rows of kv head h of entry b at positions in
+// [key_lo, key_hi): row tid / ((D + Dv) / 8), its K chunks first, then its V chunks.
+template <int D, int DV>
+__device__ __forceinline__ AppendChunk load_append_chunk(const AttnParams& p, int b, int h,
+                                                         const SeqLens& lens, int key_lo,
+                                                         int key_hi, int tid) {
+  constexpr int kKChunks = D / 8, kRowChunks = (D + DV) / 8;
+  AppendChunk c{make_uint4(0, 0, 0, 0), nullptr};
   const int cached = p.cache_seqlens[b];
-  if (cached < 0) return;
-  const int lo = max(key_lo, cached);
-  const int hi = min(min(key_hi, lens.k), cached + p.cache_appended);
-  for (int pos = lo; pos < hi; ++pos) {
-    const int r = pos - cached;
-    const int block = cache_block(p, b, pos);
-    T* kd = static_cast<T*>(const_cast<void*>(p.k)) +
-            cache_offset(p, block, p.k_batch_stride, p.k_head_stride, p.k_row_stride, h, pos);
-    T* vd = static_cast<T*>(const_cast<void*>(p.v)) +
-            cache_offset(p, block, p.v_batch_stride, p.v_head_stride, p.v_row_stride, h, pos);
-    const T* ks = static_cast<const T*>(p.k_new) + b * p.k_new_batch_stride +
-                  h * p.k_new_head_stride + r * p.k_new_row_stride;
-    const T* vs = static_cast<const T*>(p.v_new) + b * p.v_new_batch_stride +
-                  h * p.v_new_head_stride + r * p.v_new_row_stride;
-    for (int c = tid; c < p.head_dim; c += threads) kd[c] = ks[c];
-    for (int c = tid; c < p.head_dim_v; c += threads) vd[c] = vs[c];
+  const int r = tid / kRowChunks, chunk = tid % kRowChunks;
+  const int pos = cached + r;
+  if (tid >= kAppendChunkThreads || cached < 0 || r >= p.cache_appended || pos < key_lo ||
+      pos >= key_hi || pos >= lens.k) {
+    return c;
   }
+  const int block = cache_block(p, b, pos);
+  const bool is_k = chunk < kKChunks;
+  const int col = (is_k ? chunk : chunk - kKChunks) * 8;
+  const uint16_t* src =
+      is_k ? static_cast<const uint16_t*>(p.k_new) + b * p.k_new_batch_stride +
+                 h * p.k_new_head_stride + r * p.k_new_row_stride
+           : static_cast<const uint16_t*>(p.v_new) + b * p.v_new_batch_stride +
+                 h * p.v_new_head_stride + r * p.v_new_row_stride;
+  uint16_t* dst =
+      is_k ? static_cast<uint16_t*>(const_cast<void*>(p.k)) +
+                 cache_offset(p, block, p.k_batch_stride, p.k_head_stride, p.k_row_stride, h, pos)
+           : static_cast<uint16_t*>(const_cast<void*>(p.v)) +
+                 cache_offset(p, block, p.v_batch_stride, p.v_head_stride, p.v_row_stride, h, pos);
+  c.value = *reinterpret_cast<const uint4*>(src + col);
+  c.dst = dst + col;
+  return c;
+}
+
+__device__ __forceinline__ void store_append_chunk(const AppendChunk& c) {
+  if (c.dst != nullptr) *static_cast<uint4*>(c.dst) = c.value;
 }
 
 // The most rows (query heads of a kv head times new tokens) a key-major pass takes: the 8
@@ -379,21 +401,23 @@ __device__ __forceinline__ void decode_pass(const AttnParams& p, const DecodeSpl
 
   const int2 tiles = split_key_tiles<BN>(p, lens, sp, split);
   const int first = tiles.x, last = tiles.y;
-  // The rows this call appends (p.k_new) that fall in this CTA's tiles go into the cache before
-  // the first tile holding one is copied: at the barrier of the iteration kStages - 1 tiles
-  // ahead of it (write_tile), or before the prologue when the prologue copies it. Every CTA that
-  // reads such a row writes it itself (CTAs of other row blocks write the same values), so none
-  // waits for another; and every appended row lies in some split's tiles: the rows' key range
-  // ends at the newest key and starts at or before the oldest new one.
+  // The rows this call appends (p.k_new) that fall in this CTA's tiles: each thread loads its
+  // chunk of them now and stores it into the cache before the first tile holding one is copied,
+  // at the barrier of the iteration kStages - 1 tiles ahead of it (write_tile), or before the
+  // prologue when the prologue copies it. Every CTA that reads such a row writes it itself (CTAs
+  // of other row blocks write the same values), so none waits for another; and every appended
+  // row lies in some split's tiles: the rows' key range ends at the newest key and starts at or
+  // before the oldest new one.
+  static_assert(sizeof(T) == 2 && Traits::kThreads >= kAppendChunkThreads,
+                "16-bit caches; a chunk for each of the first kAppendChunkThreads threads");
+  AppendChunk new_chunk{};
   int write_tile = INT_MAX;
   if (kPass != DecodePass::kWeights && p.k_new != nullptr) {
+    new_chunk = load_append_chunk<D, DV>(p, b, h_kv, lens, first * BN, last * BN, tid);
     write_tile = max(first, max(p.cache_seqlens[b], 0) / BN) - (kStages - 1);
   }
-  auto write_new_rows = [&] {
-    write_appended_rows<T>(p, b, h_kv, lens, first * BN, last * BN, tid, kThreads);
-  };
   if (write_tile < first) {
-    write_new_rows();
+    store_append_chunk(new_chunk);
     __syncthreads();
   }
 
@@ -585,7 +609,7 @@ __device__ __forceinline__ void decode_pass(const AttnParams& p, const DecodeSpl
   }
   for (int tile = first; tile < last; ++tile) {
     const int i = tile - first;
-    if (tile == write_tile) write_new_rows();
+    if (tile == write_tile) store_append_chunk(new_chunk);
     cp_async_wait<kStages - 2>();
     if constexpr (kGmma) sm90::fence_proxy_async();  // the copies, before wgmma reads them
     // The first tile's barrier also makes Q, which every warp copied a part of, visible.
