@@ -156,6 +156,19 @@ __device__ __forceinline__ int2 split_key_tiles(const AttnParams& p, const SeqLe
   return make_int2(first, min(first + sp.tiles_per_split, end_tile));
 }
 
+// The max and the sum of x over the 8 lanes that hold one column of a key-major (S^T) tile:
+// lanes g = 0..7 of the same c (4 apart).
+__device__ __forceinline__ float key_column_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 4));
+  x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 8));
+  return fmaxf(x, __shfl_xor_sync(0xffffffff, x, 16));
+}
+__device__ __forceinline__ float key_column_sum(float x) {
+  x += __shfl_xor_sync(0xffffffff, x, 4);
+  x += __shfl_xor_sync(0xffffffff, x, 8);
+  return x + __shfl_xor_sync(0xffffffff, x, 16);
+}
+
 // Row r's max m and sum l (log2 units) merged over the key warps' states in sMax / sSum
 // ([kKeyWarps][kRows]), from the state (m0, l0) before the first key. A warp whose scores were
 // all NaN keeps max -inf and sum NaN: its NaN still reaches l.
@@ -706,10 +719,7 @@ __device__ __forceinline__ void decode_pass(const AttnParams& p, const DecodeSpl
       constexpr float kMaxSlack = 8.f;
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        float mx = fmaxf(st[e], st[2 + e]);
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 4));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 8));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 16));
+        float mx = key_column_max(fmaxf(st[e], st[2 + e]));
         mx = fmaxf(km_max[e], mx * scale);
         if (!(mx - km_max[e] > kMaxSlack)) mx = km_max[e];
         const float base = mx == -INFINITY ? 0.f : mx;
@@ -831,10 +841,7 @@ __device__ __forceinline__ void decode_pass(const AttnParams& p, const DecodeSpl
   if constexpr (kKeyMajor) {
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
-      float l = km_sum[e];
-      l += __shfl_xor_sync(0xffffffff, l, 4);
-      l += __shfl_xor_sync(0xffffffff, l, 8);
-      l += __shfl_xor_sync(0xffffffff, l, 16);
+      const float l = key_column_sum(km_sum[e]);
       if (g == 0) {
         sMax[key_warp * kRows + 2 * c4 + e] = km_max[e];
         sSum[key_warp * kRows + 2 * c4 + e] = l;

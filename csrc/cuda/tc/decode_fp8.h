@@ -373,10 +373,7 @@ __device__ __forceinline__ void decode_fp8_pass(const AttnParams& p, const Decod
     for (int nr = 0; nr < kRowTiles; ++nr)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        float mx = fmaxf(st[nr][e], st[nr][2 + e]);
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 4));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 8));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 16));
+        float mx = key_column_max(fmaxf(st[nr][e], st[nr][2 + e]));
         mx = fmaxf(row_max[nr][e], mx);
         if (!(mx - row_max[nr][e] > kMaxSlack)) mx = row_max[nr][e];
         const float base = mx == -INFINITY ? 0.f : mx;
@@ -470,10 +467,7 @@ __device__ __forceinline__ void decode_fp8_pass(const AttnParams& p, const Decod
   for (int nr = 0; nr < kRowTiles; ++nr)
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
-      float l = row_sum[nr][e];
-      l += __shfl_xor_sync(0xffffffff, l, 4);
-      l += __shfl_xor_sync(0xffffffff, l, 8);
-      l += __shfl_xor_sync(0xffffffff, l, 16);
+      const float l = key_column_sum(row_sum[nr][e]);
       row_sum[nr][e] = l;
       if (g == 0) {
         const int r = 8 * nr + 2 * c + e;
