@@ -850,15 +850,17 @@ def test_torch_compile_fullgraph_decode_step(lazy, backend, lq):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("lq", [1, 16])
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged64"])
 @pytest.mark.parametrize("num_splits", [0, 5])
 @pytest.mark.parametrize("lazy", [False, True], ids=["flash", "lazy"])
-def test_cuda_graph_decode_steps(lazy, num_splits, paged):
-    """Four decode steps captured in one CUDA graph (each appends a token at ``cache_seqlens``,
+def test_cuda_graph_decode_steps(lazy, num_splits, paged, lq):
+    """Four decode steps captured in one CUDA graph (each appends Lq tokens at ``cache_seqlens``,
     attends, then advances ``cache_seqlens`` in place) give the eager steps' outputs and caches
     bit for bit, and the eager steps meet the 2x rule against the references run step by step:
     every step's kernels read the rows it appended (new keys at 3x the cache's scale, so a stale
-    slot shows) and what the steps before it wrote."""
+    slot shows) and what the steps before it wrote. Lq = 1: the decode kernel writes the rows;
+    Lq = 16: append_kernel does, ahead of it."""
     b, hq, hkv, d, lmax, steps, page = 2, 8, 2, 128, 1024, 4, 64
     dev, dt = "cuda", torch.bfloat16
 
@@ -874,8 +876,8 @@ def test_cuda_graph_decode_steps(lazy, num_splits, paged):
         block_table = perm.view(b, pages).to(torch.int32)
         k0, v0 = (x.unflatten(2, (pages, page)).transpose(1, 2).flatten(0, 1)[perm.argsort()]
                   for x in (k_seq, v_seq))
-    q = draw(steps, b, hq, 1, d)
-    k_new, v_new = 3 * draw(steps, b, hkv, 1, d), draw(steps, b, hkv, 1, d)
+    q = draw(steps, b, hq, lq, d)
+    k_new, v_new = 3 * draw(steps, b, hkv, lq, d), draw(steps, b, hkv, lq, d)
     tau = torch.full((hq,), -0.5, device=dev)
     bias = 0.1 * torch.randn(hq, 16, device=dev)
     start = torch.tensor([300, 777], dtype=torch.int32, device=dev)
@@ -890,13 +892,13 @@ def test_cuda_graph_decode_steps(lazy, num_splits, paged):
             if module is reference:
                 k_cache, v_cache = reference.kvcache_append(k_cache, v_cache, ks, vs, seqlens,
                                                             block_table)
-                seqlens = seqlens + 1
+                seqlens = seqlens + lq
             else:
-                seqlens.add_(1)
+                seqlens.add_(lq)
             outs[s].copy_(out)
         return k_cache, v_cache
 
-    eager = torch.empty(steps, b, hq, 1, d, dtype=dt, device=dev)
+    eager = torch.empty(steps, b, hq, lq, d, dtype=dt, device=dev)
     k_eager, v_eager = run_steps(adaattn, k0.clone(), v0.clone(), start.clone(), eager,
                                  num_splits=num_splits)
     k_graph, v_graph, seqlens = k0.clone(), v0.clone(), start.clone()
@@ -911,11 +913,11 @@ def test_cuda_graph_decode_steps(lazy, num_splits, paged):
     torch.cuda.synchronize()
     assert torch.equal(graphed, eager)
     assert torch.equal(k_graph, k_eager) and torch.equal(v_graph, v_eager)
-    assert seqlens.tolist() == [300 + steps, 777 + steps]
+    assert seqlens.tolist() == [300 + steps * lq, 777 + steps * lq]
 
     refs = []
     for dtype in (dt, torch.float64):
-        outs = torch.empty(steps, b, hq, 1, d, dtype=dtype, device=dev)
+        outs = torch.empty(steps, b, hq, lq, d, dtype=dtype, device=dev)
         kw = dict(upcast=dtype == torch.float64) if lazy else {}
         k_ref, v_ref = run_steps(reference, k0.to(dtype), v0.to(dtype), start.clone(), outs, **kw)
         refs.append(outs)

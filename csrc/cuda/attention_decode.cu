@@ -10,6 +10,7 @@
 #include <array>
 #include <atomic>
 #include <cstdint>
+#include <initializer_list>
 #include <type_traits>
 
 #include "../attention_api.h"
@@ -164,27 +165,57 @@ int key_tiles(const AttnParams& p) {
   return std::max(1, (p.len_k + Traits::kBlockN - 1) / Traits::kBlockN);
 }
 
-// One CTA per new row (b, h, r) of p.k_new and p.v_new; E is a type of the element's size.
+// Threads of an append_kernel CTA, and the units each thread has in flight.
+constexpr int kAppendThreads = 128;
+constexpr int kAppendUnroll = 4;
+
+// One CTA per (b, h): every new row of kv head h of entry b (p.k_new, p.v_new) into the cache,
+// in units of E (16 bytes where the rows and strides allow, else one element), kAppendUnroll
+// loads in flight a thread before their stores. Not one CTA per row: 16 new rows at B = 128,
+// GQA 32/8 would be 16384 CTAs of one row each, bound by launch and latency.
 template <typename E>
-__global__ void append_kernel(const AttnParams p) {
-  const int item = blockIdx.x;  // (b, h, r)
-  const int r = item % p.len_q;
-  const int h = item / p.len_q % p.heads_kv;
-  const int b = item / p.len_q / p.heads_kv;
+__global__ void __launch_bounds__(kAppendThreads) append_kernel(const AttnParams p,
+                                                                 int elem_bytes) {
+  const int b = blockIdx.x / p.heads_kv, h = blockIdx.x % p.heads_kv;
   const int cached = p.cache_seqlens[b];
-  if (cached < 0 || cached + r >= p.len_k) return;
-  const int pos = cached + r;
-  const E* ks = static_cast<const E*>(p.k_new) + b * p.k_new_batch_stride +
-                h * p.k_new_head_stride + r * p.k_new_row_stride;
-  const E* vs = static_cast<const E*>(p.v_new) + b * p.v_new_batch_stride +
-                h * p.v_new_head_stride + r * p.v_new_row_stride;
-  const int block = tc::cache_block(p, b, pos);
-  E* kd = static_cast<E*>(const_cast<void*>(p.k)) +
-          tc::cache_offset(p, block, p.k_batch_stride, p.k_head_stride, p.k_row_stride, h, pos);
-  E* vd = static_cast<E*>(const_cast<void*>(p.v)) +
-          tc::cache_offset(p, block, p.v_batch_stride, p.v_head_stride, p.v_row_stride, h, pos);
-  for (int c = threadIdx.x; c < p.head_dim; c += blockDim.x) kd[c] = ks[c];
-  for (int c = threadIdx.x; c < p.head_dim_v; c += blockDim.x) vd[c] = vs[c];
+  if (cached < 0) return;
+  const int k_units = p.head_dim * elem_bytes / static_cast<int>(sizeof(E));
+  const int row_units = k_units + p.head_dim_v * elem_bytes / static_cast<int>(sizeof(E));
+  const int rows = min(p.len_q, p.len_k - cached);  // rows past the cache are dropped
+  const int units = max(rows, 0) * row_units;
+  auto bytes = [&](const void* base, int64_t elems) {
+    return static_cast<const char*>(base) + elems * elem_bytes;
+  };
+  for (int u0 = threadIdx.x; u0 < units; u0 += kAppendUnroll * kAppendThreads) {
+    E value[kAppendUnroll];
+    E* dst[kAppendUnroll];
+#pragma unroll
+    for (int i = 0; i < kAppendUnroll; ++i) {
+      const int u = u0 + i * kAppendThreads;
+      dst[i] = nullptr;
+      if (u >= units) continue;
+      const int r = u / row_units, c = u % row_units, pos = cached + r;
+      const int block = tc::cache_block(p, b, pos);
+      const bool is_k = c < k_units;
+      const int col = is_k ? c : c - k_units;
+      const char* src =
+          is_k ? bytes(p.k_new, b * p.k_new_batch_stride + h * p.k_new_head_stride +
+                                    r * p.k_new_row_stride)
+               : bytes(p.v_new, b * p.v_new_batch_stride + h * p.v_new_head_stride +
+                                    r * p.v_new_row_stride);
+      const char* to =
+          is_k ? bytes(p.k, tc::cache_offset(p, block, p.k_batch_stride, p.k_head_stride,
+                                             p.k_row_stride, h, pos))
+               : bytes(p.v, tc::cache_offset(p, block, p.v_batch_stride, p.v_head_stride,
+                                             p.v_row_stride, h, pos));
+      value[i] = reinterpret_cast<const E*>(src)[col];
+      dst[i] = reinterpret_cast<E*>(const_cast<char*>(to)) + col;
+    }
+#pragma unroll
+    for (int i = 0; i < kAppendUnroll; ++i) {
+      if (dst[i] != nullptr) *dst[i] = value[i];
+    }
+  }
 }
 
 }  // namespace
@@ -430,20 +461,33 @@ void attention_decode_tc_cuda(VariantId variant, const AttnParams& params, int n
 }
 
 void kvcache_append_cuda(const AttnParams& p, c10::ScalarType dtype) {
-  const int64_t items = static_cast<int64_t>(p.batch) * p.heads_kv * p.len_q;
-  if (items == 0) return;
+  if (static_cast<int64_t>(p.batch) * p.heads_kv * p.len_q == 0) return;
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  const dim3 grid(static_cast<unsigned>(items));
-  switch (c10::elementSize(dtype)) {
-    case 2:
-      append_kernel<uint16_t><<<grid, 64, 0, stream>>>(p);
-      break;
-    case 4:
-      append_kernel<uint32_t><<<grid, 64, 0, stream>>>(p);
-      break;
-    default:
-      append_kernel<uint64_t><<<grid, 64, 0, stream>>>(p);
-      break;
+  const int elem = static_cast<int>(c10::elementSize(dtype));
+  // 16-byte units where every row start (new rows and cache slots) is 16-byte aligned.
+  auto aligned = [&](const void* ptr, std::initializer_list<int64_t> strides) {
+    if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0) return false;
+    for (int64_t s : strides) {
+      if (s * elem % 16 != 0) return false;
+    }
+    return true;
+  };
+  const bool wide = p.head_dim * elem % 16 == 0 && p.head_dim_v * elem % 16 == 0 &&
+                    aligned(p.k_new, {p.k_new_batch_stride, p.k_new_head_stride,
+                                      p.k_new_row_stride}) &&
+                    aligned(p.v_new, {p.v_new_batch_stride, p.v_new_head_stride,
+                                      p.v_new_row_stride}) &&
+                    aligned(p.k, {p.k_batch_stride, p.k_head_stride, p.k_row_stride}) &&
+                    aligned(p.v, {p.v_batch_stride, p.v_head_stride, p.v_row_stride});
+  const dim3 grid(static_cast<unsigned>(static_cast<int64_t>(p.batch) * p.heads_kv));
+  if (wide) {
+    append_kernel<uint4><<<grid, kAppendThreads, 0, stream>>>(p, elem);
+  } else if (elem == 2) {
+    append_kernel<uint16_t><<<grid, kAppendThreads, 0, stream>>>(p, elem);
+  } else if (elem == 4) {
+    append_kernel<uint32_t><<<grid, kAppendThreads, 0, stream>>>(p, elem);
+  } else {
+    append_kernel<uint64_t><<<grid, kAppendThreads, 0, stream>>>(p, elem);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
