@@ -229,12 +229,16 @@ def _sym_eig_top_fake(a, energy, min_rank, multiple):
 def _flash_kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, block_table=None,
                         softmax_scale=None, causal=True, window_left=-1, window_right=-1,
                         softcap=0.0, num_splits=0, k_scale=None, v_scale=None,
-                        alibi_slopes=None, sinks=None, rel_bias=None):
+                        alibi_slopes=None, sinks=None, rel_bias=None, q_basis=None):
     op = "flash_attn_with_kvcache"
+    q_rows = q
+    if q_basis is not None:
+        C.check_query_basis(op, q, k_cache, q_basis)
+        q_rows = q[..., :q_basis.shape[3]]
     fp8 = C.is_fp8_cache(k_cache, v_cache)
-    C.check_kvcache_inputs(op, q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits,
-                           fp8)
-    C.check_fp8_cache(op, q, k_cache, k, block_table, k_scale, v_scale, fp8)
+    C.check_kvcache_inputs(op, q_rows, k_cache, v_cache, k, v, cache_seqlens, block_table,
+                           num_splits, fp8)
+    C.check_fp8_cache(op, q_rows, k_cache, k, block_table, k_scale, v_scale, fp8)
     C.check_flash_options(op, softmax_scale, window_left, window_right, softcap)
     C.check_score_tensors(op, q, q.shape[0], alibi_slopes, sinks, rel_bias)
     return _out_fake(q, v_cache), _lse_fake(q, False)

@@ -194,11 +194,13 @@ def low_rank_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     Scores are ``s = scale * (q U)(k U)^T`` with ``scale`` defaulting to ``D ** -0.5`` of the full
     head dim D, exactly as :func:`adaattn.low_rank_attn`: the last ``Lq`` rows of
     ``low_rank_attn(q_all, k_all, v_all, basis, causal=True)`` on the whole sequence are this
-    op's output. Each cached token costs ``R + Dv`` values instead of ``D + Dv``. ``q`` (and the
-    new keys ``k``) are projected with two batched GEMMs in q's dtype (``basis`` cast to it, as
-    :func:`adaattn.low_rank_attn` does), then :func:`flash_attn_with_kvcache` runs at query/key
-    head dim R with the given or default full-D scale; positions, appending in place and the
-    causal mask are its. No host synchronisation; no gradients (inference).
+    op's output. Each cached token costs ``R + Dv`` values instead of ``D + Dv``. ``q`` and the
+    new keys ``k`` are projected in the wider of their and the basis's dtypes and rounded to
+    theirs (``k`` by a batched GEMM here, ``q`` by the decode kernel itself where it reads the
+    cache with at most 16 query rows per kv head, else by a GEMM ahead), then
+    :func:`flash_attn_with_kvcache` runs at query/key head dim R with the given or default
+    full-D scale; positions, appending in place and the causal mask are its. No host
+    synchronisation; no gradients (inference).
 
     On CUDA the split-KV decode kernel runs fp16/bf16 with ``R == Dv in {64, 128}`` and with
     ``R in {32, 64}``, ``Dv = 128``; other ``(R, Dv)`` run the prefill kernels on the cache (a
@@ -244,32 +246,24 @@ def low_rank_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     op = "low_rank_attn_with_kvcache"
     C.tensors(op, q=q, k_cache=k_cache, v_cache=v_cache, basis=basis, cache_seqlens=cache_seqlens)
     C.optional_tensors(op, k=k, v=v, block_table=block_table, k_scale=k_scale, v_scale=v_scale)
-    group = _check_low_rank_cache_args(op, q, k_cache, basis, k, v)
+    _check_low_rank_cache_args(op, q, k_cache, basis, k, v)
     softmax_scale = C.optional_float(op, "softmax_scale", softmax_scale)
     causal = C.boolean(op, "causal", causal)
     return_lse = C.boolean(op, "return_lse", return_lse)
     num_splits = C.num_splits_value(op, num_splits)
     scale = q.shape[3] ** -0.5 if softmax_scale is None else softmax_scale
-    # In the wider of q's and the basis's dtypes: a float32 basis (8-bit pools) with 16-bit q is
-    # read once, not cast per call. Casts that would change nothing are not called: a decode
-    # step's host time is mostly such calls.
-    dtype = torch.promote_types(basis.dtype, q.dtype)
-    u = basis if basis.dtype == dtype else basis.to(dtype)
-    # Query heads of one kv head share its basis: [B, Hkv, G * Lq, D] @ [B, Hkv, D, R], one
-    # product per (sequence, kv head) (a broadcast basis would be copied G times).
-    batch, heads_q, len_q, dim = q.shape
-    q_grouped = q.reshape(batch, k_cache.shape[1], group * len_q, dim)
-    q_proj = torch.matmul(q_grouped if q.dtype == dtype else q_grouped.to(dtype), u)
-    q_proj = q_proj.view(batch, heads_q, len_q, u.shape[3])
     k_proj = None
     if k is not None:
+        # In the wider of k's and the basis's dtypes, as the op projects q (q_basis).
+        dtype = torch.promote_types(basis.dtype, k.dtype)
+        u = basis if basis.dtype == dtype else basis.to(dtype)
         k_proj = torch.matmul(k if k.dtype == dtype else k.to(dtype), u)
-    if dtype != q.dtype:
-        q_proj = q_proj.to(q.dtype)
-        k_proj = None if k_proj is None else k_proj.to(q.dtype)
+        k_proj = k_proj if dtype == k.dtype else k_proj.to(k.dtype)
     # The op itself (it checks the projected operands, its messages prefixed with its name):
-    # the Python wrapper would repeat the argument checks above.
-    out, lse = ops.flash_attn_with_kvcache.default(q_proj, k_cache, v_cache, k_proj, v,
+    # the Python wrapper would repeat the argument checks above. It projects q (q U, in the
+    # decode kernel where that reads the cache).
+    out, lse = ops.flash_attn_with_kvcache.default(q, k_cache, v_cache, k_proj, v,
                                                    cache_seqlens, block_table, scale, causal, -1,
-                                                   -1, 0.0, num_splits, k_scale, v_scale)
+                                                   -1, 0.0, num_splits, k_scale, v_scale, None,
+                                                   None, None, basis)
     return (out, lse) if return_lse else out

@@ -143,6 +143,18 @@ def decode():
     table = torch.randperm(3 * 64, device="cuda").int().view(3, 64)
     adaattn.flash_attn_with_kvcache(q, cache_k.view(-1, 2, 16, 32), cache_v.view(-1, 2, 16, 128),
                                     cache_seqlens=lens, block_table=table)
+    # The same with the query at full width (128, and 96 with 16 rows per kv head), projected by
+    # the kernel (float32 and bf16 bases), one and several splits, new rows appended.
+    for dim, heads in ((128, 8), (96, 32)):
+        q_full = torch.randn(3, heads, 1, dim, device="cuda", dtype=dt)
+        for basis in (torch.randn(3, 2, dim, 32, device="cuda"),
+                      torch.randn(3, 2, dim, 32, device="cuda", dtype=dt)):
+            for splits in (1, 5):
+                adaattn.low_rank_attn_with_kvcache(
+                    q_full, cache_k, cache_v, basis, torch.randn(3, 2, 1, dim, device="cuda",
+                                                                 dtype=dt),
+                    torch.randn(3, 2, 1, 128, device="cuda", dtype=dt), cache_seqlens=lens - 1,
+                    num_splits=splits)
     # 8-bit pages of 64 keys: 4 and 16 query rows per kv head, keys narrower than values, one
     # and several splits, with the same lengths and table entries out of range.
     for lq, d, dv in ((1, 128, 128), (4, 64, 64), (1, 32, 128)):
@@ -158,6 +170,12 @@ def decode():
             adaattn.flash_attn_with_kvcache(q, pool_k, pool_v, cache_seqlens=bad,
                                             block_table=table, k_scale=scales[0],
                                             v_scale=scales[1], num_splits=splits)
+            if d < dv:  # the query at full width, projected by the kernel
+                adaattn.low_rank_attn_with_kvcache(
+                    torch.randn(3, 8, lq, 128, device="cuda", dtype=dt), pool_k, pool_v,
+                    torch.randn(3, 2, 128, d, device="cuda"), cache_seqlens=bad,
+                    block_table=table, k_scale=scales[0], v_scale=scales[1],
+                    num_splits=splits)
 
 
 if __name__ == "__main__":

@@ -319,6 +319,61 @@ def test_cuda_low_rank_keys_against_the_exact_op(dtype, rank, page_size, len_q, 
     _check_two_x_rule(cache, ids, q, **kw)
 
 
+def _project(q, basis, dtype):
+    """q U [B, Hq, Lq, R] in `dtype`: query head h takes kv head h // (Hq / Hkv)'s basis."""
+    batch, heads_q, len_q, dim = q.shape
+    heads_kv = basis.shape[1]
+    grouped = q.to(dtype).reshape(batch, heads_kv, heads_q // heads_kv * len_q, dim)
+    return (grouped @ basis.to(dtype)).reshape(batch, heads_q, len_q, basis.shape[-1])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("rank", [32, 64])
+@pytest.mark.parametrize("pools", ["8bit", "16bit"])
+@pytest.mark.parametrize("len_q,heads_q", [(1, 8), (3, 2), (1, 32), (6, 8)], ids=str)
+def test_cuda_low_rank_query_projected_by_the_kernel(dtype, rank, pools, len_q, heads_q):
+    """A full-width q [.., 128] with the LowRankKVCache's bases (the op's q_basis): the decode
+    kernels project q themselves where they read the pools (at most 16 rows per kv head: GQA 4
+    and 16 at Lq = 1, GQA 1 at Lq = 3); 24 rows take the projection ahead of them. Errors
+    against float64 (q U and the attention of the exact pool values) at most twice (plus
+    1e-6) those of the query projected ahead (float32 product rounded to q's dtype)."""
+    cache, ids, _ = _problem("cuda", dtype, heads_q=heads_q, head_dim=rank, value_dim=128,
+                             page_size=64, lengths=(0, 70, 250), len_q=len_q)
+    q = torch.randn(3, heads_q, len_q, 128, device="cuda").to(dtype)
+    basis = cache.basis[ids]
+    table, seqlens = cache.block_table[ids], cache.seqlens[ids]
+    if pools == "8bit":
+        k_pool, v_pool, scales = cache.k_pages, cache.v_pages, (cache.k_scale, cache.v_scale)
+    else:
+        k_pool = dequantized(cache.k_pages, cache.k_scale, dtype)
+        v_pool = dequantized(cache.v_pages, cache.v_scale, dtype)
+        scales = (None, None)
+
+    def run(q_arg, q_basis):
+        return ops.flash_attn_with_kvcache.default(
+            q_arg, k_pool, v_pool, None, None, seqlens, table, 128 ** -0.5, True, -1, -1, 0.0,
+            0, *scales, None, None, None, q_basis)
+
+    got = run(q, basis)
+    ahead = run(_project(q, basis, torch.float32).to(dtype), None)
+    exact_pools = [(pool.double() * scale.double()[:, :, None, None]).cpu()
+                   for pool, scale in ((cache.k_pages, cache.k_scale),
+                                       (cache.v_pages, cache.v_scale))]
+    if pools == "16bit":
+        exact_pools = [k_pool.double().cpu(), v_pool.double().cpu()]
+    exact = ops.flash_attn_with_kvcache.default(
+        _project(q.double(), basis.double(), torch.float64).cpu(), *exact_pools, None, None,
+        seqlens.cpu(), table.cpu(), 128 ** -0.5, True, -1, -1, 0.0, 0)
+    for mine, peer, ref in zip(got, ahead, exact):
+        mine, peer = mine.cpu().double(), peer.cpu().double()
+        finite = torch.isfinite(ref)
+        assert torch.equal(mine[~finite], ref[~finite].double())
+        err = (mine - ref)[finite].abs().max().item()
+        peer_err = (peer - ref)[finite].abs().max().item()
+        assert err <= 2 * peer_err + 1e-6, (err, peer_err)
+
+
 @pytest.mark.cuda
 def test_cuda_query_rows_of_very_different_magnitudes():
     """The kernel converts each bf16 query row to f16 at its own power-of-two scale: rows of

@@ -146,11 +146,13 @@ def test_full_basis_equals_full_cache_decode():
     torch.testing.assert_close(low, full, atol=1e-14, rtol=0)
 
 
-# (device, D, Dv, R): CPU; on CUDA (R, Dv) = (32, 128) runs the prefill kernels on the cache,
-# (64, 64) the decode kernel, R = 16 is zero-padded to 32 by the kernels.
+# (device, D, Dv, R): CPU; on CUDA (R, Dv) = (32, 128) and (64, 128) run the decode kernel,
+# which projects q itself (at most 16 rows per kv head: every step here); (64, 64) the decode
+# kernel on q projected ahead; R = 16 the prefill kernels, zero-padded to 32.
 LOW_PRECISION_CASES = [
     ("cpu", 32, 24, 8),
     pytest.param("cuda", 128, 128, 32, marks=pytest.mark.cuda),
+    pytest.param("cuda", 128, 128, 64, marks=pytest.mark.cuda),
     pytest.param("cuda", 128, 64, 64, marks=pytest.mark.cuda),
     pytest.param("cuda", 64, 64, 16, marks=pytest.mark.cuda),
 ]
@@ -289,3 +291,60 @@ def test_torch_compile_fullgraph_decode_step(backend):
     torch.testing.assert_close(k_c, k_e)  # the projection k U may round differently compiled
     assert torch.equal(v_c, v_e)
     assert not torch.equal(k_c, k_cache), "the compiled step did not append to the key cache"
+
+
+def test_opcheck_query_basis():
+    """The KV-cache op with q_basis (a full-width q against projected keys): schema, fake kernel
+    and AOT dispatch agree with the CPU kernel, which equals the op on q U."""
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 3, 16)
+    k_cache, v_cache = torch.randn(2, 2, 8, 4), torch.randn(2, 2, 8, 16)
+    k, v = torch.randn(2, 2, 3, 4), torch.randn(2, 2, 3, 16)
+    basis = torch.randn(2, 2, 16, 4)
+    seqlens = torch.tensor([3, 5], dtype=torch.int32)
+    op = torch.ops.adaattn.flash_attn_with_kvcache.default
+    args = (q, k_cache, v_cache, k, v, seqlens, None, 0.25, True, -1, -1, 0.0, 0)
+    torch.library.opcheck(op, args + (None,) * 5 + (basis,),
+                          test_utils=("test_schema", "test_faketensor",
+                                      "test_aot_dispatch_dynamic"))
+    projected = (q.reshape(2, 2, 6, 16) @ basis).reshape(2, 4, 3, 4)
+    k_a, v_a, k_b, v_b = k_cache.clone(), v_cache.clone(), k_cache.clone(), v_cache.clone()
+    got = op(q, k_a, v_a, k, v, seqlens, None, 0.25, True, -1, -1, 0.0, 0, None, None, None,
+             None, None, basis)
+    want = op(projected, k_b, v_b, k, v, seqlens, None, 0.25, True, -1, -1, 0.0, 0)
+    for a, b in zip(got + (k_a, v_a), want + (k_b, v_b)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("fake", [False, True], ids=["cpu", "fake"])
+def test_query_basis_bad_inputs(fake):
+    """The op's q_basis checks, in the CPU kernel and the fake kernel alike."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    op_name = "adaattn.flash_attn_with_kvcache"
+    q = torch.randn(2, 4, 1, 16)
+    k_cache, v_cache = torch.zeros(2, 2, 8, 4), torch.zeros(2, 2, 8, 16)
+    seqlens = torch.tensor([3, 5], dtype=torch.int32)
+
+    def call(basis, k_cache=k_cache):
+        torch.ops.adaattn.flash_attn_with_kvcache.default(
+            q, k_cache, v_cache, None, None, seqlens, None, None, True, -1, -1, 0.0, 0, None,
+            None, None, None, None, basis)
+
+    cases = [
+        (TypeError, "q_basis must be float32 or q's dtype Float, got Half",
+         dict(basis=torch.randn(2, 2, 16, 4).half())),
+        (ValueError, "q_basis must be \\[B, Hkv, D, R\\] = \\[2, 2, 16, R\\], got "
+         "\\[2, 1, 16, 4\\]", dict(basis=torch.randn(2, 1, 16, 4))),
+        (ValueError, "q_basis's rank R = q_basis.size\\(3\\) must be in \\[1, D = 16\\], got 17",
+         dict(basis=torch.randn(2, 2, 16, 17), k_cache=torch.zeros(2, 2, 8, 17))),
+        (ValueError, "k_cache holds the projected keys k U: its head dim k_cache.size\\(-1\\) = 16 "
+         "must be q_basis's rank R = 4", dict(basis=torch.randn(2, 2, 16, 4),
+                                              k_cache=torch.zeros(2, 2, 8, 16))),
+    ]
+    for cls, text, kw in cases:
+        with pytest.raises(cls, match=f"{op_name}: {text}"):
+            if fake:
+                with FakeTensorMode(allow_non_fake_inputs=True):
+                    call(**kw)
+            else:
+                call(**kw)

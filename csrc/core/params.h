@@ -179,6 +179,13 @@ struct KvCacheParams {
   // same for v. Null: k/v hold q's dtype.
   const float* k_cache_scale;  // [num_pages, Hkv] float32
   const float* v_cache_scale;  // [num_pages, Hkv] float32
+  // A low-rank key cache (keys k U of width D < Dv) whose decode kernel projects the query
+  // itself: q is [B, Hq, Lq, q_full_dim] at full width and the rows attended are q U rounded to
+  // q's dtype, U = q_basis [B, Hkv, q_full_dim, D] (contiguous; float32 where q_basis_f32, else
+  // q's dtype). Null: q is at width D.
+  const void* q_basis;
+  bool q_basis_f32;
+  int q_full_dim;
 };
 
 // The 8-bit forward (precision="fp8", cuda/tc/fwd_q8_sm90.h): q and k are int8, v is e4m3 V^T

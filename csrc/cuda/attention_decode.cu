@@ -24,7 +24,10 @@ namespace {
 
 // Rows of a CTA: group * Lq query rows; 16 go to one warp and the four warps split the keys,
 // or 64 to four warps (row blocks past 64 rows re-read the cache).
-int row_warps(const AttnParams& p) { return p.heads_q / p.heads_kv * p.len_q > 16 ? 4 : 1; }
+int row_warps(int64_t rows) { return rows > 16 ? 4 : 1; }
+int row_warps(const AttnParams& p) {
+  return row_warps(static_cast<int64_t>(p.heads_q / p.heads_kv) * p.len_q);
+}
 
 // The tile configurations: 16 rows: four warps split each tile's keys; 64 rows: each warp owns
 // 16 rows of the whole tile. Tiles of 64 keys in two stages, or three for the online pass (3-6%
@@ -33,8 +36,10 @@ int row_warps(const AttnParams& p) { return p.heads_q / p.heads_kv * p.len_q > 1
 // the decode shapes of bench_decode.py (H200, docs/lab/decode.md).
 template <int D, int DV>
 using NarrowCfg = tc::DecodeTraits<D, DV, 1, 4, 64, 2>;
+// Keys narrower than the values (a low-rank key cache) run three CTAs per SM (their split
+// count, decode_num_splits, counts on it).
 template <int D, int DV>
-using DeepNarrowCfg = tc::DecodeTraits<D, DV, 1, 4, 64, 3>;
+using DeepNarrowCfg = tc::DecodeTraits<D, DV, 1, 4, 64, 3, D < DV ? 3 : 1>;
 template <int D, int DV>
 using WideCfg = tc::DecodeTraits<D, DV, 4, 1, 64, 2>;
 // WideCfg's rows in one warpgroup whose products are wgmma (sm_90a): the mma.sync kernel's
@@ -225,6 +230,18 @@ bool decode_tc_supported(VariantId variant, int head_dim, int head_dim_v, bool f
                             [](auto, auto, auto, auto) {});
 }
 
+bool decode_projects_query(int head_dim, int head_dim_v, int64_t rows, int64_t full_dim) {
+  bool projects = false;
+  with_decode_kernel(VariantId::kPlain, head_dim, head_dim_v, c10::kBFloat16, row_warps(rows), false,
+                     [&](auto, auto traits, auto, auto) {
+    using Traits = decltype(traits);
+    if constexpr (Traits::kD < Traits::kDV && Traits::kRowWarps == 1) {
+      projects = full_dim > 0 && full_dim % (8 * (Traits::kThreads / Traits::kD)) == 0;
+    }
+  });
+  return projects;
+}
+
 // Splits that fill the last wave of CTAs (`slots` run at once): the fewest whose CTAs fill at
 // least 95% of their last wave, looking up to two waves; 1 where one split already fills two.
 static int wave_filling_splits(int64_t ctas, int64_t slots, int most) {
@@ -265,14 +282,15 @@ int decode_num_splits(VariantId variant, const AttnParams& p, c10::ScalarType dt
     const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
     if constexpr (Traits::kD < Traits::kDV && Traits::kRowWarps == 1) {
       // 16-bit keys narrower than the values (a low-rank key cache), one row warp: three CTAs
-      // per SM (152 registers, 62-74 KB of shared memory), the grid sized to fill its last
-      // wave (H200, R = 32, Dv = 128, GQA 32/8, CUDA graphs: B = 1, Lk = 128k 1.14x -> 1.41x
-      // the full-width cache at 49 splits instead of 33 (66: 0.95x); B = 32, Lk = 8k 1.20x ->
-      // 1.52x at 3 splits instead of 1 (2: 1.14x)).
+      // per SM (kMinBlocks: at most 168 registers, 62-74 KB of shared memory), the grid sized
+      // to fill its last wave (H200, R = 32, Dv = 128, GQA 32/8, CUDA graphs: B = 1, Lk = 128k
+      // 1.14x -> 1.41x the full-width cache at 49 splits instead of 33 (66: 0.95x); B = 32,
+      // Lk = 8k 1.20x -> 1.52x at 3 splits instead of 1 (2: 1.14x)).
       // An 8-bit cache's narrow keys alike, at its kernel's CTAs per SM (R = 32, graphs: B = 32
       // 117.5 -> 106 us at 3 splits instead of 1, B = 1 71.5 -> 66 us at 48 instead of 33).
-      static_assert(3 * (Traits::kSmemBytes + 1024) <= 228 * 1024, "three CTAs per SM fit");
-      int per_sm = 3;
+      static_assert(Traits::kMinBlocks * (Traits::kSmemBytes + 1024) <= 228 * 1024,
+                    "kMinBlocks CTAs per SM fit");
+      int per_sm = Traits::kMinBlocks;
       if constexpr (decltype(fp8)::value) {
         per_sm = rows <= 8 ? tc::decode_fp8_ctas_per_sm<1>() : tc::decode_fp8_ctas_per_sm<2>();
       }

@@ -321,6 +321,10 @@ struct KVCacheOptions {
   std::optional<at::Tensor> alibi_slopes = std::nullopt;
   std::optional<at::Tensor> sinks = std::nullopt;
   std::optional<at::Tensor> rel_bias = std::nullopt;
+  // Flash only: a low-rank key cache's basis U [B, Hkv, D, R] (float32 or q's dtype): q and the
+  // scale's default stay at full width D, k_cache (and new k) hold projected keys k U [.., R],
+  // and the rows attended are q U.
+  std::optional<at::Tensor> q_basis = std::nullopt;
 };
 
 // Softmax attention of new query rows q [B, Hq, Lq, D] against a KV cache. With k [B, Hkv, Lq, D]
@@ -337,12 +341,13 @@ inline at::Tensor flash_attn_with_kvcache(const at::Tensor& q, at::Tensor k_cach
       const detail::OptTensor&, const at::Tensor&, const detail::OptTensor&,
       std::optional<double>, bool, int64_t, int64_t, double, int64_t, const detail::OptTensor&,
       const detail::OptTensor&, const detail::OptTensor&, const detail::OptTensor&,
-      const detail::OptTensor&);
+      const detail::OptTensor&, const detail::OptTensor&);
   static const auto op = detail::typed_op<Sig>("flash_attn_with_kvcache");
   return std::get<0>(op.call(q, k_cache, v_cache, k, v, cache_seqlens, opts.block_table,
                              opts.softmax_scale, opts.causal, opts.window_left,
                              opts.window_right, opts.softcap, opts.num_splits, opts.k_scale,
-                             opts.v_scale, opts.alibi_slopes, opts.sinks, opts.rel_bias));
+                             opts.v_scale, opts.alibi_slopes, opts.sinks, opts.rel_bias,
+                             opts.q_basis));
 }
 
 // Lazy attention (see lazy_attn) of new query rows against a KV cache, as

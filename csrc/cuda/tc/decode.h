@@ -301,6 +301,73 @@ __device__ __forceinline__ void store_append_chunk(const AppendChunk& c) {
   if (c.dst != nullptr) *static_cast<uint4*>(c.dst) = c.value;
 }
 
+// A low-rank key cache's queries projected in the kernel (p.q_basis): the CTA's rows row0 ..
+// row0 + kRows - 1 (head-major rows of kv head h_kv) become q U in float32, passed to
+// store(r, col, value) once per (r, col) < (kRows, R) (0 for rows past `rows`). Thread t sums
+// column t % R over the dims of slice t / R (kThreads / R slices of q_full_dim, each a multiple
+// of 8: decode_projects_query); the slices add up through `partial`, kThreads * kRows floats
+// of shared memory that the caller must not overwrite before its next barrier.
+template <typename T, int R, int kRows, int kThreads, typename Store>
+__device__ __forceinline__ void project_query_rows(const AttnParams& p, int b, int h_kv,
+                                                   int row0, int rows, float* partial, int tid,
+                                                   Store&& store) {
+  static_assert(kThreads % R == 0, "whole slices of threads");
+  constexpr int kSlices = kThreads / R;
+  const int col = tid % R, slice = tid / R;
+  const int dims = p.q_full_dim / kSlices;
+  const int n = min(rows - row0, kRows);
+  const int group = p.heads_q / p.heads_kv;
+  const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride;
+  int64_t row_off[kRows];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    const int row = min(row0 + r, rows - 1);
+    row_off[r] = (h_kv * group + row / p.len_q) * p.q_head_stride + (row % p.len_q) * p.q_row_stride;
+  }
+  const int64_t basis = (static_cast<int64_t>(b) * p.heads_kv + h_kv) * p.q_full_dim * R + col;
+  float acc[kRows];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) acc[r] = 0.f;
+#pragma unroll 2
+  for (int d = slice * dims; d < (slice + 1) * dims; d += 8) {
+    float u[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int64_t at = basis + static_cast<int64_t>(d + j) * R;
+      u[j] = p.q_basis_f32 ? static_cast<const float*>(p.q_basis)[at]
+                           : to_float(static_cast<const T*>(p.q_basis)[at]);
+    }
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      if (r < n) {
+        const uint4 raw = *reinterpret_cast<const uint4*>(q + row_off[r] + d);
+        const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          float lo, hi;
+          unpack_pair<T>(words[j], lo, hi);
+          acc[r] = fmaf(lo, u[2 * j], acc[r]);
+          acc[r] = fmaf(hi, u[2 * j + 1], acc[r]);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    if (r < n) partial[(slice * kRows + r) * R + col] = acc[r];
+  }
+  __syncthreads();
+  for (int i = tid; i < kRows * R; i += kThreads) {
+    const int r = i / R, c = i % R;
+    float sum = 0.f;
+    if (r < n) {
+#pragma unroll
+      for (int sl = 0; sl < kSlices; ++sl) sum += partial[(sl * kRows + r) * R + c];
+    }
+    store(r, c, sum);
+  }
+}
+
 // The most rows (query heads of a kv head times new tokens) a key-major pass takes: the 8
 // columns of one mma n-tile.
 constexpr int kKeyMajorMaxRows = 8;
@@ -553,11 +620,18 @@ __device__ __forceinline__ void decode_pass(const AttnParams& p, const DecodeSpl
     }
   };
 
-  load_rows_async<kRows, D, kThreads>(sQ, [&](int r) {
-    const int row = row0 + r;
-    return static_cast<const T*>(p.q) + b * p.q_batch_stride +
-           (h_kv * group + row / p.len_q) * p.q_head_stride + (row % p.len_q) * p.q_row_stride;
-  }, rows - row0, tid, [](int r, int col) { return decode_tile_off<kGmma, kRows, D>(r, col); });
+  // Keys narrower than the values are a low-rank key cache's: q may come at full width, which
+  // the CTA projects (one row warp: the projection's partial sums fit the last stage, which the
+  // prologue leaves unwritten until the mainloop's first barrier).
+  constexpr bool kMayProject = D < DV && kRowWarps == 1;
+  const bool project_q = kMayProject && p.q_basis != nullptr;
+  if (!project_q) {
+    load_rows_async<kRows, D, kThreads>(sQ, [&](int r) {
+      const int row = row0 + r;
+      return static_cast<const T*>(p.q) + b * p.q_batch_stride +
+             (h_kv * group + row / p.len_q) * p.q_head_stride + (row % p.len_q) * p.q_row_stride;
+    }, rows - row0, tid, [](int r, int col) { return decode_tile_off<kGmma, kRows, D>(r, col); });
+  }
   lookup(first);
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
@@ -566,6 +640,16 @@ __device__ __forceinline__ void decode_pass(const AttnParams& p, const DecodeSpl
       lookup(first + s + 1);
     }
     cp_async_commit();
+  }
+  if constexpr (kMayProject) {
+    static_assert(kThreads * kRows * 4 <= kStageElems * 2, "partial sums fit a stage");
+    if (project_q) {
+      float* partial = reinterpret_cast<float*>(sStages + (kStages - 1) * kStageElems);
+      project_query_rows<T, D, kRows, kThreads>(
+          p, b, h_kv, row0, rows, partial, tid, [&](int r, int col, float x) {
+            sQ[decode_tile_off<kGmma, kRows, D>(r, col)] = from_float<T>(x);
+          });
+    }
   }
 
   float o[1][DT][4];

@@ -235,15 +235,33 @@ __device__ __forceinline__ void decode_fp8_pass(const AttnParams& p, const Decod
   // that puts its largest magnitude in [2^14, 2^15) (exact but for values below 2^-24 of it,
   // which f16 rounds as subnormals); q_unscale undoes it in the scores of the lane's S^T
   // columns (rows 8 nr + 2c + e).
+  // Keys narrower than the values are a low-rank key cache's: q may come at full width, which
+  // the CTA projects (as decode_pass does) into the last stage, unwritten until the mainloop.
+  const T* q_projected = nullptr;
+  if constexpr (D < DV) {
+    if (p.q_basis != nullptr) {
+      float* partial = reinterpret_cast<float*>(sStages + (kStages - 1) * kStageBytes);
+      T* sProj = reinterpret_cast<T*>(partial + Traits::kThreads * kRows);
+      static_assert(Traits::kThreads * kRows * 4 + kRows * D * 2 <= kStageBytes,
+                    "the projection's partial sums and rows fit a stage");
+      project_query_rows<T, D, kRows, Traits::kThreads>(
+          p, b, h_kv, 0, rows, partial, tid,
+          [&](int r, int col, float x) { sProj[r * D + col] = from_float<T>(x); });
+      __syncthreads();
+      q_projected = sProj;
+    }
+  }
   uint32_t qb[kRowTiles][KS][2];
   float q_unscale[kRowTiles][2];
 #pragma unroll
   for (int nr = 0; nr < kRowTiles; ++nr) {
     const int row = 8 * nr + g;
     const bool valid = row < rows;
-    const T* src = static_cast<const T*>(p.q) + b * p.q_batch_stride +
-                   (h_kv * group + (valid ? row / p.len_q : 0)) * p.q_head_stride +
-                   (valid ? row % p.len_q : 0) * p.q_row_stride + c * (D / 4);
+    const T* src = q_projected != nullptr
+                       ? q_projected + row * D + c * (D / 4)
+                       : static_cast<const T*>(p.q) + b * p.q_batch_stride +
+                             (h_kv * group + (valid ? row / p.len_q : 0)) * p.q_head_stride +
+                             (valid ? row % p.len_q : 0) * p.q_row_stride + c * (D / 4);
     float x[D / 4];
 #pragma unroll
     for (int u = 0; u < D / 32; ++u) {
@@ -276,6 +294,7 @@ __device__ __forceinline__ void decode_fp8_pass(const AttnParams& p, const Decod
       q_unscale[nr][e] = __shfl_sync(0xffffffff, unscale, 4 * (2 * c + e));
     }
   }
+  if (q_projected != nullptr) __syncthreads();  // before the mainloop's copies reuse the stage
 
   // The lane's K rows (S^T fragment rows g and g + 8) and V rows (4c..4c+3) of the warp's keys.
   const int k_row_a = warp * 16 + fp8_key_row(g);

@@ -207,6 +207,37 @@ DequantizedPages dequantize_pages(const at::Tensor& k_cache, const at::Tensor& v
           at::arange(index.numel(), block_table.options()).view(block_table.sizes()), compact};
 }
 
+void check_query_basis(const char* op, const at::Tensor& q, const at::Tensor& k_cache,
+                       const at::Tensor& basis) {
+  ADAATTN_CHECK_VALUE(q.dim() == 4, "q must be [B, Hq, Lq, D], got shape ", q.sizes());
+  ADAATTN_CHECK_VALUE(k_cache.dim() == 4, "k_cache must be [B, Hkv, Lmax, R] or paged "
+                      "[num_pages, Hkv, page_size, R], got shape ", k_cache.sizes());
+  ADAATTN_CHECK_TYPE(basis.scalar_type() == at::kFloat || basis.scalar_type() == q.scalar_type(),
+                     "q_basis must be float32 or q's dtype ", q.scalar_type(), ", got ",
+                     basis.scalar_type());
+  ADAATTN_CHECK_DEVICE(basis.device() == q.device(), "q_basis must be on q's device ",
+                       q.device(), ", got ", basis.device());
+  ADAATTN_CHECK_VALUE(basis.dim() == 4 && basis.size(0) == q.size(0) &&
+                          basis.size(1) == k_cache.size(1) && basis.size(2) == q.size(3),
+                      "q_basis must be [B, Hkv, D, R] = [", q.size(0), ", ", k_cache.size(1),
+                      ", ", q.size(3), ", R], got ", basis.sizes());
+  ADAATTN_CHECK_VALUE(basis.size(3) >= 1 && basis.size(3) <= q.size(3),
+                      "q_basis's rank R = q_basis.size(3) must be in [1, D = ", q.size(3),
+                      "], got ", basis.size(3));
+  ADAATTN_CHECK_VALUE(k_cache.size(3) == basis.size(3), "k_cache holds the projected keys k U: "
+                      "its head dim k_cache.size(-1) = ", k_cache.size(3),
+                      " must be q_basis's rank R = ", basis.size(3));
+}
+
+at::Tensor project_query(const at::Tensor& q, const at::Tensor& basis, int64_t heads_kv) {
+  const at::ScalarType dtype = at::promote_types(basis.scalar_type(), q.scalar_type());
+  const int64_t batch = q.size(0), heads_q = q.size(1), len_q = q.size(2);
+  const at::Tensor grouped = q.reshape({batch, heads_kv, heads_q / heads_kv * len_q, q.size(3)});
+  return at::matmul(grouped.to(dtype), basis.to(dtype))
+      .view({batch, heads_q, len_q, basis.size(3)})
+      .to(q.scalar_type());
+}
+
 AttnParams make_kvcache_params(const at::Tensor& q, const at::Tensor& k_cache,
                                const at::Tensor& v_cache, const at::Tensor& cache_seqlens,
                                int64_t appended, const FlashOptions& opt) {
@@ -298,17 +329,22 @@ std::tuple<at::Tensor, at::Tensor> kvcache_attn_cpu(
 }
 
 std::tuple<at::Tensor, at::Tensor> flash_kvcache_cpu_op(
-    const at::Tensor& q, at::Tensor& k_cache, at::Tensor& v_cache, const OptTensor& k,
+    const at::Tensor& q_full, at::Tensor& k_cache, at::Tensor& v_cache, const OptTensor& k,
     const OptTensor& v, const at::Tensor& cache_seqlens, const OptTensor& block_table,
     std::optional<double> softmax_scale, bool causal, int64_t window_left, int64_t window_right,
     double softcap, int64_t num_splits, const OptTensor& k_scale, const OptTensor& v_scale,
-    const OptTensor& alibi_slopes, const OptTensor& sinks, const OptTensor& rel_bias) {
+    const OptTensor& alibi_slopes, const OptTensor& sinks, const OptTensor& rel_bias,
+    const OptTensor& q_basis) {
   constexpr const char* op = "flash_attn_with_kvcache";
+  if (q_basis.has_value()) check_query_basis(op, q_full, k_cache, *q_basis);
+  // A low-rank key cache attends q U; the default scale is the full head dim's.
+  const at::Tensor q =
+      q_basis.has_value() ? project_query(q_full, *q_basis, k_cache.size(1)) : q_full;
   const bool fp8 = is_fp8_cache(k_cache, v_cache);
   const KvCacheShape shape = check_kvcache_inputs(op, q, k_cache, v_cache, k, v, cache_seqlens,
                                                   block_table, num_splits, fp8);
   check_fp8_cache(op, q, k_cache, k, block_table, k_scale, v_scale, fp8);
-  const FlashOptions opt = resolve_flash_options(op, q, softmax_scale, causal, window_left,
+  const FlashOptions opt = resolve_flash_options(op, q_full, softmax_scale, causal, window_left,
                                                  window_right, BwdMode::kAtomic, softcap);
   const ScoreTensors mods(op, q, q.size(0), alibi_slopes, sinks, rel_bias);
   const VariantId variant = softmax_variant(opt, mods);
@@ -354,8 +390,8 @@ TORCH_LIBRARY_FRAGMENT(adaattn, m) {
       "Tensor? v, Tensor cache_seqlens, Tensor? block_table=None, float? softmax_scale=None, "
       "bool causal=True, int window_left=-1, int window_right=-1, float softcap=0.0, "
       "int num_splits=0, Tensor? k_scale=None, Tensor? v_scale=None, "
-      "Tensor? alibi_slopes=None, Tensor? sinks=None, Tensor? rel_bias=None) -> (Tensor out, "
-      "Tensor lse)");
+      "Tensor? alibi_slopes=None, Tensor? sinks=None, Tensor? rel_bias=None, "
+      "Tensor? q_basis=None) -> (Tensor out, Tensor lse)");
   m.def(
       "lazy_attn_with_kvcache(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k, "
       "Tensor? v, Tensor tau, Tensor bias, Tensor cache_seqlens, Tensor? block_table=None, "

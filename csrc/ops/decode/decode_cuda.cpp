@@ -55,15 +55,30 @@ void set_new_rows(AttnParams& p, const at::Tensor& k, const at::Tensor& v) {
 }
 
 // k_scale/v_scale: an 8-bit cache that the decode kernel reads as it is (the caller has
-// checked that one applies: fp8_decode_kernel).
+// checked that one applies: fp8_decode_kernel). q_basis: a low-rank key cache's (checked),
+// q at full width: the decode kernel projects q itself where decode_projects_query, else q U is
+// computed here first.
 std::tuple<at::Tensor, at::Tensor> kvcache_attn_cuda(
-    const char* op, const at::Tensor& q_in, at::Tensor& k_cache, at::Tensor& v_cache,
+    const char* op, const at::Tensor& q_arg, at::Tensor& k_cache, at::Tensor& v_cache,
     const OptTensor& k, const OptTensor& v, const at::Tensor& cache_seqlens,
     const OptTensor& block_table, const KvCacheShape& shape, const FlashOptions& opt,
     VariantId variant, int64_t num_splits, const at::Tensor* tau, const at::Tensor* bias,
     const ScoreTensors* mods = nullptr, const at::Tensor* k_scale = nullptr,
-    const at::Tensor* v_scale = nullptr) {
-  const c10::cuda::CUDAGuard guard(q_in.device());
+    const at::Tensor* v_scale = nullptr, const at::Tensor* q_basis = nullptr) {
+  const c10::cuda::CUDAGuard guard(q_arg.device());
+  const int d = static_cast<int>(q_basis != nullptr ? q_basis->size(3) : q_arg.size(-1));
+  const int dv = static_cast<int>(v_cache.size(-1));
+  const bool fp8 = k_scale != nullptr;
+  const bool decode_kernel =
+      fp8 || (use_tensor_cores(q_arg.scalar_type()) && decode_tc_supported(variant, d, dv) &&
+              chunk_aligned(k_cache) && chunk_aligned(v_cache));
+  const bool projects_query =
+      q_basis != nullptr && decode_kernel && q_basis->is_contiguous() &&
+      decode_projects_query(d, dv, q_arg.size(1) / k_cache.size(1) * q_arg.size(2),
+                            q_arg.size(3));
+  const at::Tensor q_in = q_basis != nullptr && !projects_query
+                              ? project_query(q_arg, *q_basis, k_cache.size(1))
+                              : q_arg;
   const int64_t appended = k.has_value() ? q_in.size(2) : 0;
   check_kvcache_values(op, cache_seqlens, block_table, shape, appended);
   const bool append = k.has_value() && k->numel() > 0 && shape.capacity > 0;
@@ -72,6 +87,7 @@ std::tuple<at::Tensor, at::Tensor> kvcache_attn_cuda(
     if (!append) return;
     // The cache operands as the decode kernel reads them: cache_row() for paged caches.
     AttnParams a = make_kvcache_params(q_in, k_cache, v_cache, cache_seqlens, appended, opt);
+    a.head_dim = static_cast<int>(k_cache.size(-1));  // the key rows' width (q's may be wider)
     set_cache_layout(a, block_table, shape);
     set_new_rows(a, *k, *v);
     kvcache_append_cuda(a, q_in.scalar_type());
@@ -87,13 +103,16 @@ std::tuple<at::Tensor, at::Tensor> kvcache_attn_cuda(
     return {out, lse};
   }
 
-  const int d = static_cast<int>(q_in.size(-1)), dv = static_cast<int>(v_cache.size(-1));
-  const bool fp8 = k_scale != nullptr;
-  if (fp8 || (use_tensor_cores(q_in.scalar_type()) && decode_tc_supported(variant, d, dv) &&
-              chunk_aligned(k_cache) && chunk_aligned(v_cache))) {
+  if (decode_kernel) {
     const at::Tensor q = tc_aligned(q_in);
     AttnParams p = make_kvcache_params(q, k_cache, v_cache, cache_seqlens, appended, opt);
     set_cache_layout(p, block_table, shape);
+    if (projects_query) {
+      p.head_dim = d;
+      p.q_basis = q_basis->data_ptr();
+      p.q_basis_f32 = q_basis->scalar_type() == at::kFloat;
+      p.q_full_dim = static_cast<int>(q.size(3));
+    }
     if (fp8) {
       p.k_cache_scale = k_scale->data_ptr<float>();
       p.v_cache_scale = v_scale->data_ptr<float>();
@@ -165,17 +184,23 @@ std::tuple<at::Tensor, at::Tensor> flash_kvcache_cuda_op(
     const OptTensor& v, const at::Tensor& cache_seqlens, const OptTensor& block_table,
     std::optional<double> softmax_scale, bool causal, int64_t window_left, int64_t window_right,
     double softcap, int64_t num_splits, const OptTensor& k_scale, const OptTensor& v_scale,
-    const OptTensor& alibi_slopes, const OptTensor& sinks, const OptTensor& rel_bias) {
+    const OptTensor& alibi_slopes, const OptTensor& sinks, const OptTensor& rel_bias,
+    const OptTensor& q_basis) {
   constexpr const char* op = "flash_attn_with_kvcache";
+  if (q_basis.has_value()) check_query_basis(op, q, k_cache, *q_basis);
+  // The attended rows' shape (a low-rank key cache's q U: R wide) for the checks; the default
+  // scale is the full head dim's.
+  const at::Tensor q_rows = q_basis.has_value() ? q.narrow(3, 0, q_basis->size(3)) : q;
+  const at::Tensor* basis = q_basis.has_value() ? &*q_basis : nullptr;
   const bool fp8 = is_fp8_cache(k_cache, v_cache);
-  const KvCacheShape shape = check_kvcache_inputs(op, q, k_cache, v_cache, k, v, cache_seqlens,
-                                                  block_table, num_splits, fp8);
-  check_fp8_cache(op, q, k_cache, k, block_table, k_scale, v_scale, fp8);
+  const KvCacheShape shape = check_kvcache_inputs(op, q_rows, k_cache, v_cache, k, v,
+                                                  cache_seqlens, block_table, num_splits, fp8);
+  check_fp8_cache(op, q_rows, k_cache, k, block_table, k_scale, v_scale, fp8);
   const FlashOptions opt = resolve_flash_options(op, q, softmax_scale, causal, window_left,
                                                  window_right, BwdMode::kAtomic, softcap);
   const ScoreTensors mods(op, q, q.size(0), alibi_slopes, sinks, rel_bias);
   const VariantId variant = softmax_variant(opt, mods);
-  if (fp8 && !fp8_decode_kernel(q, k_cache, v_cache, shape, variant)) {
+  if (fp8 && !fp8_decode_kernel(q_rows, k_cache, v_cache, shape, variant)) {
     // No kernel reads this 8-bit cache: the 16-bit paths on a dequantised copy of its pages
     // (the table's values are checked, where checked at all, before the copy's replaces it).
     const c10::cuda::CUDAGuard guard(q.device());
@@ -183,11 +208,12 @@ std::tuple<at::Tensor, at::Tensor> flash_kvcache_cuda_op(
     DequantizedPages d = dequantize_pages(k_cache, v_cache, *k_scale, *v_scale, *block_table,
                                           shape, q.scalar_type());
     return kvcache_attn_cuda(op, q, d.k_cache, d.v_cache, k, v, cache_seqlens, d.block_table,
-                             d.shape, opt, variant, num_splits, nullptr, nullptr, &mods);
+                             d.shape, opt, variant, num_splits, nullptr, nullptr, &mods, nullptr,
+                             nullptr, basis);
   }
   return kvcache_attn_cuda(op, q, k_cache, v_cache, k, v, cache_seqlens, block_table, shape, opt,
                            variant, num_splits, nullptr, nullptr, &mods,
-                           fp8 ? &*k_scale : nullptr, fp8 ? &*v_scale : nullptr);
+                           fp8 ? &*k_scale : nullptr, fp8 ? &*v_scale : nullptr, basis);
 }
 
 std::tuple<at::Tensor, at::Tensor> lazy_kvcache_cuda_op(

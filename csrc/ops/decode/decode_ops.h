@@ -77,6 +77,17 @@ AttnParams make_kvcache_params(const at::Tensor& q, const at::Tensor& k_cache,
 void check_lazy_kvcache_args(const char* op, const at::Tensor& q, const at::Tensor& v_cache,
                              const at::Tensor& tau, const at::Tensor& bias);
 
+// A low-rank key cache's basis (the KV-cache op's q_basis): U [B, Hkv, D, R] of q's [B, Hq,
+// Lq, D], float32 or q's dtype, on q's device, 1 <= R <= D, R = k_cache.size(-1) (the cache holds
+// the projected keys k U). Checks q's and k_cache's dims first.
+void check_query_basis(const char* op, const at::Tensor& q, const at::Tensor& k_cache,
+                       const at::Tensor& basis);
+
+// q U [B, Hq, Lq, R] in q's dtype, the product in the wider of q's and the basis's dtypes: query
+// head h takes the basis of kv head h / (Hq / heads_kv), one batched product per (sequence,
+// kv head). The attended rows of a full-width q against a low-rank key cache.
+at::Tensor project_query(const at::Tensor& q, const at::Tensor& basis, int64_t heads_kv);
+
 // The lazy variant's tau/bias in p (null tau: a softmax variant, nothing to set).
 void set_lazy_params(AttnParams& p, const at::Tensor* tau, const at::Tensor* bias);
 
