@@ -282,17 +282,23 @@ int decode_num_splits(VariantId variant, const AttnParams& p, c10::ScalarType dt
     const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
     if constexpr (Traits::kD < Traits::kDV && Traits::kRowWarps == 1) {
       // 16-bit keys narrower than the values (a low-rank key cache), one row warp: three CTAs
-      // per SM (kMinBlocks: at most 168 registers, 62-74 KB of shared memory), the grid sized
-      // to fill its last wave (H200, R = 32, Dv = 128, GQA 32/8, CUDA graphs: B = 1, Lk = 128k
-      // 1.14x -> 1.41x the full-width cache at 49 splits instead of 33 (66: 0.95x); B = 32,
-      // Lk = 8k 1.20x -> 1.52x at 3 splits instead of 1 (2: 1.14x)).
-      // An 8-bit cache's narrow keys alike, at its kernel's CTAs per SM (R = 32, graphs: B = 32
-      // 117.5 -> 106 us at 3 splits instead of 1, B = 1 71.5 -> 66 us at 48 instead of 33).
+      // per SM (kMinBlocks: at most 168 registers, 62-74 KB of shared memory). One split where
+      // the CTAs fill one wave at two or more per SM, which stream the cache at full speed (H200,
+      // R = 32, Dv = 128, GQA 32/8, CUDA graphs, B = 32, Lk = 8k: 1 / 2 / 3 / 4 splits 160 /
+      // 212 / 170 / 180 us); else the grid sized to fill its last wave (B = 1, Lk = 128k: 33 /
+      // 49 / 66 splits 89.7 / 91.1 / 118.3 us).
+      // An 8-bit cache's narrow keys fill the waves at its kernel's CTAs per SM (R = 32, graphs:
+      // B = 32 1 / 2 / 3 splits 115.1 / 121.7 / 111.2 us, B = 1 33 / 49 / 66 70.2 / 64.8 / 75.8).
       static_assert(Traits::kMinBlocks * (Traits::kSmemBytes + 1024) <= 228 * 1024,
                     "kMinBlocks CTAs per SM fit");
       int per_sm = Traits::kMinBlocks;
       if constexpr (decltype(fp8)::value) {
         per_sm = rows <= 8 ? tc::decode_fp8_ctas_per_sm<1>() : tc::decode_fp8_ctas_per_sm<2>();
+      } else {
+        if (20 * ctas >= 19 * 2 * sms && ctas <= per_sm * sms) {
+          splits = 1;
+          return;
+        }
       }
       splits = wave_filling_splits(ctas, per_sm * sms, most);
       return;
