@@ -239,6 +239,18 @@ TEST_CASE("api: KV-cache decode wrappers append in place and match the full ops"
   flash.sinks = scored.sinks;
   CHECK(rel_err(with_scores, adaattn::flash_attn(q, k_all, v_all, flash)) < 1e-12);
   CHECK(rel_err(with_scores, out) > 1e-3);
+  // A low-rank key cache: keys stored as k U, q at full width with q_basis U [B, Hkv, D, R].
+  const at::Tensor basis = randn({1, 2, 8, 3});
+  at::Tensor k_low = torch::matmul(k_cache, basis);
+  adaattn::KVCacheOptions low = opts;
+  low.q_basis = basis;
+  const at::Tensor low_rank = adaattn::flash_attn_with_kvcache(
+      q, k_low, v_cache, std::nullopt, std::nullopt, lens + 1, low);
+  adaattn::KVCacheOptions full_scale = opts;
+  full_scale.softmax_scale = 1.0 / std::sqrt(8.0);  // the full head dim's, as with q_basis
+  const at::Tensor projected = adaattn::flash_attn_with_kvcache(
+      torch::matmul(q, basis), k_low, v_cache, std::nullopt, std::nullopt, lens + 1, full_scale);
+  CHECK(rel_err(low_rank, projected) < 1e-12);
 
   const at::Tensor tau = torch::full({2}, -0.2, torch::kFloat);
   const at::Tensor bias = torch::randn({2, 5}, torch::kFloat);
