@@ -322,7 +322,8 @@ __device__ __forceinline__ void project_query_rows(const AttnParams& p, int b, i
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
     const int row = min(row0 + r, rows - 1);
-    row_off[r] = (h_kv * group + row / p.len_q) * p.q_head_stride + (row % p.len_q) * p.q_row_stride;
+    row_off[r] =
+        (h_kv * group + row / p.len_q) * p.q_head_stride + (row % p.len_q) * p.q_row_stride;
   }
   const int64_t basis = (static_cast<int64_t>(b) * p.heads_kv + h_kv) * p.q_full_dim * R + col;
   float acc[kRows];
