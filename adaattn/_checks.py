@@ -557,26 +557,26 @@ def check_fp8_cache(op, q, k_cache, k, block_table, k_scale, v_scale, fp8_cache)
               " must be contiguous; call .contiguous() on it")
 
 
-def check_query_basis(op, q, k_cache, basis):
-    """A low-rank key cache's basis ``q_basis`` (decode_ops.h's check_query_basis): U [B, Hkv,
-    D, R] of q [B, Hq, Lq, D], float32 or q's dtype, on q's device, 1 <= R <= D, and
-    k_cache.size(-1) == R."""
+def check_query_basis(op, q, k_cache, basis, name="q_basis"):
+    """A low-rank key cache's basis (decode_ops.h's check_query_basis; `name` as the caller
+    calls it): U [B, Hkv, D, R] of q [B, Hq, Lq, D], float32 or q's dtype, on q's device,
+    1 <= R <= D, and k_cache.size(-1) == R. Checks q's and k_cache's dims first."""
     check(q.dim() == 4, ValueError, op, "q must be [B, Hq, Lq, D], got shape ", _list(q.shape))
     check(k_cache.dim() == 4, ValueError, op, "k_cache must be [B, Hkv, Lmax, R] or paged "
           "[num_pages, Hkv, page_size, R], got shape ", _list(k_cache.shape))
     check(basis.dtype == torch.float32 or basis.dtype == q.dtype, TypeError, op,
-          "q_basis must be float32 or q's dtype ", _dtype(q), ", got ", _dtype(basis))
-    check(basis.device == q.device, RuntimeError, op, "q_basis must be on q's device ", q.device,
+          name, " must be float32 or q's dtype ", _dtype(q), ", got ", _dtype(basis))
+    check(basis.device == q.device, RuntimeError, op, name, " must be on q's device ", q.device,
           ", got ", basis.device)
     check(basis.dim() == 4 and (basis.shape[0], basis.shape[1], basis.shape[2]) ==
           (q.shape[0], k_cache.shape[1], q.shape[3]), ValueError, op,
-          "q_basis must be [B, Hkv, D, R] = [", q.shape[0], ", ", k_cache.shape[1], ", ",
+          name, " must be [B, Hkv, D, R] = [", q.shape[0], ", ", k_cache.shape[1], ", ",
           q.shape[3], ", R], got ", _list(basis.shape))
-    check(1 <= basis.shape[3] <= q.shape[3], ValueError, op, "q_basis's rank R = "
-          "q_basis.size(3) must be in [1, D = ", q.shape[3], "], got ", basis.shape[3])
+    check(1 <= basis.shape[3] <= q.shape[3], ValueError, op, name, "'s rank R = ", name,
+          ".size(3) must be in [1, D = ", q.shape[3], "], got ", basis.shape[3])
     check(k_cache.shape[3] == basis.shape[3], ValueError, op, "k_cache holds the projected keys "
-          "k U: its head dim k_cache.size(-1) = ", k_cache.shape[3],
-          " must be q_basis's rank R = ", basis.shape[3])
+          "k U: its head dim k_cache.size(-1) = ", k_cache.shape[3], " must be ", name,
+          "'s rank R = ", basis.shape[3])
 
 
 def check_kvcache_inputs(op, q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits,

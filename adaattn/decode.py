@@ -145,30 +145,16 @@ def lazy_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 def _check_low_rank_cache_args(op: str, q: torch.Tensor, k_cache: torch.Tensor,
                                basis: torch.Tensor, k: Optional[torch.Tensor],
-                               v: Optional[torch.Tensor]) -> int:
-    """The checks of :func:`low_rank_attn_with_kvcache` that the projection needs (the rest are
-    :func:`flash_attn_with_kvcache`'s on the projected operands); returns ``Hq // Hkv``."""
-    C.check(q.dim() == 4, ValueError, op, "q must be [B, Hq, Lq, D], got shape ", tuple(q.shape))
-    C.check(k_cache.dim() == 4, ValueError, op, "k_cache must be [B, Hkv, Lmax, R] or paged "
-            "[num_pages, Hkv, page_size, R], got shape ", tuple(k_cache.shape))
+                               v: Optional[torch.Tensor]) -> None:
+    """The checks of :func:`low_rank_attn_with_kvcache` that the projection needs: the op's
+    q_basis checks under the name ``basis``, the GQA grouping and the full-width new keys (the
+    rest are :func:`flash_attn_with_kvcache`'s on the projected operands)."""
+    C.check_query_basis(op, q, k_cache, basis, "basis")
     batch, heads_q, len_q, dim = q.shape
     heads_kv = k_cache.shape[1]
     C.check(heads_kv > 0 and heads_q % heads_kv == 0, ValueError, op,
             "the number of query heads (q.size(1) = ", heads_q,
             ") must be a multiple of the number of kv heads (k_cache.size(1) = ", heads_kv, ")")
-    C.check(basis.dtype == torch.float32 or basis.dtype == q.dtype, TypeError, op,
-            "basis must be float32 or q's dtype ", q.dtype, ", got ", basis.dtype)
-    C.check(basis.device == q.device, RuntimeError, op, "basis must be on q's device ", q.device,
-            ", got ", basis.device)
-    C.check(basis.dim() == 4 and tuple(basis.shape[:3]) == (batch, heads_kv, dim), ValueError, op,
-            "basis must be [B, Hkv, D, R] = [", batch, ", ", heads_kv, ", ", dim, ", R], got ",
-            tuple(basis.shape))
-    rank = basis.shape[3]
-    C.check(1 <= rank <= dim, ValueError, op, "basis's rank R = basis.size(3) must be in [1, D = ",
-            dim, "], got ", rank)
-    C.check(k_cache.shape[3] == rank, ValueError, op, "k_cache holds the projected keys k U: its "
-            "head dim k_cache.size(-1) = ", k_cache.shape[3], " must be the basis's rank R = ",
-            rank)
     C.check((k is None) == (v is None), ValueError, op,
             "the new keys k and values v must be given together (or neither)")
     if k is not None:
@@ -177,7 +163,6 @@ def _check_low_rank_cache_args(op: str, q: torch.Tensor, k_cache: torch.Tensor,
                 ", ", len_q, ", ", dim, "], got ", tuple(k.shape))
         C.check(k.dtype == q.dtype, TypeError, op, "k must have q's dtype ", q.dtype, ", got ",
                 k.dtype)
-    return heads_q // heads_kv
 
 
 def low_rank_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
