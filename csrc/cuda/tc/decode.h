@@ -373,23 +373,24 @@ __device__ __forceinline__ void project_query_rows(const AttnParams& p, int b, i
 // columns of one mma n-tile.
 constexpr int kKeyMajorMaxRows = 8;
 
-// Whether a pass has the key-major form (decode_pass's kKeyMajor): the lse pass, or the weight
-// pass over its cached scores, of one row warp with 16 keys a warp, under no or a positional
-// score modifier.
+// Whether a pass has the key-major form (decode_pass's kKeyMajor): the online pass, the lse
+// pass, or the weight pass over its cached scores, of one row warp with 16 keys a warp, under no
+// or a positional score modifier.
 template <typename Traits, typename Variant, DecodePass kPass, bool kScoresIn>
 constexpr bool decode_has_key_major() {
   using Mod = typename Variant::Mod;
-  return (kPass == DecodePass::kLse || kScoresIn) && Traits::kRowWarps == 1 && !Traits::kGmma &&
-         Traits::kWarpKeys == 16 && (Mod::kIdentity || Mod::kPositional) && !Mod::kFoldsScale;
+  return (kPass != DecodePass::kWeights || kScoresIn) && Traits::kRowWarps == 1 &&
+         !Traits::kGmma && Traits::kWarpKeys == 16 && (Mod::kIdentity || Mod::kPositional) &&
+         !Mod::kFoldsScale;
 }
 
 // One pass of the decode kernel by the whole CTA (Traits::kThreads threads).
 // kScoresIn: the weight pass reads the scores the lse pass cached (DecodeSplits::scores)
 // instead of K.
-// kKeyMajor: the lse pass, or the weight pass over its cached scores, of one row warp over at
-// most kKeyMajorMaxRows rows, key-major: S^T = K Q^T and O^T = V^T P^T with the warp's 16 keys
-// as mma rows and the query rows as the 8 columns of one n-tile, half the products,
-// exponentials and score modifications of 16 padded rows.
+// kKeyMajor: the online pass, the lse pass, or the weight pass over its cached scores, of one
+// row warp over at most kKeyMajorMaxRows rows, key-major: S^T = K Q^T and O^T = V^T P^T with
+// the warp's 16 keys as mma rows and the query rows as the 8 columns of one n-tile, half the
+// products, exponentials and score modifications of 16 padded rows.
 template <typename T, typename Traits, typename Variant, DecodePass kPass, bool kScoresIn,
           bool kKeyMajor = false>
 __device__ __forceinline__ void decode_pass(const AttnParams& p, const DecodeSplits& sp) {
@@ -409,8 +410,8 @@ __device__ __forceinline__ void decode_pass(const AttnParams& p, const DecodeSpl
   static_assert(!kScoresIn || (kPass == DecodePass::kWeights && Traits::kCanCacheScores),
                 "cached scores feed the weight pass");
   static_assert(!kKeyMajor || decode_has_key_major<Traits, Variant, kPass, kScoresIn>(),
-                "key-major: the lse pass or the weight pass over cached scores, one row warp, "
-                "16 keys a warp, positional modifiers");
+                "key-major: the online or lse pass or the weight pass over cached scores, one "
+                "row warp, 16 keys a warp, positional modifiers");
   // A stage (decode_stages) holds the tile's K (or its cached scores) and, but in the lse
   // pass, its V.
   constexpr int kKeyAreaElems = decode_key_area_elems<Traits, kPass, kScoresIn>();
@@ -682,8 +683,8 @@ __device__ __forceinline__ void decode_pass(const AttnParams& p, const DecodeSpl
   // thread) would cost D = 64 a CTA per SM, and keys narrower than the values the three CTAs per
   // SM they run at; in the lazy passes the gain was mixed (B = 1 1.3% faster, B = 32 paged 1.6%
   // slower in decode_lse_weights_kernel).
-  constexpr bool kQInRegs =
-      kPass == DecodePass::kOnline && !kGmma && kRowWarps == 1 && D == DV && D >= 128;
+  constexpr bool kQInRegs = kPass == DecodePass::kOnline && !kKeyMajor && !kGmma &&
+                            kRowWarps == 1 && D == DV && D >= 128;
   uint32_t qa[1][kQInRegs ? D / 16 : 1][4];
   // kKeyMajor: this lane's S^T columns are rows 2c + e (rows < rows - row0 <= 8): their key
   // ranges, heads, positions and softmax state; q's B-fragments (loaded with the first tile).
@@ -691,8 +692,9 @@ __device__ __forceinline__ void decode_pass(const AttnParams& p, const DecodeSpl
   int km_lo[2], km_hi[2], km_head[2], km_pos[2];
   float km_max[2] = {-INFINITY, -INFINITY}, km_sum[2] = {0.f, 0.f};
   uint32_t qb[kKeyMajor ? D / 16 : 1][2];
-  // kKeyMajor weight pass: O^T, m-tile t holding value columns 16t + g (+ 8) of rows 2c, 2c + 1.
-  float ot[kKeyMajor && kPass == DecodePass::kWeights ? DV / 16 : 1][4] = {};
+  // kKeyMajor online and weight passes: O^T, m-tile t holding value columns 16t + g (+ 8) of
+  // rows 2c, 2c + 1.
+  float ot[kKeyMajor && kPass != DecodePass::kLse ? DV / 16 : 1][4] = {};
   if constexpr (kKeyMajor) {
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
@@ -746,7 +748,7 @@ __device__ __forceinline__ void decode_pass(const AttnParams& p, const DecodeSpl
       }
       continue;
     }
-    if constexpr (kKeyMajor && kPass == DecodePass::kLse) {
+    if constexpr (kKeyMajor && kPass != DecodePass::kWeights) {
       const int n0 = tile * BN + key_warp * kWarpKeys;
       if (tile == first) {
         // B-fragments of q rows 0..7 (k-steps kk, kk + 1 per x4 load: dims kk * 16 + 8 m).
@@ -802,16 +804,38 @@ __device__ __forceinline__ void decode_pass(const AttnParams& p, const DecodeSpl
       // The online max and sum of each column, over its keys in lanes 4 apart (as
       // online_softmax: the max may stay up to kMaxSlack below the true one).
       constexpr float kMaxSlack = 8.f;
+      float corr[2];
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         float mx = key_column_max(fmaxf(st[e], st[2 + e]));
         mx = fmaxf(km_max[e], mx * scale);
         if (!(mx - km_max[e] > kMaxSlack)) mx = km_max[e];
         const float base = mx == -INFINITY ? 0.f : mx;
-        const float corr = exp2f(km_max[e] - base);
+        corr[e] = exp2f(km_max[e] - base);
         km_max[e] = mx;
-        km_sum[e] = km_sum[e] * corr + (exp2f(fmaf(st[e], scale, -base)) +
-                                        exp2f(fmaf(st[2 + e], scale, -base)));
+        st[e] = exp2f(fmaf(st[e], scale, -base));
+        st[2 + e] = exp2f(fmaf(st[2 + e], scale, -base));
+        km_sum[e] = km_sum[e] * corr[e] + (st[e] + st[2 + e]);
+      }
+      if constexpr (kPass == DecodePass::kOnline) {
+        if (__any_sync(0xffffffff, corr[0] != 1.f || corr[1] != 1.f)) {
+#pragma unroll
+          for (int t = 0; t < DV / 16; ++t)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) ot[t][e] *= corr[e & 1];
+        }
+        // O^T += V^T P^T: P^T's B-fragments are S^T's pairs (rows g, g + 8 of the fragment:
+        // keys; columns 2c, 2c + 1: query rows) transposed, lane (g, c) holding keys 2c, 2c + 1
+        // (and + 8) of query row g; V^T's A-fragments by transposing loads, as the weight pass.
+        const uint32_t b0 = movmatrix_trans(MmaOp<T>::pack(st[0], st[1]));
+        const uint32_t b1 = movmatrix_trans(MmaOp<T>::pack(st[2], st[3]));
+        const int key = key_warp * kWarpKeys + (lane & 7) + ((lane >> 4) << 3);
+#pragma unroll
+        for (int t = 0; t < DV / 16; ++t) {
+          uint32_t a[4];
+          ldmatrix_x4_trans(a, sV + v_off(key, 16 * t + ((lane >> 3) & 1) * 8));
+          MmaOp<T>::run(ot[t], a, b0, b1);
+        }
       }
       continue;
     }
@@ -927,6 +951,7 @@ __device__ __forceinline__ void decode_pass(const AttnParams& p, const DecodeSpl
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const float l = key_column_sum(km_sum[e]);
+      km_sum[e] = l;
       if (g == 0) {
         sMax[key_warp * kRows + 2 * c4 + e] = km_max[e];
         sSum[key_warp * kRows + 2 * c4 + e] = l;
@@ -960,12 +985,24 @@ __device__ __forceinline__ void decode_pass(const AttnParams& p, const DecodeSpl
     }
     merge_warp_stats<kKeyWarps, kRows>(sMax, sSum, r, m0, l0, m, l);
   };
-  if constexpr (kKeyMajor && kPass == DecodePass::kWeights) {
+  if constexpr (kKeyMajor && kPass != DecodePass::kLse) {
+    // The online pass's columns scaled as the row-major rows below; the weight pass's sums as
+    // they are.
+    float f[2] = {1.f, 1.f};
+    if constexpr (kPass == DecodePass::kOnline) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float m, l;
+        row_stats(2 * c4 + e, m, l);
+        f[e] = row_saw_keys(km_sum[e]) ? exp2f(km_max[e] - m) / l : 0.f;
+      }
+    }
 #pragma unroll
     for (int t = 0; t < DV / 16; ++t)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        sO[(key_warp * kRows + 2 * c4 + (e & 1)) * DV + 16 * t + g + 8 * (e >> 1)] = ot[t][e];
+        sO[(key_warp * kRows + 2 * c4 + (e & 1)) * DV + 16 * t + g + 8 * (e >> 1)] =
+            ot[t][e] * f[e & 1];
       }
   }
 #pragma unroll
