@@ -152,8 +152,9 @@ class Shape:
         self.k_scale_low = scale
         self.k_pages_low8 = (self.k_pages_low.float() / scale[:, :, None, None]).to(
             torch.float8_e4m3fn)
+        # Contiguous, as LowRankKVCache keeps it (a strided one costs the op a copy).
         self.basis = torch.linalg.qr(torch.randn(batch, HEADS_KV, HEAD_DIM, RANK,
-                                                 device="cuda"))[0]
+                                                 device="cuda"))[0].contiguous()
         self.tau = torch.full((HEADS_Q,), TAU, device="cuda")
         self.bias = 0.1 * torch.randn(HEADS_Q, WINDOW, device="cuda")
         # BLOOM's ALiBi slopes and gpt-oss-like sinks.

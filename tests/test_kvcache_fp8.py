@@ -356,6 +356,10 @@ def test_cuda_low_rank_query_projected_by_the_kernel(dtype, rank, pools, len_q, 
             0, *scales, None, None, None, q_basis)
 
     got = run(q, basis)
+    # A strided basis (a QR's Q, column-major) takes the same path: bit for bit the same.
+    strided = run(q, basis.transpose(-1, -2).contiguous().transpose(-1, -2))
+    for mine, same in zip(got, strided):
+        assert torch.equal(mine, same)
     ahead = run(_project(q, basis, torch.float32).to(dtype), None)
     exact_pools = [(pool.double() * scale.double()[:, :, None, None]).cpu()
                    for pool, scale in ((cache.k_pages, cache.k_scale),

@@ -73,9 +73,12 @@ std::tuple<at::Tensor, at::Tensor> kvcache_attn_cuda(
       fp8 || (use_tensor_cores(q_arg.scalar_type()) && decode_tc_supported(variant, d, dv) &&
               chunk_aligned(k_cache) && chunk_aligned(v_cache));
   const bool projects_query =
-      q_basis != nullptr && decode_kernel && q_basis->is_contiguous() &&
+      q_basis != nullptr && decode_kernel &&
       decode_projects_query(d, dv, q_arg.size(1) / k_cache.size(1) * q_arg.size(2),
                             q_arg.size(3));
+  // The kernel reads U [D, R] row by row; a strided basis (rank_plan's eigenvectors, a QR's Q)
+  // costs one small copy instead of the projection GEMM and its casts.
+  const at::Tensor kernel_basis = projects_query ? q_basis->contiguous() : at::Tensor();
   const at::Tensor q_in = q_basis != nullptr && !projects_query
                               ? project_query(q_arg, *q_basis, k_cache.size(1))
                               : q_arg;
@@ -109,8 +112,8 @@ std::tuple<at::Tensor, at::Tensor> kvcache_attn_cuda(
     set_cache_layout(p, block_table, shape);
     if (projects_query) {
       p.head_dim = d;
-      p.q_basis = q_basis->data_ptr();
-      p.q_basis_f32 = q_basis->scalar_type() == at::kFloat;
+      p.q_basis = kernel_basis.data_ptr();
+      p.q_basis_f32 = kernel_basis.scalar_type() == at::kFloat;
       p.q_full_dim = static_cast<int>(q.size(3));
     }
     if (fp8) {
