@@ -181,8 +181,8 @@ def low_rank_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     ``low_rank_attn(q_all, k_all, v_all, basis, causal=True)`` on the whole sequence are this
     op's output. Each cached token costs ``R + Dv`` values instead of ``D + Dv``. ``q`` and the
     new keys ``k`` are projected in the wider of their and the basis's dtypes and rounded to
-    theirs (``k`` by a batched GEMM here, ``q`` by the decode kernel itself where it reads the
-    cache with at most 16 query rows per kv head, else by a GEMM ahead), then
+    theirs (``k`` by a batched GEMM here, ``q`` by the 8-bit decode kernel itself where it reads
+    8-bit pools with at most 16 query rows per kv head, else by a GEMM ahead), then
     :func:`flash_attn_with_kvcache` runs at query/key head dim R with the given or default
     full-D scale; positions, appending in place and the causal mask are its. No host
     synchronisation; no gradients (inference).

@@ -53,9 +53,11 @@ bool tc_masks_head_dims(VariantId variant, int head_dim, int head_dim_v);
 constexpr int kDecodeFp8MinPage = 64;
 constexpr int kDecodeFp8MaxRows = 16;
 bool decode_tc_supported(VariantId variant, int head_dim, int head_dim_v, bool fp8_cache = false);
-// Whether the decode kernel projects a full-width q [.., full_dim] itself (AttnParams::q_basis)
-// for keys of width head_dim < head_dim_v (a low-rank key cache): `rows` (Hq / Hkv * Lq) query
-// rows per kv head in one row warp, and full_dim a multiple of 8 per slice of its threads.
+// Whether the 8-bit decode kernel projects a full-width q [.., full_dim] itself
+// (AttnParams::q_basis) for keys of width head_dim < head_dim_v (a low-rank key cache): `rows`
+// (Hq / Hkv * Lq) query rows per kv head in one row warp, and full_dim a multiple of 8 per slice
+// of its threads. The 16-bit kernel takes q U from a GEMM ahead: projecting in each of its split
+// CTAs was slower in CUDA graphs (docs/lab/decode.md).
 bool decode_projects_query(int head_dim, int head_dim_v, int64_t rows, int64_t full_dim);
 // The split count: `requested` if > 0 (capped at the key tiles and 128), else chosen from the
 // grid the shapes give and the SMs and occupancy of the current device.

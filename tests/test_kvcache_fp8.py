@@ -333,9 +333,9 @@ def _project(q, basis, dtype):
 @pytest.mark.parametrize("pools", ["8bit", "16bit"])
 @pytest.mark.parametrize("len_q,heads_q", [(1, 8), (3, 2), (1, 32), (6, 8)], ids=str)
 def test_cuda_low_rank_query_projected_by_the_kernel(dtype, rank, pools, len_q, heads_q):
-    """A full-width q [.., 128] with the LowRankKVCache's bases (the op's q_basis): the decode
-    kernels project q themselves where they read the pools (at most 16 rows per kv head: GQA 4
-    and 16 at Lq = 1, GQA 1 at Lq = 3); 24 rows take the projection ahead of them. Errors
+    """A full-width q [.., 128] with the LowRankKVCache's bases (the op's q_basis): the 8-bit
+    decode kernel projects q itself where it reads the pools (at most 16 rows per kv head: GQA 4
+    and 16 at Lq = 1, GQA 1 at Lq = 3); 24 rows and 16-bit pools take the projection ahead. Errors
     against float64 (q U and the attention of the exact pool values) at most twice (plus
     1e-6) those of the query projected ahead (float32 product rounded to q's dtype)."""
     cache, ids, _ = _problem("cuda", dtype, heads_q=heads_q, head_dim=rank, value_dim=128,

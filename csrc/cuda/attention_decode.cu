@@ -232,10 +232,10 @@ bool decode_tc_supported(VariantId variant, int head_dim, int head_dim_v, bool f
 
 bool decode_projects_query(int head_dim, int head_dim_v, int64_t rows, int64_t full_dim) {
   bool projects = false;
-  with_decode_kernel(VariantId::kPlain, head_dim, head_dim_v, c10::kBFloat16, row_warps(rows), false,
-                     [&](auto, auto traits, auto, auto) {
+  with_decode_kernel(VariantId::kPlain, head_dim, head_dim_v, c10::kBFloat16, row_warps(rows), true,
+                     [&](auto, auto traits, auto, auto fp8) {
     using Traits = decltype(traits);
-    if constexpr (Traits::kD < Traits::kDV && Traits::kRowWarps == 1) {
+    if constexpr (decltype(fp8)::value && Traits::kD < Traits::kDV) {
       projects = full_dim > 0 && full_dim % (8 * (Traits::kThreads / Traits::kD)) == 0;
     }
   });

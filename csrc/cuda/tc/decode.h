@@ -622,18 +622,11 @@ __device__ __forceinline__ void decode_pass(const AttnParams& p, const DecodeSpl
     }
   };
 
-  // Keys narrower than the values are a low-rank key cache's: q may come at full width, which
-  // the CTA projects (one row warp: the projection's partial sums fit the last stage, which the
-  // prologue leaves unwritten until the mainloop's first barrier).
-  constexpr bool kMayProject = D < DV && kRowWarps == 1;
-  const bool project_q = kMayProject && p.q_basis != nullptr;
-  if (!project_q) {
-    load_rows_async<kRows, D, kThreads>(sQ, [&](int r) {
-      const int row = row0 + r;
-      return static_cast<const T*>(p.q) + b * p.q_batch_stride +
-             (h_kv * group + row / p.len_q) * p.q_head_stride + (row % p.len_q) * p.q_row_stride;
-    }, rows - row0, tid, [](int r, int col) { return decode_tile_off<kGmma, kRows, D>(r, col); });
-  }
+  load_rows_async<kRows, D, kThreads>(sQ, [&](int r) {
+    const int row = row0 + r;
+    return static_cast<const T*>(p.q) + b * p.q_batch_stride +
+           (h_kv * group + row / p.len_q) * p.q_head_stride + (row % p.len_q) * p.q_row_stride;
+  }, rows - row0, tid, [](int r, int col) { return decode_tile_off<kGmma, kRows, D>(r, col); });
   lookup(first);
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
@@ -642,16 +635,6 @@ __device__ __forceinline__ void decode_pass(const AttnParams& p, const DecodeSpl
       lookup(first + s + 1);
     }
     cp_async_commit();
-  }
-  if constexpr (kMayProject) {
-    static_assert(kThreads * kRows * 4 <= kStageElems * 2, "partial sums fit a stage");
-    if (project_q) {
-      float* partial = reinterpret_cast<float*>(sStages + (kStages - 1) * kStageElems);
-      project_query_rows<T, D, kRows, kThreads>(
-          p, b, h_kv, row0, rows, partial, tid, [&](int r, int col, float x) {
-            sQ[decode_tile_off<kGmma, kRows, D>(r, col)] = from_float<T>(x);
-          });
-    }
   }
 
   float o[1][DT][4];

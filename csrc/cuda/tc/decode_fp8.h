@@ -236,7 +236,7 @@ __device__ __forceinline__ void decode_fp8_pass(const AttnParams& p, const Decod
   // which f16 rounds as subnormals); q_unscale undoes it in the scores of the lane's S^T
   // columns (rows 8 nr + 2c + e).
   // Keys narrower than the values are a low-rank key cache's: q may come at full width, which
-  // the CTA projects (as decode_pass does) into the last stage, unwritten until the mainloop.
+  // the CTA projects into the last stage, unwritten until the mainloop.
   const T* q_projected = nullptr;
   if constexpr (D < DV) {
     if (p.q_basis != nullptr) {

@@ -56,8 +56,8 @@ void set_new_rows(AttnParams& p, const at::Tensor& k, const at::Tensor& v) {
 
 // k_scale/v_scale: an 8-bit cache that the decode kernel reads as it is (the caller has
 // checked that one applies: fp8_decode_kernel). q_basis: a low-rank key cache's (checked),
-// q at full width: the decode kernel projects q itself where decode_projects_query, else q U is
-// computed here first.
+// q at full width: the 8-bit decode kernel projects q itself where decode_projects_query, else
+// q U is computed here first.
 std::tuple<at::Tensor, at::Tensor> kvcache_attn_cuda(
     const char* op, const at::Tensor& q_arg, at::Tensor& k_cache, at::Tensor& v_cache,
     const OptTensor& k, const OptTensor& v, const at::Tensor& cache_seqlens,
@@ -73,7 +73,7 @@ std::tuple<at::Tensor, at::Tensor> kvcache_attn_cuda(
       fp8 || (use_tensor_cores(q_arg.scalar_type()) && decode_tc_supported(variant, d, dv) &&
               chunk_aligned(k_cache) && chunk_aligned(v_cache));
   const bool projects_query =
-      q_basis != nullptr && decode_kernel &&
+      q_basis != nullptr && fp8 &&
       decode_projects_query(d, dv, q_arg.size(1) / k_cache.size(1) * q_arg.size(2),
                             q_arg.size(3));
   // The kernel reads U [D, R] row by row; a strided basis (rank_plan's eigenvectors, a QR's Q)
