@@ -189,9 +189,9 @@ def low_rank_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 
     On CUDA the split-KV decode kernel runs fp16/bf16 with ``R == Dv in {64, 128}`` and with
     ``R in {32, 64}``, ``Dv = 128``; other ``(R, Dv)`` run the prefill kernels on the cache (a
-    paged cache gathered to a dense copy first). At R = 32, Dv = 128 the GPU time is 1.4x
-    (16-bit pools) and 1.3-1.6x (8-bit pools) shorter than a full-width bf16 cache's (H200); a
-    single call adds the projection's few small kernels and their host work (docs/ops.md).
+    paged cache gathered to a dense copy first). At R = 32, Dv = 128 the GPU time is 1.4-1.5x
+    (16-bit pools) and 2.3x (8-bit pools) shorter than a full-width bf16 cache's (H200, CUDA
+    graphs); with 16-bit pools a single call adds the projection GEMM's host work (docs/ops.md).
 
     Args:
         q: ``[B, Hq, Lq, D]``, contiguous last dim; query head ``h`` uses the basis of kv head
