@@ -143,8 +143,9 @@ def decode():
     table = torch.randperm(3 * 64, device="cuda").int().view(3, 64)
     adaattn.flash_attn_with_kvcache(q, cache_k.view(-1, 2, 16, 32), cache_v.view(-1, 2, 16, 128),
                                     cache_seqlens=lens, block_table=table)
-    # The same with the query at full width (128, and 96 with 16 rows per kv head), projected by
-    # the kernel (float32 and bf16 bases), one and several splits, new rows appended.
+    # The same with the query at full width (128, and 96 with 16 rows per kv head), projected
+    # ahead of the decode kernel (float32 and bf16 bases), one and several splits, new rows
+    # appended.
     for dim, heads in ((128, 8), (96, 32)):
         q_full = torch.randn(3, heads, 1, dim, device="cuda", dtype=dt)
         for basis in (torch.randn(3, 2, dim, 32, device="cuda"),
