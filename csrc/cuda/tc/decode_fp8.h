@@ -98,6 +98,74 @@ constexpr int decode_fp8_smem_bytes() {
   return kPipe > kMerge ? kPipe : kMerge;
 }
 
+// A low-rank key cache's queries projected in the kernel (p.q_basis): the CTA's rows 0 ..
+// kRows - 1 (head-major rows of kv head h_kv) become q U in float32, passed to
+// store(r, col, value) once per (r, col) < (kRows, R) (0 for rows past `rows`). Thread t sums
+// column t % R over the dims of slice t / R (kThreads / R slices of q_full_dim, each a multiple
+// of 8: decode_projects_query); the slices add up through `partial`, kThreads * kRows floats
+// of shared memory that the caller must not overwrite before its next barrier.
+template <typename T, int R, int kRows, int kThreads, typename Store>
+__device__ __forceinline__ void project_query_rows(const AttnParams& p, int b, int h_kv,
+                                                   int rows, float* partial, int tid,
+                                                   Store&& store) {
+  static_assert(kThreads % R == 0, "whole slices of threads");
+  constexpr int kSlices = kThreads / R;
+  const int col = tid % R, slice = tid / R;
+  const int dims = p.q_full_dim / kSlices;
+  const int n = min(rows, kRows);
+  const int group = p.heads_q / p.heads_kv;
+  const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride;
+  int64_t row_off[kRows];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    const int row = min(r, rows - 1);
+    row_off[r] =
+        (h_kv * group + row / p.len_q) * p.q_head_stride + (row % p.len_q) * p.q_row_stride;
+  }
+  const int64_t basis = (static_cast<int64_t>(b) * p.heads_kv + h_kv) * p.q_full_dim * R + col;
+  float acc[kRows];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) acc[r] = 0.f;
+#pragma unroll 2
+  for (int d = slice * dims; d < (slice + 1) * dims; d += 8) {
+    float u[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int64_t at = basis + static_cast<int64_t>(d + j) * R;
+      u[j] = p.q_basis_f32 ? static_cast<const float*>(p.q_basis)[at]
+                           : to_float(static_cast<const T*>(p.q_basis)[at]);
+    }
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      if (r < n) {
+        const uint4 raw = *reinterpret_cast<const uint4*>(q + row_off[r] + d);
+        const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          float lo, hi;
+          unpack_pair<T>(words[j], lo, hi);
+          acc[r] = fmaf(lo, u[2 * j], acc[r]);
+          acc[r] = fmaf(hi, u[2 * j + 1], acc[r]);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    if (r < n) partial[(slice * kRows + r) * R + col] = acc[r];
+  }
+  __syncthreads();
+  for (int i = tid; i < kRows * R; i += kThreads) {
+    const int r = i / R, c = i % R;
+    float sum = 0.f;
+    if (r < n) {
+#pragma unroll
+      for (int sl = 0; sl < kSlices; ++sl) sum += partial[(sl * kRows + r) * R + c];
+    }
+    store(r, c, sum);
+  }
+}
+
 // One CTA per (sequence, kv head, key split) over its group * Lq <= 8 * kRowTiles query rows.
 template <typename T, typename Traits, int kRowTiles>
 __device__ __forceinline__ void decode_fp8_pass(const AttnParams& p, const DecodeSplits& sp) {
@@ -245,7 +313,7 @@ __device__ __forceinline__ void decode_fp8_pass(const AttnParams& p, const Decod
       static_assert(Traits::kThreads * kRows * 4 + kRows * D * 2 <= kStageBytes,
                     "the projection's partial sums and rows fit a stage");
       project_query_rows<T, D, kRows, Traits::kThreads>(
-          p, b, h_kv, 0, rows, partial, tid,
+          p, b, h_kv, rows, partial, tid,
           [&](int r, int col, float x) { sProj[r * D + col] = from_float<T>(x); });
       __syncthreads();
       q_projected = sProj;
