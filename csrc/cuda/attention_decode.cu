@@ -293,7 +293,8 @@ int decode_num_splits(VariantId variant, const AttnParams& p, c10::ScalarType dt
                     "kMinBlocks CTAs per SM fit");
       int per_sm = Traits::kMinBlocks;
       if constexpr (decltype(fp8)::value) {
-        per_sm = rows <= 8 ? tc::decode_fp8_ctas_per_sm<1>() : tc::decode_fp8_ctas_per_sm<2>();
+        per_sm = rows <= 8 ? tc::decode_fp8_ctas_per_sm<Traits, 1>()
+                            : tc::decode_fp8_ctas_per_sm<Traits, 2>();
       } else {
         if (20 * ctas >= 19 * 2 * sms && ctas <= per_sm * sms) {
           splits = 1;

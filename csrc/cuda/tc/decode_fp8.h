@@ -32,10 +32,10 @@ namespace tc {
 constexpr int kDecodeFp8Stages = 3;
 
 // CTAs per SM that decode_fp8_kernel's registers allow (its launch bounds; the split count of
-// keys narrower than the values).
-template <int kRowTiles>
+// keys narrower than the values): four for narrow keys in one row tile (at most 128 registers).
+template <typename Traits, int kRowTiles>
 constexpr int decode_fp8_ctas_per_sm() {
-  return kRowTiles == 1 ? 3 : 2;
+  return kRowTiles == 1 ? (Traits::kD < Traits::kDV ? 4 : 3) : 2;
 }
 
 // The 8-bit stages' layout: rows of bytes, whose 16-byte units are XOR-swizzled by the row so
@@ -592,7 +592,7 @@ __device__ __forceinline__ void decode_fp8_pass(const AttnParams& p, const Decod
 }
 
 template <typename T, typename Traits, int kRowTiles>
-__global__ void __launch_bounds__(Traits::kThreads, decode_fp8_ctas_per_sm<kRowTiles>())
+__global__ void __launch_bounds__(Traits::kThreads, decode_fp8_ctas_per_sm<Traits, kRowTiles>())
     decode_fp8_kernel(const AttnParams p, const DecodeSplits sp) {
   // Its combine kernel may start (and wait) as soon as every CTA runs; nothing is appended to
   // an 8-bit cache in the op, so no kernel ahead writes what this one reads.
