@@ -36,10 +36,12 @@ int row_warps(const AttnParams& p) {
 // the decode shapes of bench_decode.py (H200, docs/lab/decode.md).
 template <int D, int DV>
 using NarrowCfg = tc::DecodeTraits<D, DV, 1, 4, 64, 2>;
-// Keys narrower than the values (a low-rank key cache) run three CTAs per SM (their split
-// count, decode_num_splits, counts on it).
+// Keys narrower than the values (a low-rank key cache) run four CTAs per SM in two stages
+// (their split count, decode_num_splits, counts on it): over the bf16 cache in CUDA graphs
+// (H200, R = 32, B = 1 / 32 / 128) 1.46 / 1.50 / 1.47x, at three CTAs in three stages 1.44 /
+// 1.51 / 1.42x (bytes per token: 1.6x).
 template <int D, int DV>
-using DeepNarrowCfg = tc::DecodeTraits<D, DV, 1, 4, 64, 3, D < DV ? 3 : 1>;
+using DeepNarrowCfg = tc::DecodeTraits<D, DV, 1, 4, 64, D < DV ? 2 : 3, D < DV ? 4 : 1>;
 template <int D, int DV>
 using WideCfg = tc::DecodeTraits<D, DV, 4, 1, 64, 2>;
 // WideCfg's rows in one warpgroup whose products are wgmma (sm_90a): the mma.sync kernel's
@@ -273,33 +275,30 @@ int decode_num_splits(VariantId variant, const AttnParams& p, c10::ScalarType dt
     // more splits only add partial writes and merging. Two CTAs per SM (B = 1, Lk = 128k, 8 kv
     // heads, contiguous cache, CUDA graphs: H200 33 splits 0.137 ms, 16 0.182, 49 0.178, 66
     // 0.155; H100 0.213 at two per SM against 0.206 at one; paged at one per SM: HBM 0.56),
-    // three for 16-bit keys narrower than the values. The 8-bit kernel's three CTAs per SM
-    // are a cap, not a target: at B = 1 (4 rows per kv head) 33 splits took 73 us, 49 75 us,
-    // 66 99 us; at B = 32 and 128 one split beat 2-4 (H200, CUDA graphs).
+    // four for keys narrower than the values (below). The 8-bit kernel's three CTAs per SM at
+    // full width are a cap, not a target: at B = 1 (4 rows per kv head) 33 splits took 73 us,
+    // 49 75 us, 66 99 us; at B = 32 and 128 one split beat 2-4 (H200, CUDA graphs).
     const int64_t rows = static_cast<int64_t>(p.heads_q / p.heads_kv) * p.len_q;
     const int64_t ctas = static_cast<int64_t>(p.batch) * p.heads_kv *
                          ((rows + Traits::kRows - 1) / Traits::kRows);
     const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
     if constexpr (Traits::kD < Traits::kDV && Traits::kRowWarps == 1) {
-      // 16-bit keys narrower than the values (a low-rank key cache), one row warp: three CTAs
-      // per SM (kMinBlocks: at most 168 registers, 62-74 KB of shared memory). One split where
-      // the CTAs fill one wave at two or more per SM, which stream the cache at full speed (H200,
-      // R = 32, Dv = 128, GQA 32/8, CUDA graphs, B = 32, Lk = 8k: 1 / 2 / 3 / 4 splits 160 /
-      // 212 / 170 / 180 us); else the grid sized to fill its last wave (B = 1, Lk = 128k: 33 /
-      // 49 / 66 splits 89.7 / 91.1 / 118.3 us).
-      // An 8-bit cache's narrow keys fill the waves at its kernel's CTAs per SM (R = 32, graphs:
-      // B = 32 1 / 2 / 3 splits 115.1 / 121.7 / 111.2 us, B = 1 33 / 49 / 66 70.2 / 64.8 / 75.8).
+      // Keys narrower than the values (a low-rank key cache), one row warp: the grid sized to
+      // fill its last wave at the kernel's CTAs per SM (16 bits: kMinBlocks, four, at most 128
+      // registers and 41-49 KB of shared memory in two stages; 8 bits: decode_fp8_ctas_per_sm).
+      // H200, R = 32, Dv = 128, GQA 32/8, CUDA graphs, us; 16 bits: B = 32, Lk = 8k: 1 / 2 / 3
+      // splits 171.0 / 162.2-163.2 / 179.7-180.0 (two stages need the fourth CTA: at three
+      // CTAs in three stages one split took 161.7-162.5); B = 1, Lk = 128k: 33 / 48 / 63 / 66
+      // splits 92.6-92.9 / 88.9-89.6 / 88.0-88.3 / 90.7-90.8; B = 128, Lk = 2k: 1 / 2 / 3
+      // splits 167.8-168.4 / 182.0-182.9 / 187.3-187.4. 8 bits: B = 32 1 / 2 / 3 splits
+      // 108.3-109.1 / 96.9-97.5 / 104.9-105.8; B = 1 33 / 49 / 66 / 99 61.5-61.7 / 56.2-56.4
+      // / 56.8-57.0 / 66.6-67.4; B = 128 1 / 2 102.5-102.7 / 124.6-125.2.
       static_assert(Traits::kMinBlocks * (Traits::kSmemBytes + 1024) <= 228 * 1024,
                     "kMinBlocks CTAs per SM fit");
       int per_sm = Traits::kMinBlocks;
       if constexpr (decltype(fp8)::value) {
         per_sm = rows <= 8 ? tc::decode_fp8_ctas_per_sm<Traits, 1>()
                             : tc::decode_fp8_ctas_per_sm<Traits, 2>();
-      } else {
-        if (20 * ctas >= 19 * 2 * sms && ctas <= per_sm * sms) {
-          splits = 1;
-          return;
-        }
       }
       splits = wave_filling_splits(ctas, per_sm * sms, most);
       return;

@@ -595,7 +595,7 @@ __device__ __forceinline__ void decode_pass(const AttnParams& p, const DecodeSpl
   // The online pass of one row warp (16 rows) on mma.sync keeps its q rows as A-fragments from
   // the first tile on: every tile's product then reads only K from shared memory (flash decode
   // 0.4-1.0% faster at B = 32 and 128, H200). At D = Dv = 128 only: the registers (D / 4 a
-  // thread) would cost D = 64 a CTA per SM, and keys narrower than the values the three CTAs per
+  // thread) would cost D = 64 a CTA per SM, and keys narrower than the values the four CTAs per
   // SM they run at; in the lazy passes the gain was mixed (B = 1 1.3% faster, B = 32 paged 1.6%
   // slower in decode_lse_weights_kernel).
   constexpr bool kQInRegs = kPass == DecodePass::kOnline && !kKeyMajor && !kGmma &&
