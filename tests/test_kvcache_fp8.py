@@ -379,6 +379,37 @@ def test_cuda_low_rank_query_projected_by_the_kernel(dtype, rank, pools, len_q, 
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("pools", ["8bit", "16bit"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=str)
+def test_cuda_low_rank_query_not_finite(pools, bad):
+    """A NaN or inf in one entry of a full-width q (projected by the 8-bit kernel itself, or
+    ahead for 16-bit pools) makes exactly that query row's output and lse NaN, as on the CPU;
+    every other row is bit for bit the clean call's."""
+    cache, ids, _ = _problem("cuda", torch.bfloat16, heads_q=8, head_dim=32, value_dim=128,
+                             page_size=64, lengths=(0, 70, 250))
+    q = torch.randn(3, 8, 1, 128, device="cuda").to(torch.bfloat16)
+    table, seqlens = cache.block_table[ids], cache.seqlens[ids]
+    k_pool, v_pool, scales = cache.k_pages, cache.v_pages, (cache.k_scale, cache.v_scale)
+    if pools == "16bit":
+        k_pool = dequantized(cache.k_pages, cache.k_scale, torch.bfloat16)
+        v_pool = dequantized(cache.v_pages, cache.v_scale, torch.bfloat16)
+        scales = (None, None)
+
+    def run(q_arg):
+        return ops.flash_attn_with_kvcache.default(
+            q_arg, k_pool, v_pool, None, None, seqlens, table, 128 ** -0.5, True, -1, -1, 0.0,
+            0, *scales, None, None, None, cache.basis[ids])
+
+    bad_q = q.clone()
+    bad_q[2, 5, 0, 17] = bad
+    (out, lse), (clean_out, clean_lse) = run(bad_q), run(q)
+    assert torch.isnan(out[2, 5]).all() and torch.isnan(lse[2, 5]).all()
+    keep = torch.ones(3, 8, dtype=torch.bool, device="cuda")
+    keep[2, 5] = False
+    assert torch.equal(out[keep], clean_out[keep]) and torch.equal(lse[keep], clean_lse[keep])
+
+
+@pytest.mark.cuda
 def test_cuda_query_rows_of_very_different_magnitudes():
     """The kernel converts each bf16 query row to f16 at its own power-of-two scale: rows of
     magnitude 1e-12..1e8 (outside f16's range both ways) in one CTA keep the 2x rule."""
