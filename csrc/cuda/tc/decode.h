@@ -301,6 +301,24 @@ __device__ __forceinline__ void store_append_chunk(const AppendChunk& c) {
   if (c.dst != nullptr) *static_cast<uint4*>(c.dst) = c.value;
 }
 
+// O^T += V^T P^T over a warp's 16 keys of a tile (key-major passes): b0, b1 are P^T's
+// B-fragments (lane (g, c): keys 2c, 2c + 1 and 2c + 8, 2c + 9 of the warp's, query row g);
+// V^T's A-fragments come by transposing loads, lanes 8m.. addressing matrix m = (keys
+// warp_key0 + 8 (m / 2).., value columns 16t + 8 (m % 2)..) of the stage sV.
+template <typename T, bool kGmma, int BN, int DV>
+__device__ __forceinline__ void add_key_major_values(float (&ot)[DV / 16][4], const T* sV,
+                                                     int warp_key0, int lane, uint32_t b0,
+                                                     uint32_t b1) {
+  const int key = warp_key0 + (lane & 7) + ((lane >> 4) << 3);
+#pragma unroll
+  for (int t = 0; t < DV / 16; ++t) {
+    uint32_t a[4];
+    const int col = 16 * t + ((lane >> 3) & 1) * 8;
+    ldmatrix_x4_trans(a, sV + decode_tile_off<kGmma, BN, DV>(key, col));
+    MmaOp<T>::run(ot[t], a, b0, b1);
+  }
+}
+
 // The most rows (query heads of a kv head times new tokens) a key-major pass takes: the 8
 // columns of one mma n-tile.
 constexpr int kKeyMajorMaxRows = 8;
@@ -649,17 +667,9 @@ __device__ __forceinline__ void decode_pass(const AttnParams& p, const DecodeSpl
       const float lse2_frag[1][2] = {{lse2[0], lse2[0]}};
       const float c_frag[1][2] = {{row_term[0], row_term[0]}};
       if (transform_weights<Transform, 1, 1, false>(w, lse2_frag, c_frag, unused).any) {
-        const uint32_t b0 = MmaOp<T>::pack(w[0][0][0], w[0][0][1]);
-        const uint32_t b1 = MmaOp<T>::pack(w[0][0][2], w[0][0][3]);
-        // V^T's A-fragments by transposing loads: lanes 8m.. address matrix m = (keys 8 (m / 2)..,
-        // value columns 16t + 8 (m % 2)..).
-        const int key = key_warp * kWarpKeys + (lane & 7) + ((lane >> 4) << 3);
-#pragma unroll
-        for (int t = 0; t < DV / 16; ++t) {
-          uint32_t a[4];
-          ldmatrix_x4_trans(a, sV + v_off(key, 16 * t + ((lane >> 3) & 1) * 8));
-          MmaOp<T>::run(ot[t], a, b0, b1);
-        }
+        add_key_major_values<T, kGmma, BN, DV>(ot, sV, key_warp * kWarpKeys, lane,
+                                               MmaOp<T>::pack(w[0][0][0], w[0][0][1]),
+                                               MmaOp<T>::pack(w[0][0][2], w[0][0][3]));
       }
       continue;
     }
@@ -739,18 +749,11 @@ __device__ __forceinline__ void decode_pass(const AttnParams& p, const DecodeSpl
 #pragma unroll
             for (int e = 0; e < 4; ++e) ot[t][e] *= corr[e & 1];
         }
-        // O^T += V^T P^T: P^T's B-fragments are S^T's pairs (rows g, g + 8 of the fragment:
-        // keys; columns 2c, 2c + 1: query rows) transposed, lane (g, c) holding keys 2c, 2c + 1
-        // (and + 8) of query row g; V^T's A-fragments by transposing loads, as the weight pass.
-        const uint32_t b0 = movmatrix_trans(MmaOp<T>::pack(st[0], st[1]));
-        const uint32_t b1 = movmatrix_trans(MmaOp<T>::pack(st[2], st[3]));
-        const int key = key_warp * kWarpKeys + (lane & 7) + ((lane >> 4) << 3);
-#pragma unroll
-        for (int t = 0; t < DV / 16; ++t) {
-          uint32_t a[4];
-          ldmatrix_x4_trans(a, sV + v_off(key, 16 * t + ((lane >> 3) & 1) * 8));
-          MmaOp<T>::run(ot[t], a, b0, b1);
-        }
+        // P^T's B-fragments are S^T's pairs (rows g, g + 8 of the fragment: keys; columns
+        // 2c, 2c + 1: query rows) transposed.
+        add_key_major_values<T, kGmma, BN, DV>(ot, sV, key_warp * kWarpKeys, lane,
+                                               movmatrix_trans(MmaOp<T>::pack(st[0], st[1])),
+                                               movmatrix_trans(MmaOp<T>::pack(st[2], st[3])));
       }
       continue;
     }
