@@ -48,7 +48,8 @@ using WideCfg = tc::DecodeTraits<D, DV, 4, 1, 64, 2>;
 // four warps each read all of a tile's K and V fragments from shared memory (ldmatrix), and
 // with the exponentials and two CTAs per SM they issued at 41% with "wait" stalls first (ncu,
 // H200, B = 128, Lk = 2k, Lq = 16: 1.51x the time of Lq = 1). With wgmma: flash Lq = 16
-// 0.86-0.90x, lazy 0.72-0.81x that time (docs/lab/decode.md).
+// 0.86-0.90x, the two-pass (not normalised) transform 0.72-0.81x that time
+// (docs/lab/decode.md).
 template <int D, int DV>
 using WideWgmmaCfg = tc::DecodeTraits<D, DV, 4, 1, 64, 2, 1, 0, true>;
 
@@ -68,12 +69,12 @@ struct LsePassCfg<NarrowCfg<D, DV>> {
 
 // The weight pass in the lse pass's kernel (decode_lse_weights_kernel, at one split): NarrowCfg's
 // rows on all eight of the lse pass's warps and its 128-key tiles, in the stages that the lse
-// pass's shared memory holds; void where the passes run apart. Lazy decode in one kernel against
-// two (H200, GQA 32/8, D = 128, CUDA graphs; four warps then): B = 128 Lk = 2k 290 -> 282 us
-// (paged 295 -> 287), B = 32 Lk = 8k 273 -> 268 (paged 278 -> 271). Eight warps against four
-// (three alternating rounds): B = 32 273.9 -> 269.8 (paged 276.2 -> 273.8), B = 128 286.3 ->
-// 284.1 (292.3 -> 290.5); the weight pass apart (B = 1) was not faster with eight (154.2 ->
-// 154.4), so it keeps NarrowCfg.
+// pass's shared memory holds; void where the passes run apart. The two passes of a transform
+// that is not normalised in one kernel against two (H200, GQA 32/8, D = 128, CUDA graphs; four
+// warps then): B = 128 Lk = 2k 290 -> 282 us (paged 295 -> 287), B = 32 Lk = 8k 273 -> 268
+// (paged 278 -> 271). Eight warps against four (three alternating rounds): B = 32 273.9 ->
+// 269.8 (paged 276.2 -> 273.8), B = 128 286.3 -> 284.1 (292.3 -> 290.5); the weight pass apart
+// (B = 1) was not faster with eight (154.2 -> 154.4), so it keeps NarrowCfg.
 template <typename Traits>
 struct FusedWeightsCfg {
   using type = void;

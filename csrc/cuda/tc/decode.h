@@ -614,8 +614,8 @@ __device__ __forceinline__ void decode_pass(const AttnParams& p, const DecodeSpl
   // the first tile on: every tile's product then reads only K from shared memory (flash decode
   // 0.4-1.0% faster at B = 32 and 128, H200). At D = Dv = 128 only: the registers (D / 4 a
   // thread) would cost D = 64 a CTA per SM, and keys narrower than the values the four CTAs per
-  // SM they run at; in the lazy passes the gain was mixed (B = 1 1.3% faster, B = 32 paged 1.6%
-  // slower in decode_lse_weights_kernel).
+  // SM they run at; in the lse and weight passes of a transform that is not normalised the gain
+  // was mixed (B = 1 1.3% faster, B = 32 paged 1.6% slower in decode_lse_weights_kernel).
   constexpr bool kQInRegs = kPass == DecodePass::kOnline && !kKeyMajor && !kGmma &&
                             kRowWarps == 1 && D == DV && D >= 128;
   uint32_t qa[1][kQInRegs ? D / 16 : 1][4];
@@ -891,9 +891,9 @@ __device__ __forceinline__ void decode_pass(const AttnParams& p, const DecodeSpl
   }
   __syncthreads();
   auto row_stats = [&](int r, float& m, float& l) {
-    // The transform's state before the first key (Transform::row_init: an attention sink's
-    // logit with weight 1), counted once per row: here where this CTA finishes the row, else
-    // in decode_combine_kernel.
+    // The transform's state before the first key (Transform::row_init: a logit outside the
+    // keys, of weight 1), counted once per row: here where this CTA finishes the row, else in
+    // decode_combine_kernel.
     float m0 = -INFINITY, l0 = 0.f;
     if constexpr (kPass == DecodePass::kOnline) {
       if (sp.num_splits == 1 && row0 + r < rows) {
@@ -1000,8 +1000,8 @@ constexpr int kCombineUnroll = 4;
 
 // Merges the splits' partial results of every row (b, h, r), one CTA per row. kOnline: outputs
 // weighted by their lse (splits that saw no key of the row, lse -inf, are skipped; a row no
-// split saw gets out 0 and lse -inf), the transform's state before the first key (an attention
-// sink, Transform::row_init) joining the lse once. kLse: the lse alone. kWeights: outputs
+// split saw gets out 0 and lse -inf), the transform's state before the first key
+// (Transform::row_init) joining the lse once. kLse: the lse alone. kWeights: outputs
 // summed. Warp w
 // takes splits w, w + kCombineWarps, ..., kCombineUnroll of them in flight, and the warps' sums
 // meet in shared memory: a warp per row, reading its splits one after another, took 11 us of a
