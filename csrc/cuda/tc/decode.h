@@ -1002,10 +1002,9 @@ constexpr int kCombineUnroll = 4;
 // weighted by their lse (splits that saw no key of the row, lse -inf, are skipped; a row no
 // split saw gets out 0 and lse -inf), the transform's state before the first key
 // (Transform::row_init) joining the lse once. kLse: the lse alone. kWeights: outputs
-// summed. Warp w
-// takes splits w, w + kCombineWarps, ..., kCombineUnroll of them in flight, and the warps' sums
-// meet in shared memory: a warp per row, reading its splits one after another, took 11 us of a
-// 134 us decode at B = 1, Lk = 128k (33 splits, 32 rows; H200).
+// summed. Warp w takes splits w, w + kCombineWarps, ..., kCombineUnroll of them in flight, and
+// the warps' sums meet in shared memory: a warp per row, reading its splits one after another,
+// took 11 us of a 134 us decode at B = 1, Lk = 128k (33 splits, 32 rows; H200).
 template <typename T, int DV, DecodePass kPass, typename Transform>
 __global__ void __launch_bounds__(32 * kCombineWarps) decode_combine_kernel(
     const AttnParams p, const DecodeSplits sp) {
