@@ -27,8 +27,9 @@
 namespace adaattn {
 namespace tc {
 
-// Stages of the 8-bit tiles (each half a 16-bit tile's bytes): at three CTAs per SM, 96 KB of
-// copies per SM in flight.
+// Stages of the 8-bit tiles: a full-width tile holds half a 16-bit tile's bytes, so at three
+// CTAs per SM 96 KB of copies per SM are in flight; narrow keys (R = 32, Dv = 128: 10 KB a
+// tile) run four CTAs per SM, 80 KB in flight.
 constexpr int kDecodeFp8Stages = 3;
 
 // CTAs per SM that decode_fp8_kernel's registers allow (its launch bounds; the split count of
