@@ -319,6 +319,24 @@ def test_cuda_low_rank_keys_against_the_exact_op(dtype, rank, page_size, len_q, 
     _check_two_x_rule(cache, ids, q, **kw)
 
 
+def _low_rank_pools(cache, pools, dtype):
+    """(k_pool, v_pool, (k_scale, v_scale)) of `cache`: its 8-bit pools and scales, or
+    ("16bit") the pools dequantised to `dtype` without scales."""
+    if pools == "8bit":
+        return cache.k_pages, cache.v_pages, (cache.k_scale, cache.v_scale)
+    return (dequantized(cache.k_pages, cache.k_scale, dtype),
+            dequantized(cache.v_pages, cache.v_scale, dtype), (None, None))
+
+
+def _decode_full_width_q(q, pools, seqlens, table, q_basis):
+    """The decode op (out, lse) on low-rank pools ``(k_pool, v_pool, scales)`` with a full-width
+    q [.., 128] projected by ``q_basis`` (None: q is already projected)."""
+    k_pool, v_pool, scales = pools
+    return ops.flash_attn_with_kvcache.default(
+        q, k_pool, v_pool, None, None, seqlens, table, 128 ** -0.5, True, -1, -1, 0.0, 0,
+        *scales, None, None, None, q_basis)
+
+
 def _project(q, basis, dtype):
     """q U [B, Hq, Lq, R] in `dtype`: query head h takes kv head h // (Hq / Hkv)'s basis."""
     batch, heads_q, len_q, dim = q.shape
@@ -343,17 +361,10 @@ def test_cuda_low_rank_query_projected_by_the_kernel(dtype, rank, pools, len_q, 
     q = torch.randn(3, heads_q, len_q, 128, device="cuda").to(dtype)
     basis = cache.basis[ids]
     table, seqlens = cache.block_table[ids], cache.seqlens[ids]
-    if pools == "8bit":
-        k_pool, v_pool, scales = cache.k_pages, cache.v_pages, (cache.k_scale, cache.v_scale)
-    else:
-        k_pool = dequantized(cache.k_pages, cache.k_scale, dtype)
-        v_pool = dequantized(cache.v_pages, cache.v_scale, dtype)
-        scales = (None, None)
+    k_pool, v_pool, scales = _low_rank_pools(cache, pools, dtype)
 
     def run(q_arg, q_basis):
-        return ops.flash_attn_with_kvcache.default(
-            q_arg, k_pool, v_pool, None, None, seqlens, table, 128 ** -0.5, True, -1, -1, 0.0,
-            0, *scales, None, None, None, q_basis)
+        return _decode_full_width_q(q_arg, (k_pool, v_pool, scales), seqlens, table, q_basis)
 
     got = run(q, basis)
     # A strided basis (a QR's Q, column-major) takes the same path: bit for bit the same.
@@ -388,17 +399,11 @@ def test_cuda_low_rank_query_not_finite(pools, bad):
     cache, ids, _ = _problem("cuda", torch.bfloat16, heads_q=8, head_dim=32, value_dim=128,
                              page_size=64, lengths=(0, 70, 250))
     q = torch.randn(3, 8, 1, 128, device="cuda").to(torch.bfloat16)
-    table, seqlens = cache.block_table[ids], cache.seqlens[ids]
-    k_pool, v_pool, scales = cache.k_pages, cache.v_pages, (cache.k_scale, cache.v_scale)
-    if pools == "16bit":
-        k_pool = dequantized(cache.k_pages, cache.k_scale, torch.bfloat16)
-        v_pool = dequantized(cache.v_pages, cache.v_scale, torch.bfloat16)
-        scales = (None, None)
+    pool_args = _low_rank_pools(cache, pools, torch.bfloat16)
 
     def run(q_arg):
-        return ops.flash_attn_with_kvcache.default(
-            q_arg, k_pool, v_pool, None, None, seqlens, table, 128 ** -0.5, True, -1, -1, 0.0,
-            0, *scales, None, None, None, cache.basis[ids])
+        return _decode_full_width_q(q_arg, pool_args, cache.seqlens[ids], cache.block_table[ids],
+                                    cache.basis[ids])
 
     bad_q = q.clone()
     bad_q[2, 5, 0, 17] = bad
