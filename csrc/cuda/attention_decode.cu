@@ -402,7 +402,8 @@ void attention_decode_tc_cuda(VariantId variant, const AttnParams& params, int n
       }
       if (num_splits > 1) {
         launch(tc::decode_combine_kernel<T, DV, tc::DecodePass::kOnline, typename V::Transform>,
-               dim3(static_cast<unsigned>(all_rows)), 32 * tc::kCombineWarps, 0, overlap, p, sp);
+               dim3(static_cast<unsigned>(all_rows)),
+               tc::decode_combine_threads(DV, num_splits), 0, overlap, p, sp);
       }
       return;
     }
@@ -432,8 +433,11 @@ void attention_decode_tc_cuda(VariantId variant, const AttnParams& params, int n
         launch_pass(std::false_type{});
       }
       if (num_splits > 1) {
+        // The lse alone is one warp's work.
         launch(tc::decode_combine_kernel<T, DV, kPass, typename V::Transform>,
-               dim3(static_cast<unsigned>(all_rows)), 32 * tc::kCombineWarps, 0, overlap, p, sp);
+               dim3(static_cast<unsigned>(all_rows)),
+               kPass == tc::DecodePass::kLse ? 32 : tc::decode_combine_threads(DV, num_splits), 0,
+               overlap, p, sp);
       }
     };
     using Pass = tc::DecodePass;

@@ -994,88 +994,124 @@ __global__ void __launch_bounds__(LseTraits::kThreads, 2)
   decode_pass<T, WeightTraits, Variant, DecodePass::kWeights, true, kKeyMajor>(p, weight_sp);
 }
 
-// Warps of a decode_combine_kernel CTA, and the splits each warp has in flight.
-constexpr int kCombineWarps = 4;
-constexpr int kCombineUnroll = 4;
+// Most threads of a decode_combine_kernel CTA, and the splits each thread loads at once.
+constexpr int kCombineMaxThreads = 256;
+constexpr int kCombineUnroll = 8;
+
+// Threads of decode_combine_kernel's CTAs for `splits` partial results of Dv columns: a float4
+// chunk of every column for each of up to `splits` splits at a time, in whole warps.
+constexpr int decode_combine_threads(int dv, int splits) {
+  const int chunks = dv / 4;
+  const int lanes = splits < kCombineMaxThreads / chunks ? splits : kCombineMaxThreads / chunks;
+  return (chunks * lanes + 31) / 32 * 32;
+}
 
 // Merges the splits' partial results of every row (b, h, r), one CTA per row. kOnline: outputs
 // weighted by their lse (splits that saw no key of the row, lse -inf, are skipped; a row no
 // split saw gets out 0 and lse -inf), the transform's state before the first key
-// (Transform::row_init) joining the lse once. kLse: the lse alone. kWeights: outputs
-// summed. Warp w takes splits w, w + kCombineWarps, ..., kCombineUnroll of them in flight, and
-// the warps' sums meet in shared memory: a warp per row, reading its splits one after another,
-// took 11 us of a 134 us decode at B = 1, Lk = 128k (33 splits, 32 rows; H200).
+// (Transform::row_init) joining the lse once. kLse: the lse alone. kWeights: outputs summed.
+// Launched with decode_combine_threads(DV, splits) threads: thread t takes the float4 column
+// chunk t % (DV / 4) of splits t / (DV / 4) + k * (threads / (DV / 4)), kCombineUnroll of them
+// loaded before any is used, and issues them ahead of the lse's loads, so that one memory
+// round trip serves both (a warp per split slice, reading the lse first and its splits four at
+// a time, took several); the threads' sums meet in shared memory.
 template <typename T, int DV, DecodePass kPass, typename Transform>
-__global__ void __launch_bounds__(32 * kCombineWarps) decode_combine_kernel(
+__global__ void __launch_bounds__(kCombineMaxThreads) decode_combine_kernel(
     const AttnParams p, const DecodeSplits sp) {
+  constexpr int kChunks = DV / 4;
+  static_assert(DV % 4 == 0 && (32 % kChunks == 0 || kChunks % 32 == 0) &&
+                    kCombineMaxThreads % kChunks == 0,
+                "whole float4 chunk rows in whole warps (decode_combine_threads)");
+  constexpr int kMaxSplitLanes = kCombineMaxThreads / kChunks;
+  const int split_lanes = blockDim.x / kChunks;
   const int64_t rows = static_cast<int64_t>(p.batch) * p.heads_q * p.len_q;
   const int64_t stat = blockIdx.x;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int lane = threadIdx.x % 32;
+  const int chunk = threadIdx.x % kChunks, split_lane = threadIdx.x / kChunks;
   const int b = static_cast<int>(stat / (static_cast<int64_t>(p.heads_q) * p.len_q));
   const int h = static_cast<int>(stat / p.len_q % p.heads_q);
   const int q_row = static_cast<int>(stat % p.len_q);
+  const int splits = sp.num_splits;
+  const float* __restrict__ lse_part = sp.lse_part;
+  const float4* __restrict__ o_part = reinterpret_cast<const float4*>(sp.o_part);
   // Launched overlapping the decode kernel: its partial results are read only from here on.
   wait_prior_grid();
+
+  float4 part[kCombineUnroll];
+  float part_lse[kCombineUnroll];
+  auto load_parts = [&](int s0) {
+#pragma unroll
+    for (int u = 0; u < kCombineUnroll; ++u) {
+      const int s = s0 + u * split_lanes;
+      const bool in = s < splits;
+      part[u] = in ? o_part[(s * rows + stat) * kChunks + chunk] : make_float4(0.f, 0.f, 0.f, 0.f);
+      part_lse[u] = in && kPass == DecodePass::kOnline ? lse_part[s * rows + stat] : -INFINITY;
+    }
+  };
+  if constexpr (kPass != DecodePass::kLse) load_parts(split_lane);
+
   float lse = 0.f;
   if constexpr (kPass != DecodePass::kWeights) {
     // Every warp merges the lse (a few loads per lane), so that none waits for another.
     float m0 = -INFINITY, l0 = 0.f;
     if constexpr (kPass == DecodePass::kOnline) Transform::template row_init<float>(p, h, m0, l0);
     float m = m0;
-    for (int s = lane; s < sp.num_splits; s += 32) m = fmaxf(m, sp.lse_part[s * rows + stat]);
+    for (int s = lane; s < splits; s += 32) m = fmaxf(m, lse_part[s * rows + stat]);
 #pragma unroll
     for (int off = 16; off > 0; off /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, off));
     // Splits that saw no key add exp(-inf) = 0; a NaN lse makes the row's NaN.
     const float base = m == -INFINITY ? 0.f : m;
     float sum = 0.f;
-    for (int s = lane; s < sp.num_splits; s += 32) sum += expf(sp.lse_part[s * rows + stat] - base);
+    for (int s = lane; s < splits; s += 32) sum += expf(lse_part[s * rows + stat] - base);
 #pragma unroll
     for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffff, sum, off);
     if (l0 != 0.f) sum += l0 * expf(m0 - base);
     lse = row_saw_keys(sum) ? base + logf(sum) : -INFINITY;
-    if (threadIdx.x == 0) p.lse[stat] = lse;
-    if constexpr (kPass == DecodePass::kLse) return;
+    if constexpr (kPass == DecodePass::kLse) {
+      if (threadIdx.x == 0) p.lse[stat] = lse;
+      return;
+    }
   }
 
-  constexpr int kCols = (DV + 31) / 32;
-  float acc[kCols] = {};
-  for (int s0 = warp; s0 < sp.num_splits; s0 += kCombineWarps * kCombineUnroll) {
-    float w[kCombineUnroll];
-    float part[kCombineUnroll][kCols];
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int s0 = split_lane;;) {
 #pragma unroll
     for (int u = 0; u < kCombineUnroll; ++u) {
-      const int s = s0 + u * kCombineWarps;
-      const bool in = s < sp.num_splits;
-      w[u] = in ? 1.f : 0.f;
+      float w = s0 + u * split_lanes < splits ? 1.f : 0.f;
       if constexpr (kPass == DecodePass::kOnline) {
-        const float ls = in ? sp.lse_part[s * rows + stat] : -INFINITY;
-        w[u] = ls == -INFINITY ? 0.f : expf(ls - lse);
+        w = part_lse[u] == -INFINITY ? 0.f : expf(part_lse[u] - lse);
       }
-      const float* o = sp.o_part + ((in ? s : 0) * rows + stat) * DV;
-#pragma unroll
-      for (int c = 0; c < kCols; ++c) {
-        part[u][c] = in && lane + 32 * c < DV ? o[lane + 32 * c] : 0.f;
+      // A skipped split adds nothing, whatever its partial output holds.
+      if (w != 0.f) {
+        acc.x += w * part[u].x;
+        acc.y += w * part[u].y;
+        acc.z += w * part[u].z;
+        acc.w += w * part[u].w;
       }
     }
-#pragma unroll
-    for (int u = 0; u < kCombineUnroll; ++u)
-#pragma unroll
-      for (int c = 0; c < kCols; ++c) {
-        // A skipped split adds nothing, whatever its partial output holds.
-        if (w[u] != 0.f) acc[c] += w[u] * part[u][c];
-      }
+    s0 += split_lanes * kCombineUnroll;
+    if (s0 >= splits) break;
+    load_parts(s0);
   }
-  __shared__ float warp_acc[kCombineWarps][kCols * 32];
-#pragma unroll
-  for (int c = 0; c < kCols; ++c) warp_acc[warp][lane + 32 * c] = acc[c];
+  __shared__ float4 lane_acc[kMaxSplitLanes][kChunks];
+  lane_acc[split_lane][chunk] = acc;
   __syncthreads();
-  T* out = static_cast<T*>(p.out) + b * p.o_batch_stride + h * p.o_head_stride +
-           q_row * p.o_row_stride;
-  for (int col = threadIdx.x; col < DV; col += 32 * kCombineWarps) {
-    float total = 0.f;
-#pragma unroll
-    for (int w = 0; w < kCombineWarps; ++w) total += warp_acc[w][col];
-    out[col] = from_float<T>(total);
+  if (threadIdx.x < kChunks) {
+    float4 total = lane_acc[0][threadIdx.x];
+    for (int l = 1; l < split_lanes; ++l) {
+      const float4 x = lane_acc[l][threadIdx.x];
+      total.x += x.x;
+      total.y += x.y;
+      total.z += x.z;
+      total.w += x.w;
+    }
+    T* out = static_cast<T*>(p.out) + b * p.o_batch_stride + h * p.o_head_stride +
+             q_row * p.o_row_stride + 4 * threadIdx.x;
+    out[0] = from_float<T>(total.x);
+    out[1] = from_float<T>(total.y);
+    out[2] = from_float<T>(total.z);
+    out[3] = from_float<T>(total.w);
+    if (kPass == DecodePass::kOnline && threadIdx.x == 0) p.lse[stat] = lse;
   }
 }
 
