@@ -1,4 +1,5 @@
-"""Block-sparse attention (spec §3.3): a BCSR block mask and the op that visits only its blocks."""
+"""Block-sparse attention (docs/ops.md): a BCSR block mask and the op that visits only its
+blocks."""
 import math
 from typing import Optional, Tuple, Union
 

@@ -1,5 +1,5 @@
-"""Lazy attention (spec §3.2): causal elastic softmax with a learnable per-head shift ``tau`` and a
-relative-position ``bias`` table, forward and backward on CPU and CUDA."""
+"""Lazy attention (docs/ops.md): causal elastic softmax with a learnable per-head shift ``tau``
+and a relative-position ``bias`` table, forward and backward on CPU and CUDA."""
 from typing import NamedTuple, Optional, Tuple, Union
 
 import torch

@@ -1,4 +1,4 @@
-"""Linear attention (spec §3.5): kernelised attention with a feature map, causal (chunked scan)
+"""Linear attention (docs/ops.md): kernelised attention with a feature map, causal (chunked scan)
 or not, dense or packed, with an optional carried state; forward and backward on CPU and CUDA."""
 from typing import Optional, Tuple, Union
 

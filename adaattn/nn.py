@@ -166,7 +166,7 @@ class FlashSelfAttention(nn.Module):
 
 
 class LazyAttention(nn.Module):
-    """Lazy attention (spec §3.2) with its learnable per-head ``tau`` and bias table.
+    """Lazy attention (docs/ops.md) with its learnable per-head ``tau`` and bias table.
 
     The attention core only, like :func:`adaattn.lazy_attn` (always causal): projections stay
     with the caller. Given ``q [B, Hq, Lq, D]`` and ``k, v [B, Hkv, Lk, D]`` (``Hq ==
@@ -260,7 +260,7 @@ class LazyAttention(nn.Module):
 
 
 class LinearAttention(nn.Module):
-    """Linear attention (spec §3.5), the attention core of :func:`adaattn.linear_attn`.
+    """Linear attention (docs/ops.md), the attention core of :func:`adaattn.linear_attn`.
 
     No parameters: projections stay with the caller. Given ``q, k [B, H, T, D]`` and
     ``v [B, H, T, Dv]`` (any strides with a contiguous last dim, e.g. ``(B, T, H, D)`` tensors
@@ -321,7 +321,7 @@ class LinearAttention(nn.Module):
 
 
 class AdaptiveRankAttention(nn.Module):
-    """Adaptive-rank attention (spec §3.4, §3.9) that plans rarely and reuses the plan.
+    """Adaptive-rank attention (docs/ops.md) that plans rarely and reuses the plan.
 
     The attention core only: given ``q [B, Hq, Lq, D]``, ``k [B, Hkv, Lk, D]``, ``v [B, Hkv,
     Lk, Dv]`` it returns :func:`adaattn.low_rank_attn` with a cached :class:`adaattn.RankPlan`

@@ -1,5 +1,5 @@
 """Low-precision (FP8 / INT8) attention: the quantisation scheme, its CPU/CUDA emulation and the
-per-head error estimate that picks fp8 or bf16 (spec §3.8, issue 32).
+per-head error estimate that picks fp8 or bf16 (docs/ops.md).
 
 The Hopper kernel computes ``softmax(scale * Q K^T) V`` from 8-bit operands. Everything here is
 plain PyTorch (CPU or CUDA tensors) and pins down what that kernel computes, so tests can check

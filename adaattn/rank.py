@@ -1,4 +1,4 @@
-"""Rank planning for adaptive-rank attention (spec §3.4, §3.9): the per-(batch, kv head) subspace
+"""Rank planning for adaptive-rank attention (docs/ops.md): the per-(batch, kv head) subspace
 that holds a given share of the query/key energy (exact or sketched), and the rigorous bound and
 the sampled estimate of the error of attending inside it.
 
@@ -586,7 +586,7 @@ def low_rank_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, basis: torc
                   causal: bool = False, softmax_scale: Optional[float] = None,
                   return_lse: bool = False
                   ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
-    """Exact softmax attention on scores projected to rank R (spec §3.4):
+    """Exact softmax attention on scores projected to rank R (docs/ops.md):
     ``s = scale * (q U)(k U)^T``, v at full width.
 
     The projections are batched GEMMs; QK^T then runs at width R (on CUDA fp16/bf16 R is padded

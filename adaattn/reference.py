@@ -31,13 +31,13 @@ def flash_key_mask(len_q: int, len_k: int, *, causal: bool = False, window=(-1, 
 
 
 def _softcap(scores: torch.Tensor, softcap: float) -> torch.Tensor:
-    """``softcap * tanh(scores / softcap)`` (spec §3.6, after scaling, before masking); 0 = off."""
+    """``softcap * tanh(scores / softcap)`` after scaling, before masking (docs/ops.md); 0: off."""
     return softcap * torch.tanh(scores / softcap) if softcap > 0 else scores
 
 
 def _positional(scores: torch.Tensor, alibi_slopes: Optional[torch.Tensor],
                 rel_bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """ALiBi and the relative-bias table on ``scores [B, Hq, Lq, Lk]`` (spec §3.6, after softcap,
+    """ALiBi and the relative-bias table on ``scores [B, Hq, Lq, Lk]`` (docs/ops.md; after softcap,
     before masking): ``- slope[b, h] |i - j| + rel_bias[h, i - j]`` (``0 <= i - j < W``), with
     ``i = r + Lk - Lq`` the query's bottom-right aligned position and ``j`` the key's."""
     if alibi_slopes is None and rel_bias is None:
@@ -120,7 +120,7 @@ def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: boo
 def low_rank_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, basis: torch.Tensor, *,
                   causal: bool = False,
                   softmax_scale: Optional[float] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention on projected scores ``s = scale * (q U)(k U)^T`` (spec §3.4), v at full
+    """Softmax attention on projected scores ``s = scale * (q U)(k U)^T`` (docs/ops.md), v at full
     width. q ``[B, Hq, Lq, D]``, k ``[B, Hkv, Lk, D]``, v ``[B, Hkv, Lk, Dv]``, basis
     ``U [B, Hkv, D, R]`` (query head ``h`` uses its kv head's basis); ``scale`` defaults to
     ``D ** -0.5`` (of the full D).
@@ -199,7 +199,7 @@ def lazy_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tau: torch.Tens
               bias: torch.Tensor, *, softmax_scale: Optional[float] = None,
               seqlens: Optional[torch.Tensor] = None,
               upcast: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Lazy attention (spec §3.2), materialised: causal, elastic softmax with learnable shift.
+    """Lazy attention (docs/ops.md), materialised: causal, elastic softmax with learnable shift.
 
     q ``[B, Hq, Lq, D]``, k/v ``[B, Hkv, Lk, D]`` (``Lq <= Lk``; query row r has position
     ``i = r + Lk - Lq``), tau ``[Hq]``, bias ``[Hq, W]``. For keys ``j <= i``::
@@ -212,7 +212,7 @@ def lazy_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tau: torch.Tens
 
     ``upcast=False`` is the eager implementation a user would write in q's dtype (scores,
     softmax and ``A V`` rounded to it; only the elastic step in float32, as the spec requires):
-    the same-dtype reference of the low-precision test rule (spec §4).
+    the same-dtype reference of the low-precision test rule (tests/accuracy.py).
     """
     if not upcast:
         return _lazy_attn_same_dtype(q, k, v, tau, bias, softmax_scale, seqlens)
@@ -248,7 +248,8 @@ def lazy_attn_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                        v: torch.Tensor, tau: torch.Tensor, bias: torch.Tensor, *,
                        softmax_scale: Optional[float] = None,
                        seqlens: Optional[torch.Tensor] = None):
-    """The closed-form gradients of spec §3.2 (what fused kernels implement), materialised.
+    """The closed-form gradients of lazy attention (docs/ops.md), materialised: what the fused
+    kernels implement.
 
     With ``M_ij = [p_ij + tau_h/(i+1) > 0]``, ``dA = g v^T``, ``G_i = sum_j M_ij dA_ij`` and
     ``Delta_i = g_i.o_i - tau_h/(i+1) * G_i``: ``dS = p * (M dA - Delta)``,

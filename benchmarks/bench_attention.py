@@ -1,4 +1,4 @@
-"""Benchmarks adaattn.flash_attn against its peers on CUDA (spec §5).
+"""Benchmarks adaattn.flash_attn against its peers on CUDA.
 
 Configs: bf16, B*L = 16384, H*D = 2048, D in {64, 128}, L in {1024, 4096, 16384}, causal and not.
 Peers in the same run: F.scaled_dot_product_attention pinned to each backend (flash, cuDNN,

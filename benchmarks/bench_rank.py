@@ -1,4 +1,4 @@
-"""Benchmarks adaattn.rank_plan and adaptive-rank attention on CUDA against flash_attn (spec §3.4,
+"""Benchmarks adaattn.rank_plan and adaptive-rank attention on CUDA against flash_attn (docs/ops.md;
 §3.9; issue 33's bars, bf16, B=4, H=16, L=4096, D=128).
 
 Part 1, the plan against one attention forward (bar: rank_plan <= 15% of one non-causal
@@ -303,7 +303,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         for hkv in KV_HEADS:
             for kind in ("random", "planted"):
                 rows += measure(hkv, kind, args, accuracies)
-    title = ("adaptive rank (spec §3.4, §3.9): rank_plan and adaptive_rank_attn against "
+    title = ("adaptive rank: rank_plan and adaptive_rank_attn against "
              "flash_attn; the plan's pieces")
     body = (f"## {title}\n\n{metadata(argv)}\n\n" + "\n".join(attention_table)
             + (f"\n\n{render(rows)}" if rows else ""))

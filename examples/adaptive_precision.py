@@ -1,4 +1,4 @@
-"""Adaptive precision: which heads run 8-bit, at what error, and at what speed (spec §3.8).
+"""Adaptive precision: which heads run 8-bit, at what error, and at what speed (docs/ops.md).
 
 Planted heads (D = 128, N(0, 1) unless said): two plain, two whose queries match one key each
 (peaked rows, as trained models), two with outlier K channels (4 channels x8 and per-channel

@@ -1,4 +1,4 @@
-"""Adaptive-rank attention for prefill and decode on inputs with a planted spectrum (spec §3.4,
+"""Adaptive-rank attention for prefill and decode on inputs with a planted spectrum (docs/ops.md;
 §3.9).
 
 Queries and keys of each head have an exponentially decaying spectrum whose decay length differs

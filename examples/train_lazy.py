@@ -2,7 +2,7 @@
 
 The corpus is made up by the script from a seeded template: each line introduces two invented
 names and an object, and its last sentence repeats them, so the model can only predict it by
-attending back to the start of the line. Every layer uses lazy attention (spec §3.2): a learnable
+attending back to the start of the line. Every layer uses lazy attention (docs/ops.md): a learnable
 per-head ``tau`` that zeroes weak attention weights and a relative-position bias table, which is
 the model's only position signal. The script prints the loss as it trains, completes a prompt at
 the end, and saves a PNG with the training-loss curve and every head's ``tau`` over training.

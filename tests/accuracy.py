@@ -1,4 +1,4 @@
-"""The correctness rules of spec §4, shared by the attention test modules.
+"""The correctness rules of the tests, shared by the attention test modules.
 
 * float32: relative error ``||a - b|| / ||b|| <= FP32_RTOL`` against float64
   (:func:`assert_rel_close`);

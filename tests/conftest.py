@@ -2,9 +2,9 @@
 
 * Devices: tests take the ``device`` fixture (``"cpu"`` and ``"cuda"``) or use ``DEVICES`` in their
   own parametrisation. CUDA cases carry the ``cuda`` marker and are skipped at *run* time when no
-  GPU is present; nothing here queries CUDA at import or collection time (spec §4).
+  GPU is present; nothing here queries CUDA at import or collection time.
 * Seeding: every test starts from ``torch.manual_seed(0)``.
-* NaN poisoning (spec §4, "outputs are allocated poisoned"): the op library allocates its outputs
+* NaN poisoning ("outputs are allocated poisoned"): the op library allocates its outputs
   in C++ with ``at::empty``, which Python cannot monkeypatch. Every test therefore runs with
   ``torch.use_deterministic_algorithms(True, warn_only=True)`` and
   ``torch.utils.deterministic.fill_uninitialized_memory = True``: in that mode ATen's ``empty``

@@ -1,4 +1,4 @@
-"""Tests of adaattn.block_sparse_attn and adaattn.BlockSparseMask (spec §1, §2, §3.3, §4).
+"""Tests of adaattn.block_sparse_attn and adaattn.BlockSparseMask (docs/ops.md; rules: accuracy.py).
 
 Ground truth is ``adaattn.reference.block_sparse_attn`` (softmax attention under the equivalent
 element mask) run in float64. Bars, as in test_flash.py:

@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 
 from accuracy import assert_low_precision_rule, assert_rel_close
 
-# fp32: spec §4. fp64: the merge weights come from the ops' float32 lse (spec §1: lse is float32
+# fp32: accuracy.py's rule. fp64: the merge weights come from the ops' float32 lse (lse is float32
 # for every dtype), so the ring agrees with the single-process fp64 op to float32's rounding of
 # lse (observed: up to 4e-8 relative), not to fp64's; the issue's 1e-10 needs an fp64 lse.
 RTOL = {torch.float32: 1e-5, torch.float64: 1e-6}

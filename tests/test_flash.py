@@ -1,4 +1,4 @@
-"""Tests of adaattn.flash_attn (spec §1, §2, §3.1 and the correctness rules of §4).
+"""Tests of adaattn.flash_attn (docs/ops.md; rules: accuracy.py).
 
 Ground truth is ``adaattn.reference.flash_attn`` run in float64. Bars:
 * float64: ``torch.autograd.gradcheck`` of q, k, v (and the forward against the reference);
@@ -144,7 +144,7 @@ def test_gradcheck_fp64(device, case):
                                       softmax_scale=case.scale, window=case.window,
                                       seqlens=seqlens)
     # The float64 forward must at least clear the float32 bar; gradcheck runs at its defaults
-    # (the saved lse is float32 by spec, which bounds the backward's accuracy near 1e-7).
+    # (the saved lse is float32 by design, which bounds the backward's accuracy near 1e-7).
     assert_rel_close("out", fn(q, k, v).detach(), ref_out, FP32_RTOL)
     assert torch.autograd.gradcheck(fn, (q, k, v))
 
@@ -754,7 +754,7 @@ def test_cuda_side_stream():
 
 
 def test_import_does_not_initialise_cuda():
-    """Importing adaattn (and running a CPU op) must not create a CUDA context (spec §4)."""
+    """Importing adaattn (and running a CPU op) must not create a CUDA context."""
     code = ("import torch, adaattn\n"
             "assert not torch.cuda.is_initialized(), 'import initialised CUDA'\n"
             "q = torch.randn(1, 2, 8, 16)\n"

@@ -16,10 +16,11 @@ out in shuffled pages for paged cases, so the checks against ``adaattn.flash_att
 rows) do not go through the reference's own gather. The updated caches must equal
 ``reference.kvcache_append`` exactly: the new keys land in their slots and nothing else changes.
 
-Bars (spec §4): float64 on the CPU against the float64 reference at 1e-12 relative (lse, float32 by
-spec, at 1e-6); float32 at 1e-5; float16/bfloat16 ``err(ours) <= 2 * err(reference in the same
-dtype) + 1e-5`` (tests/accuracy.py; the same-dtype lazy reference is ``upcast=False``). Every test
-runs with NaN-poisoned allocations (conftest.py); CUDA cases skip at run time without a GPU.
+Bars (tests/accuracy.py): float64 on the CPU against the float64 reference at 1e-12 relative
+(lse, float32 by design, at 1e-6); float32 at 1e-5; float16/bfloat16 ``err(ours) <= 2 *
+err(reference in the same dtype) + 1e-5`` (the same-dtype lazy reference is ``upcast=False``).
+Every test runs with NaN-poisoned allocations (conftest.py); CUDA cases skip at run time without
+a GPU.
 """
 import dataclasses
 from typing import Optional, Tuple

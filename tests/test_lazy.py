@@ -1,11 +1,11 @@
-"""Tests of adaattn.lazy_attn (spec §1, §2, §3.2 and the correctness rules of §4).
+"""Tests of adaattn.lazy_attn (docs/ops.md; rules: accuracy.py).
 
 Ground truth is ``adaattn.reference.lazy_attn`` / ``lazy_attn_backward`` run in float64 (the
 closed-form backward is checked against autograd in test_lazy_reference.py). Bars, for out, lse
 and the five gradients dq, dk, dv, dtau, dbias:
 
 * float64: ``torch.autograd.gradcheck`` of q, k, v (default step) and of tau, bias. tau and bias
-  are float32 by spec, which cannot resolve gradcheck's default 1e-6 step, so they are checked by
+  are float32 by design, which cannot resolve gradcheck's default 1e-6 step, so they are checked by
   a second gradcheck over float64 copies cast to float32 inside, with a 1e-3 step. Multi-tile
   float64 problems are also compared with the reference at ~1e-12.
 * float32: relative error ``||a - b|| / ||b|| <= 1e-5``.
@@ -196,7 +196,7 @@ FP64_CASES = [
 @pytest.mark.parametrize("case", FP64_CASES, ids=str)
 def test_fp64_multi_tile_matches_reference(device, case):
     """gradcheck sizes fit in one tile; these span several query and key tiles. dtau/dbias (and
-    lse) are float32 by spec, hence their looser bound."""
+    lse) are float32 by design, hence their looser bound."""
     inputs = make_inputs(case, torch.float64, device)
     ours = run_ours(case, *inputs)
     ref = run_reference(case, *inputs)
@@ -352,7 +352,7 @@ def test_low_precision_cuda_sm80_kernels(case, dtype, monkeypatch):
 @pytest.mark.parametrize("d", [32, 96])
 def test_low_precision_cuda_padded_head_dims(d, dtype):
     """Head dims without a lazy kernel of their own run on (64, 64) or (128, 128)
-    and meet the same rule, tau and bias gradients included (spec §1)."""
+    and meet the same rule, tau and bias gradients included."""
     _check_low_precision(Case(b=2, hq=4, hkv=2, lq=97, lk=128, d=d, w=7, tau=-1.0), dtype, "cuda")
 
 
@@ -772,7 +772,7 @@ def test_torch_compile_fullgraph(device, backend, dtype):
     torch._dynamo.reset()
     model = TinyLazyAttention().to(device)
     for name, p in model.named_parameters():
-        if name not in ("tau", "bias"):  # the lazy parameters stay float32 (spec §3.2)
+        if name not in ("tau", "bias"):  # the lazy parameters stay float32 (docs/ops.md)
             p.data = p.data.to(dtype)
     x = torch.randn(2, 33, 256, device=device, dtype=dtype)
     seqlens = torch.tensor([33, 20], dtype=torch.int32, device=device)

@@ -1,4 +1,4 @@
-"""The lazy-attention reference (spec §3.2): its autograd gradients equal the closed-form
+"""The lazy-attention reference (docs/ops.md): its autograd gradients equal the closed-form
 backward that fused kernels implement, and it reduces to causal softmax attention."""
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""Tests of adaattn.linear_attn (spec §1, §2, §3.5 and the correctness rules of §4).
+"""Tests of adaattn.linear_attn (docs/ops.md; rules: accuracy.py).
 
 Ground truth is ``adaattn.reference.linear_attn`` (materialised causal mask) in float64, itself
 checked against the step-by-step ``reference.linear_attn_recurrent``; gradients of the ground

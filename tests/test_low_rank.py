@@ -1,4 +1,4 @@
-"""Tests of low-rank attention (spec §3.4) and of the flash kernels' separate value head dim
+"""Tests of low-rank attention (docs/ops.md) and of the flash kernels' separate value head dim
 (Dv != D) that it runs on.
 
 * adaattn.low_rank_attn: fp64 gradcheck of q, k, v and basis (CPU, CUDA exact path); fp32

@@ -9,7 +9,7 @@ or not, GQA, Lq = 1 and Lq > 1, a contiguous cache and a paged one filled throug
 LowRankKVCache, ragged lengths). The bases come from ``adaattn.rank_plan`` on the prefill of
 planted low-rank inputs (tests/test_rank.py's), or are fixed orthonormal ones of a chosen R.
 
-Bars (spec §4): float64 at 1e-12 relative (lse, float32 by spec, at 1e-6); float16/bfloat16
+Bars (tests/accuracy.py): float64 at 1e-12 relative (lse, float32, at 1e-6); float16/bfloat16
 ``err(ours) <= 2 * err(reference.low_rank_attn in the same dtype) + 1e-5`` against float64.
 CUDA cases skip at run time without a GPU; on CUDA fp16/bf16, (R, Dv) = (64, 64) runs the
 split-KV decode kernel and (32, 128) the prefill kernels on the cache.

@@ -1,7 +1,7 @@
-"""Tests of adaattn.nn.LazyAttention and examples/train_lazy.py (spec §3.2, §4).
+"""Tests of adaattn.nn.LazyAttention and examples/train_lazy.py (docs/ops.md; rules: accuracy.py).
 
 The module must compute ``adaattn.reference.lazy_attn`` with its own ``tau`` and ``bias``, send
-gradients to both, and keep them float32, also under autocast. Bars as in spec §4: float64
+gradients to both, and keep them float32, also under autocast. Bars as in tests/accuracy.py: float64
 inputs within ``rtol 1e-9`` of the float64 reference, float32 tensors (and the float32 parameter
 gradients) within a relative error of 1e-5, bfloat16 ``err(ours) <= 2 * err(reference in
 bfloat16) + 1e-5``. The example is smoke-run for a few steps on the CPU.
@@ -64,7 +64,7 @@ def _module_results(attn, q, k, v, seqlens, dout):
 
 
 def _assert_exact_rule(name, actual, expected):
-    """float64 tensors: ``rtol 1e-9``; float32 ones: relative error ``<= 1e-5`` (spec §4)."""
+    """float64 tensors: ``rtol 1e-9``; float32 ones: relative error ``<= 1e-5``."""
     assert torch.isfinite(actual).all(), f"{name}: non-finite values"
     if actual.dtype == torch.float64:
         torch.testing.assert_close(actual, expected, rtol=1e-9, atol=1e-12, msg=name)

@@ -1,4 +1,4 @@
-"""Tests of adaattn.precision, the FP8/INT8 attention scheme and its emulation (spec §3.8,
+"""Tests of adaattn.precision, the FP8/INT8 attention scheme and its emulation (docs/ops.md;
 issue 32). CPU; the device-parametrised ones run on CUDA too.
 
 * Pieces: K smoothing leaves the softmax unchanged (float64), the Hadamard rotation leaves the

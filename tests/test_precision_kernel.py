@@ -1,4 +1,4 @@
-"""flash_attn(precision="fp8" | "auto") (spec §3.8, issue 32): the op, its CPU kernel (the
+"""flash_attn(precision="fp8" | "auto") (docs/ops.md; issue 32): the op, its CPU kernel (the
 emulation of adaattn.precision) and the 8-bit Hopper kernel.
 
 * CUDA (sm_90 only): the kernel's output and lse against the emulation of the same scheme on the

@@ -1,4 +1,4 @@
-"""Tests of the rank-planning half of adaptive-rank attention (spec §3.4, §3.9):
+"""Tests of the rank-planning half of adaptive-rank attention (docs/ops.md):
 adaattn.rank_plan, adaattn.rank_error_bound, adaattn.rank_error_estimate, adaptive_rank_attn(max_error=) and
 adaattn.nn.AdaptiveRankAttention (the attention itself: tests/test_low_rank.py).
 

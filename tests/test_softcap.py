@@ -1,7 +1,7 @@
-"""Tests of the softcap score modifier (spec §3.6): ``s <- softcap * tanh(s / softcap)`` after
+"""Tests of the softcap score modifier (docs/ops.md): ``s <- softcap * tanh(s / softcap)`` after
 scaling, before masking, on flash_attn, flash_attn_varlen and block_sparse_attn.
 
-Ground truth is ``adaattn.reference`` with ``softcap`` run in float64. Bars (spec §4), as in
+Ground truth is ``adaattn.reference`` with ``softcap`` run in float64. Bars (accuracy.py), as in
 test_flash.py: float64 ``gradcheck``; float32 relative error ``<= 1e-5`` for out, lse, dq, dk,
 dv; float16/bfloat16 ``err(ours) <= 2 * err(reference in the same dtype) + 1e-5``. Each accuracy
 case also checks that the cap changes the reference's output (so that it tests the cap).

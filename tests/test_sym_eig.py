@@ -237,7 +237,7 @@ def sym_eig_top(a, energy, min_rank=16, multiple=16):
 
 
 def expected_ranks(w, energy, min_rank, multiple):
-    """rank_plan's rule (spec §3.4) in float64 on descending eigenvalues w [N, D]."""
+    """rank_plan's rule (docs/ops.md) in float64 on descending eigenvalues w [N, D]."""
     dim = w.shape[-1]
     if energy >= 1.0:
         return torch.full(w.shape[:1], dim, dtype=torch.int32)

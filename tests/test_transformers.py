@@ -4,7 +4,7 @@ Tiny randomly initialised models built here (Llama with GQA, Qwen2 with a slidin
 with a sliding window, Gemma 2 with softcap and sliding layers, Gemma, Qwen3) run on the CPU.
 The reference is transformers' own "sdpa" (exact in float64), or "eager" for Gemma 2, whose
 softcap sdpa ignores: eager takes its softmax in float32, so that comparison runs in float32.
-Bars: float64 relative error <= 1e-12, float32 <= 1e-5 (spec §4's fp32 rule); greedy tokens
+Bars: float64 relative error <= 1e-12, float32 <= 1e-5 (accuracy.py's fp32 rule); greedy tokens
 identical. Generation is also checked for the ops it calls (the KV-cache op at every decode
 step, the dense op for long chunks against a cache) and with static caches. Lazy attention is
 checked against adaattn.lazy_attn on the module's own q/k/v and against cache-free decoding, and

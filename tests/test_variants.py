@@ -1,8 +1,8 @@
-"""Tests of the composed score variants (spec §3.6): ``alibi_slopes``, learnable ``sinks`` and
+"""Tests of the composed score variants (docs/ops.md): ``alibi_slopes``, learnable ``sinks`` and
 learnable ``rel_bias`` on flash_attn, flash_attn_varlen and block_sparse_attn, alone, together
 and with softcap (order: scale -> softcap -> alibi + rel_bias -> mask -> softmax with sinks).
 
-Ground truth is ``adaattn.reference`` in float64. Bars (spec §4), as in test_softcap.py: float64
+Ground truth is ``adaattn.reference`` in float64. Bars (accuracy.py), as in test_softcap.py: float64
 ``gradcheck`` for q, k, v and for sinks and rel_bias; float32 relative error ``<= 1e-5`` for
 out, lse, dq, dk, dv, dsinks, drel_bias; float16/bfloat16 ``err(ours) <= 2 * err(reference in
 the same dtype) + 1e-5``. Each accuracy case also checks that the variant changes the
@@ -210,7 +210,7 @@ GRADCHECK_CASES = [_param(f, s, v) for v in ("alibi_batch", "sinks", "rel_bias",
 
 @pytest.mark.parametrize("family,spec,variant", GRADCHECK_CASES)
 def test_gradcheck_fp64(device, family, spec, variant):
-    """q, k, v at gradcheck's default step; sinks and rel_bias (float32 by spec, which cannot
+    """q, k, v at gradcheck's default step; sinks and rel_bias (float32 by design, which cannot
     resolve a 1e-6 step) over float64 copies cast to float32 inside, with a 1e-3 step (as
     test_lazy.py checks tau and bias)."""
     problem = family(spec, torch.float64, device, variant)

@@ -1,5 +1,5 @@
 """Tests of the packed (varlen) layout: adaattn.flash_attn_varlen and adaattn.lazy_attn_varlen
-(spec §1, §3.1, §3.2; issue "variable-length packed batches").
+(docs/ops.md; issue "variable-length packed batches").
 
 * A packed call equals one dense call per sequence of the same op, bit for bit, for the output,
   lse and every gradient (the kernels tile each sequence exactly as a dense call would); tau/bias
