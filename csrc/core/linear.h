@@ -5,11 +5,7 @@
 #include <cmath>
 #include <cstdint>
 
-#ifdef __CUDACC__
-#define ADAATTN_HD __host__ __device__ __forceinline__
-#else
-#define ADAATTN_HD inline
-#endif
+#include "host_device.h"
 
 namespace adaattn {
 

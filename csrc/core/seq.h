@@ -6,15 +6,8 @@
 
 #include <cstdint>
 
+#include "host_device.h"
 #include "params.h"
-
-#ifndef ADAATTN_HD
-#if defined(__CUDACC__)
-#define ADAATTN_HD __host__ __device__ __forceinline__
-#else
-#define ADAATTN_HD inline
-#endif
-#endif
 
 namespace adaattn {
 

@@ -50,13 +50,7 @@
 #include <cmath>
 #include <cstdint>
 
-#ifndef ADAATTN_HD
-#if defined(__CUDACC__)
-#define ADAATTN_HD __host__ __device__ __forceinline__
-#else
-#define ADAATTN_HD inline
-#endif
-#endif
+#include "host_device.h"
 
 namespace adaattn {
 
