@@ -164,8 +164,7 @@ FlashOptions resolve_flash_options(const char* op, const at::Tensor& q,
   const int64_t int_max = std::numeric_limits<int>::max();
   ADAATTN_CHECK_VALUE(window_left <= int_max && window_right <= int_max,
                       "window entries must fit in int32");
-  const double scale =
-      softmax_scale.has_value() ? *softmax_scale : 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
+  const double scale = softmax_scale_or_default(softmax_scale, q.size(-1));
   ADAATTN_CHECK_VALUE(std::isfinite(scale), "softmax_scale must be finite, got ", scale);
   // The tensor-core kernels read softcap as float32: it must stay finite there, and a positive
   // value nonzero (the exact paths take it as given).

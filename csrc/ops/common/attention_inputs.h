@@ -15,6 +15,13 @@
 
 namespace adaattn {
 
+// softmax_scale, or the default D^-1/2 of the query/key head dim D (the caller's D, not a
+// padded one).
+inline double softmax_scale_or_default(std::optional<double> softmax_scale, int64_t head_dim) {
+  return softmax_scale.has_value() ? *softmax_scale
+                                   : 1.0 / std::sqrt(static_cast<double>(head_dim));
+}
+
 // Everything the mask and the math need, resolved from the op's arguments.
 struct FlashOptions {
   double scale;

@@ -4,7 +4,6 @@
 
 #include <ATen/ATen.h>
 
-#include <cmath>
 #include <cstdint>
 #include <optional>
 #include <utility>
@@ -54,7 +53,7 @@ struct TcLayout {
   // The default scale D^-1/2 is the caller's D, not the padded one.
   std::optional<double> scale(std::optional<double> softmax_scale) const {
     if (softmax_scale.has_value() || kernel_dim == head_dim) return softmax_scale;
-    return 1.0 / std::sqrt(static_cast<double>(head_dim));
+    return softmax_scale_or_default(softmax_scale, head_dim);
   }
 
  private:

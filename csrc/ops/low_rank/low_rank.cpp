@@ -11,8 +11,6 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
-#include <cmath>
-
 #include "../../attention_api.h"
 #include "../common/attention_inputs.h"
 #include "../common/checks.h"
@@ -68,8 +66,7 @@ std::tuple<at::Tensor, at::Tensor> low_rank_attn(const at::Tensor& q, const at::
   const at::Tensor q_proj =
       at::matmul(q.unflatten(1, {heads_kv, group}), u.unsqueeze(2)).flatten(1, 2);
   const at::Tensor k_proj = at::matmul(k, u);
-  const double scale =
-      softmax_scale.has_value() ? *softmax_scale : 1.0 / std::sqrt(static_cast<double>(dim));
+  const double scale = softmax_scale_or_default(softmax_scale, dim);
   static auto flash = c10::Dispatcher::singleton()
                           .findSchemaOrThrow("adaattn::flash_attn", "")
                           .typed<std::tuple<at::Tensor, at::Tensor>(
