@@ -310,7 +310,7 @@ def test_low_precision_cpu(case, dtype):
     _check_low_precision(case, dtype, "cpu")
 
 
-# Measured on an H200 at 670b667: dv's largest error (1.20e-2, element value 2.1755) comes from
+# Measured on an H200: dv's largest error (1.20e-2, element value 2.1755) comes from
 # rounding one weight (a = 0.643, dout = 3.36) to bf16 for the tensor-core product, which puts the
 # fp32 sum past the midpoint between the bf16 neighbours 2.171875 and 2.1875; the eager bf16
 # reference happens to land on the nearer one (error 5.6e-3). Ours stays within one bf16 ulp

@@ -20,21 +20,21 @@
 // registers).
 //
 // Measured per stage on the H100 (benchmarks/sym_eig_stages.cu, 64 matrices of 128, cycles per
-// CTA, median over CTAs; before: 853bad7, after: this version):
+// CTA, median over CTAs):
 //                          random, sym_eig     planted, sym_eig    planted, sym_eig_top (r = 32)
-//   scale/load              18k ->  11k         18k ->  11k          11k
-//   tridiagonalisation     491k -> 297k        491k -> 297k         297k
-//   split                   12k ->   1k         12k ->   1k           1k
-//   multisection           183k -> 111k        183k -> 111k         111k
-//   order/rank                  ->   4k             ->   4k            5k
-//   inverse iteration       63k ->  60k         63k ->  60k           0k
-//   cluster Gram-Schmidt   729k -> 650k        955k -> 845k         127k
-//   back-transformation    234k -> 191k        234k -> 191k          80k
-//   Newton-Schulz           74k ->  83k         74k ->  83k          44k
-//   sign/store              15k ->   6k         15k ->   6k           5k
-//   kernel                0.934 -> 0.741 ms   1.131 -> 0.909 ms    0.366 ms
-// (The kernel times are from a run whose Newton-Schulz also skipped the loads of column tiles
-// past r: 93k / 46k cycles, so it was dropped; the Newton-Schulz row is this version's.)
+//   scale/load                   11k                 11k                  11k
+//   tridiagonalisation          297k                297k                 297k
+//   split                         1k                  1k                   1k
+//   multisection                111k                111k                 111k
+//   order/rank                    4k                  4k                   5k
+//   inverse iteration            60k                 60k                   0k
+//   cluster Gram-Schmidt        650k                845k                 127k
+//   back-transformation         191k                191k                  80k
+//   Newton-Schulz                83k                 83k                  44k
+//   sign/store                    6k                  6k                   5k
+//   kernel                     0.741 ms            0.909 ms             0.366 ms
+// (Kernel times from a run whose Newton-Schulz also skipped the loads of column tiles past r:
+// 93k / 46k cycles, so that skip was dropped; the Newton-Schulz row is without it.)
 // Back-transformation of r = 32 columns with 16 or 8 lanes per column instead of 32: 96k, 146k.
 // The clusters are large: a Gram matrix of 8192 Gaussian rows has gaps ~32 < kSymEigCluster
 // ||A||_F ~ 93 (~125 clustered gaps per matrix); the planted one has a 96-member noise cluster
