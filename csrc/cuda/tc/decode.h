@@ -1012,9 +1012,9 @@ constexpr int decode_combine_threads(int dv, int splits) {
 // (Transform::row_init) joining the lse once. kLse: the lse alone. kWeights: outputs summed.
 // Launched with decode_combine_threads(DV, splits) threads: thread t takes the float4 column
 // chunk t % (DV / 4) of splits t / (DV / 4) + k * (threads / (DV / 4)), kCombineUnroll of them
-// loaded before any is used, and issues them ahead of the lse's loads, so that one memory
-// round trip serves both (a warp per split slice, reading the lse first and its splits four at
-// a time, took several); the threads' sums meet in shared memory.
+// loaded before any is used, and issues them ahead of the lse's loads: the combine runs after
+// the decode grid, on its critical path, so one memory round trip serves both instead of one
+// for the lse and more for the outputs. The threads' sums meet in shared memory.
 template <typename T, int DV, DecodePass kPass, typename Transform>
 __global__ void __launch_bounds__(kCombineMaxThreads) decode_combine_kernel(
     const AttnParams p, const DecodeSplits sp) {
