@@ -667,6 +667,36 @@ def check_sym_eig_top_args(energy, min_rank, multiple):
           "min_rank and multiple must be positive, got ", min_rank, ", ", multiple)
 
 
+def check_sym_sketch_args(a, omega, energy, min_rank, multiple, power_iters, oversample,
+                          rel_shift):
+    op = "sym_sketch_top"
+    check(a.dtype == torch.float32, TypeError, op, "a must be float32, got ", _dtype(a))
+    check(a.dim() == 3 and a.shape[1] == a.shape[2], ValueError, op,
+          "a must be [N, D, D], got shape ", _list(a.shape))
+    check(1 <= a.shape[1] <= 128, ValueError, op, "D = a.size(1) must be in [1, 128], got ",
+          a.shape[1])
+    check(a.shape[0] <= _INT32_MAX, ValueError, op,
+          "the batch N = a.size(0) must fit in int32, got ", a.shape[0])
+    check(a.is_contiguous(), ValueError, op, "a must be contiguous; call .contiguous() on it")
+    check(omega.dtype == torch.float32, TypeError, op, "omega must be float32, got ",
+          _dtype(omega))
+    check(omega.dim() == 2 and omega.shape[0] == a.shape[1], ValueError, op,
+          "omega must be [D, P] with D = ", a.shape[1], ", got shape ", _list(omega.shape))
+    check(1 <= omega.shape[1] <= min(a.shape[1], 64), ValueError, op,
+          "P = omega.size(1) must be in [1, min(D, 64)], got ", omega.shape[1])
+    check(omega.is_contiguous(), ValueError, op, "omega must be contiguous")
+    check(omega.device == a.device, RuntimeError, op, "omega must be on a's device ", a.device,
+          ", got ", omega.device)
+    check(0.0 < energy <= 1.0, ValueError, op, "energy must be in (0, 1], got ", _num(energy))
+    check(min_rank >= 1 and multiple >= 1, ValueError, op,
+          "min_rank and multiple must be positive, got ", min_rank, ", ", multiple)
+    check(0 <= power_iters <= 8, ValueError, op, "power_iters must be in [0, 8], got ",
+          power_iters)
+    check(oversample >= 0, ValueError, op, "oversample must be >= 0, got ", oversample)
+    check(math.isfinite(rel_shift) and rel_shift >= 0.0, ValueError, op,
+          "rel_shift must be finite and >= 0, got ", _num(rel_shift))
+
+
 def check_shifted_cholesky_input(a, rel_shift):
     op = "shifted_cholesky_info"
     check(a.dtype == torch.float32, TypeError, op, "a must be float32, got ", _dtype(a))

@@ -217,6 +217,16 @@ def _shifted_cholesky_info_fake(a, rel_shift):
     return a.new_empty(a.shape[:1], dtype=torch.int32)
 
 
+@torch.library.register_fake("adaattn::sym_sketch_top")
+def _sym_sketch_top_fake(a, omega, energy, min_rank, multiple, power_iters, oversample,
+                         rel_shift):
+    C.check_sym_sketch_args(a, omega, energy, min_rank, multiple, power_iters, oversample,
+                            rel_shift)
+    n, dim, width = a.shape[0], a.shape[1], omega.shape[1]
+    return (a.new_empty(n, dim), a.new_empty(n, dim, width), a.new_empty(n, dtype=torch.int32),
+            a.new_empty(n, dtype=torch.bool))
+
+
 @torch.library.register_fake("adaattn::sym_eig_top")
 def _sym_eig_top_fake(a, energy, min_rank, multiple):
     C.check_sym_eig_input("sym_eig_top", a)

@@ -19,11 +19,13 @@ class RankPlan(NamedTuple):
 
     Attributes:
         basis: float32 ``[B, Hkv, D, R]``; the first ``ranks[b, h]`` columns of ``basis[b, h]``
-            are orthonormal eigenvectors of ``G`` (largest eigenvalues first; Ritz vectors from
-            the sketch), the rest are 0. ``R`` is the largest rank of the plan.
+            are orthonormal eigenvectors of ``G`` (largest eigenvalues first; from the sketch, an
+            orthonormal basis of the kept subspace whose leading columns tend to the top
+            eigenvectors), the rest are 0. ``R`` is the largest rank of the plan.
         ranks: int32 ``[B, Hkv]``.
-        eigenvalues: float32 ``[B, Hkv, D]``, descending (from the sketch: its Ritz values,
-            descending, then the rest of the trace spread evenly).
+        eigenvalues: float32 ``[B, Hkv, D]``, descending (from the sketch: the Rayleigh
+            quotients ``u_j^T G u_j`` of its columns in column order, then the rest of the trace
+            spread evenly).
     """
 
     basis: torch.Tensor
@@ -53,21 +55,27 @@ def _gram(q: torch.Tensor, k: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 _SKETCH_SEED = 20261126
 _SKETCH_OVERSAMPLE = 8
 _SKETCH_REL_SHIFT = 1e-3
-# Power iterations of the sketch: 1 sharpens the Ritz values of slowly decaying spectra; 0 saves
-# a Cholesky QR pass and gave the same decisions on tests/test_rank.py's spectra.
+# Power iterations of the sketch: 1 sharpens the nested columns on slowly decaying spectra (with
+# 0, two of tests/test_rank.py's decided ranks came out one multiple above the exact rule's).
 _SKETCH_POWER_ITERS = 1
+# Largest D and sketch width of torch.ops.adaattn.sym_sketch_top (kSketchMaxDim, kSketchMaxWidth
+# in csrc/ops/linalg/sym_sketch_checks.h).
+_SKETCH_OP_MAX_DIM = 128
+_SKETCH_OP_MAX_WIDTH = 64
 _TEST_MATRICES = {}
 
 
-def _test_matrix(dim: int, width: int, device: torch.device) -> torch.Tensor:
-    """The fixed Gaussian test matrix ``[D, width]`` (float64) of the sketch planner: drawn once
-    per (D, width, device) on the CPU from a fixed seed, so plans are deterministic and
-    identical across devices and processes."""
-    key = (dim, width, str(device))
+def _test_matrix(dim: int, width: int, device: torch.device,
+                 dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """The fixed Gaussian test matrix ``[D, width]`` of the sketch planner: drawn once per
+    (D, width) on the CPU in float64 from a fixed seed (then cast and copied once per dtype and
+    device), so plans are deterministic and identical across devices and processes."""
+    key = (dim, width, str(device), dtype)
     omega = _TEST_MATRICES.get(key)
     if omega is None:
         gen = torch.Generator().manual_seed(_SKETCH_SEED)
-        omega = torch.randn(dim, width, generator=gen, dtype=torch.float64).to(device)
+        omega = torch.randn(dim, width, generator=gen, dtype=torch.float64)
+        omega = omega.to(device=device, dtype=dtype).contiguous()
         _TEST_MATRICES[key] = omega
     return omega
 
@@ -76,8 +84,10 @@ def _cholesky_qr(y: torch.Tensor) -> torch.Tensor:
     """One pass of shifted Cholesky QR: ``y [N, D, p]`` (float64) times ``R^-1`` where
     ``R^T R = y^T y + s I`` (``s`` a few float64 ulps of ``||y||_F^2``, so a rank-deficient
     ``y`` still factors). Orthonormal to ``eps * cond(y)^2``: a second pass makes it so to
-    working precision when ``cond(y) < 1e7``. Batched GEMMs, one batched Cholesky and one
-    triangular solve; no host synchronisation (``cholesky_ex`` does not check its info)."""
+    working precision when ``cond(y) < 1e7``. Keeps the columns nested (column ``j`` of the
+    result lies in the span of columns ``0..j`` of ``y``). Batched GEMMs, one batched Cholesky
+    and one triangular solve; no host synchronisation (``cholesky_ex`` does not check its
+    info)."""
     gram = y.mT @ y
     width = y.shape[-1]
     shift = 11 * (y.shape[-2] * width + width * (width + 1)) * torch.finfo(y.dtype).eps
@@ -97,21 +107,28 @@ def _sketch_width(dim: int, min_rank: int, multiple: int) -> int:
 def _sketch_from_gram(gram: torch.Tensor, exact: bool, energy: float, min_rank: int,
                       multiple: int, width: int, power_iters: int):
     """Randomized subspace iteration on ``gram [B, Hkv, D, D]``: ``(values, vectors, ranks,
-    determined)`` with ``values [B, Hkv, width]`` the Ritz values (descending), ``vectors
-    [B, Hkv, D, D]`` the Ritz vectors (first ``rank`` columns kept, the rest 0), ``ranks``
-    int32 and ``determined`` a bool scalar: False when some head's rank (plus the
-    oversampling) does not fit in the sketch, and the caller must take the exact solver.
+    determined)`` with ``values [B, Hkv, D]`` (the Rayleigh quotients ``q_j^T G q_j`` of the
+    ``width`` basis columns, then the rest of the trace spread evenly), ``vectors
+    [B, Hkv, D, width]`` an orthonormal basis (columns past the rank 0), ``ranks`` int32 and
+    ``determined`` a bool scalar: False when some head's rank (plus the oversampling) does not
+    fit in the sketch, or its G is 0, and the caller must take the exact solver.
 
-    Y = (G + s I) Omega, ``power_iters`` times Y = (G + s I) orth(Y), Q = orth(Y) (Cholesky
-    QR, twice at the end), T = Q^T G Q (``width x width``), T = Z diag(theta) Z^T, Ritz
-    vectors Q Z. The shift ``s`` (1e-3 of the mean eigenvalue) bounds cond(G + s I) by
-    ``1e3 D``, so two Cholesky QR passes orthonormalize Y to float64 working precision even when
-    G is rank-deficient (fewer rows than D, exactly low-rank inputs); it does not change T.
-    Ritz values never exceed the eigenvalues they approximate (Cauchy interlacing), so the
-    energy rule on them gives a rank >= the exact rule's, and the chosen subspace holds at least
-    ``energy`` of the trace of G exactly (its captured energy is the sum of the kept Ritz
-    values)."""
+    The algorithm is ``torch.ops.adaattn.sym_sketch_top``'s (csrc/ops/linalg/sym_sketch.cpp):
+    Y = (G + s I) Omega, ``power_iters`` times Y = (G + s I) orth(Y), Q = orth(orth(Y)) (Cholesky
+    QR, which keeps the columns nested), the rank from the prefix sums of the Rayleigh quotients.
+    By Ky Fan's maximum principle a prefix sum never exceeds the sum of as many largest
+    eigenvalues, so the rank is never below the exact rule's, and the kept columns hold at
+    least ``energy`` of the trace of G exactly. float32 Gram matrices (D <= 128, width <= 64)
+    run the op, one kernel; float64 ones (and larger sizes) the same steps as torch ops in
+    float64."""
     b, hkv, dim = gram.shape[:3]
+    if not exact and dim <= _SKETCH_OP_MAX_DIM and width <= _SKETCH_OP_MAX_WIDTH:
+        values, vectors, ranks, decided = torch.ops.adaattn.sym_sketch_top(
+            gram.reshape(b * hkv, dim, dim).float().contiguous(),
+            _test_matrix(dim, width, gram.device, torch.float32), energy, min_rank, multiple,
+            power_iters, _SKETCH_OVERSAMPLE, _SKETCH_REL_SHIFT)
+        return (values.reshape(b, hkv, dim), vectors.reshape(b, hkv, dim, width),
+                ranks.reshape(b, hkv), decided.all())
     g = gram.reshape(b * hkv, dim, dim).double()
     trace = g.diagonal(dim1=-2, dim2=-1).sum(-1)
     shift = ((_SKETCH_REL_SHIFT / dim) * trace)[:, None, None]
@@ -123,27 +140,15 @@ def _sketch_from_gram(gram: torch.Tensor, exact: bool, energy: float, min_rank: 
     for _ in range(power_iters):
         y = times_shifted(_cholesky_qr(y))
     basis = _cholesky_qr(_cholesky_qr(y))
-    small = basis.mT @ (g @ basis)
-    small = 0.5 * (small + small.mT)
-    if exact:
-        values, z = torch.linalg.eigh(small)
-        values, z = values.flip(-1), z.flip(-1)
-    else:
-        # float32 for the library's batched solver (no host synchronisation on CUDA); the Ritz
-        # values only feed the energy rule, float32 is ample for it.
-        values, z = torch.ops.adaattn.sym_eig(small.float().contiguous())
-        values, z = values.double(), z.double()
-    values = values.clamp(min=0)
+    values = ((g @ basis) * basis).sum(-2).clamp(min=0)
     reached = values.cumsum(-1) >= energy * trace.unsqueeze(-1)
     first = width + 1 - reached.sum(-1)  # width + 1 where the sketch never reaches the target
     ranks = first.clamp(min=min_rank)
     ranks = (ranks + multiple - 1) // multiple * multiple
-    # A zero Gram matrix (no rows) has no subspace to sketch: the exact solver handles it.
     determined = ((ranks + _SKETCH_OVERSAMPLE <= width) & (trace > 0)).all()
     ranks = ranks.clamp(max=width)
-    vectors = (basis @ z).float()
+    vectors = basis.float()
     vectors = vectors * (torch.arange(width, device=g.device) < ranks.unsqueeze(-1)).unsqueeze(-2)
-    # Past the sketch, the unseen remainder of the trace spread evenly (keeps the trace).
     rest = ((trace - values.sum(-1)).clamp(min=0) / max(dim - width, 1)).unsqueeze(-1)
     values = torch.cat([values, rest.expand(-1, dim - width)], -1)
     return (values.float().reshape(b, hkv, dim), vectors.reshape(b, hkv, dim, width),
@@ -175,19 +180,18 @@ def rank_plan(q: torch.Tensor, k: torch.Tensor, *, energy: float = 0.99, min_ran
     whose largest eigenvalues hold ``energy`` of the trace. Two solvers:
 
     * ``method="sketch"``: randomized subspace iteration on ``G`` with a fixed-seed
-      Gaussian test matrix of ``max(D / 2, rank bucket + 8)`` columns, one power iteration,
-      Cholesky QR in float64 and the small ``p x p`` Rayleigh-Ritz eigenproblem
-      (``torch.ops.adaattn.sym_eig``; float64 inputs ``torch.linalg.eigh``). Batched GEMMs on
-      ``D x D`` and ``D x p`` matrices, no full ``D x D`` eigendecomposition. Ritz values never
-      exceed the eigenvalues, so its rank is never below the exact rule's (on spectra with a
-      gap, such as a planted rank plus noise, it is the same), and the subspace it keeps holds
-      at least ``energy`` of the trace exactly. When some head's rank plus 8 does not fit in
-      the sketch (spread spectra, e.g. random full-rank inputs at energy 0.99), or
-      ``energy = 1``, or ``D`` is small enough that the sketch would be ``D`` wide, the plan
-      is the exact one (the sketch's cost is then spent in vain). It avoids the ``D x D``
-      eigendecomposition but is ~80 small batched kernels: on the H200 (B=4, H=16, L=4k,
-      D=128, planted rank 32) it took 2.8 ms (1.6 ms without the power iteration) against
-      exact's 0.49 ms, so it is not the default (benchmarks/bench_rank.py measures both).
+      Gaussian test matrix of ``max(D / 2, rank bucket + 8)`` columns, one power iteration and
+      Cholesky QR (float64), which keeps the columns nested; the rank comes from the prefix
+      sums of the columns' Rayleigh quotients (no eigensolve). A prefix sum never exceeds the
+      sum of as many largest eigenvalues (Ky Fan), so its rank is never below the exact rule's
+      (on spectra with a gap, such as a planted rank plus noise, it is the same) and the
+      subspace it keeps holds at least ``energy`` of the trace exactly; the basis is
+      orthonormal but its columns are not eigenvectors. float32 Gram matrices (D <= 128, up to
+      64 columns) run ``torch.ops.adaattn.sym_sketch_top``, one kernel; float64 ones the same
+      steps as torch ops. When some head's rank plus 8 does not fit in the sketch (spread
+      spectra, e.g. random full-rank inputs at energy 0.99), or ``energy = 1``, or ``D`` is
+      small enough that the sketch would be ``D`` wide, the plan is the exact one (the
+      sketch's cost is then spent in vain). benchmarks/bench_rank.py times both methods.
     * ``method="exact"`` (default): ``torch.ops.adaattn.sym_eig_top`` (batched tridiagonal
       eigensolver, float32, eigenvectors orthonormal to a few float32 ulps, computed for the
       first ``rank`` columns only). float64 inputs (and ``D > 256``) take ``G`` in float64 and

@@ -2,8 +2,9 @@
 (D 64 and 128, GQA, causal, window, seqlens, Lq != Lk; atomic and two-pass backward; with
 softcap; ALiBi, sinks and rel_bias composed), block-sparse (an empty row of blocks included;
 atomic and two-pass backward), lazy (and its ring block ops, at positions past key 0) and
-low-rank, bf16; shifted_cholesky_info (D 33 and 128, pivots failing and not); and the
-KV-cache decode ops (decode()).
+low-rank, bf16; shifted_cholesky_info (D 33 and 128, pivots failing and not);
+sym_sketch_top (D 17 and 128, decided and not, a zero matrix); and the KV-cache decode ops
+(decode()).
 
     compute-sanitizer --tool memcheck python benchmarks/sanitize_ops.py
 """
@@ -86,6 +87,12 @@ def main():
         gram = x.mT @ x
         for rel_shift in (1e-3, 0.5):
             torch.ops.adaattn.shifted_cholesky_info(gram, rel_shift)
+    for dim, width in ((17, 9), (128, 64)):
+        x = torch.randn(3, 2 * dim, dim, device="cuda") * torch.rand(dim, device="cuda") ** 4
+        gram = torch.cat([x.mT @ x, torch.zeros(1, dim, dim, device="cuda")])
+        omega = torch.randn(dim, width, device="cuda")
+        for energy in (0.5, 0.99):
+            torch.ops.adaattn.sym_sketch_top(gram, omega, energy, 4, 4, 1, 8, 1e-3)
     decode()
     torch.cuda.synchronize()
     print("sanitize_ops: done")

@@ -1,0 +1,302 @@
+// The CUDA kernel of sym_sketch_top (ops/linalg/sym_sketch.cpp states the algorithm; the CPU
+// kernel there takes the same steps in the same precisions). One CTA of 512 threads per matrix,
+// everything in shared memory: A (D padded to 128 with zeros), Q (D x P, float32; P padded to 64
+// with zero columns, which never reach the first P: Cholesky QR is nested and a zero column's
+// pivot is the shift), the products (D x P, float32 sums stored as float64) and the P x P
+// float64 Gram / Cholesky block.
+//   products (A + s I) X: 4 x 4 outputs a thread, A's row k read as its column (A symmetric);
+//   Y^T Y: the 136 lower 4 x 4 tiles, each summed by two threads over half the rows;
+//   Cholesky: right-looking, one barrier a column, each thread 8 fixed entries of the block,
+//     1 / pivot as rsqrt(pivot)^2;
+//   Y L^-T: four lanes a row, lane c owning the columns j = c mod 4, the solved q_j passed by
+//     shuffle, so the 64-step substitution needs no barrier.
+// The sequential depth is ~3 x 64 Cholesky barriers; no eigensolve (the rank comes from the
+// Rayleigh quotients of nested columns, see sym_sketch.cpp).
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <cfloat>
+#include <cstdint>
+
+#include "../ops/linalg/sym_sketch_checks.h"
+
+namespace adaattn {
+namespace {
+
+constexpr int kD = kSketchMaxDim;
+constexpr int kP = kSketchMaxWidth;
+constexpr int kThreads = 512;
+constexpr unsigned kFullMask = 0xffffffffu;
+constexpr int kAStride = kD + 4;  // floats; rows 16-byte aligned
+constexpr int kXStride = kP + 4;  // floats
+constexpr int kYStride = kP + 2;  // doubles; rows 16-byte aligned
+constexpr int kWStride = kP + 1;  // doubles
+constexpr int kSmemBytes =
+    (kD * kAStride + kD * kXStride) * 4 + (kD * kYStride + kP * kWStride + kP) * 8;
+static_assert(kD == 128 && kP == 64 && kThreads == 512, "the thread mappings below");
+static_assert(kSmemBytes <= 227 * 1024, "shared memory per CTA");
+
+// y = (A + shift I) x over all kD rows and kP columns, summed in float32 and stored as float64
+// (exactly: the Gram step below then reads y without a conversion per use); thread t: rows
+// 4 (t / 16) + 0..3, columns 4 (t % 16) + 0..3. Synchronises after the stores.
+__device__ __forceinline__ void shifted_product(const float* a, const float* x, double* y,
+                                                float shift, int tid) {
+  const int r0 = 4 * (tid >> 4), c0 = 4 * (tid & 15);
+  float acc[4][4] = {};
+#pragma unroll 8
+  for (int k = 0; k < kD; ++k) {
+    const float4 av = *reinterpret_cast<const float4*>(a + k * kAStride + r0);
+    const float4 xv = *reinterpret_cast<const float4*>(x + k * kXStride + c0);
+    const float ar[4] = {av.x, av.y, av.z, av.w}, xr[4] = {xv.x, xv.y, xv.z, xv.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(ar[i], xr[j], acc[i][j]);
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float4 xv = *reinterpret_cast<const float4*>(x + (r0 + i) * kXStride + c0);
+    double2* out = reinterpret_cast<double2*>(y + (r0 + i) * kYStride + c0);
+    out[0] = make_double2(fmaf(shift, xv.x, acc[i][0]), fmaf(shift, xv.y, acc[i][1]));
+    out[1] = make_double2(fmaf(shift, xv.z, acc[i][2]), fmaf(shift, xv.w, acc[i][3]));
+  }
+  __syncthreads();
+}
+
+// q = y L^-T, L L^T = y^T y + c I (sym_sketch.cpp, step 2), n and p the real D and P (the
+// shift's size): q to x as float32 and, with `keep`, back to y as float64 (the float32 values,
+// for a second pass). w: the float64 block, inv_sqrt: kP doubles. Synchronises at the end.
+__device__ void orth(double* y, float* x, bool keep, double* w, double* inv_sqrt, int n, int p,
+                     int tid) {
+  const int lane = tid & 31;
+  {
+    // Lower 4 x 4 tile `slot` of the 16 x 16 tile grid (136 tiles), rows h * 64 .. h * 64 + 63.
+    const int slot = tid >> 1, half = tid & 1;
+    int tr = 0;
+    while ((tr + 1) * (tr + 2) / 2 <= slot) ++tr;
+    const int tc = slot - tr * (tr + 1) / 2;
+    double acc[4][4] = {};
+    if (slot < 136) {
+      for (int i = half * (kD / 2); i < (half + 1) * (kD / 2); ++i) {
+        const double2* row = reinterpret_cast<const double2*>(y + i * kYStride);
+        const double2 r01 = row[2 * tr], r23 = row[2 * tr + 1];
+        const double2 c01 = row[2 * tc], c23 = row[2 * tc + 1];
+        const double r[4] = {r01.x, r01.y, r23.x, r23.y}, c[4] = {c01.x, c01.y, c23.x, c23.y};
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+#pragma unroll
+          for (int v = 0; v < 4; ++v) acc[u][v] = fma(r[u], c[v], acc[u][v]);
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+#pragma unroll
+      for (int v = 0; v < 4; ++v) {
+        // half 0 + half 1 in both lanes of the pair: one value.
+        const double other = __shfl_xor_sync(kFullMask, acc[u][v], 1);
+        acc[u][v] = half == 0 ? acc[u][v] + other : other + acc[u][v];
+      }
+    }
+    if (slot < 136 && half == 0) {
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+#pragma unroll
+        for (int v = 0; v < 4; ++v) w[(4 * tr + u) * kWStride + 4 * tc + v] = acc[u][v];
+      }
+    }
+  }
+  __syncthreads();
+  if (tid < 32) {
+    double trace = w[lane * (kWStride + 1)] + w[(lane + 32) * (kWStride + 1)];
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) trace += __shfl_xor_sync(kFullMask, trace, off);
+    const double shift =
+        11.0 * (static_cast<double>(n) * p + p * (p + 1.0)) * DBL_EPSILON * trace;
+    w[lane * (kWStride + 1)] += shift;
+    w[(lane + 32) * (kWStride + 1)] += shift;
+  }
+  __syncthreads();
+  // Thread t owns the entries (r, c) with c = t % 64 and r = t / 64 + 8 m.
+  const int col = tid & (kP - 1), row0 = tid >> 6;
+  for (int j = 0; j < kP - 1; ++j) {
+    // 1 / d as rsqrt(d)^2: a few ulps, without the division's slow path on the critical chain.
+    const double d = w[j * (kWStride + 1)];
+    const double rs = d > 0.0 ? rsqrt(d) : 0.0;
+    const double inv = rs * rs;
+    if (col > j) {
+      const double wc = w[col * kWStride + j] * inv;
+#pragma unroll
+      for (int m = 0; m < kP / 8; ++m) {
+        const int r = row0 + 8 * m;
+        if (r >= col) w[r * kWStride + col] -= w[r * kWStride + j] * wc;
+      }
+    }
+    __syncthreads();
+  }
+  if (tid < kP) {
+    const double d = w[tid * (kWStride + 1)];
+    inv_sqrt[tid] = d > 0.0 ? rsqrt(d) : 0.0;
+  }
+  __syncthreads();
+  // L's column j below the diagonal: w[r][j] inv_sqrt[j].
+  {
+#pragma unroll
+    for (int m = 0; m < kP / 8; ++m) {
+      const int r = row0 + 8 * m;
+      if (r > col) w[r * kWStride + col] *= inv_sqrt[col];
+    }
+  }
+  __syncthreads();
+  {
+    // Row i = t / 4; lane c = t % 4 holds y[i][4 m + c].
+    const int i = tid >> 2, c = tid & 3;
+    double v[kP / 4];
+#pragma unroll
+    for (int m = 0; m < kP / 4; ++m) v[m] = y[i * kYStride + 4 * m + c];
+#pragma unroll
+    for (int j = 0; j < kP; ++j) {
+      const int owner = j & 3, mj = j >> 2;
+      const double q = __shfl_sync(kFullMask, v[mj] * inv_sqrt[j], (lane & ~3) | owner);
+      if (c == owner) v[mj] = q;
+#pragma unroll
+      for (int m = mj; m < kP / 4; ++m) {
+        if (4 * m + c > j) v[m] -= w[(4 * m + c) * kWStride + j] * q;
+      }
+    }
+#pragma unroll
+    for (int m = 0; m < kP / 4; ++m) {
+      const float q = static_cast<float>(v[m]);
+      x[i * kXStride + 4 * m + c] = q;
+      if (keep) y[i * kYStride + 4 * m + c] = q;
+    }
+  }
+  __syncthreads();
+}
+
+__global__ void __launch_bounds__(kThreads, 1)
+    sym_sketch_kernel(const float* __restrict__ a_all, const float* __restrict__ omega, int n,
+                      int p, double energy, double rel_shift, int min_rank, int multiple,
+                      int power_iters, int oversample, float* __restrict__ values_all,
+                      float* __restrict__ basis_all, int* __restrict__ ranks,
+                      bool* __restrict__ decided) {
+  extern __shared__ double smem_d[];
+  double* y = smem_d;  // products, float64
+  double* w = y + kD * kYStride;
+  double* inv_sqrt = w + kP * kWStride;
+  float* a = reinterpret_cast<float*>(inv_sqrt + kP);
+  float* x = a + kD * kAStride;  // Omega, then the orthonormal Q, float32
+  __shared__ double col_values[kP];
+  __shared__ double trace_s;
+  __shared__ int rank_s;
+  const int tid = threadIdx.x, lane = tid & 31;
+  const int64_t mat = blockIdx.x;
+  const float* src = a_all + mat * n * n;
+  for (int e = tid; e < kD * kAStride; e += kThreads) a[e] = 0.f;
+  for (int e = tid; e < kD * kXStride; e += kThreads) {
+    const int i = e / kXStride, j = e - i * kXStride;
+    x[e] = i < n && j < p ? omega[i * p + j] : 0.f;
+  }
+  __syncthreads();
+  // The lower triangle, mirrored.
+  for (int e = tid; e < n * n; e += kThreads) {
+    const int i = e / n, k = e - i * n;
+    if (k <= i) {
+      const float v = src[e];
+      a[i * kAStride + k] = v;
+      a[k * kAStride + i] = v;
+    }
+  }
+  __syncthreads();
+  if (tid < 32) {
+    double t = 0.0;
+    for (int i = lane; i < kD; i += 32) t += a[i * (kAStride + 1)];
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) t += __shfl_xor_sync(kFullMask, t, off);
+    if (lane == 0) trace_s = t;
+  }
+  __syncthreads();
+  const double trace = trace_s;
+  const float shift = static_cast<float>(rel_shift * trace / n);
+  shifted_product(a, x, y, shift, tid);
+  for (int it = 0; it < power_iters; ++it) {
+    orth(y, x, false, w, inv_sqrt, n, p, tid);
+    shifted_product(a, x, y, shift, tid);
+  }
+  orth(y, x, true, w, inv_sqrt, n, p, tid);
+  orth(y, x, false, w, inv_sqrt, n, p, tid);
+  shifted_product(a, x, y, 0.f, tid);  // y = A Q
+  {
+    // Column j = t / 8, eight lanes over rows part + 8 m.
+    const int j = tid >> 3, part = tid & 7;
+    double dot = 0.0;
+#pragma unroll
+    for (int m = 0; m < kD / 8; ++m) {
+      const int i = part + 8 * m;
+      dot = fma(static_cast<double>(x[i * kXStride + j]), y[i * kYStride + j], dot);
+    }
+#pragma unroll
+    for (int off = 4; off > 0; off >>= 1) dot += __shfl_xor_sync(kFullMask, dot, off);
+    if (part == 0) col_values[j] = dot > 0.0 ? dot : 0.0;
+  }
+  __syncthreads();
+  float* values = values_all + mat * n;
+  if (tid == 0) {
+    const double target = energy * trace;
+    double cum = 0.0;
+    int reached = 0;
+    for (int j = 0; j < p; ++j) {
+      cum += col_values[j];
+      reached += cum >= target;
+    }
+    const int first = max(p + 1 - reached, min_rank);
+    const int r = (first + multiple - 1) / multiple * multiple;
+    decided[mat] = r + oversample <= p && trace > 0.0;
+    rank_s = min(r, p);
+    ranks[mat] = rank_s;
+    const float rest = n > p ? static_cast<float>(fmax(trace - cum, 0.0) / (n - p)) : 0.f;
+    for (int j = p; j < n; ++j) values[j] = rest;
+  }
+  __syncthreads();
+  if (tid < p) values[tid] = static_cast<float>(col_values[tid]);
+  const int rank = rank_s;
+  float* basis = basis_all + mat * n * p;
+  for (int e = tid; e < n * p; e += kThreads) {
+    const int i = e / p, j = e - i * p;
+    basis[e] = j < rank ? x[i * kXStride + j] : 0.f;
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> sym_sketch_top_cuda(
+    const at::Tensor& a, const at::Tensor& omega, double energy, int64_t min_rank,
+    int64_t multiple, int64_t power_iters, int64_t oversample, double rel_shift) {
+  check_sym_sketch_args(a, omega, energy, min_rank, multiple, power_iters, oversample, rel_shift);
+  const c10::cuda::CUDAGuard guard(a.device());
+  auto outputs = sym_sketch_outputs(a, omega);
+  if (a.size(0) == 0) return outputs;
+  auto& [values, basis, ranks, decided] = outputs;
+  const int n = static_cast<int>(a.size(1));
+  C10_CUDA_CHECK(cudaFuncSetAttribute(sym_sketch_kernel,
+                                      cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+  sym_sketch_kernel<<<static_cast<unsigned>(a.size(0)), kThreads, kSmemBytes,
+                      at::cuda::getCurrentCUDAStream()>>>(
+      a.data_ptr<float>(), omega.data_ptr<float>(), n, static_cast<int>(omega.size(1)), energy,
+      rel_shift, static_cast<int>(std::min<int64_t>(min_rank, n + 1)),
+      static_cast<int>(std::min<int64_t>(multiple, n + 1)), static_cast<int>(power_iters),
+      static_cast<int>(std::min<int64_t>(oversample, n + 1)), values.data_ptr<float>(),
+      basis.data_ptr<float>(), ranks.data_ptr<int>(), decided.data_ptr<bool>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return outputs;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(adaattn, CUDA, m) {
+  m.impl("sym_sketch_top", &sym_sketch_top_cuda);
+}
+
+}  // namespace adaattn
