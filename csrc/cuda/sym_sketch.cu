@@ -6,12 +6,11 @@
 // float64 Gram / Cholesky block.
 //   products (A + s I) X: 4 x 4 outputs a thread, A's row k read as its column (A symmetric);
 //   Y^T Y: the 136 lower 4 x 4 tiles, each summed by two threads over half the rows;
-//   Cholesky: right-looking, one barrier a column, each thread 8 fixed entries of the block,
-//     1 / pivot as rsqrt(pivot)^2;
+//   Cholesky: two panels of 32 columns; one warp factorises a diagonal block with shuffles (no
+//     barrier a column) and solves the rows below it, then the CTA updates the trailing block;
 //   Y L^-T: four lanes a row, lane c owning the columns j = c mod 4, the solved q_j passed by
 //     shuffle, so the 64-step substitution needs no barrier.
-// The sequential depth is ~3 x 64 Cholesky barriers; no eigensolve (the rank comes from the
-// Rayleigh quotients of nested columns, see sym_sketch.cpp).
+// No eigensolve: the rank comes from the Rayleigh quotients of nested columns (sym_sketch.cpp).
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
@@ -34,9 +33,10 @@ constexpr int kAStride = kD + 4;  // floats; rows 16-byte aligned
 constexpr int kXStride = kP + 4;  // floats
 constexpr int kYStride = kP + 2;  // doubles; rows 16-byte aligned
 constexpr int kWStride = kP + 1;  // doubles
+constexpr int kPanel = 32;        // Cholesky panel: one warp, lane i holding row i
 constexpr int kSmemBytes =
     (kD * kAStride + kD * kXStride) * 4 + (kD * kYStride + kP * kWStride + kP) * 8;
-static_assert(kD == 128 && kP == 64 && kThreads == 512, "the thread mappings below");
+static_assert(kD == 128 && kP == 2 * kPanel && kThreads == 512, "the thread mappings below");
 static_assert(kSmemBytes <= 227 * 1024, "shared memory per CTA");
 
 // y = (A + shift I) x over all kD rows and kP columns, summed in float32 and stored as float64
@@ -65,6 +65,67 @@ __device__ __forceinline__ void shifted_product(const float* a, const float* x, 
     out[1] = make_double2(fmaf(shift, xv.z, acc[i][2]), fmaf(shift, xv.w, acc[i][3]));
   }
   __syncthreads();
+}
+
+// One warp: the Cholesky factor of the kPanel x kPanel diagonal block of w at (k0, k0), lane i
+// holding row k0 + i: L below the diagonal back to w, 1 / L_ii to inv_sqrt[k0 + i]. A pivot <= 0
+// gives a zero column (sym_sketch.cpp). No branch on the lane: the entries above the diagonal
+// are carried along and never stored.
+__device__ __forceinline__ void factor_diagonal_block(double* w, double* inv_sqrt, int k0,
+                                                      int lane) {
+  double a[kPanel];
+#pragma unroll
+  for (int t = 0; t < kPanel; ++t) a[t] = w[(k0 + lane) * kWStride + k0 + t];
+  double d = __shfl_sync(kFullMask, a[0], 0);
+#pragma unroll
+  for (int j = 0; j < kPanel; ++j) {
+    const double inv = d > 0.0 ? rsqrt(d) : 0.0;
+    a[j] = lane == j ? inv : a[j] * inv;
+    // The next pivot straight from lane j + 1's own values (the update below gives it the same
+    // value), so that the chain from pivot to pivot waits on one shuffle.
+    if (j + 1 < kPanel) d = __shfl_sync(kFullMask, fma(-a[j], a[j], a[j + 1]), j + 1);
+#pragma unroll
+    for (int t = j + 1; t < kPanel; ++t) {
+      a[t] = fma(-a[j], __shfl_sync(kFullMask, a[j], t), a[t]);
+    }
+  }
+#pragma unroll
+  for (int t = 0; t < kPanel; ++t) {
+    if (t < lane) w[(k0 + lane) * kWStride + k0 + t] = a[t];
+    if (t == lane) inv_sqrt[k0 + lane] = a[t];
+  }
+}
+
+// One warp: rows kPanel + i (lane i) of the first panel, L[r][j] = (w[r][j] - sum_{t<j}
+// L[r][t] L[j][t]) / L_jj, after factor_diagonal_block(w, inv_sqrt, 0, .).
+__device__ __forceinline__ void solve_below_block(double* w, const double* inv_sqrt, int lane) {
+  double x[kPanel];
+  double* row = w + (kPanel + lane) * kWStride;
+#pragma unroll
+  for (int t = 0; t < kPanel; ++t) x[t] = row[t];
+#pragma unroll
+  for (int j = 0; j < kPanel; ++j) {
+    x[j] *= inv_sqrt[j];
+#pragma unroll
+    for (int t = j + 1; t < kPanel; ++t) x[t] = fma(-x[j], w[t * kWStride + j], x[t]);
+  }
+#pragma unroll
+  for (int t = 0; t < kPanel; ++t) row[t] = x[t];
+}
+
+// The second panel's lower triangle minus the first panel's contribution: thread t updates
+// (32 + t / 32, 32 + t % 32) and (48 + t / 32, 32 + t % 32) where on or below the diagonal.
+__device__ __forceinline__ void update_trailing_block(double* w, int tid) {
+  const int c = kPanel + (tid & 31), r = kPanel + (tid >> 5), r2 = r + kPanel / 2;
+  double acc = w[r * kWStride + c], acc2 = w[r2 * kWStride + c];
+#pragma unroll 8
+  for (int j = 0; j < kPanel; ++j) {
+    const double lc = w[c * kWStride + j];
+    acc = fma(-w[r * kWStride + j], lc, acc);
+    acc2 = fma(-w[r2 * kWStride + j], lc, acc2);
+  }
+  if (c <= r) w[r * kWStride + c] = acc;
+  if (c <= r2) w[r2 * kWStride + c] = acc2;
 }
 
 // q = y L^-T, L L^T = y^T y + c I (sym_sketch.cpp, step 2), n and p the real D and P (the
@@ -121,36 +182,16 @@ __device__ void orth(double* y, float* x, bool keep, double* w, double* inv_sqrt
     w[(lane + 32) * (kWStride + 1)] += shift;
   }
   __syncthreads();
-  // Thread t owns the entries (r, c) with c = t % 64 and r = t / 64 + 8 m.
-  const int col = tid & (kP - 1), row0 = tid >> 6;
-  for (int j = 0; j < kP - 1; ++j) {
-    // 1 / d as rsqrt(d)^2: a few ulps, without the division's slow path on the critical chain.
-    const double d = w[j * (kWStride + 1)];
-    const double rs = d > 0.0 ? rsqrt(d) : 0.0;
-    const double inv = rs * rs;
-    if (col > j) {
-      const double wc = w[col * kWStride + j] * inv;
-#pragma unroll
-      for (int m = 0; m < kP / 8; ++m) {
-        const int r = row0 + 8 * m;
-        if (r >= col) w[r * kWStride + col] -= w[r * kWStride + j] * wc;
-      }
-    }
-    __syncthreads();
-  }
-  if (tid < kP) {
-    const double d = w[tid * (kWStride + 1)];
-    inv_sqrt[tid] = d > 0.0 ? rsqrt(d) : 0.0;
+  // Cholesky in two panels of 32 columns: L below the diagonal in w, 1 / L_jj in inv_sqrt.
+  if (tid < 32) {
+    factor_diagonal_block(w, inv_sqrt, 0, lane);
+    __syncwarp();
+    solve_below_block(w, inv_sqrt, lane);
   }
   __syncthreads();
-  // L's column j below the diagonal: w[r][j] inv_sqrt[j].
-  {
-#pragma unroll
-    for (int m = 0; m < kP / 8; ++m) {
-      const int r = row0 + 8 * m;
-      if (r > col) w[r * kWStride + col] *= inv_sqrt[col];
-    }
-  }
+  update_trailing_block(w, tid);
+  __syncthreads();
+  if (tid < 32) factor_diagonal_block(w, inv_sqrt, kPanel, lane);
   __syncthreads();
   {
     // Row i = t / 4; lane c = t % 4 holds y[i][4 m + c].
