@@ -39,6 +39,17 @@ constexpr int kSmemBytes =
 static_assert(kD == 128 && kP == 2 * kPanel && kThreads == 512, "the thread mappings below");
 static_assert(kSmemBytes <= 227 * 1024, "shared memory per CTA");
 
+// acc[i][j] += r[i] c[j]: a 4 x 4 register tile of an outer-product sum (fma is fmaf for float).
+template <typename T>
+__device__ __forceinline__ void accumulate_outer(T (&acc)[4][4], const T (&r)[4],
+                                                 const T (&c)[4]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) acc[i][j] = fma(r[i], c[j], acc[i][j]);
+  }
+}
+
 // y = (A + shift I) x over all kD rows and kP columns, summed in float32 and stored as float64
 // (exactly: the Gram step below then reads y without a conversion per use); thread t: rows
 // 4 (t / 16) + 0..3, columns 4 (t % 16) + 0..3. Synchronises after the stores.
@@ -51,11 +62,7 @@ __device__ __forceinline__ void shifted_product(const float* a, const float* x, 
     const float4 av = *reinterpret_cast<const float4*>(a + k * kAStride + r0);
     const float4 xv = *reinterpret_cast<const float4*>(x + k * kXStride + c0);
     const float ar[4] = {av.x, av.y, av.z, av.w}, xr[4] = {xv.x, xv.y, xv.z, xv.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-#pragma unroll
-      for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(ar[i], xr[j], acc[i][j]);
-    }
+    accumulate_outer(acc, ar, xr);
   }
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -147,11 +154,7 @@ __device__ void orth(double* y, float* x, bool keep, double* w, double* inv_sqrt
         const double2 r01 = row[2 * tr], r23 = row[2 * tr + 1];
         const double2 c01 = row[2 * tc], c23 = row[2 * tc + 1];
         const double r[4] = {r01.x, r01.y, r23.x, r23.y}, c[4] = {c01.x, c01.y, c23.x, c23.y};
-#pragma unroll
-        for (int u = 0; u < 4; ++u) {
-#pragma unroll
-          for (int v = 0; v < 4; ++v) acc[u][v] = fma(r[u], c[v], acc[u][v]);
-        }
+        accumulate_outer(acc, r, c);
       }
     }
 #pragma unroll
