@@ -256,11 +256,17 @@ def _check_finite(op: str, finite: bool) -> None:
 
 
 def _plan_gram(q: torch.Tensor, k: torch.Tensor, group: int) -> Tuple[torch.Tensor, bool]:
-    """``G [B * Hkv, D, D]`` and whether the plan takes the exact float64 path."""
+    """``G [B * Hkv, D, D]`` and whether the plan takes the exact float64 path. Under autocast
+    too: autocast would run the float32 GEMMs in its lower precision."""
     b, hkv, dim = k.shape[0], k.shape[1], k.shape[3]
     exact = torch.float64 in (q.dtype, k.dtype) or not 1 <= dim <= _SYM_EIG_MAX_DIM
-    gram = _gram(q.reshape(b * hkv, group * q.shape[2], dim), k.reshape(b * hkv, k.shape[2], dim),
-                 torch.float64 if exact else torch.float32)
+    args = (q.reshape(b * hkv, group * q.shape[2], dim), k.reshape(b * hkv, k.shape[2], dim),
+            torch.float64 if exact else torch.float32)
+    if torch.is_autocast_enabled(q.device.type):
+        with torch.autocast(q.device.type, enabled=False):
+            gram = _gram(*args)
+    else:
+        gram = _gram(*args)
     return gram.reshape(b, hkv, dim, dim), exact
 
 

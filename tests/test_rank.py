@@ -327,6 +327,25 @@ def test_module_reuses_plan(device):
     assert other.plans_made == 0
 
 
+def test_plan_under_autocast(device):
+    """The Gram step ignores autocast (its float32 GEMMs would run in bfloat16): rank_plan under
+    autocast equals rank_plan outside it, and the module (which casts q, k, v to the autocast
+    dtype) plans as on the cast inputs and attends in that dtype."""
+    q, k = planted(2, 4, 2, 128, 64, 16, 0.05, device, torch.float32)
+    v = torch.randn(2, 2, 128, 64, device=device)
+    module = adaattn.nn.AdaptiveRankAttention(0.9)
+    with torch.autocast(device, dtype=torch.bfloat16):
+        plan = adaattn.rank_plan(q, k, energy=0.9)
+        out = module(q, k, v)
+    for a, b in zip(plan, adaattn.rank_plan(q, k, energy=0.9)):
+        assert torch.equal(a, b)
+    for a, b in zip(module.plan, adaattn.rank_plan(q.bfloat16(), k.bfloat16(), energy=0.9)):
+        assert torch.equal(a, b)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, adaattn.low_rank_attn(q.bfloat16(), k.bfloat16(),
+                                                          v.bfloat16(), module.plan.basis))
+
+
 def test_module_max_error_and_gradients(device):
     q, k = planted(1, 2, 1, 12, 16, 4, 0.05, device)
     v = torch.randn(1, 1, 12, 16, dtype=torch.float64, device=device)
