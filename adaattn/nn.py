@@ -6,6 +6,7 @@ from torch import nn
 
 from . import _checks as C
 from .flash import flash_attn, flash_attn_varlen
+from .rank import low_rank_attn
 
 
 class FlashAttention(nn.Module):
@@ -462,20 +463,25 @@ class AdaptiveRankAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q ``[B, Hq, Lq, D]``, k ``[B, Hkv, Lk, D]``, v ``[B, Hkv, Lk, Dv]`` ->
         ``[B, Hq, Lq, Dv]``."""
-        import adaattn
-
         device_type = q.device.type
-        if torch.is_autocast_enabled(device_type):
+        autocast = torch.is_autocast_enabled(device_type)
+        if autocast:
             dtype = torch.get_autocast_dtype(device_type)
             q, k, v = (t.to(dtype) for t in (q, k, v))
-        with torch.no_grad():
-            qd, kd, vd = q.detach(), k.detach(), v.detach()
-            if self._needs_plan(qd, kd, vd):
-                self._make_plan(qd, kd, vd)
+        # _needs_plan's drift estimate runs without autograd (rank_error_estimate is no_grad).
+        if self._needs_plan(q, k, v):
+            with torch.no_grad():
+                self._make_plan(q.detach(), k.detach(), v.detach())
         self._calls_since_plan += 1
+        if not autocast:
+            # A call between plans is one attention: no context managers on its host path.
+            return self._attend(q, k, v)
         with torch.autocast(device_type, enabled=False):
-            if self.plan.basis.shape[-1] == q.shape[-1]:
-                return adaattn.flash_attn(q, k, v, causal=self.causal,
-                                          softmax_scale=self.softmax_scale)
-            return adaattn.low_rank_attn(q, k, v, self.plan.basis, causal=self.causal,
-                                         softmax_scale=self.softmax_scale)
+            return self._attend(q, k, v)
+
+    def _attend(self, q, k, v):
+        """One attention on the cached plan: flash_attn when it keeps every direction."""
+        if self.plan.basis.shape[-1] == q.shape[-1]:
+            return flash_attn(q, k, v, causal=self.causal, softmax_scale=self.softmax_scale)
+        return low_rank_attn(q, k, v, self.plan.basis, causal=self.causal,
+                             softmax_scale=self.softmax_scale)
