@@ -667,17 +667,26 @@ def check_sym_eig_top_args(energy, min_rank, multiple):
           "min_rank and multiple must be positive, got ", min_rank, ", ", multiple)
 
 
-def check_sym_sketch_args(a, omega, energy, min_rank, multiple, power_iters, oversample,
-                          rel_shift):
-    op = "sym_sketch_top"
+def check_matrix_batch(op, a, max_dim):
+    """a: float32 [N, D, D], contiguous, N within int32, D >= 1 and, when max_dim > 0,
+    D <= max_dim (csrc/ops/linalg/matrix_checks.h)."""
     check(a.dtype == torch.float32, TypeError, op, "a must be float32, got ", _dtype(a))
     check(a.dim() == 3 and a.shape[1] == a.shape[2], ValueError, op,
           "a must be [N, D, D], got shape ", _list(a.shape))
-    check(1 <= a.shape[1] <= 128, ValueError, op, "D = a.size(1) must be in [1, 128], got ",
-          a.shape[1])
+    if max_dim > 0:
+        check(1 <= a.shape[1] <= max_dim, ValueError, op, "D = a.size(1) must be in [1, ",
+              max_dim, "], got ", a.shape[1])
+    else:
+        check(a.shape[1] >= 1, ValueError, op, "D = a.size(1) must be >= 1")
     check(a.shape[0] <= _INT32_MAX, ValueError, op,
           "the batch N = a.size(0) must fit in int32, got ", a.shape[0])
     check(a.is_contiguous(), ValueError, op, "a must be contiguous; call .contiguous() on it")
+
+
+def check_sym_sketch_args(a, omega, energy, min_rank, multiple, power_iters, oversample,
+                          rel_shift):
+    op = "sym_sketch_top"
+    check_matrix_batch(op, a, 128)
     check(omega.dtype == torch.float32, TypeError, op, "omega must be float32, got ",
           _dtype(omega))
     check(omega.dim() == 2 and omega.shape[0] == a.shape[1], ValueError, op,
@@ -699,12 +708,6 @@ def check_sym_sketch_args(a, omega, energy, min_rank, multiple, power_iters, ove
 
 def check_shifted_cholesky_input(a, rel_shift):
     op = "shifted_cholesky_info"
-    check(a.dtype == torch.float32, TypeError, op, "a must be float32, got ", _dtype(a))
-    check(a.dim() == 3 and a.shape[1] == a.shape[2], ValueError, op,
-          "a must be [N, D, D], got shape ", _list(a.shape))
-    check(a.shape[1] >= 1, ValueError, op, "D = a.size(1) must be >= 1")
-    check(a.shape[0] <= _INT32_MAX, ValueError, op,
-          "the batch N = a.size(0) must fit in int32, got ", a.shape[0])
-    check(a.is_contiguous(), ValueError, op, "a must be contiguous; call .contiguous() on it")
+    check_matrix_batch(op, a, 0)
     check(math.isfinite(rel_shift), ValueError, op, "rel_shift must be finite, got ",
           _num(rel_shift))

@@ -10,23 +10,17 @@
 #include <torch/library.h>
 
 #include <cmath>
-#include <limits>
 #include <vector>
 
 #include "../common/checks.h"
 #include "cholesky_checks.h"
+#include "matrix_checks.h"
 
 namespace adaattn {
 
 void check_shifted_cholesky_input(const at::Tensor& a, double rel_shift) {
   constexpr const char* op = "shifted_cholesky_info";
-  ADAATTN_CHECK_TYPE(a.scalar_type() == at::kFloat, "a must be float32, got ", a.scalar_type());
-  ADAATTN_CHECK_VALUE(a.dim() == 3 && a.size(1) == a.size(2), "a must be [N, D, D], got shape ",
-                      a.sizes());
-  ADAATTN_CHECK_VALUE(a.size(1) >= 1, "D = a.size(1) must be >= 1");
-  ADAATTN_CHECK_VALUE(a.size(0) <= std::numeric_limits<int>::max(),
-                      "the batch N = a.size(0) must fit in int32, got ", a.size(0));
-  ADAATTN_CHECK_VALUE(a.is_contiguous(), "a must be contiguous; call .contiguous() on it");
+  check_matrix_batch(op, a, 0);
   ADAATTN_CHECK_VALUE(std::isfinite(rel_shift), "rel_shift must be finite, got ", rel_shift);
 }
 

@@ -32,10 +32,10 @@
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
-#include <limits>
 #include <vector>
 
 #include "../common/checks.h"
+#include "matrix_checks.h"
 #include "sym_sketch_checks.h"
 
 namespace adaattn {
@@ -44,14 +44,7 @@ void check_sym_sketch_args(const at::Tensor& a, const at::Tensor& omega, double 
                            int64_t min_rank, int64_t multiple, int64_t power_iters,
                            int64_t oversample, double rel_shift) {
   constexpr const char* op = "sym_sketch_top";
-  ADAATTN_CHECK_TYPE(a.scalar_type() == at::kFloat, "a must be float32, got ", a.scalar_type());
-  ADAATTN_CHECK_VALUE(a.dim() == 3 && a.size(1) == a.size(2), "a must be [N, D, D], got shape ",
-                      a.sizes());
-  ADAATTN_CHECK_VALUE(a.size(1) >= 1 && a.size(1) <= kSketchMaxDim,
-                      "D = a.size(1) must be in [1, ", kSketchMaxDim, "], got ", a.size(1));
-  ADAATTN_CHECK_VALUE(a.size(0) <= std::numeric_limits<int>::max(),
-                      "the batch N = a.size(0) must fit in int32, got ", a.size(0));
-  ADAATTN_CHECK_VALUE(a.is_contiguous(), "a must be contiguous; call .contiguous() on it");
+  check_matrix_batch(op, a, kSketchMaxDim);
   ADAATTN_CHECK_TYPE(omega.scalar_type() == at::kFloat, "omega must be float32, got ",
                      omega.scalar_type());
   ADAATTN_CHECK_VALUE(omega.dim() == 2 && omega.size(0) == a.size(1),
