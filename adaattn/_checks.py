@@ -706,6 +706,35 @@ def check_sym_sketch_args(a, omega, energy, min_rank, multiple, power_iters, ove
           "rel_shift must be finite and >= 0, got ", _num(rel_shift))
 
 
+def check_sym_gram_args(q, k):
+    """q [N, Rq, D], k [N, Rk, D] for sym_gram (csrc/ops/linalg/sym_gram.cpp); the 16-byte
+    alignment of the data is checked by the kernels alone (fake tensors have no data)."""
+    op = "sym_gram"
+    for name, x in (("q", q), ("k", k)):
+        check(x.dtype in (torch.float16, torch.bfloat16), TypeError, op, name,
+              " must be float16 or bfloat16, got ", _dtype(x))
+        check(x.dim() == 3, ValueError, op, name, " must be [N, R, D], got shape ",
+              _list(x.shape))
+        check(x.shape[2] <= 1 or x.stride(2) == 1, ValueError, op, name,
+              " must have contiguous rows (stride(2) == 1), got strides ", _list(x.stride()))
+    check(k.dtype == q.dtype, TypeError, op, "k must have q's dtype ", _dtype(q), ", got ",
+          _dtype(k))
+    check(k.device == q.device, RuntimeError, op, "k must be on q's device ", q.device, ", got ",
+          k.device)
+    check(k.shape[0] == q.shape[0] and k.shape[2] == q.shape[2], ValueError, op,
+          "q [N, Rq, D] and k [N, Rk, D] must agree in N and D, got shapes ", _list(q.shape),
+          " and ", _list(k.shape))
+    d = q.shape[2]
+    check(8 <= d <= 128 and d % 8 == 0, ValueError, op,
+          "D = q.size(2) must be a multiple of 8 in [8, 128], got ", d)
+    check(q.shape[0] <= _INT32_MAX, ValueError, op,
+          "the batch N = q.size(0) must fit in int32, got ", q.shape[0])
+    for name, x in (("q", q), ("k", k)):
+        check(x.stride(1) % 8 == 0 and x.stride(0) % 8 == 0, ValueError, op, name,
+              " must have row and batch strides that are multiples of 8 and 16-byte aligned "
+              "data; call .contiguous() on it (strides ", _list(x.stride()), ")")
+
+
 def check_shifted_cholesky_input(a, rel_shift):
     op = "shifted_cholesky_info"
     check_matrix_batch(op, a, 0)

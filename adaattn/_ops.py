@@ -227,6 +227,12 @@ def _sym_sketch_top_fake(a, omega, energy, min_rank, multiple, power_iters, over
             a.new_empty(n, dtype=torch.bool))
 
 
+@torch.library.register_fake("adaattn::sym_gram")
+def _sym_gram_fake(q, k):
+    C.check_sym_gram_args(q, k)
+    return q.new_empty(q.shape[0], q.shape[2], q.shape[2], dtype=torch.float32)
+
+
 @torch.library.register_fake("adaattn::sym_eig_top")
 def _sym_eig_top_fake(a, energy, min_rank, multiple):
     C.check_sym_eig_input("sym_eig_top", a)

@@ -427,7 +427,7 @@ class AdaptiveRankAttention(nn.Module):
             group = rank._check_plan_args(op, q, k, self.energy, self.min_rank, self.multiple)
             C.check_flash_inputs(op, q, k, v)
             gram, exact = rank._plan_gram(q, k, group)
-            rank._check_finite(op, bool(torch.isfinite(gram).all()))
+            rank._check_finite(op, rank._gram_is_finite(gram))
             scale = q.shape[-1] ** -0.5 if self.softmax_scale is None else self.softmax_scale
             self.plan = rank._plan_for_error(op, q, k, v, gram, exact, self.max_error,
                                              self.min_rank, self.multiple, self.causal, scale,

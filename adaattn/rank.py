@@ -6,6 +6,7 @@ the sampled estimate of the error of attending inside it.
 GEMMs and the flash kernel with query/key head dim R); :func:`adaptive_rank_attn` plans and
 attends in one call.
 """
+import math
 from typing import NamedTuple, Optional, Tuple, Union
 
 import torch
@@ -33,18 +34,25 @@ class RankPlan(NamedTuple):
     eigenvalues: torch.Tensor
 
 
-# Largest D of torch.ops.adaattn.sym_eig (core/sym_eig.h's kSymEigMaxDim).
+# Largest D of torch.ops.adaattn.sym_eig (core/sym_eig.h's kSymEigMaxDim) and of
+# torch.ops.adaattn.sym_gram (sym_gram_checks.h's kGramMaxDim).
 _SYM_EIG_MAX_DIM = 256
+_GRAM_OP_MAX_DIM = 128
 
 
 def _gram(q: torch.Tensor, k: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``q^T q + k^T k`` per batch entry, ``[N, D, D]`` in ``dtype``, for q ``[N, Lq, D]`` and
-    k ``[N, Lk, D]``. fp16/bf16 inputs on CUDA accumulate in float32 inside the GEMM
-    (``out_dtype``) instead of being copied to float32 first; the CPU GEMMs have no
-    ``out_dtype``, so there they are converted."""
+    k ``[N, Lk, D]``. float16/bfloat16 inputs with a float32 result take
+    ``torch.ops.adaattn.sym_gram`` (one tensor-core kernel that accumulates in float32, exactly
+    symmetric) where its layout rules hold; everything else is converted and multiplied."""
+    if (dtype == torch.float32 and q.dtype == k.dtype
+            and q.dtype in (torch.float16, torch.bfloat16)
+            and q.shape[-1] % 8 == 0 and 8 <= q.shape[-1] <= _GRAM_OP_MAX_DIM):
+        q, k = q.contiguous(), k.contiguous()
+        if q.data_ptr() % 16 == 0 and k.data_ptr() % 16 == 0:
+            return torch.ops.adaattn.sym_gram(q, k)
+
     def gram(x):
-        if x.is_cuda and dtype == torch.float32 and x.dtype in (torch.float16, torch.bfloat16):
-            return torch.bmm(x.mT, x, out_dtype=torch.float32)
         x = x.to(dtype)
         return torch.bmm(x.mT, x)
     return gram(q) + gram(k)
@@ -115,7 +123,8 @@ def _sketch_from_gram(gram: torch.Tensor, exact: bool, energy: float, min_rank: 
 
     The algorithm is ``torch.ops.adaattn.sym_sketch_top``'s (csrc/ops/linalg/sym_sketch.cpp):
     Y = (G + s I) Omega, ``power_iters`` times Y = (G + s I) orth(Y), Q = orth(orth(Y)) (Cholesky
-    QR, which keeps the columns nested), the rank from the prefix sums of the Rayleigh quotients.
+    QR, which keeps the columns nested; the op's last pass runs unshifted in float32), the rank
+    from the prefix sums of the Rayleigh quotients.
     By Ky Fan's maximum principle a prefix sum never exceeds the sum of as many largest
     eigenvalues, so the rank is never below the exact rule's, and the kept columns hold at
     least ``energy`` of the trace of G exactly. float32 Gram matrices (D <= 128, width <= 64)
@@ -175,14 +184,15 @@ def rank_plan(q: torch.Tensor, k: torch.Tensor, *, energy: float = 0.99, min_ran
     """Per (batch, kv head) subspace of the queries and keys, sized by spectral energy.
 
     For each ``(b, g)``: ``G = K^T K + sum over the query heads h of group g of Q_h^T Q_h``
-    (``D x D``, accumulated in float32 without a float32 copy of q and k on CUDA); the rank is
-    the smallest ``r >= min_rank``, rounded up to a multiple of ``multiple`` and capped at ``D``,
-    whose largest eigenvalues hold ``energy`` of the trace. Two solvers:
+    (``D x D``, accumulated in float32: ``torch.ops.adaattn.sym_gram`` for float16/bfloat16
+    q and k); the rank is the smallest ``r >= min_rank``, rounded up to a multiple of
+    ``multiple`` and capped at ``D``, whose largest eigenvalues hold ``energy`` of the trace.
+    Two solvers:
 
     * ``method="sketch"``: randomized subspace iteration on ``G`` with a fixed-seed
       Gaussian test matrix of ``max(D / 2, rank bucket + 8)`` columns, one power iteration and
-      Cholesky QR (float64), which keeps the columns nested; the rank comes from the prefix
-      sums of the columns' Rayleigh quotients (no eigensolve). A prefix sum never exceeds the
+      Cholesky QR (float64, the last pass float32), which keeps the columns nested; the rank
+      comes from the prefix sums of the columns' Rayleigh quotients (no eigensolve). A prefix sum never exceeds the
       sum of as many largest eigenvalues (Ky Fan), so its rank is never below the exact rule's
       (on spectra with a gap, such as a planted rank plus noise, it is the same) and the
       subspace it keeps holds at least ``energy`` of the trace exactly; the basis is
@@ -270,27 +280,38 @@ def _plan_gram(q: torch.Tensor, k: torch.Tensor, group: int) -> Tuple[torch.Tens
     return gram.reshape(b, hkv, dim, dim), exact
 
 
+def _diagonal_sum(gram: torch.Tensor) -> torch.Tensor:
+    """The sum of the diagonals of ``gram [..., D, D]`` (a Gram matrix), a float64 scalar: finite
+    exactly when every entry is (a NaN or inf in q or k reaches a diagonal entry; Cauchy-Schwarz
+    bounds the others by the diagonal; float64 does not overflow on float32 entries)."""
+    return gram.diagonal(dim1=-2, dim2=-1).sum(dtype=torch.float64)
+
+
+def _gram_is_finite(gram: torch.Tensor) -> bool:
+    """Whether ``gram`` has only finite entries: one host read."""
+    return math.isfinite(_diagonal_sum(gram).item())
+
+
 def _plan_from_gram(op: str, gram: torch.Tensor, exact: bool, energy: float, min_rank: int,
                     multiple: int, method: str = "exact") -> RankPlan:
     b, hkv, dim = gram.shape[:3]
-    finite = torch.isfinite(gram).all()
     width = _sketch_width(dim, min_rank, multiple)
+    if exact and gram.numel():
+        # eigh fails on a non-finite matrix: checked first (an extra host read on this path).
+        _check_finite(op, _gram_is_finite(gram))
+    diagonal_sum = _diagonal_sum(gram)
     if method == "sketch" and energy < 1.0 and width < dim and gram.numel():
-        if exact:
-            # eigh fails on a non-finite matrix: checked first (an extra host read on this path).
-            _check_finite(op, bool(finite))
         values, vectors, ranks, determined = _sketch_from_gram(gram, exact, energy, min_rank,
                                                                multiple, width,
                                                                _SKETCH_POWER_ITERS)
-        # One host read: the basis width, whether G was finite, whether the sketch decided.
-        top, is_finite, decided = torch.stack([ranks.max().long(), finite.long(),
-                                               determined.long()]).tolist()
-        _check_finite(op, bool(is_finite))
+        # One host read: the ranks, whether the sketch decided, whether G was finite.
+        *rank_list, decided, total = torch.cat([
+            ranks.reshape(-1).double(), determined.double().reshape(1),
+            diagonal_sum.reshape(1)]).tolist()
+        _check_finite(op, math.isfinite(total))
         if decided:
-            return RankPlan(vectors[..., :top].contiguous(), ranks, values)
+            return RankPlan(vectors[..., :int(max(rank_list))].contiguous(), ranks, values)
     if exact:
-        # eigh fails on a non-finite matrix: checked first (an extra host read on this path).
-        _check_finite(op, bool(finite))
         values, vectors = torch.linalg.eigh(gram)  # ascending
         values, vectors = values.flip(-1).float(), vectors.flip(-1).float()
         values = values.clamp(min=0)
@@ -312,12 +333,12 @@ def _plan_from_gram(op: str, gram: torch.Tensor, exact: bool, energy: float, min
                                                                 energy, min_rank, multiple)
         values = values.reshape(b, hkv, dim).clamp(min=0)
         vectors, ranks = vectors.reshape(b, hkv, dim, dim), ranks.reshape(b, hkv)
-    width, is_finite = 0, True
+    width, total = 0, 0.0
     if ranks.numel():
         # One host read: the basis width, and whether G was finite (the solver ran on it anyway).
-        width, is_finite = torch.stack([ranks.max().long(), finite.long()]).tolist()
-    _check_finite(op, bool(is_finite))
-    return RankPlan(vectors[..., :width].contiguous(), ranks, values)
+        width, total = torch.stack([ranks.max().double(), diagonal_sum]).tolist()
+    _check_finite(op, math.isfinite(total))
+    return RankPlan(vectors[..., :int(width)].contiguous(), ranks, values)
 
 
 def _full_rank_flag(gram: torch.Tensor, energy: float, min_rank: int,
@@ -741,7 +762,7 @@ def adaptive_rank_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         if max_error is None:
             plan = _plan_from_gram(op, gram, exact, energy, min_rank, multiple, method)
         else:
-            _check_finite(op, bool(torch.isfinite(gram).all()))
+            _check_finite(op, _gram_is_finite(gram))
             scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
             plan = _plan_for_error(op, q.detach(), k.detach(), v.detach(), gram, exact,
                                    max_error, min_rank, multiple, causal, scale, group, samples)

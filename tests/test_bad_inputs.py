@@ -26,6 +26,7 @@ from adaattn.nn import FlashSelfAttention, LazyAttention, LinearAttention
 
 
 F32, F64, I32, I64 = torch.float32, torch.float64, torch.int32, torch.int64
+F16, BF16 = torch.float16, torch.bfloat16
 NAN, INF = float("nan"), float("inf")
 
 
@@ -33,6 +34,10 @@ NAN, INF = float("nan"), float("inf")
 
 def rand(dev, *shape, dtype=F32):
     return torch.randn(*shape, dtype=dtype, device=dev)
+
+
+def gram(q, k):
+    return torch.ops.adaattn.sym_gram(q, k)
 
 
 def ints(dev, values, dtype=I32):
@@ -611,6 +616,16 @@ BAD = [
         lambda d: torch.ops.adaattn.sym_sketch_top(torch.eye(4, device=d)[None],
                                                    torch.zeros(4, 2, device=d), 0.9, 1, 1, -1,
                                                    0, 1e-3)),
+    Bad("gram_float32", "sym_gram", T, r"q must be float16 or bfloat16, got Float",
+        lambda d: gram(rand(d, 2, 4, 8), rand(d, 2, 4, 8))),
+    Bad("gram_dim", "sym_gram", V, r"D = q.size\(2\) must be a multiple of 8 in \[8, 128\], got 12",
+        lambda d: gram(rand(d, 2, 4, 12, dtype=BF16), rand(d, 2, 4, 12, dtype=BF16))),
+    Bad("gram_batch", "sym_gram", V, r"must agree in N and D",
+        lambda d: gram(rand(d, 2, 4, 8, dtype=BF16), rand(d, 3, 4, 8, dtype=BF16))),
+    Bad("gram_k_dtype", "sym_gram", T, r"k must have q's dtype",
+        lambda d: gram(rand(d, 2, 4, 8, dtype=BF16), rand(d, 2, 4, 8, dtype=F16))),
+    Bad("gram_row_stride", "sym_gram", V, r"k must have row and batch strides that are multiples",
+        lambda d: gram(rand(d, 2, 4, 8, dtype=BF16), rand(d, 2, 4, 12, dtype=BF16)[..., :8])),
     Bad("cholesky_shift", "shifted_cholesky_info", V, r"rel_shift must be finite, got inf",
         lambda d: torch.ops.adaattn.shifted_cholesky_info(torch.eye(4, device=d)[None], INF)),
 ]

@@ -335,6 +335,35 @@ __device__ __forceinline__ void warp_gemm_tn(float (&acc)[NT][4], const T* sA, i
   }
 }
 
+// acc[MI][NT] (16 x 8 fragments) += A^T * B: warp_gemm_tn (above) over MI fragment rows,
+// columns [a_col0, a_col0 + 16*MI) of A, each B fragment loaded once for all of them. (Gram
+// matrices X^T X.)
+template <int MI, int NT, int KT, int WA, int WB, typename T>
+__device__ __forceinline__ void warp_gemm_tn_rows(float (&acc)[MI][NT][4], const T* sA,
+                                                  int a_col0, const T* sB, int b_col0, int lane) {
+  static_assert(NT % 2 == 0, "NT must be even (x4 ldmatrix loads two n-tiles)");
+#pragma unroll
+  for (int kt = 0; kt < KT; ++kt) {
+    uint32_t a[MI][4];
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi) {
+      ldmatrix_x4_trans(a[mi], sA + swz<WA>(kt * 16 + (lane & 7) + ((lane >> 4) << 3),
+                                            a_col0 + mi * 16 + ((lane >> 3) & 1) * 8));
+    }
+#pragma unroll
+    for (int ni = 0; ni < NT; ni += 2) {
+      uint32_t b[4];
+      const int row = kt * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
+      ldmatrix_x4_trans(b, sB + swz<WB>(row, b_col0 + ni * 8 + (lane >> 4) * 8));
+#pragma unroll
+      for (int mi = 0; mi < MI; ++mi) {
+        MmaOp<T>::run(acc[mi][ni], a[mi], b[0], b[1]);
+        MmaOp<T>::run(acc[mi][ni + 1], a[mi], b[2], b[3]);
+      }
+    }
+  }
+}
+
 // *addr += a, addr[1] += b without a return value (a reduction in L2); addr 8-byte aligned.
 __device__ __forceinline__ void atomic_add2(float* addr, float a, float b) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
