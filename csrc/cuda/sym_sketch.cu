@@ -19,6 +19,7 @@
 
 #include <cfloat>
 #include <cstdint>
+#include <type_traits>
 
 #include "../ops/linalg/sym_sketch_checks.h"
 
@@ -78,15 +79,24 @@ __device__ __forceinline__ void shifted_product(const float* a, const float* x, 
 // holding row k0 + i: L below the diagonal back to w, 1 / L_ii to inv_sqrt[k0 + i]. A pivot <= 0
 // gives a zero column (sym_sketch.cpp). No branch on the lane: the entries above the diagonal
 // are carried along and never stored.
-__device__ __forceinline__ void factor_diagonal_block(double* w, double* inv_sqrt, int k0,
-                                                      int lane) {
-  double a[kPanel];
+template <typename T>
+__device__ __forceinline__ T rsqrt_of(T d) {
+  if constexpr (std::is_same_v<T, float>) {
+    return rsqrtf(d);
+  } else {
+    return rsqrt(d);
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void factor_diagonal_block(T* w, T* inv_sqrt, int k0, int lane) {
+  T a[kPanel];
 #pragma unroll
   for (int t = 0; t < kPanel; ++t) a[t] = w[(k0 + lane) * kWStride + k0 + t];
-  double d = __shfl_sync(kFullMask, a[0], 0);
+  T d = __shfl_sync(kFullMask, a[0], 0);
 #pragma unroll
   for (int j = 0; j < kPanel; ++j) {
-    const double inv = d > 0.0 ? rsqrt(d) : 0.0;
+    const T inv = d > T(0) ? rsqrt_of(d) : T(0);
     a[j] = lane == j ? inv : a[j] * inv;
     // The next pivot straight from lane j + 1's own values (the update below gives it the same
     // value), so that the chain from pivot to pivot waits on one shuffle.
@@ -105,9 +115,10 @@ __device__ __forceinline__ void factor_diagonal_block(double* w, double* inv_sqr
 
 // One warp: rows kPanel + i (lane i) of the first panel, L[r][j] = (w[r][j] - sum_{t<j}
 // L[r][t] L[j][t]) / L_jj, after factor_diagonal_block(w, inv_sqrt, 0, .).
-__device__ __forceinline__ void solve_below_block(double* w, const double* inv_sqrt, int lane) {
-  double x[kPanel];
-  double* row = w + (kPanel + lane) * kWStride;
+template <typename T>
+__device__ __forceinline__ void solve_below_block(T* w, const T* inv_sqrt, int lane) {
+  T x[kPanel];
+  T* row = w + (kPanel + lane) * kWStride;
 #pragma unroll
   for (int t = 0; t < kPanel; ++t) x[t] = row[t];
 #pragma unroll
@@ -122,12 +133,13 @@ __device__ __forceinline__ void solve_below_block(double* w, const double* inv_s
 
 // The second panel's lower triangle minus the first panel's contribution: thread t updates
 // (32 + t / 32, 32 + t % 32) and (48 + t / 32, 32 + t % 32) where on or below the diagonal.
-__device__ __forceinline__ void update_trailing_block(double* w, int tid) {
+template <typename T>
+__device__ __forceinline__ void update_trailing_block(T* w, int tid) {
   const int c = kPanel + (tid & 31), r = kPanel + (tid >> 5), r2 = r + kPanel / 2;
-  double acc = w[r * kWStride + c], acc2 = w[r2 * kWStride + c];
+  T acc = w[r * kWStride + c], acc2 = w[r2 * kWStride + c];
 #pragma unroll 8
   for (int j = 0; j < kPanel; ++j) {
-    const double lc = w[c * kWStride + j];
+    const T lc = w[c * kWStride + j];
     acc = fma(-w[r * kWStride + j], lc, acc);
     acc2 = fma(-w[r2 * kWStride + j], lc, acc2);
   }
@@ -135,11 +147,32 @@ __device__ __forceinline__ void update_trailing_block(double* w, int tid) {
   if (c <= r2) w[r2 * kWStride + c] = acc2;
 }
 
-// q = y L^-T, L L^T = y^T y + c I (sym_sketch.cpp, step 2), n and p the real D and P (the
-// shift's size): q to x as float32 and, with `keep`, back to y as float64 (the float32 values,
-// for a second pass). w: the float64 block, inv_sqrt: kP doubles. Synchronises at the end.
-__device__ void orth(double* y, float* x, bool keep, double* w, double* inv_sqrt, int n, int p,
+// Four consecutive entries of a row of y (float64 products or the float32 Q), as T.
+__device__ __forceinline__ void load4(const double* src, double (&v)[4]) {
+  const double2 a = reinterpret_cast<const double2*>(src)[0];
+  const double2 b = reinterpret_cast<const double2*>(src)[1];
+  v[0] = a.x;
+  v[1] = a.y;
+  v[2] = b.x;
+  v[3] = b.y;
+}
+__device__ __forceinline__ void load4(const float* src, float (&v)[4]) {
+  const float4 a = *reinterpret_cast<const float4*>(src);
+  v[0] = a.x;
+  v[1] = a.y;
+  v[2] = a.z;
+  v[3] = a.w;
+}
+
+// q = y L^-T, L L^T = y^T y + c I (sym_sketch.cpp, step 2), in T: float64 with the shift c
+// (n and p the real D and P give its size) on the products, float32 without it on a Q that one
+// float64 pass left orthonormal to ~1e-3 (y may then be x: each lane rewrites only the entries
+// it read). y: rows of `stride` T; q to x as float32. w: the Gram / Cholesky block, inv_sqrt:
+// kP entries, both T. Synchronises at the end.
+template <typename T>
+__device__ void orth(const T* y, int stride, float* x, T* w, T* inv_sqrt, int n, int p,
                      int tid) {
+  constexpr bool kShifted = std::is_same_v<T, double>;
   const int lane = tid & 31;
   {
     // Lower 4 x 4 tile `slot` of the 16 x 16 tile grid (136 tiles), rows h * 64 .. h * 64 + 63.
@@ -147,13 +180,12 @@ __device__ void orth(double* y, float* x, bool keep, double* w, double* inv_sqrt
     int tr = 0;
     while ((tr + 1) * (tr + 2) / 2 <= slot) ++tr;
     const int tc = slot - tr * (tr + 1) / 2;
-    double acc[4][4] = {};
+    T acc[4][4] = {};
     if (slot < 136) {
       for (int i = half * (kD / 2); i < (half + 1) * (kD / 2); ++i) {
-        const double2* row = reinterpret_cast<const double2*>(y + i * kYStride);
-        const double2 r01 = row[2 * tr], r23 = row[2 * tr + 1];
-        const double2 c01 = row[2 * tc], c23 = row[2 * tc + 1];
-        const double r[4] = {r01.x, r01.y, r23.x, r23.y}, c[4] = {c01.x, c01.y, c23.x, c23.y};
+        T r[4], c[4];
+        load4(y + i * stride + 4 * tr, r);
+        load4(y + i * stride + 4 * tc, c);
         accumulate_outer(acc, r, c);
       }
     }
@@ -162,7 +194,7 @@ __device__ void orth(double* y, float* x, bool keep, double* w, double* inv_sqrt
 #pragma unroll
       for (int v = 0; v < 4; ++v) {
         // half 0 + half 1 in both lanes of the pair: one value.
-        const double other = __shfl_xor_sync(kFullMask, acc[u][v], 1);
+        const T other = __shfl_xor_sync(kFullMask, acc[u][v], 1);
         acc[u][v] = half == 0 ? acc[u][v] + other : other + acc[u][v];
       }
     }
@@ -175,16 +207,18 @@ __device__ void orth(double* y, float* x, bool keep, double* w, double* inv_sqrt
     }
   }
   __syncthreads();
-  if (tid < 32) {
-    double trace = w[lane * (kWStride + 1)] + w[(lane + 32) * (kWStride + 1)];
+  if constexpr (kShifted) {
+    if (tid < 32) {
+      double trace = w[lane * (kWStride + 1)] + w[(lane + 32) * (kWStride + 1)];
 #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) trace += __shfl_xor_sync(kFullMask, trace, off);
-    const double shift =
-        11.0 * (static_cast<double>(n) * p + p * (p + 1.0)) * DBL_EPSILON * trace;
-    w[lane * (kWStride + 1)] += shift;
-    w[(lane + 32) * (kWStride + 1)] += shift;
+      for (int off = 16; off > 0; off >>= 1) trace += __shfl_xor_sync(kFullMask, trace, off);
+      const double shift =
+          11.0 * (static_cast<double>(n) * p + p * (p + 1.0)) * DBL_EPSILON * trace;
+      w[lane * (kWStride + 1)] += shift;
+      w[(lane + 32) * (kWStride + 1)] += shift;
+    }
+    __syncthreads();
   }
-  __syncthreads();
   // Cholesky in two panels of 32 columns: L below the diagonal in w, 1 / L_jj in inv_sqrt.
   if (tid < 32) {
     factor_diagonal_block(w, inv_sqrt, 0, lane);
@@ -199,13 +233,13 @@ __device__ void orth(double* y, float* x, bool keep, double* w, double* inv_sqrt
   {
     // Row i = t / 4; lane c = t % 4 holds y[i][4 m + c].
     const int i = tid >> 2, c = tid & 3;
-    double v[kP / 4];
+    T v[kP / 4];
 #pragma unroll
-    for (int m = 0; m < kP / 4; ++m) v[m] = y[i * kYStride + 4 * m + c];
+    for (int m = 0; m < kP / 4; ++m) v[m] = y[i * stride + 4 * m + c];
 #pragma unroll
     for (int j = 0; j < kP; ++j) {
       const int owner = j & 3, mj = j >> 2;
-      const double q = __shfl_sync(kFullMask, v[mj] * inv_sqrt[j], (lane & ~3) | owner);
+      const T q = __shfl_sync(kFullMask, v[mj] * inv_sqrt[j], (lane & ~3) | owner);
       if (c == owner) v[mj] = q;
 #pragma unroll
       for (int m = mj; m < kP / 4; ++m) {
@@ -213,11 +247,7 @@ __device__ void orth(double* y, float* x, bool keep, double* w, double* inv_sqrt
       }
     }
 #pragma unroll
-    for (int m = 0; m < kP / 4; ++m) {
-      const float q = static_cast<float>(v[m]);
-      x[i * kXStride + 4 * m + c] = q;
-      if (keep) y[i * kYStride + 4 * m + c] = q;
-    }
+    for (int m = 0; m < kP / 4; ++m) x[i * kXStride + 4 * m + c] = static_cast<float>(v[m]);
   }
   __syncthreads();
 }
@@ -268,11 +298,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   const float shift = static_cast<float>(rel_shift * trace / n);
   shifted_product(a, x, y, shift, tid);
   for (int it = 0; it < power_iters; ++it) {
-    orth(y, x, false, w, inv_sqrt, n, p, tid);
+    orth(y, kYStride, x, w, inv_sqrt, n, p, tid);
     shifted_product(a, x, y, shift, tid);
   }
-  orth(y, x, true, w, inv_sqrt, n, p, tid);
-  orth(y, x, false, w, inv_sqrt, n, p, tid);
+  orth(y, kYStride, x, w, inv_sqrt, n, p, tid);
+  orth(static_cast<const float*>(x), kXStride, x, reinterpret_cast<float*>(w),
+       reinterpret_cast<float*>(inv_sqrt), n, p, tid);
   shifted_product(a, x, y, 0.f, tid);  // y = A Q
   {
     // Column j = t / 8, eight lanes over rows part + 8 m.

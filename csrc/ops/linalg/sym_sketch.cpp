@@ -6,10 +6,12 @@
 //   1. t = trace(A) (float64), s = rel_shift t / D: the shift (rank_plan: 1e-3) bounds
 //      cond(A + s I) by ~D / rel_shift, so that the Cholesky QR passes below stay accurate on
 //      rank-deficient A. It does not change the subspace iteration's limit.
-//   2. Y = (A + s I) Omega; power_iters times Y = (A + s I) orth(Y); Q = orth(orth(Y)).
+//   2. Y = (A + s I) Omega; power_iters times Y = (A + s I) orth(Y); Q = orth32(orth(Y)).
 //      Products in float32 (the sum over k in order), everything of orth in float64:
 //      orth(Y) = Y L^-T with L L^T = Y^T Y + c I, c = 11 (D P + P (P + 1)) eps64 trace(Y^T Y)
-//      (right-looking Cholesky; a pivot <= 0 gives a zero column).
+//      (right-looking Cholesky; a pivot <= 0 gives a zero column). The shift leaves orth(Y)
+//      orthonormal only to ~1e-3; orth32, the same in float32 without the shift, then makes it
+//      so to float32 precision (its input is that well conditioned).
 //   3. values_j = max(q_j^T A q_j, 0), the Rayleigh quotients of the orthonormal columns.
 //   4. The rank: with c_j = values_0 + ... + values_j, first = P + 1 - #{j : c_j >= energy t},
 //      r = max(first, min_rank) rounded up to a multiple of `multiple`; decided = r +
@@ -32,6 +34,7 @@
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "../common/checks.h"
@@ -93,36 +96,42 @@ void shifted_product(const std::vector<float>& A, const std::vector<float>& x,
   }
 }
 
-// y [n, p] <- y L^-T, L L^T = y^T y + c I (step 2 of the header).
-void orth(std::vector<float>& y, int n, int p, std::vector<double>& w) {
+// y [n, p] <- y L^-T, L L^T = y^T y + c I (step 2 of the header), in T: float64 with the
+// shift, float32 without it (the last pass).
+template <typename T>
+void orth(std::vector<float>& y, int n, int p, std::vector<T>& w) {
+  constexpr bool kShifted = std::is_same_v<T, double>;
   for (int r = 0; r < p; ++r) {
     for (int c = 0; c <= r; ++c) {
-      double acc = 0.0;
+      T acc = 0;
       for (int i = 0; i < n; ++i) {
-        acc = std::fma(static_cast<double>(y[i * p + r]), static_cast<double>(y[i * p + c]), acc);
+        acc = std::fma(static_cast<T>(y[i * p + r]), static_cast<T>(y[i * p + c]), acc);
       }
       w[r * p + c] = acc;
     }
   }
-  double trace = 0.0;
-  for (int j = 0; j < p; ++j) trace += w[j * p + j];
-  const double shift = 11.0 * (static_cast<double>(n) * p + p * (p + 1.0)) * DBL_EPSILON * trace;
-  for (int j = 0; j < p; ++j) w[j * p + j] += shift;
-  std::vector<double> inv_sqrt(p);
+  if constexpr (kShifted) {
+    double trace = 0.0;
+    for (int j = 0; j < p; ++j) trace += w[j * p + j];
+    const double shift =
+        11.0 * (static_cast<double>(n) * p + p * (p + 1.0)) * DBL_EPSILON * trace;
+    for (int j = 0; j < p; ++j) w[j * p + j] += shift;
+  }
+  std::vector<T> inv_sqrt(p);
   for (int j = 0; j < p; ++j) {
-    const double d = w[j * p + j];
-    const double inv = d > 0.0 ? 1.0 / d : 0.0;
-    inv_sqrt[j] = d > 0.0 ? 1.0 / std::sqrt(d) : 0.0;
+    const T d = w[j * p + j];
+    const T inv = d > T(0) ? T(1) / d : T(0);
+    inv_sqrt[j] = d > T(0) ? T(1) / std::sqrt(d) : T(0);
     for (int r = j + 1; r < p; ++r) {
-      const double scaled = w[r * p + j] * inv;
+      const T scaled = w[r * p + j] * inv;
       for (int c = j + 1; c <= r; ++c) w[r * p + c] -= scaled * w[c * p + j];
     }
   }
-  std::vector<double> row(p);
+  std::vector<T> row(p);
   for (int i = 0; i < n; ++i) {
     for (int j = 0; j < p; ++j) row[j] = y[i * p + j];
     for (int j = 0; j < p; ++j) {
-      const double q = row[j] * inv_sqrt[j];
+      const T q = row[j] * inv_sqrt[j];
       for (int r = j + 1; r < p; ++r) row[r] -= w[r * p + j] * inv_sqrt[j] * q;
       y[i * p + j] = static_cast<float>(q);
     }
@@ -134,6 +143,7 @@ void sketch_matrix(const float* a, const float* omega, int n, int p, const Sketc
   std::vector<float> A(static_cast<size_t>(n) * n), x(static_cast<size_t>(n) * p),
       y(static_cast<size_t>(n) * p);
   std::vector<double> w(static_cast<size_t>(p) * p);
+  std::vector<float> w32(static_cast<size_t>(p) * p);
   for (int i = 0; i < n; ++i) {
     for (int k = 0; k <= i; ++k) A[i * n + k] = A[k * n + i] = a[i * n + k];
   }
@@ -148,7 +158,7 @@ void sketch_matrix(const float* a, const float* omega, int n, int p, const Sketc
     std::swap(x, y);
   }
   orth(y, n, p, w);
-  orth(y, n, p, w);
+  orth(y, n, p, w32);
   shifted_product(A, y, x, n, p, 0.f);
   const double target = rule.energy * trace;
   double cum = 0.0;
