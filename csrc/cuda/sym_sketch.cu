@@ -11,6 +11,10 @@
 //   Y L^-T: four lanes a row, lane c owning the columns j = c mod 4, the solved q_j passed by
 //     shuffle, so the 64-step substitution needs no barrier.
 // No eigensolve: the rank comes from the Rayleigh quotients of nested columns (sym_sketch.cpp).
+// Each CTA runs the program once, so its size is a cost: the product, orth and the diagonal-block
+// factorisation are called, not inlined (22k instructions instead of 61k; on the H200 the
+// kernel then takes 150 instead of 210 us right after the Gram step has swept the L2 cache, 125
+// instead of 140 us with the code still cached).
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
@@ -54,7 +58,7 @@ __device__ __forceinline__ void accumulate_outer(T (&acc)[4][4], const T (&r)[4]
 // y = (A + shift I) x over all kD rows and kP columns, summed in float32 and stored as float64
 // (exactly: the Gram step below then reads y without a conversion per use); thread t: rows
 // 4 (t / 16) + 0..3, columns 4 (t % 16) + 0..3. Synchronises after the stores.
-__device__ __forceinline__ void shifted_product(const float* a, const float* x, double* y,
+__device__ __noinline__ void shifted_product(const float* a, const float* x, double* y,
                                                 float shift, int tid) {
   const int r0 = 4 * (tid >> 4), c0 = 4 * (tid & 15);
   float acc[4][4] = {};
@@ -89,7 +93,7 @@ __device__ __forceinline__ T rsqrt_of(T d) {
 }
 
 template <typename T>
-__device__ __forceinline__ void factor_diagonal_block(T* w, T* inv_sqrt, int k0, int lane) {
+__device__ __noinline__ void factor_diagonal_block(T* w, T* inv_sqrt, int k0, int lane) {
   T a[kPanel];
 #pragma unroll
   for (int t = 0; t < kPanel; ++t) a[t] = w[(k0 + lane) * kWStride + k0 + t];
@@ -170,7 +174,7 @@ __device__ __forceinline__ void load4(const float* src, float (&v)[4]) {
 // it read). y: rows of `stride` T; q to x as float32. w: the Gram / Cholesky block, inv_sqrt:
 // kP entries, both T. Synchronises at the end.
 template <typename T>
-__device__ void orth(const T* y, int stride, float* x, T* w, T* inv_sqrt, int n, int p,
+__device__ __noinline__ void orth(const T* y, int stride, float* x, T* w, T* inv_sqrt, int n, int p,
                      int tid) {
   constexpr bool kShifted = std::is_same_v<T, double>;
   const int lane = tid & 31;
