@@ -79,10 +79,7 @@ __device__ __noinline__ void shifted_product(const float* a, const float* x, dou
   __syncthreads();
 }
 
-// One warp: the Cholesky factor of the kPanel x kPanel diagonal block of w at (k0, k0), lane i
-// holding row k0 + i: L below the diagonal back to w, 1 / L_ii to inv_sqrt[k0 + i]. A pivot <= 0
-// gives a zero column (sym_sketch.cpp). No branch on the lane: the entries above the diagonal
-// are carried along and never stored.
+// 1 / sqrt(d) in T's precision.
 template <typename T>
 __device__ __forceinline__ T rsqrt_of(T d) {
   if constexpr (std::is_same_v<T, float>) {
@@ -92,6 +89,10 @@ __device__ __forceinline__ T rsqrt_of(T d) {
   }
 }
 
+// One warp: the Cholesky factor of the kPanel x kPanel diagonal block of w at (k0, k0), lane i
+// holding row k0 + i: L below the diagonal back to w, 1 / L_ii to inv_sqrt[k0 + i]. A pivot <= 0
+// gives a zero column (sym_sketch.cpp). No branch on the lane: the entries above the diagonal
+// are carried along and never stored.
 template <typename T>
 __device__ __noinline__ void factor_diagonal_block(T* w, T* inv_sqrt, int k0, int lane) {
   T a[kPanel];
