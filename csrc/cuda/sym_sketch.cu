@@ -59,7 +59,7 @@ __device__ __forceinline__ void accumulate_outer(T (&acc)[4][4], const T (&r)[4]
 // (exactly: the Gram step below then reads y without a conversion per use); thread t: rows
 // 4 (t / 16) + 0..3, columns 4 (t % 16) + 0..3. Synchronises after the stores.
 __device__ __noinline__ void shifted_product(const float* a, const float* x, double* y,
-                                                float shift, int tid) {
+                                             float shift, int tid) {
   const int r0 = 4 * (tid >> 4), c0 = 4 * (tid & 15);
   float acc[4][4] = {};
 #pragma unroll 8
@@ -175,8 +175,8 @@ __device__ __forceinline__ void load4(const float* src, float (&v)[4]) {
 // it read). y: rows of `stride` T; q to x as float32. w: the Gram / Cholesky block, inv_sqrt:
 // kP entries, both T. Synchronises at the end.
 template <typename T>
-__device__ __noinline__ void orth(const T* y, int stride, float* x, T* w, T* inv_sqrt, int n, int p,
-                     int tid) {
+__device__ __noinline__ void orth(const T* y, int stride, float* x, T* w, T* inv_sqrt, int n,
+                                  int p, int tid) {
   constexpr bool kShifted = std::is_same_v<T, double>;
   const int lane = tid & 31;
   {
