@@ -393,6 +393,21 @@ def test_bad_input():
         adaattn.rank_plan(q * float("nan"), q)
 
 
+@pytest.mark.parametrize("method", ["sketch", "exact"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_one_non_finite_entry(device, method, bad):
+    """A single NaN or inf entry in bf16 q or k (the sym_gram path, whose finiteness is read from
+    the Gram matrix's diagonal sum) is an error naming q and k, never a plan."""
+    q = torch.randn(1, 4, 64, 128, device=device).bfloat16()
+    k = torch.randn(1, 2, 64, 128, device=device).bfloat16()
+    for x, name in ((q, "q"), (k, "k")):
+        x2 = x.clone()
+        x2[0, 1, 7, 3] = bad
+        args = (x2, k) if name == "q" else (q, x2)
+        with pytest.raises(ValueError, match=r"^adaattn\.rank_plan: q and k must be finite"):
+            adaattn.rank_plan(*args, energy=0.9, method=method)
+
+
 def with_spectrum(values, device):
     """float32 Q diag(values) Q^T for a random orthogonal Q, one matrix per row of `values`."""
     q = torch.linalg.qr(torch.randn(values.shape[0], values.shape[1], values.shape[1],

@@ -83,6 +83,17 @@ def test_rank_plan_gram_step(device):
     assert torch.equal(gram.reshape(4, 64, 64), expected)
 
 
+@pytest.mark.parametrize("d", [64, 128])
+def test_non_finite_propagates(device, d):
+    """A NaN or inf row entry reaches its diagonal entry of G (never a silent finite value)."""
+    q, k = rows(2, 100, d, torch.bfloat16, device), rows(2, 70, d, torch.bfloat16, device)
+    q[0, 5, 3] = float("nan")
+    k[1, 9, 11] = float("inf")
+    g = torch.ops.adaattn.sym_gram(q, k).cpu()
+    assert torch.isnan(g[0, 3, 3]) and torch.isinf(g[1, 11, 11])
+    assert torch.isfinite(g[0].diagonal()[torch.arange(d) != 3]).all()
+
+
 @pytest.mark.parametrize("d", [16, 128])
 def test_opcheck(device, d):
     q, k = rows(2, 70, d, torch.bfloat16, device), rows(2, 33, d, torch.bfloat16, device)

@@ -11,10 +11,9 @@
 //   Y L^-T: four lanes a row, lane c owning the columns j = c mod 4, the solved q_j passed by
 //     shuffle, so the 64-step substitution needs no barrier.
 // No eigensolve: the rank comes from the Rayleigh quotients of nested columns (sym_sketch.cpp).
-// Each CTA runs the program once, so its size is a cost: the product, orth and the diagonal-block
-// factorisation are called, not inlined (22k instructions instead of 61k; on the H200 the
-// kernel then takes 150 instead of 210 us right after the Gram step has swept the L2 cache, 125
-// instead of 140 us with the code still cached).
+// Each CTA runs the program once, fetching its code from HBM when the Gram step has just swept
+// the L2 cache, so code size is time: the product, orth and the diagonal-block factorisation are
+// called, not inlined, one copy each (docs/lab/rank-planner.md has the measurements).
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
