@@ -224,7 +224,7 @@ def _sym_sketch_top_fake(a, omega, energy, min_rank, multiple, power_iters, over
                             rel_shift)
     n, dim, width = a.shape[0], a.shape[1], omega.shape[1]
     return (a.new_empty(n, dim), a.new_empty(n, dim, width), a.new_empty(n, dtype=torch.int32),
-            a.new_empty(n, dtype=torch.bool))
+            a.new_empty(n, dtype=torch.bool), a.new_empty(3, dtype=torch.int32))
 
 
 @torch.library.register_fake("adaattn::sym_gram")

@@ -115,11 +115,12 @@ def _sketch_width(dim: int, min_rank: int, multiple: int) -> int:
 def _sketch_from_gram(gram: torch.Tensor, exact: bool, energy: float, min_rank: int,
                       multiple: int, width: int, power_iters: int):
     """Randomized subspace iteration on ``gram [B, Hkv, D, D]``: ``(values, vectors, ranks,
-    determined)`` with ``values [B, Hkv, D]`` (the Rayleigh quotients ``q_j^T G q_j`` of the
+    summary)`` with ``values [B, Hkv, D]`` (the Rayleigh quotients ``q_j^T G q_j`` of the
     ``width`` basis columns, then the rest of the trace spread evenly), ``vectors
     [B, Hkv, D, width]`` an orthonormal basis (columns past the rank 0), ``ranks`` int32 and
-    ``determined`` a bool scalar: False when some head's rank (plus the oversampling) does not
-    fit in the sketch, or its G is 0, and the caller must take the exact solver.
+    ``summary`` int32 ``[3]``: the largest rank, the heads not decided (whose rank plus the
+    oversampling does not fit in the sketch, or whose G is 0: the caller must then take the
+    exact solver) and the heads whose trace is not finite (exactly those whose G is not).
 
     The algorithm is ``torch.ops.adaattn.sym_sketch_top``'s (csrc/ops/linalg/sym_sketch.cpp):
     Y = (G + s I) Omega, ``power_iters`` times Y = (G + s I) orth(Y), Q = orth(orth(Y)) (Cholesky
@@ -132,12 +133,12 @@ def _sketch_from_gram(gram: torch.Tensor, exact: bool, energy: float, min_rank: 
     float64."""
     b, hkv, dim = gram.shape[:3]
     if not exact and dim <= _SKETCH_OP_MAX_DIM and width <= _SKETCH_OP_MAX_WIDTH:
-        values, vectors, ranks, decided = torch.ops.adaattn.sym_sketch_top(
+        values, vectors, ranks, _, summary = torch.ops.adaattn.sym_sketch_top(
             gram.reshape(b * hkv, dim, dim).float().contiguous(),
             _test_matrix(dim, width, gram.device, torch.float32), energy, min_rank, multiple,
             power_iters, _SKETCH_OVERSAMPLE, _SKETCH_REL_SHIFT)
         return (values.reshape(b, hkv, dim), vectors.reshape(b, hkv, dim, width),
-                ranks.reshape(b, hkv), decided.all())
+                ranks.reshape(b, hkv), summary)
     g = gram.reshape(b * hkv, dim, dim).double()
     trace = g.diagonal(dim1=-2, dim2=-1).sum(-1)
     shift = ((_SKETCH_REL_SHIFT / dim) * trace)[:, None, None]
@@ -154,14 +155,15 @@ def _sketch_from_gram(gram: torch.Tensor, exact: bool, energy: float, min_rank: 
     first = width + 1 - reached.sum(-1)  # width + 1 where the sketch never reaches the target
     ranks = first.clamp(min=min_rank)
     ranks = (ranks + multiple - 1) // multiple * multiple
-    determined = ((ranks + _SKETCH_OVERSAMPLE <= width) & (trace > 0)).all()
+    decided = (ranks + _SKETCH_OVERSAMPLE <= width) & (trace > 0)
     ranks = ranks.clamp(max=width)
+    summary = torch.stack([ranks.max(), (~decided).sum(), (~torch.isfinite(trace)).sum()])
     vectors = basis.float()
     vectors = vectors * (torch.arange(width, device=g.device) < ranks.unsqueeze(-1)).unsqueeze(-2)
     rest = ((trace - values.sum(-1)).clamp(min=0) / max(dim - width, 1)).unsqueeze(-1)
     values = torch.cat([values, rest.expand(-1, dim - width)], -1)
     return (values.float().reshape(b, hkv, dim), vectors.reshape(b, hkv, dim, width),
-            ranks.to(torch.int32).reshape(b, hkv), determined)
+            ranks.to(torch.int32).reshape(b, hkv), summary.to(torch.int32))
 
 
 def _check_qk(op: str, q: torch.Tensor, k: torch.Tensor) -> int:
@@ -299,18 +301,15 @@ def _plan_from_gram(op: str, gram: torch.Tensor, exact: bool, energy: float, min
     if exact and gram.numel():
         # eigh fails on a non-finite matrix: checked first (an extra host read on this path).
         _check_finite(op, _gram_is_finite(gram))
-    diagonal_sum = _diagonal_sum(gram)
     if method == "sketch" and energy < 1.0 and width < dim and gram.numel():
-        values, vectors, ranks, determined = _sketch_from_gram(gram, exact, energy, min_rank,
-                                                               multiple, width,
-                                                               _SKETCH_POWER_ITERS)
-        # One host read: the ranks, whether the sketch decided, whether G was finite.
-        *rank_list, decided, total = torch.cat([
-            ranks.reshape(-1).double(), determined.double().reshape(1),
-            diagonal_sum.reshape(1)]).tolist()
-        _check_finite(op, math.isfinite(total))
-        if decided:
-            return RankPlan(vectors[..., :int(max(rank_list))].contiguous(), ranks, values)
+        values, vectors, ranks, summary = _sketch_from_gram(gram, exact, energy, min_rank,
+                                                            multiple, width, _SKETCH_POWER_ITERS)
+        # One host read: the largest rank, the heads not decided, the heads not finite.
+        top, undecided, not_finite = summary.tolist()
+        _check_finite(op, not_finite == 0)
+        if undecided == 0:
+            return RankPlan(vectors[..., :top].contiguous(), ranks, values)
+    diagonal_sum = _diagonal_sum(gram)
     if exact:
         values, vectors = torch.linalg.eigh(gram)  # ascending
         values, vectors = values.flip(-1).float(), vectors.flip(-1).float()

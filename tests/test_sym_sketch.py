@@ -49,17 +49,21 @@ def decaying(n, dim, ell, seed=0):
                          seed)
 
 
-def check(a, values, basis, ranks, decided, energy):
-    """Shapes, orthonormal kept columns, zeros after, quotients and the energy held."""
+def check(a, values, basis, ranks, decided, summary, energy):
+    """Shapes, orthonormal kept columns, zeros after, quotients, the energy held and the
+    summary (largest rank, heads not decided, heads not finite)."""
     n, dim = a.shape[:2]
     width = basis.shape[-1]
     assert values.shape == (n, dim) and basis.shape == (n, dim, width)
     assert ranks.shape == (n,) and ranks.dtype == torch.int32
     assert decided.shape == (n,) and decided.dtype == torch.bool
+    assert summary.shape == (3,) and summary.dtype == torch.int32
     assert torch.isfinite(values).all() and torch.isfinite(basis).all()
     a64 = a.double().cpu()
     a64 = a64.tril() + a64.tril(-1).mT
     trace = a64.diagonal(dim1=-2, dim2=-1).sum(-1)
+    assert summary.tolist() == [int(ranks.max()) if n else 0, int((~decided).sum()),
+                                int((~torch.isfinite(trace)).sum())]
     for i in range(n):
         r = int(ranks[i])
         u = basis[i].double().cpu()
@@ -91,7 +95,7 @@ def test_matches_float64_steps(device, dim, width, energy):
     a = planted(3, dim, rank).to(device)
     out = sketch(a, width, energy, 4, 4)
     check(a, *out, energy)
-    values, basis, ranks, decided = out
+    values, basis, ranks, decided, _ = out
     ref_values, ref_basis, ref_ranks, _ = rank_mod._sketch_from_gram(
         a.double()[None], True, energy, 4, 4, width, 1)
     ref_ranks = ref_ranks[0].cpu()
@@ -116,7 +120,7 @@ def test_never_below_exact_rule(device, ell):
     for energy in (0.9, 0.95, 0.99):
         out = sketch(a, 64, energy)
         check(a, *out, energy)
-        _, _, ranks, decided = out
+        _, _, ranks, decided, _ = out
         _, _, exact = torch.ops.adaattn.sym_eig_top(a, energy, 16, 16)
         below = decided & (ranks < exact)
         assert not below.any(), (energy, ranks, exact)
@@ -132,9 +136,21 @@ def test_low_rank_and_zero(device):
     a = with_spectrum(values).to(device)
     out = sketch(a, 64, 0.9)
     check(a, *out, 0.9)
-    _, basis, ranks, decided = out
+    _, basis, ranks, decided, summary = out
     assert ranks.tolist() == [16, 16] and decided.tolist() == [True, False]
+    assert summary.tolist() == [16, 1, 0]
     assert (basis[1] == 0).all()
+
+
+def test_summary_counts_non_finite(device):
+    """A NaN or inf entry in a matrix's lower triangle reaches its trace (as in a Gram matrix,
+    where it reaches the diagonal): the summary counts those matrices, and they are not
+    decided."""
+    a = planted(4, 64, 8).to(device)
+    a[1, 5, 5] = float("nan")
+    a[2, 7, 7] = float("inf")
+    _, _, _, decided, summary = sketch(a, 32, 0.9, 4, 4)
+    assert summary[1:].tolist() == [2, 2] and decided.tolist() == [True, False, False, True]
 
 
 @pytest.mark.parametrize("dim, width", SHAPES)
@@ -143,8 +159,9 @@ def test_deterministic(device, dim, width):
     out = sketch(a, width, 0.99, 4, 4)
     again = sketch(a, width, 0.99, 4, 4)
     flipped = sketch(a.flip(0).contiguous(), width, 0.99, 4, 4)
-    for x, y, z in zip(out, again, flipped):
+    for x, y, z in zip(out[:4], again, flipped):
         assert torch.equal(x, y) and torch.equal(z.flip(0), x)
+    assert torch.equal(out[4], again[4]) and torch.equal(out[4], flipped[4])
 
 
 @pytest.mark.cuda
@@ -155,6 +172,7 @@ def test_cuda_matches_cpu(dim, width):
     cuda = sketch(a.cuda(), width, 0.95, 4, 4)
     check(a.cuda(), *cuda, 0.95)
     assert torch.equal(cuda[2].cpu(), cpu[2]) and torch.equal(cuda[3].cpu(), cpu[3])
+    assert torch.equal(cuda[4].cpu(), cpu[4])
     trace = a.double().diagonal(dim1=-2, dim2=-1).sum(-1).max()
     torch.testing.assert_close(cuda[0].cpu().double(), cpu[0].double(), atol=1e-5 * trace,
                                rtol=0)
@@ -197,9 +215,11 @@ def test_bad_input(device):
 
 
 def test_empty_batch(device):
-    values, basis, ranks, decided = sketch(torch.empty(0, 128, 128, device=device), 64, 0.9)
+    values, basis, ranks, decided, summary = sketch(torch.empty(0, 128, 128, device=device),
+                                                    64, 0.9)
     assert values.shape == (0, 128) and basis.shape == (0, 128, 64)
     assert ranks.shape == (0,) and decided.shape == (0,)
+    assert summary.tolist() == [0, 0, 0]
 
 
 @pytest.mark.parametrize("dim, width", [(128, 64), (17, 9)])

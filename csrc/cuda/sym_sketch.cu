@@ -261,7 +261,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                       int p, double energy, double rel_shift, int min_rank, int multiple,
                       int power_iters, int oversample, float* __restrict__ values_all,
                       float* __restrict__ basis_all, int* __restrict__ ranks,
-                      bool* __restrict__ decided) {
+                      bool* __restrict__ decided, int* __restrict__ summary) {
   extern __shared__ double smem_d[];
   double* y = smem_d;  // products, float64
   double* w = y + kD * kYStride;
@@ -334,9 +334,14 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     const int first = max(p + 1 - reached, min_rank);
     const int r = (first + multiple - 1) / multiple * multiple;
-    decided[mat] = r + oversample <= p && trace > 0.0;
+    const bool is_decided = r + oversample <= p && trace > 0.0;
+    decided[mat] = is_decided;
     rank_s = min(r, p);
     ranks[mat] = rank_s;
+    // Order-independent reductions: the summary is deterministic.
+    atomicMax(summary, rank_s);
+    if (!is_decided) atomicAdd(summary + 1, 1);
+    if (!isfinite(trace)) atomicAdd(summary + 2, 1);
     const float rest = n > p ? static_cast<float>(fmax(trace - cum, 0.0) / (n - p)) : 0.f;
     for (int j = p; j < n; ++j) values[j] = rest;
   }
@@ -350,14 +355,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> sym_sketch_top_cuda(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> sym_sketch_top_cuda(
     const at::Tensor& a, const at::Tensor& omega, double energy, int64_t min_rank,
     int64_t multiple, int64_t power_iters, int64_t oversample, double rel_shift) {
   check_sym_sketch_args(a, omega, energy, min_rank, multiple, power_iters, oversample, rel_shift);
   const c10::cuda::CUDAGuard guard(a.device());
   auto outputs = sym_sketch_outputs(a, omega);
   if (a.size(0) == 0) return outputs;
-  auto& [values, basis, ranks, decided] = outputs;
+  auto& [values, basis, ranks, decided, summary] = outputs;
   const int n = static_cast<int>(a.size(1));
   C10_CUDA_CHECK(cudaFuncSetAttribute(sym_sketch_kernel,
                                       cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
@@ -367,7 +372,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> sym_sketch_top_cuda(
       rel_shift, static_cast<int>(std::min<int64_t>(min_rank, n + 1)),
       static_cast<int>(std::min<int64_t>(multiple, n + 1)), static_cast<int>(power_iters),
       static_cast<int>(std::min<int64_t>(oversample, n + 1)), values.data_ptr<float>(),
-      basis.data_ptr<float>(), ranks.data_ptr<int>(), decided.data_ptr<bool>());
+      basis.data_ptr<float>(), ranks.data_ptr<int>(), decided.data_ptr<bool>(),
+      summary.data_ptr<int>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return outputs;
 }

@@ -18,6 +18,10 @@
 //      oversample <= P and t > 0; r = min(r, P).
 //   5. basis: Q with columns r.. set to 0; values [D]: the P quotients, then the rest of the
 //      trace, max(t - sum values, 0), spread evenly over the other D - P entries.
+//   6. summary (over the batch): the largest r, the number of matrices not decided, the number
+//      whose t is not finite (exactly those with a NaN or inf entry: a non-finite entry reaches
+//      the diagonal through the Gram step, and Cauchy-Schwarz bounds the rest by it), so that
+//      rank_plan reads one small tensor.
 // Cholesky QR keeps the columns nested (span(q_0..q_j) = span(y_0..y_j)), so span(q_0..q_j)
 // is the subspace iteration of Omega's first j + 1 columns and tends to the top j + 1
 // eigenvectors. By Ky Fan's maximum principle c_j never exceeds the sum of the j + 1 largest
@@ -69,12 +73,13 @@ void check_sym_sketch_args(const at::Tensor& a, const at::Tensor& omega, double 
                       "rel_shift must be finite and >= 0, got ", rel_shift);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> sym_sketch_outputs(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> sym_sketch_outputs(
     const at::Tensor& a, const at::Tensor& omega) {
   const int64_t batch = a.size(0), dim = a.size(1), width = omega.size(1);
   return {at::empty({batch, dim}, a.options()), at::empty({batch, dim, width}, a.options()),
           at::empty({batch}, a.options().dtype(at::kInt)),
-          at::empty({batch}, a.options().dtype(at::kBool))};
+          at::empty({batch}, a.options().dtype(at::kBool)),
+          at::zeros({3}, a.options().dtype(at::kInt))};
 }
 
 namespace {
@@ -184,11 +189,11 @@ void sketch_matrix(const float* a, const float* omega, int n, int p, const Sketc
   }
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> sym_sketch_top_cpu(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> sym_sketch_top_cpu(
     const at::Tensor& a, const at::Tensor& omega, double energy, int64_t min_rank,
     int64_t multiple, int64_t power_iters, int64_t oversample, double rel_shift) {
   check_sym_sketch_args(a, omega, energy, min_rank, multiple, power_iters, oversample, rel_shift);
-  auto [values, basis, ranks, decided] = sym_sketch_outputs(a, omega);
+  auto [values, basis, ranks, decided, summary] = sym_sketch_outputs(a, omega);
   const int n = static_cast<int>(a.size(1)), p = static_cast<int>(omega.size(1));
   // min_rank and multiple past D act as D (the rank is capped at P <= D either way).
   const SketchRule rule{energy, rel_shift, static_cast<int>(std::min<int64_t>(min_rank, n + 1)),
@@ -207,7 +212,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> sym_sketch_top_cpu(
                     dec + m);
     }
   });
-  return {values, basis, ranks, decided};
+  int* sum = summary.data_ptr<int>();
+  for (int64_t m = 0; m < a.size(0); ++m) {
+    double trace = 0.0;
+    for (int i = 0; i < n; ++i) trace += src[m * n * n + i * (n + 1)];
+    sum[0] = std::max(sum[0], rk[m]);
+    sum[1] += !dec[m];
+    sum[2] += !std::isfinite(trace);
+  }
+  return {values, basis, ranks, decided, summary};
 }
 
 }  // namespace
@@ -216,7 +229,7 @@ TORCH_LIBRARY_FRAGMENT(adaattn, m) {
   m.def(
       "sym_sketch_top(Tensor a, Tensor omega, float energy, int min_rank, int multiple, "
       "int power_iters, int oversample, float rel_shift) -> (Tensor values, Tensor basis, "
-      "Tensor ranks, Tensor decided)");
+      "Tensor ranks, Tensor decided, Tensor summary)");
 }
 
 TORCH_LIBRARY_IMPL(adaattn, CPU, m) {

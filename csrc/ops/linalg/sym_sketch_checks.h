@@ -23,8 +23,10 @@ void check_sym_sketch_args(const at::Tensor& a, const at::Tensor& omega, double 
                            int64_t min_rank, int64_t multiple, int64_t power_iters,
                            int64_t oversample, double rel_shift);
 
-// (values float32 [N, D], basis float32 [N, D, P], ranks int32 [N], decided bool [N]).
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> sym_sketch_outputs(
+// (values float32 [N, D], basis float32 [N, D, P], ranks int32 [N], decided bool [N],
+// summary int32 [3] zeroed: the largest rank, the undecided matrices, the matrices whose trace is
+// not finite).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> sym_sketch_outputs(
     const at::Tensor& a, const at::Tensor& omega);
 
 }  // namespace adaattn
