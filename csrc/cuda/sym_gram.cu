@@ -282,8 +282,10 @@ void launch(const at::Tensor& q, const at::Tensor& k, at::Tensor& g) {
   at::Tensor partial = at::empty({n, splits, kD, kD}, q.options().dtype(at::kFloat));
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   constexpr int kSmem = smem_bytes<T, kD, kStages>();
-  C10_CUDA_CHECK(cudaFuncSetAttribute(sym_gram_partial_kernel<T, kD, kStages, Tiles>,
-                                      cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+  if constexpr (kSmem > 48 * 1024) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(sym_gram_partial_kernel<T, kD, kStages, Tiles>,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+  }
   sym_gram_partial_kernel<T, kD, kStages, Tiles>
       <<<dim3(static_cast<unsigned>(n), splits), kThreads, kSmem, stream>>>(
           rows_of(q), rows_of(k), d, partial.data_ptr<float>());
