@@ -168,11 +168,12 @@ __device__ __forceinline__ void load4(const float* src, float (&v)[4]) {
   v[3] = a.w;
 }
 
-// q = y L^-T, L L^T = y^T y + c I (sym_sketch.cpp, step 2), in T: float64 with the shift c
-// (n and p the real D and P give its size) on the products, float32 without it on a Q that one
-// float64 pass left orthonormal to ~1e-3 (y may then be x: each lane rewrites only the entries
-// it read). y: rows of `stride` T; q to x as float32. w: the Gram / Cholesky block, inv_sqrt:
-// kP entries, both T. Synchronises at the end.
+// q = y L^-T, L L^T = y^T y + c I (sym_sketch.cpp, step 2), the Gram matrix and the factor in
+// T: float64 with the shift c (n and p the real D and P give its size) on the products, float32
+// without it on a Q that one float64 pass left orthonormal to ~1e-3 (y may then be x: each lane
+// rewrites only the entries it read); the substitution in float32. y: rows of `stride` T; q to
+// x as float32. w: the Gram / Cholesky block, inv_sqrt: kP entries, both T. Synchronises at
+// the end.
 template <typename T>
 __device__ __noinline__ void orth(const T* y, int stride, float* x, T* w, T* inv_sqrt, int n,
                                   int p, int tid) {
@@ -234,24 +235,46 @@ __device__ __noinline__ void orth(const T* y, int stride, float* x, T* w, T* inv
   __syncthreads();
   if (tid < 32) factor_diagonal_block(w, inv_sqrt, kPanel, lane);
   __syncthreads();
+  // The substitution runs in float32 (sym_sketch.cpp, step 2): a float64 factor is rounded in
+  // place, w and inv_sqrt then holding floats at the same strides.
+  float* l32 = reinterpret_cast<float*>(w);
+  float* inv32 = reinterpret_cast<float*>(inv_sqrt);
+  if constexpr (!std::is_same_v<T, float>) {
+    constexpr int kPerThread = (kP * kWStride + kThreads - 1) / kThreads;
+    float rounded[kPerThread];
+#pragma unroll
+    for (int u = 0; u < kPerThread; ++u) {
+      const int e = tid + u * kThreads;
+      rounded[u] = e < kP * kWStride ? static_cast<float>(w[e]) : 0.f;
+    }
+    const float inv = tid < kP ? static_cast<float>(inv_sqrt[tid]) : 0.f;
+    __syncthreads();
+#pragma unroll
+    for (int u = 0; u < kPerThread; ++u) {
+      const int e = tid + u * kThreads;
+      if (e < kP * kWStride) l32[e] = rounded[u];
+    }
+    if (tid < kP) inv32[tid] = inv;
+    __syncthreads();
+  }
   {
     // Row i = t / 4; lane c = t % 4 holds y[i][4 m + c].
     const int i = tid >> 2, c = tid & 3;
-    T v[kP / 4];
+    float v[kP / 4];
 #pragma unroll
-    for (int m = 0; m < kP / 4; ++m) v[m] = y[i * stride + 4 * m + c];
+    for (int m = 0; m < kP / 4; ++m) v[m] = static_cast<float>(y[i * stride + 4 * m + c]);
 #pragma unroll
     for (int j = 0; j < kP; ++j) {
       const int owner = j & 3, mj = j >> 2;
-      const T q = __shfl_sync(kFullMask, v[mj] * inv_sqrt[j], (lane & ~3) | owner);
+      const float q = __shfl_sync(kFullMask, v[mj] * inv32[j], (lane & ~3) | owner);
       if (c == owner) v[mj] = q;
 #pragma unroll
       for (int m = mj; m < kP / 4; ++m) {
-        if (4 * m + c > j) v[m] -= w[(4 * m + c) * kWStride + j] * q;
+        if (4 * m + c > j) v[m] -= l32[(4 * m + c) * kWStride + j] * q;
       }
     }
 #pragma unroll
-    for (int m = 0; m < kP / 4; ++m) x[i * kXStride + 4 * m + c] = static_cast<float>(v[m]);
+    for (int m = 0; m < kP / 4; ++m) x[i * kXStride + 4 * m + c] = v[m];
   }
   __syncthreads();
 }
