@@ -5,7 +5,8 @@
 // pivot is the shift), the products (D x P, float32 sums stored as float64) and the P x P
 // float64 Gram / Cholesky block.
 //   products (A + s I) X: 4 x 4 outputs a thread, A's row k read as its column (A symmetric);
-//   Y^T Y: the 136 lower 4 x 4 tiles, each summed by two threads over half the rows;
+//   Y^T Y: in the float64 passes on the float64 tensor cores (mma m8n8k4, the 36 lower 8 x 8
+//     tiles); in the float32 pass the 136 lower 4 x 4 tiles, two threads each over half the rows;
 //   Cholesky: two panels of 32 columns; one warp factorises a diagonal block with shuffles (no
 //     barrier a column) and solves the rows below it, then the CTA updates the trailing block;
 //   Y L^-T: four lanes a row, lane c owning the columns j = c mod 4, the solved q_j passed by
@@ -151,21 +152,42 @@ __device__ __forceinline__ void update_trailing_block(T* w, int tid) {
   if (c <= r2) w[r2 * kWStride + c] = acc2;
 }
 
-// Four consecutive entries of a row of y (float64 products or the float32 Q), as T.
-__device__ __forceinline__ void load4(const double* src, double (&v)[4]) {
-  const double2 a = reinterpret_cast<const double2*>(src)[0];
-  const double2 b = reinterpret_cast<const double2*>(src)[1];
-  v[0] = a.x;
-  v[1] = a.y;
-  v[2] = b.x;
-  v[3] = b.y;
-}
+// Four consecutive entries of a row of the float32 Q.
 __device__ __forceinline__ void load4(const float* src, float (&v)[4]) {
   const float4 a = *reinterpret_cast<const float4*>(src);
   v[0] = a.x;
   v[1] = a.y;
   v[2] = a.z;
   v[3] = a.w;
+}
+
+// w = y^T y (lower kP x kP, float64) on the float64 tensor cores: mma m8n8k4, one 8 x 8 tile of
+// the 36 lower ones per warp and pass (16 warps), the 128 rows in 32 k-steps over two
+// accumulator pairs (even and odd steps) to halve the dependent chain. Thread (g, t) = (lane / 4,
+// lane % 4) holds A = y^T's (g, t) and B = y's (t, g) of a k-step, and C's row g, columns 2 t
+// and 2 t + 1.
+__device__ __forceinline__ void gram_fp64_tensor_cores(const double* y, int stride, double* w,
+                                                       int tid) {
+  const int lane = tid & 31, g = lane >> 2, t = lane & 3;
+  for (int tile = tid >> 5; tile < kP / 8 * (kP / 8 + 1) / 2; tile += kThreads / 32) {
+    int tr = 0;
+    while ((tr + 1) * (tr + 2) / 2 <= tile) ++tr;
+    const int tc = tile - tr * (tr + 1) / 2;
+    double c[2][2] = {};
+#pragma unroll 4
+    for (int k0 = 0; k0 < kD; k0 += 8) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const double* row = y + (k0 + 4 * h + t) * stride;
+        asm("mma.sync.aligned.m8n8k4.row.col.f64.f64.f64.f64 {%0, %1}, {%2}, {%3}, {%0, %1};"
+            : "+d"(c[h][0]), "+d"(c[h][1])
+            : "d"(row[8 * tr + g]), "d"(row[8 * tc + g]));
+      }
+    }
+    double* out = w + (8 * tr + g) * kWStride + 8 * tc + 2 * t;
+    out[0] = c[0][0] + c[1][0];
+    out[1] = c[0][1] + c[1][1];
+  }
 }
 
 // q = y L^-T, L L^T = y^T y + c I (sym_sketch.cpp, step 2), the Gram matrix and the factor in
@@ -179,7 +201,9 @@ __device__ __noinline__ void orth(const T* y, int stride, float* x, T* w, T* inv
                                   int p, int tid) {
   constexpr bool kShifted = std::is_same_v<T, double>;
   const int lane = tid & 31;
-  {
+  if constexpr (kShifted) {
+    gram_fp64_tensor_cores(y, stride, w, tid);
+  } else {
     // Lower 4 x 4 tile `slot` of the 16 x 16 tile grid (136 tiles), rows h * 64 .. h * 64 + 63.
     const int slot = tid >> 1, half = tid & 1;
     int tr = 0;
