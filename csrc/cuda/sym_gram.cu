@@ -2,8 +2,9 @@
 // on tensor cores. A CTA accumulates a kD x kD float32 block over a contiguous range of 64-row
 // chunks of [q rows; k rows] (split-K, so that a batch of 64 heads still fills the GPU),
 // staging chunks through a cp.async ring and multiplying them with transposing ldmatrix
-// (warp_gemm_tn_rows: both operands are the chunk, stored reduction-major). Each CTA writes its
-// block to a scratch slice; a second kernel sums the slices in a fixed order and mirrors the
+// (warp_gemm_tn_rows: both operands are the chunk, stored reduction-major), or on Hopper with
+// wgmma reading the chunk as both transposed operands (WgmmaTiles, D = 128). Each CTA writes
+// its block to a scratch slice; a second kernel sums the slices in a fixed order and mirrors the
 // lower triangle, so G is deterministic and exactly symmetric.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -16,18 +17,21 @@
 
 #include "../ops/linalg/sym_gram_checks.h"
 #include "tc/mma.h"
+#include "tc/runtime.h"
+#include "tc/wgmma.h"
 
 namespace adaattn {
 namespace {
 
 using tc::MmaOp;
 
-constexpr int kThreads = 256;  // 8 warps: 2 over G's rows x 4 over its columns
+constexpr int kThreads = 256;  // 8 warps (two warpgroups)
 constexpr int kChunkRows = 64;
 constexpr int kCtasPerSm = 2;
 // Chunks in the cp.async ring (two CTAs an SM keep 2 (kStages - 1) chunks of 16 KB in flight).
 constexpr int kStagesD128 = 3;
 constexpr int kStagesD64 = 3;
+constexpr int kStagesWgmma = 4;
 
 struct GramRows {
   const void* data;
@@ -42,6 +46,7 @@ struct GramRows {
 // two warps above the diagonal multiply nothing.
 template <typename T, int kD>
 struct RectangleTiles {
+  static constexpr bool kGmma = false;
   static constexpr int kRows = kD / 2, kCols = kD / 4;
   static constexpr int kMI = kRows / 16, kNT = kCols / 8;
   float acc[kMI][kNT][4];
@@ -83,6 +88,7 @@ struct RectangleTiles {
 // ldmatrix a k-step, against 96 and 36 for RectangleTiles.
 template <typename T, int kD>
 struct SymmetricTiles {
+  static constexpr bool kGmma = false;
   static_assert(kD == 128, "SymmetricTiles splits 4 slice pairs over 8 warps");
   static constexpr int kOffDiagonalWarps = 6;
   float acc[6][2][4];
@@ -174,16 +180,68 @@ struct SymmetricTiles {
   }
 };
 
-template <typename T, int kD, int kStages>
+// WgmmaTiles (kD = 128, sm_90a): warpgroup w computes rows [64 w, 64 w + 64) of X^T X, all
+// 128 columns, as four m64n128k16 wgmma a chunk whose operands are both the chunk read
+// transposed (X^T's column block w and X; the stage in the GmmaLayout<128> tile layout); only
+// its 8-column n-tiles that reach the lower triangle are stored. Issue-light: the mma.sync
+// tiles spend a warp's ldmatrix and mma instructions per chunk where wgmma spends four.
+template <typename T, int kD>
+struct WgmmaTiles {
+  static_assert(kD == 128, "two warpgroups of 64 rows");
+  static constexpr bool kGmma = true;
+  float acc[kD / 8][4];
+  int row0;  // the warp's first row of G
+
+  __device__ explicit WgmmaTiles(int warp) : row0(warp * 16) {
+#pragma unroll
+    for (int nt = 0; nt < kD / 8; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+  }
+
+  __device__ void multiply(const T* x, int) {
+    const int wg = row0 / 64;
+    tc::sm90::wgmma_fence();
+    const uint64_t a = tc::sm90::gmma_desc_mn<kChunkRows, kD>(x + wg * kChunkRows * 64);
+    const uint64_t b = tc::sm90::gmma_desc_mn<kChunkRows, kD>(x);
+#pragma unroll
+    for (int kt = 0; kt < kChunkRows / 16; ++kt) {
+      tc::sm90::wgmma_ss<T, kD / 8, 1, 1>(acc, tc::sm90::desc_at<T>(a, kt * 16 * 64),
+                                          tc::sm90::desc_at<T>(b, kt * 16 * 64), 1);
+    }
+    tc::sm90::wgmma_commit();
+    tc::sm90::wgmma_wait<0>(acc);
+  }
+
+  __device__ void store(float* out, int lane) const {
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int nt = 0; nt < kD / 8; ++nt) {
+      if (nt * 8 >= row0 + 16) break;  // this n-tile and those after it lie above the diagonal
+      const int row = row0 + g, col = nt * 8 + 2 * t;
+      *reinterpret_cast<float2*>(out + row * kD + col) = make_float2(acc[nt][0], acc[nt][1]);
+      *reinterpret_cast<float2*>(out + (row + 8) * kD + col) =
+          make_float2(acc[nt][2], acc[nt][3]);
+    }
+  }
+};
+
+// Alignment slack of the wgmma stages (their 128-byte swizzle is a function of the address:
+// tiles start 1024-byte aligned).
+template <typename Tiles>
+constexpr int smem_slack() {
+  return Tiles::kGmma ? 1024 : 0;
+}
+
+template <typename T, int kD, int kStages, typename Tiles>
 constexpr int smem_bytes() {
-  return kStages * kChunkRows * kD * static_cast<int>(sizeof(T));
+  return kStages * kChunkRows * kD * static_cast<int>(sizeof(T)) + smem_slack<Tiles>();
 }
 
 template <typename T, int kD, int kStages, typename Tiles>
 __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     sym_gram_partial_kernel(GramRows q, GramRows k, int d, float* partial) {
   extern __shared__ __align__(128) unsigned char smem[];
-  auto stage = reinterpret_cast<T(*)[kChunkRows * kD]>(smem);
+  auto stage = reinterpret_cast<T(*)[kChunkRows * kD]>(
+      smem + ((1024 - (tc::smem_addr(smem) & 1023)) & 1023) * Tiles::kGmma);
 
   const int tid = threadIdx.x, lane = tid & 31;
   const int64_t n = blockIdx.x;
@@ -198,7 +256,13 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     const int64_t row0 = (from_q ? c : c - q_chunks) * kChunkRows;
     const T* src = static_cast<const T*>(x.data) + n * x.batch_stride + row0 * x.row_stride;
     const int valid = static_cast<int>(std::min<int64_t>(kChunkRows, x.rows - row0));
-    tc::load_tile_async<kChunkRows, kD, kThreads>(stage[slot], src, x.row_stride, valid, tid, d);
+    if constexpr (Tiles::kGmma) {
+      tc::sm90::load_tile_gmma<kChunkRows, kD, kThreads>(stage[slot], src, x.row_stride, valid,
+                                                          tid, d);
+    } else {
+      tc::load_tile_async<kChunkRows, kD, kThreads>(stage[slot], src, x.row_stride, valid, tid,
+                                                    d);
+    }
   };
 
   Tiles tiles(tid >> 5);
@@ -210,6 +274,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
   int slot = 0;
   for (int64_t c = first; c < last; ++c) {
     tc::cp_async_wait<kStages - 2>();
+    if constexpr (Tiles::kGmma) tc::sm90::fence_proxy_async();  // the copies, before wgmma
     // Chunk c has landed for every thread, and every warp is done with the slot refilled below
     // (it held chunk c - 1).
     __syncthreads();
@@ -281,7 +346,7 @@ void launch(const at::Tensor& q, const at::Tensor& k, at::Tensor& g) {
   const int splits = static_cast<int>(std::clamp<int64_t>(slots / n, 1, std::max<int64_t>(chunks, 1)));
   at::Tensor partial = at::empty({n, splits, kD, kD}, q.options().dtype(at::kFloat));
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  constexpr int kSmem = smem_bytes<T, kD, kStages>();
+  constexpr int kSmem = smem_bytes<T, kD, kStages, Tiles>();
   if constexpr (kSmem > 48 * 1024) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(sym_gram_partial_kernel<T, kD, kStages, Tiles>,
                                         cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
@@ -301,9 +366,15 @@ template <typename T>
 void launch_for_dim(const at::Tensor& q, const at::Tensor& k, at::Tensor& g) {
   if (q.size(2) <= 64) {
     launch<T, 64, kStagesD64, RectangleTiles<T, 64>>(q, k, g);
-  } else {
-    launch<T, 128, kStagesD128, SymmetricTiles<T, 128>>(q, k, g);
+    return;
   }
+  if constexpr (tc::kBuiltSm90a) {
+    if (tc::use_sm90()) {
+      launch<T, 128, kStagesWgmma, WgmmaTiles<T, 128>>(q, k, g);
+      return;
+    }
+  }
+  launch<T, 128, kStagesD128, SymmetricTiles<T, 128>>(q, k, g);
 }
 
 at::Tensor sym_gram_cuda(const at::Tensor& q, const at::Tensor& k) {
