@@ -5,8 +5,8 @@ Against float64 products of the same 16-bit values: every entry within the float
 bound R eps32 (|q|^T |q| + |k|^T |k|)_ij (R the rows summed). Exactly symmetric. Inputs: head
 dims on and off the kernel's 64 / 128 tiles, row counts off its 64-row chunks, no q or k rows,
 strided batches (query heads of a key head), one head with many rows (many splits) and many
-heads (one split). Also CUDA agreeing with CPU, determinism, rank_plan's Gram step on it, and
-opcheck. Bad inputs: tests/test_bad_inputs.py.
+heads (one split). Also CUDA agreeing with CPU, determinism, both CUDA tile forms on Hopper
+(wgmma, and mma.sync with ADAATTN_DISABLE_SM90=1), rank_plan's Gram step on it, and opcheck. Bad inputs: tests/test_bad_inputs.py.
 """
 import pytest
 import torch
@@ -71,6 +71,20 @@ def test_cuda_matches_cpu_and_is_deterministic(d):
     assert torch.equal(cuda, torch.ops.adaattn.sym_gram(q.cuda(), k.cuda()))
     scale = (q.double().abs().mT @ q.double().abs() + k.double().abs().mT @ k.double().abs())
     assert ((cuda.cpu().double() - cpu.double()).abs() <= 2 * 1777 * EPS32 * scale).all()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("d", [72, 128])
+@pytest.mark.parametrize("rq, rk", [(1000, 777), (100, 37), (0, 70)])
+def test_mma_sync_tiles_on_hopper(monkeypatch, d, rq, rk):
+    """On a Hopper GPU the D > 64 Gram runs the wgmma tiles; ADAATTN_DISABLE_SM90=1 selects the
+    mma.sync tiles that other GPUs run. Both within the bound, each deterministic."""
+    q, k = rows(3, rq, d, torch.bfloat16, "cuda"), rows(3, rk, d, torch.bfloat16, "cuda", 2.0)
+    for disable in ("0", "1"):
+        monkeypatch.setenv("ADAATTN_DISABLE_SM90", disable)
+        g = torch.ops.adaattn.sym_gram(q, k)
+        check_gram(g, q, k)
+        assert torch.equal(g, torch.ops.adaattn.sym_gram(q, k))
 
 
 def test_rank_plan_gram_step(device):
