@@ -298,9 +298,12 @@ def _plan_from_gram(op: str, gram: torch.Tensor, exact: bool, energy: float, min
                     multiple: int, method: str = "exact") -> RankPlan:
     b, hkv, dim = gram.shape[:3]
     width = _sketch_width(dim, min_rank, multiple)
+    # Whether G's finiteness is known by now (checked); else the last host read checks it.
+    checked = False
     if exact and gram.numel():
         # eigh fails on a non-finite matrix: checked first (an extra host read on this path).
         _check_finite(op, _gram_is_finite(gram))
+        checked = True
     if method == "sketch" and energy < 1.0 and width < dim and gram.numel():
         values, vectors, ranks, summary = _sketch_from_gram(gram, exact, energy, min_rank,
                                                             multiple, width, _SKETCH_POWER_ITERS)
@@ -309,7 +312,7 @@ def _plan_from_gram(op: str, gram: torch.Tensor, exact: bool, energy: float, min
         _check_finite(op, not_finite == 0)
         if undecided == 0:
             return RankPlan(vectors[..., :top].contiguous(), ranks, values)
-    diagonal_sum = _diagonal_sum(gram)
+        checked = True
     if exact:
         values, vectors = torch.linalg.eigh(gram)  # ascending
         values, vectors = values.flip(-1).float(), vectors.flip(-1).float()
@@ -332,11 +335,13 @@ def _plan_from_gram(op: str, gram: torch.Tensor, exact: bool, energy: float, min
                                                                 energy, min_rank, multiple)
         values = values.reshape(b, hkv, dim).clamp(min=0)
         vectors, ranks = vectors.reshape(b, hkv, dim, dim), ranks.reshape(b, hkv)
-    width, total = 0, 0.0
-    if ranks.numel():
+    width = 0
+    if ranks.numel() and checked:
+        width = int(ranks.max())
+    elif ranks.numel():
         # One host read: the basis width, and whether G was finite (the solver ran on it anyway).
-        width, total = torch.stack([ranks.max().double(), diagonal_sum]).tolist()
-    _check_finite(op, math.isfinite(total))
+        width, total = torch.stack([ranks.max().double(), _diagonal_sum(gram)]).tolist()
+        _check_finite(op, math.isfinite(total))
     return RankPlan(vectors[..., :int(width)].contiguous(), ranks, values)
 
 
