@@ -93,6 +93,12 @@ struct Q8Operands {
 };
 Q8Operands quantize_q8_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             bool stats);
+// bool [B, Hq]: the heads the 8-bit forward runs (one small kernel, no host work per head):
+// finite scales of q's head and its kv head's k and v, and with fp8_tol (ops from a pre-pass
+// with stats) an estimated error within it, adaattn.precision.estimate_precision_error's
+// model on the pre-pass's statistics; scale: the softmax scale.
+at::Tensor choose_q8_heads_cuda(const Q8Operands& ops, std::optional<double> fp8_tol,
+                                int64_t len_q, int64_t len_k, double scale);
 // The 8-bit forward: p's q, k, v and scales point at a Q8Operands (strides in bytes), out is
 // out_dtype (fp16/bf16). Needs an sm_90 device (q8_forward_available).
 void attention_fwd_q8_cuda(const AttnParams& p, c10::ScalarType out_dtype);

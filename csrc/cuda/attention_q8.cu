@@ -391,6 +391,72 @@ __global__ void __launch_bounds__(256) quantize_vt(
   }
 }
 
+// Sum over the D threads of a CTA (D / 32 warps, D <= 1024) into every thread.
+template <int D>
+__device__ __forceinline__ float cta_sum(float x, float* scratch) {
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) x += __shfl_xor_sync(0xffffffff, x, m);
+  __syncthreads();  // scratch may hold the previous sum
+  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = x;
+  __syncthreads();
+  x = 0.f;
+#pragma unroll
+  for (int w = 0; w < D / 32; ++w) x += scratch[w];
+  return x;
+}
+
+// One CTA per (b, query head), a thread per channel: whether the head runs 8-bit. Its scales
+// must be finite (q's blocks, its kv head's key blocks and value channels); with `tol` (stats
+// non-null) the estimate of estimate_precision_error from the pre-pass's per-block sums,
+//   sqrt(scale^2 sum_c (E[dq_c^2] E[k_c^2] + E[q_c^2] E[dk_c^2]) + eps_v^2 + eps_p^2),
+// E the mean over the sequence (K is smoothed: its mean square is its variance), eps_v^2 =
+// sum_c E[dv_c^2] / sum_c E[v_c^2] (0 for zero values), must be <= tol (a NaN estimate is not).
+template <int D>
+__global__ void __launch_bounds__(D) choose_q8_heads(
+    const float* __restrict__ q_scale, int q_blocks, const float* __restrict__ k_scale,
+    const float* __restrict__ v_scale, int k_blocks, const float* __restrict__ q_stats,
+    const float* __restrict__ k_stats, const float* __restrict__ v_stats, int heads_q,
+    int heads_kv, int len_q, int len_k, float scale2, float eps_p2, float tol,
+    bool* __restrict__ run_q8) {
+  __shared__ float scratch[D / 32];
+  const int bh = blockIdx.x, c = threadIdx.x;
+  const int b = bh / heads_q, h = bh % heads_q;
+  const int bkv = b * heads_kv + h / (heads_q / heads_kv);
+  bool finite = isfinite(v_scale[static_cast<int64_t>(bkv) * D + c]);
+  for (int i = c; i < q_blocks; i += D) {
+    finite &= isfinite(q_scale[static_cast<int64_t>(bh) * q_blocks + i]);
+  }
+  for (int i = c; i < k_blocks; i += D) {
+    finite &= isfinite(k_scale[static_cast<int64_t>(bkv) * k_blocks + i]);
+  }
+  finite = __syncthreads_and(finite);
+  bool ok = finite;
+  if (q_stats != nullptr) {
+    // Sums of block rows (x^2, err^2) at channel c, in block order.
+    auto sums = [c](const float* stats, int64_t head, int blocks, float (&out)[2]) {
+      out[0] = out[1] = 0.f;
+      for (int i = 0; i < blocks; ++i) {
+        const float* row = stats + ((head * blocks + i) * 2) * D + c;
+        out[0] += row[0];
+        out[1] += row[D];
+      }
+    };
+    float qs[2], ks[2], vs[2];
+    sums(q_stats, bh, q_blocks, qs);
+    sums(k_stats, bkv, k_blocks, ks);
+    sums(v_stats, bkv, k_blocks, vs);
+    const float inv_q = len_q > 0 ? 1.f / static_cast<float>(len_q) : 0.f;
+    const float inv_k = len_k > 0 ? 1.f / static_cast<float>(len_k) : 0.f;
+    const float score = cta_sum<D>(qs[1] * inv_q * (ks[0] * inv_k) + qs[0] * inv_q * (ks[1] * inv_k),
+                                   scratch);
+    const float v_energy = cta_sum<D>(vs[0] * inv_k, scratch);
+    const float v_err = cta_sum<D>(vs[1] * inv_k, scratch);
+    const float eps_v2 = v_energy > 0.f ? v_err / v_energy : 0.f;
+    ok = finite && sqrtf(scale2 * score + eps_v2 + eps_p2) <= tol;
+  }
+  if (c == 0) run_q8[bh] = ok;
+}
+
 template <typename T, int D, int DV>
 Q8Operands quantize_q8_typed(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                              bool stats) {
@@ -490,6 +556,32 @@ Q8Operands quantize_q8_cuda(const at::Tensor& q, const at::Tensor& k, const at::
                             bool stats) {
   if (q.scalar_type() == at::kBFloat16) return quantize_q8_dims<__nv_bfloat16>(q, k, v, stats);
   return quantize_q8_dims<__half>(q, k, v, stats);
+}
+
+at::Tensor choose_q8_heads_cuda(const Q8Operands& ops, std::optional<double> fp8_tol,
+                                int64_t len_q, int64_t len_k, double scale) {
+  const int64_t batch = ops.q.size(0), heads_q = ops.q.size(1), heads_kv = ops.k.size(1);
+  const int64_t dim = ops.q.size(3);
+  at::Tensor run_q8 = at::empty({batch, heads_q}, ops.q.options().dtype(at::kBool));
+  if (run_q8.numel() == 0) return run_q8;
+  TORCH_CHECK(ops.v_scale.size(2) == dim, "adaattn: the 8-bit forward has D == Dv");
+  const bool stats = fp8_tol.has_value();
+  // e4m3 P: the mean squared relative rounding error of 3 mantissa bits, log-uniform
+  // mantissas (adaattn.precision._relative_rounding_variance).
+  const double eps_p2 = std::pow(4.0, -3.0) / 12.0 * (3.0 / (8.0 * std::log(2.0)));
+  auto stats_ptr = [stats](const at::Tensor& t) { return stats ? t.data_ptr<float>() : nullptr; };
+  auto kernel = dim == 128 ? choose_q8_heads<128> : choose_q8_heads<64>;
+  kernel<<<tc::grid_size(batch * heads_q), static_cast<int>(dim), 0,
+           at::cuda::getCurrentCUDAStream()>>>(
+      ops.q_scale.data_ptr<float>(), static_cast<int>(ops.q_scale.size(2)),
+      ops.k_scale.data_ptr<float>(), ops.v_scale.data_ptr<float>(),
+      static_cast<int>(ops.k_scale.size(2)), stats_ptr(ops.q_stats), stats_ptr(ops.k_stats),
+      stats_ptr(ops.v_stats), static_cast<int>(heads_q), static_cast<int>(heads_kv),
+      static_cast<int>(len_q), static_cast<int>(len_k), static_cast<float>(scale * scale),
+      static_cast<float>(eps_p2), static_cast<float>(fp8_tol.value_or(0.0)),
+      run_q8.data_ptr<bool>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return run_q8;
 }
 
 void attention_fwd_q8_cuda(const AttnParams& p, c10::ScalarType out_dtype) {

@@ -14,44 +14,6 @@
 namespace adaattn {
 namespace {
 
-// adaattn.precision.estimate_precision_error from the pre-pass's statistics (the same model;
-// tests/test_precision_kernel.py checks the choice against it): float32 [B, Hq].
-at::Tensor estimate_error(const Q8Operands& ops, int64_t len_q, int64_t len_k, double scale) {
-  // Per-channel mean square over the sequence of statistic `which`: [B, H, D].
-  auto mean_sq = [](const at::Tensor& stats, int64_t len, int64_t which) {
-    const at::Tensor sum = stats.select(3, which).sum(2);
-    return len > 0 ? sum / static_cast<double>(len) : at::zeros_like(sum);
-  };
-  const int64_t group = ops.q.size(1) / ops.k.size(1);
-  auto per_query_head = [group](const at::Tensor& t) { return t.repeat_interleave(group, 1); };
-  const at::Tensor k_var = per_query_head(mean_sq(ops.k_stats, len_k, 0));
-  const at::Tensor k_err = per_query_head(mean_sq(ops.k_stats, len_k, 1));
-  const at::Tensor sigma_s2 =
-      scale * scale * ((mean_sq(ops.q_stats, len_q, 1) * k_var).sum(-1) +
-                       (mean_sq(ops.q_stats, len_q, 0) * k_err).sum(-1));
-  const at::Tensor v_energy = mean_sq(ops.v_stats, len_k, 0).sum(-1);
-  const at::Tensor eps_v2 = per_query_head(at::where(
-      v_energy > 0, mean_sq(ops.v_stats, len_k, 1).sum(-1) / v_energy, at::zeros_like(v_energy)));
-  // e4m3 P: the mean squared relative rounding error of 3 mantissa bits, log-uniform mantissas.
-  const double eps_p2 = std::pow(4.0, -3.0) / 12.0 * (3.0 / (8.0 * std::log(2.0)));
-  return (sigma_s2 + eps_v2 + eps_p2).sqrt();
-}
-
-// Heads that run 8-bit: finite scales (finite q, k and v) and, with fp8_tol, an estimated
-// error within it.
-at::Tensor heads_to_quantize(const Q8Operands& ops, std::optional<double> fp8_tol,
-                             int64_t len_q, int64_t len_k, double scale) {
-  const int64_t heads_q = ops.q.size(1);
-  const at::Tensor q_ok = at::isfinite(ops.q_scale).all(-1);
-  const at::Tensor kv_ok =
-      at::logical_and(at::isfinite(ops.k_scale).all(-1), at::isfinite(ops.v_scale).all(-1));
-  at::Tensor ok = at::logical_and(q_ok, kv_ok.repeat_interleave(heads_q / kv_ok.size(1), 1));
-  if (fp8_tol.has_value()) {
-    ok = at::logical_and(ok, estimate_error(ops, len_q, len_k, scale) <= *fp8_tol);
-  }
-  return ok;
-}
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_fwd_fp8_cuda_op(
     const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
     std::optional<double> softmax_scale, bool causal, int64_t window_left, int64_t window_right,
@@ -84,11 +46,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_fwd_fp8_cuda_op(
     return {out, lse, at::zeros({q.size(0), q.size(1)}, q.options().dtype(at::kBool))};
   }
   const Q8Operands ops = quantize_q8_cuda(q, k, v, fp8_tol.has_value());
-  const at::Tensor run_q8 = heads_to_quantize(ops, fp8_tol, q.size(2), k.size(2), opt.scale);
-  const at::Tensor head_q8 = run_q8.to(at::kByte).contiguous();
+  const at::Tensor run_q8 = choose_q8_heads_cuda(ops, fp8_tol, q.size(2), k.size(2), opt.scale);
   AttnParams p = make_params(q, k, v, std::nullopt, std::nullopt, std::nullopt, opt);
   set_fwd_outputs(p, out, lse);
-  p.head_q8 = head_q8.data_ptr<uint8_t>();
+  p.head_q8 = reinterpret_cast<const uint8_t*>(run_q8.data_ptr<bool>());  // bool: 1 byte, 0 / 1
   // The other heads on the 16-bit forward (each kernel skips the other's heads).
   attention_fwd_tc_cuda(softmax_variant(opt), p, q.scalar_type());
   p.q = ops.q.data_ptr();
