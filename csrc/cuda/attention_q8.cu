@@ -228,34 +228,29 @@ __global__ void __launch_bounds__(rows_threads<D, kBlock>()) quantize_rows(
   if (threadIdx.x == 0) scales[static_cast<int64_t>(bh) * blocks + blk] = scale;
   const float inv = __frcp_rn(scale);
   if constexpr (kStats) {
-    // Rows past the block's end hold 0 (code 0): they add nothing.
-    float sq[32], err[32];
+    // Rows past the block's end hold 0 (code 0): they add nothing. Channel by channel, so that
+    // two sums are live instead of 64 (per-channel arrays took the K blocks' kernel to 177
+    // registers): over this thread's rows, then over the lanes holding the same channels.
+    __shared__ float warp_stats[kWarps][2][D];
 #pragma unroll
-    for (int e = 0; e < 32; ++e) sq[e] = err[e] = 0.f;
+    for (int e = 0; e < 32; ++e) {
+      float sq = 0.f, err = 0.f;
 #pragma unroll
-    for (int i = 0; i < kPasses; ++i)
-#pragma unroll
-      for (int e = 0; e < 32; ++e) {
+      for (int i = 0; i < kPasses; ++i) {
         const float x = v[i][e];
         const float code = __fsub_rn(__fadd_rn(__fmul_rn(x, inv), 12582912.f), 12582912.f);
         const float d = __fsub_rn(__fmul_rn(code, scale), x);
-        sq[e] = __fmaf_rn(x, x, sq[e]);
-        err[e] = __fmaf_rn(d, d, err[e]);
+        sq = __fmaf_rn(x, x, sq);
+        err = __fmaf_rn(d, d, err);
       }
-    // Over the lanes that hold the same channels, then over the warps.
 #pragma unroll
-    for (int m = kLanesPerRow; m < 32; m <<= 1)
-#pragma unroll
-      for (int e = 0; e < 32; ++e) {
-        sq[e] += __shfl_xor_sync(0xffffffff, sq[e], m);
-        err[e] += __shfl_xor_sync(0xffffffff, err[e], m);
+      for (int m = kLanesPerRow; m < 32; m <<= 1) {
+        sq += __shfl_xor_sync(0xffffffff, sq, m);
+        err += __shfl_xor_sync(0xffffffff, err, m);
       }
-    __shared__ float warp_stats[kWarps][2][D];
-    if (lane < kLanesPerRow) {
-#pragma unroll
-      for (int e = 0; e < 32; ++e) {
-        warp_stats[warp][0][part * 32 + e] = sq[e];
-        warp_stats[warp][1][part * 32 + e] = err[e];
+      if (lane < kLanesPerRow) {
+        warp_stats[warp][0][part * 32 + e] = sq;
+        warp_stats[warp][1][part * 32 + e] = err;
       }
     }
     __syncthreads();
@@ -496,7 +491,7 @@ Q8Operands quantize_q8_typed(const at::Tensor& q, const at::Tensor& k, const at:
         v.stride(2), k_sum.data_ptr<float>(), v_amax.data_ptr<float>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
-  // The statistics' registers would halve the occupancy of the plain pre-pass.
+  // The statistics' work stays out of the plain pre-pass (a separate instantiation).
   constexpr int kQ = tc::kQ8QBlock, kK = tc::kQ8Block;
   auto q_kernel = stats ? quantize_rows<T, D, kQ, true> : quantize_rows<T, D, kQ, false>;
   auto k_kernel = stats ? quantize_rows<T, D, kK, true> : quantize_rows<T, D, kK, false>;
