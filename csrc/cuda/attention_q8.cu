@@ -229,8 +229,8 @@ __global__ void __launch_bounds__(rows_threads<D, kBlock>()) quantize_rows(
   const float inv = __frcp_rn(scale);
   if constexpr (kStats) {
     // Rows past the block's end hold 0 (code 0): they add nothing. Channel by channel, so that
-    // two sums are live instead of 64 (per-channel arrays took the K blocks' kernel to 177
-    // registers): over this thread's rows, then over the lanes holding the same channels.
+    // two sums are live beside the block's values, not 64 (which would halve the occupancy):
+    // over this thread's rows, then over the lanes holding the same channels.
     __shared__ float warp_stats[kWarps][2][D];
 #pragma unroll
     for (int e = 0; e < 32; ++e) {
@@ -442,8 +442,8 @@ __global__ void __launch_bounds__(D) choose_q8_heads(
     sums(v_stats, bkv, k_blocks, vs);
     const float inv_q = len_q > 0 ? 1.f / static_cast<float>(len_q) : 0.f;
     const float inv_k = len_k > 0 ? 1.f / static_cast<float>(len_k) : 0.f;
-    const float score = cta_sum<D>(qs[1] * inv_q * (ks[0] * inv_k) + qs[0] * inv_q * (ks[1] * inv_k),
-                                   scratch);
+    const float score =
+        cta_sum<D>(qs[1] * inv_q * (ks[0] * inv_k) + qs[0] * inv_q * (ks[1] * inv_k), scratch);
     const float v_energy = cta_sum<D>(vs[0] * inv_k, scratch);
     const float v_err = cta_sum<D>(vs[1] * inv_k, scratch);
     const float eps_v2 = v_energy > 0.f ? v_err / v_energy : 0.f;
