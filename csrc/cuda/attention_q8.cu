@@ -2,14 +2,15 @@
 // default scheme (int8-e4m3-hadamard) does, and the launch of the 8-bit Hopper forward
 // (tc/fwd_q8_sm90.h). The pre-pass reads each operand once more than the forward would (K
 // twice: its per-channel mean is needed before any block of it is quantised) and writes half
-// the bytes; its three kernels are memory-bound:
+// the bytes, in three launches:
 //   1. column_partials: per (b, kv head, chunk of keys) the per-channel sums of K and the
 //      per-channel maxima of |V| (no atomics: the next kernels reduce the chunks in order);
-//   2. quantize_rows: per (b, head, block of 64 Q rows or 128 K rows): K minus its mean, the
-//      rotation by the normalised Hadamard matrix (a butterfly), one int8 scale per block
-//      (amax / 127; codes round(x * (1 / scale)), to nearest even);
-//   3. quantize_vt: per (b, kv head, 128-key tile) V / (amax_c / 448) to e4m3, written
-//      transposed and with the keys of each 16 in the order the kernel's P operand reads them.
+//   2. quantize_q: per (b, head, block of 64 Q rows) the rotation by the normalised Hadamard
+//      matrix (a butterfly), one int8 scale per block (amax / 127; codes round(x * (1 /
+//      scale)), to nearest even);
+//   3. quantize_kv: per (b, kv head, 128 keys) two CTAs: K minus its mean, rotated and
+//      quantised as Q is, and V / (amax_c / 448) to e4m3, written transposed and with the keys
+//      of each 16 in the order the kernel's P operand reads them.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -38,13 +39,19 @@ __device__ __forceinline__ float to_float(T x) {
   }
 }
 
-// max(a, b) that carries a NaN b (fmaxf drops NaN; a NaN must reach the scale).
-__device__ __forceinline__ float nan_max(float a, float b) { return b > a || b != b ? b : a; }
+// max(a, b) that carries a NaN of either (fmaxf drops NaN; a NaN must reach the scale): one
+// instruction (max.NaN, sm_80+) where a compare and select would take three.
+__device__ __forceinline__ float nan_max(float a, float b) {
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
 
 // Per-channel sums of K and maxima of |V| over keys [chunk * kPartialRows, ...) of (b, kv head)
 // bh: k_sum[bh][chunk][D], v_amax[bh][chunk][Dv]. A NaN in V makes its channel's max NaN.
+// Eight CTAs per SM (32 registers) keep enough loads in flight.
 template <typename T, int D, int DV>
-__global__ void __launch_bounds__(kPartialThreads) column_partials(
+__global__ void __launch_bounds__(kPartialThreads, 8) column_partials(
     const T* __restrict__ k, const T* __restrict__ v, int heads_kv, int len,
     int64_t k_bs, int64_t k_hs, int64_t k_rs, int64_t v_bs, int64_t v_hs, int64_t v_rs,
     float* __restrict__ k_sum, float* __restrict__ v_amax) {
@@ -99,29 +106,28 @@ __device__ __forceinline__ float safe_scale(float amax, float fmt_max) {
   return s > 0.f || !isfinite(s) ? s : 1.f;
 }
 
-// K's per-channel means of (b, kv head) bh from column_partials' chunks, summed in order.
-template <int D>
-__global__ void __launch_bounds__(D) k_means(const float* __restrict__ k_sum, int chunks,
-                                             int len, float* __restrict__ mean) {
-  const int bh = blockIdx.x, c = threadIdx.x;
-  float sum = 0.f;
-  for (int k = 0; k < chunks; ++k) sum += k_sum[(static_cast<int64_t>(bh) * chunks + k) * D + c];
-  mean[static_cast<int64_t>(bh) * D + c] = __fdiv_rn(sum, static_cast<float>(len));
-}
-
-// 8 consecutive 16-bit values as float32 (one 16-byte load).
+// 8 consecutive 16-bit values (one 16-byte load) as float32.
 template <typename T>
-__device__ __forceinline__ void load8(const T* src, float* v) {
-  const uint4 raw = *reinterpret_cast<const uint4*>(src);
+__device__ __forceinline__ void unpack8(const uint4& raw, float* v) {
   const T* x = reinterpret_cast<const T*>(&raw);
 #pragma unroll
   for (int e = 0; e < 8; ++e) v[e] = to_float(x[e]);
 }
 
-// round(x) (to nearest even) as the low byte of the result, for |x| < 2^22: the float bias trick
-// (an add instead of a conversion).
-__device__ __forceinline__ uint32_t rounded_byte(float x) {
-  return static_cast<uint32_t>(__float_as_int(__fadd_rn(x, 12582912.f))) & 0xFFu;
+// round(x) (to nearest even) in the low byte of the result's bits, for |x| < 2^22: the float
+// bias trick (an add instead of a conversion).
+__device__ __forceinline__ uint32_t rounded_bits(float x) {
+  return static_cast<uint32_t>(__float_as_int(__fadd_rn(x, 12582912.f)));
+}
+
+// The low bytes of a, b, c, d as one word (a lowest): two byte permutes for the pairs, one to
+// join them.
+__device__ __forceinline__ uint32_t low_bytes(uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
+  uint32_t ab, cd, r;
+  asm("prmt.b32 %0, %1, %2, 0x0040;" : "=r"(ab) : "r"(a), "r"(b));
+  asm("prmt.b32 %0, %1, %2, 0x0040;" : "=r"(cd) : "r"(c), "r"(d));
+  asm("prmt.b32 %0, %1, %2, 0x5410;" : "=r"(r) : "r"(ab), "r"(cd));
+  return r;
 }
 
 // Threads of a quantize_rows CTA for blocks of kBlock rows: every row's lanes, at most 256.
@@ -130,22 +136,33 @@ constexpr int rows_threads() {
   return kBlock * (D / 32) < 256 ? kBlock * (D / 32) : 256;
 }
 
-// One kBlock-row block (64 for Q, 128 for K) of (b, h) of Q or K (k_mean non-null: K,
-// smoothed by its mean) to int8 in one pass: D / 32 lanes per row, each holding 32
+// The operand of quantize_rows_block: x [B, heads, len, D] (16-bit, strides in elements) to
+// int8 out [B, heads, len, D], one scale per block of rows at scales[bh][blk].
+struct RowsArgs {
+  const void* x;
+  int heads, len;
+  int64_t bs, hs, rs;
+  const float* k_sum;  // K: column_partials' per-channel sums [bh][chunks][D], for its mean
+  int chunks;
+  int8_t* out;
+  float* scales;
+  int blocks;          // blocks per (b, head)
+  float* stats;        // kStats: [bh][blk][2][D]
+};
+
+// Block `item` (= bh * blocks + blk) of kBlock rows (64 for Q, 128 for K) of Q or K (kSmooth:
+// K, smoothed by its mean) to int8 in one pass: D / 32 lanes per row, each holding 32
 // consecutive channels (kPasses rows per thread in registers), so that the butterfly of the
 // Hadamard rotation runs over index bits 1..16 inside a thread and the higher bits across
 // lanes, in the order of adaattn.precision.hadamard_rotate; the block's amax, then
-// codes = round(x * (1 / scale)).
+// codes = round(x * (1 / scale)). The CTA's rows_threads<D, kBlock>() threads call it.
 //
-// stats (non-null: precision="auto"): per channel, the block's sums of x^2 and of the squared
-// rounding error (code * scale - x)^2 of the rotated rows, at stats[bh][blk][0 / 1][D]: the
-// statistics of adaattn.precision.estimate_precision_error (K's variance over the keys is its
-// mean square once smoothed).
-template <typename T, int D, int kBlock, bool kStats>
-__global__ void __launch_bounds__(rows_threads<D, kBlock>()) quantize_rows(
-    const T* __restrict__ x, int heads, int len, int64_t bs, int64_t hs, int64_t rs,
-    const float* __restrict__ k_mean, int8_t* __restrict__ out, float* __restrict__ scales,
-    int blocks, float* __restrict__ stats) {
+// kStats (precision="auto"): per channel, the block's sums of x^2 and of the squared rounding
+// error (code * scale - x)^2 of the rotated rows, at stats[bh][blk][0 / 1][D]: the statistics
+// of adaattn.precision.estimate_precision_error (K's variance over the keys is its mean square
+// once smoothed).
+template <typename T, int D, int kBlock, bool kSmooth, bool kStats>
+__device__ __forceinline__ void quantize_rows_block(const RowsArgs& a, int64_t item) {
   static_assert(D == 64 || D == 128, "D in {64, 128}");
   constexpr int kRowsThreads = rows_threads<D, kBlock>();
   constexpr int kLanesPerRow = D / 32;
@@ -154,53 +171,78 @@ __global__ void __launch_bounds__(rows_threads<D, kBlock>()) quantize_rows(
   static_assert(kPasses * kRowsPerPass == kBlock, "whole passes");
   constexpr int kWarps = kRowsThreads / 32;
   __shared__ float warp_amax[kWarps];
-  const int blk = blockIdx.x % blocks;
-  const int bh = blockIdx.x / blocks;
-  const int b = bh / heads, h = bh % heads;
+  const int blk = static_cast<int>(item % a.blocks);
+  const int64_t bh = item / a.blocks;
+  const int64_t b = bh / a.heads, h = bh % a.heads;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int part = threadIdx.x % kLanesPerRow;  // channels [32 * part, 32 * part + 32)
   const int row_in_pass = threadIdx.x / kLanesPerRow;
   const int row0 = blk * kBlock;
-  const int rows_here = min(kBlock, len - row0);
-  float mean[32];
+  const int rows_here = min(kBlock, a.len - row0);
+  const T* src = static_cast<const T*>(a.x) + b * a.bs + h * a.hs +
+                 static_cast<int64_t>(row0) * a.rs + part * 32;
+  // The rows' loads first: K's are in flight while its mean is summed.
+  uint4 raw[kPasses][4];
 #pragma unroll
-  for (int e = 0; e < 32; ++e) mean[e] = 0.f;
-  if (k_mean != nullptr) {
+  for (int i = 0; i < kPasses; ++i) {
+    const int r = row_in_pass + i * kRowsPerPass;
 #pragma unroll
-    for (int c = 0; c < 8; ++c) {
-      const float* m = k_mean + static_cast<int64_t>(bh) * D + part * 32 + 4 * c;
-      const float4 m4 = *reinterpret_cast<const float4*>(m);
-      mean[4 * c] = m4.x;
-      mean[4 * c + 1] = m4.y;
-      mean[4 * c + 2] = m4.z;
-      mean[4 * c + 3] = m4.w;
+    for (int c = 0; c < 4; ++c) {
+      raw[i][c] = r < rows_here ? *reinterpret_cast<const uint4*>(src + r * a.rs + 8 * c)
+                                : make_uint4(0, 0, 0, 0);
     }
+  }
+  // K's per-channel mean from column_partials' chunks, summed in order, in shared memory and
+  // read where it is subtracted: held in registers it would keep 32 of them live beside the
+  // rows.
+  __shared__ __align__(16) float block_mean[kSmooth ? D : 1];
+  if constexpr (kSmooth) {
+    for (int c = threadIdx.x; c < D; c += kRowsThreads) {
+      const float* partial = a.k_sum + bh * a.chunks * D + c;
+      float sum = 0.f;
+      int k = 0;
+      for (; k + 8 <= a.chunks; k += 8) {  // in order, eight loads in flight
+        float part_sum[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) part_sum[u] = partial[(k + u) * D];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) sum += part_sum[u];
+      }
+      for (; k < a.chunks; ++k) sum += partial[k * D];
+      block_mean[c] = __fdiv_rn(sum, static_cast<float>(a.len));
+    }
+    __syncthreads();
   }
   // fp32(1 / sqrt(D)), as the emulation.
   const float norm = static_cast<float>(D == 64 ? 0.125 : 0.08838834764831845);
-  const T* src = x + b * bs + h * hs + static_cast<int64_t>(row0) * rs + part * 32;
   float v[kPasses][32];
   float amax = 0.f;
 #pragma unroll
   for (int i = 0; i < kPasses; ++i) {
-    const int r = row_in_pass + i * kRowsPerPass;
-    if (r < rows_here) {
 #pragma unroll
-      for (int c = 0; c < 4; ++c) load8(src + r * rs + 8 * c, &v[i][8 * c]);
-    } else {
+    for (int c = 0; c < 4; ++c) unpack8<T>(raw[i][c], &v[i][8 * c]);
+    if constexpr (kSmooth) {
+      // Rows past the block's end take the mean: zero once smoothed.
+      const bool row_here = row_in_pass + i * kRowsPerPass < rows_here;
+      const float4* mean = reinterpret_cast<const float4*>(block_mean + part * 32);
 #pragma unroll
-      for (int e = 0; e < 32; ++e) v[i][e] = mean[e];  // zero after smoothing
+      for (int c = 0; c < 8; ++c) {
+        const float4 m = mean[c];
+        const float mc[4] = {m.x, m.y, m.z, m.w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          v[i][4 * c + e] = __fsub_rn(row_here ? v[i][4 * c + e] : mc[e], mc[e]);
+        }
+      }
     }
-#pragma unroll
-    for (int e = 0; e < 32; ++e) v[i][e] = __fsub_rn(v[i][e], mean[e]);
 #pragma unroll
     for (int m = 1; m < 32; m <<= 1)
 #pragma unroll
       for (int e = 0; e < 32; ++e)
         if ((e & m) == 0) {
-          const float a = v[i][e], c = v[i][e + m];
-          v[i][e] = __fadd_rn(a, c);
-          v[i][e + m] = __fsub_rn(a, c);
+          const float x0 = v[i][e], x1 = v[i][e + m];
+          v[i][e] = __fadd_rn(x0, x1);
+          v[i][e + m] = __fsub_rn(x0, x1);
         }
 #pragma unroll
     for (int m = 1; m < kLanesPerRow; m <<= 1) {
@@ -225,7 +267,7 @@ __global__ void __launch_bounds__(rows_threads<D, kBlock>()) quantize_rows(
 #pragma unroll
   for (int w = 1; w < kWarps; ++w) amax = nan_max(amax, warp_amax[w]);
   const float scale = safe_scale(amax, 127.f);
-  if (threadIdx.x == 0) scales[static_cast<int64_t>(bh) * blocks + blk] = scale;
+  if (threadIdx.x == 0) a.scales[item] = scale;
   const float inv = __frcp_rn(scale);
   if constexpr (kStats) {
     // Rows past the block's end hold 0 (code 0): they add nothing. Channel by channel, so that
@@ -258,24 +300,22 @@ __global__ void __launch_bounds__(rows_threads<D, kBlock>()) quantize_rows(
       float sum = 0.f;
 #pragma unroll
       for (int w = 0; w < kWarps; ++w) sum += warp_stats[w][i / D][i % D];
-      stats[(static_cast<int64_t>(bh) * blocks + blk) * 2 * D + i] = sum;
+      a.stats[item * 2 * D + i] = sum;
     }
   }
-  int8_t* dst = out + (static_cast<int64_t>(bh) * len + row0) * D + part * 32;
+  int8_t* dst = a.out + (bh * a.len + row0) * D + part * 32;
 #pragma unroll
   for (int i = 0; i < kPasses; ++i) {
     const int r = row_in_pass + i * kRowsPerPass;
     if (r >= rows_here) continue;
     uint32_t words[8];
+    // |x * inv| <= 127 up to rounding: no clamp needed (a NaN block runs 16-bit).
 #pragma unroll
     for (int w = 0; w < 8; ++w) {
-      uint32_t word = 0;
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        // |x * inv| <= 127 up to rounding: no clamp needed (a NaN block runs 16-bit).
-        word |= rounded_byte(__fmul_rn(v[i][4 * w + j], inv)) << (8 * j);
-      }
-      words[w] = word;
+      words[w] = low_bytes(rounded_bits(__fmul_rn(v[i][4 * w], inv)),
+                           rounded_bits(__fmul_rn(v[i][4 * w + 1], inv)),
+                           rounded_bits(__fmul_rn(v[i][4 * w + 2], inv)),
+                           rounded_bits(__fmul_rn(v[i][4 * w + 3], inv)));
     }
     uint4* o = reinterpret_cast<uint4*>(dst + r * D);
     o[0] = make_uint4(words[0], words[1], words[2], words[3]);
@@ -295,47 +335,82 @@ constexpr bool q8_vt_order_inverts() {
 }
 static_assert(q8_vt_order_inverts(), "V^T's key order is the P operand's");
 
-// One 128-key tile of (b, kv head) of V to e4m3 V^T: vt[bh][c][tile * 128 + position] with
-// position tc::q8_vt_position of the key within its 16; keys past len are zero. A thread
-// writes 32 positions (two 16-key groups) of one channel with one 32-byte store.
-// stats (non-null): per channel the tile's sums of v^2 and of the squared rounding error
+// The operand of quantize_vt_tile: v [B, heads_kv, len, DV] (16-bit, strides in elements) to
+// e4m3 vt [B, heads_kv, DV, padded_len], one scale per channel at v_scale[bh][c].
+struct VtArgs {
+  const void* v;
+  int heads_kv, len;
+  int64_t bs, hs, rs;
+  const float* v_amax;  // column_partials' per-channel maxima of |V| [bh][chunks][DV]
+  int chunks;
+  uint8_t* vt;
+  int64_t padded_len;
+  float* v_scale;
+  int tiles;            // 128-key tiles per (b, kv head)
+  float* stats;         // kStats: [bh][tile][2][DV]
+};
+
+// Tile `item` (= bh * tiles + tile) of 128 keys of V to e4m3 V^T: vt[bh][c][tile * 128 +
+// position] with position tc::q8_vt_position of the key within its 16; keys past len are zero.
+// A thread writes 32 positions (two 16-key groups) of one channel with one 32-byte store. The
+// CTA's kVtThreads threads call it.
+// kStats: per channel the tile's sums of v^2 and of the squared rounding error
 // (e4m3(v / scale) * scale - v)^2, at stats[bh][tile][0 / 1][DV].
-template <typename T, int DV>
-__global__ void __launch_bounds__(256) quantize_vt(
-    const T* __restrict__ v, int heads_kv, int len, int64_t bs, int64_t hs, int64_t rs,
-    const float* __restrict__ v_amax, int chunks, uint8_t* __restrict__ vt, int64_t padded_len,
-    float* __restrict__ v_scale, int tiles, float* __restrict__ stats) {
-  static_assert(DV * tc::kQ8Block / 32 <= 2 * 256 && 256 % DV == 0, "two items per thread");
-  __shared__ float tile_stats[256 / DV][2][DV];
+constexpr int kVtThreads = 256;
+template <typename T, int DV, bool kStats>
+__device__ __forceinline__ void quantize_vt_tile(const VtArgs& a, int64_t item) {
+  static_assert(DV * tc::kQ8Block / 32 % kVtThreads == 0 && kVtThreads % DV == 0,
+                "whole items per thread, each thread one channel");
+  __shared__ float tile_stats[kStats ? kVtThreads / DV : 1][2][DV];
   __shared__ float channel_inv[DV], channel_scale[DV];
   __shared__ __align__(16) T tile_v[tc::kQ8Block][DV];
-  const int tile = blockIdx.x % tiles;
-  const int bh = blockIdx.x / tiles;
-  const int b = bh / heads_kv, h = bh % heads_kv;
-  for (int c = threadIdx.x; c < DV; c += blockDim.x) {
+  const int tile = static_cast<int>(item % a.tiles);
+  const int64_t bh = item / a.tiles;
+  const int64_t b = bh / a.heads_kv, h = bh % a.heads_kv;
+  const int key0 = tile * tc::kQ8Block;
+  const int keys = min(tc::kQ8Block, a.len - key0);
+  const T* src = static_cast<const T*>(a.v) + b * a.bs + h * a.hs +
+                 static_cast<int64_t>(key0) * a.rs;
+  // The tile's loads first, in flight while the channels' scales are reduced.
+  constexpr int kLoads = tc::kQ8Block * DV / 8 / kVtThreads;
+  uint4 raw[kLoads];
+#pragma unroll
+  for (int u = 0; u < kLoads; ++u) {
+    const int i = threadIdx.x + u * kVtThreads;
+    const int r = i / (DV / 8), c = (i % (DV / 8)) * 8;
+    raw[u] = r < keys ? *reinterpret_cast<const uint4*>(src + r * a.rs + c)
+                      : make_uint4(0, 0, 0, 0);
+  }
+  for (int c = threadIdx.x; c < DV; c += kVtThreads) {
+    const float* partial = a.v_amax + bh * a.chunks * DV + c;
     float amax = 0.f;
-    for (int k = 0; k < chunks; ++k) {
-      amax = nan_max(amax, v_amax[(static_cast<int64_t>(bh) * chunks + k) * DV + c]);
+    int k = 0;
+    for (; k + 8 <= a.chunks; k += 8) {  // eight loads in flight
+      float part_max[8];
+#pragma unroll
+      for (int u = 0; u < 8; ++u) part_max[u] = partial[(k + u) * DV];
+#pragma unroll
+      for (int u = 0; u < 8; ++u) amax = nan_max(amax, part_max[u]);
     }
+    for (; k < a.chunks; ++k) amax = nan_max(amax, partial[k * DV]);
     const float scale = safe_scale(amax, 448.f);
     channel_inv[c] = __frcp_rn(scale);
     channel_scale[c] = scale;
-    if (tile == 0) v_scale[static_cast<int64_t>(bh) * DV + c] = scale;
+    if (tile == 0) a.v_scale[bh * DV + c] = scale;
   }
-  const int key0 = tile * tc::kQ8Block;
-  const int keys = min(tc::kQ8Block, len - key0);
-  const T* src = v + b * bs + h * hs + static_cast<int64_t>(key0) * rs;
-  for (int i = threadIdx.x; i < tc::kQ8Block * DV / 8; i += blockDim.x) {
-    const int r = i / (DV / 8), c = (i % (DV / 8)) * 8;
-    uint4 raw = make_uint4(0, 0, 0, 0);
-    if (r < keys) raw = *reinterpret_cast<const uint4*>(src + r * rs + c);
-    *reinterpret_cast<uint4*>(&tile_v[r][c]) = raw;
+#pragma unroll
+  for (int u = 0; u < kLoads; ++u) {
+    const int i = threadIdx.x + u * kVtThreads;
+    *reinterpret_cast<uint4*>(&tile_v[i / (DV / 8)][(i % (DV / 8)) * 8]) = raw[u];
   }
   __syncthreads();
-  uint8_t* dst = vt + static_cast<int64_t>(bh) * DV * padded_len + key0;
+  uint8_t* dst = a.vt + bh * DV * a.padded_len + key0;
   // Consecutive threads take consecutive channels (conflict-free reads of a key's row).
   float sq = 0.f, err = 0.f;
-  for (int i = threadIdx.x; i < DV * tc::kQ8Block / 32; i += blockDim.x) {
+  constexpr int kItems = DV * tc::kQ8Block / 32 / kVtThreads;
+#pragma unroll
+  for (int u = 0; u < kItems; ++u) {
+    const int i = threadIdx.x + u * kVtThreads;
     const int c = i % DV;
     const int pos0 = (i / DV) * 32;
     const float inv = channel_inv[c];
@@ -355,34 +430,53 @@ __global__ void __launch_bounds__(256) quantize_vt(
       const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(x[2], x[3]), __NV_SATFINITE,
                                                    __NV_E4M3);
       words[w] = lo | hi << 16;
-      if (stats != nullptr) {
+      if constexpr (kStats) {
         const float scale = channel_scale[c];
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-          const __half_raw h = __nv_cvt_fp8_to_halfraw(
+          const __half_raw code = __nv_cvt_fp8_to_halfraw(
               static_cast<__nv_fp8_storage_t>(words[w] >> (8 * j)), __NV_E4M3);
           // v (0 past len, as the zero-filled tile holds).
           const float value = to_float(tile_v[group + q8_vt_key(4 * (w % 4) + j)][c]);
-          const float d = __half2float(__half(h)) * scale - value;
+          const float d = __half2float(__half(code)) * scale - value;
           sq = fmaf(value, value, sq);
           err = fmaf(d, d, err);
         }
       }
     }
-    uint4* out = reinterpret_cast<uint4*>(dst + static_cast<int64_t>(c) * padded_len + pos0);
+    uint4* out = reinterpret_cast<uint4*>(dst + static_cast<int64_t>(c) * a.padded_len + pos0);
     out[0] = make_uint4(words[0], words[1], words[2], words[3]);
     out[1] = make_uint4(words[4], words[5], words[6], words[7]);
   }
-  if (stats != nullptr) {
+  if constexpr (kStats) {
     tile_stats[threadIdx.x / DV][0][threadIdx.x % DV] = sq;
     tile_stats[threadIdx.x / DV][1][threadIdx.x % DV] = err;
     __syncthreads();
-    for (int i = threadIdx.x; i < 2 * DV; i += blockDim.x) {
+    for (int i = threadIdx.x; i < 2 * DV; i += kVtThreads) {
       float sum = 0.f;
 #pragma unroll
-      for (int g = 0; g < 256 / DV; ++g) sum += tile_stats[g][i / DV][i % DV];
-      stats[(static_cast<int64_t>(bh) * tiles + tile) * 2 * DV + i] = sum;
+      for (int g = 0; g < kVtThreads / DV; ++g) sum += tile_stats[g][i / DV][i % DV];
+      a.stats[item * 2 * DV + i] = sum;
     }
+  }
+}
+
+// Q's blocks of 64 rows, a CTA each.
+template <typename T, int D, bool kStats>
+__global__ void __launch_bounds__(rows_threads<D, tc::kQ8QBlock>()) quantize_q(const RowsArgs q) {
+  quantize_rows_block<T, D, tc::kQ8QBlock, false, kStats>(q, blockIdx.x);
+}
+
+// K's blocks of 128 rows and V^T's 128-key tiles (as many) in one launch, alternating CTAs: the
+// rotation's arithmetic (K) and the transposition's memory traffic (V) share the SMs rather
+// than follow each other.
+template <typename T, int D, int DV, bool kStats>
+__global__ void __launch_bounds__(kVtThreads) quantize_kv(const RowsArgs k, const VtArgs v) {
+  static_assert(rows_threads<D, tc::kQ8Block>() == kVtThreads, "one CTA size");
+  if (blockIdx.x % 2 == 0) {
+    quantize_rows_block<T, D, tc::kQ8Block, true, kStats>(k, blockIdx.x / 2);
+  } else {
+    quantize_vt_tile<T, DV, kStats>(v, blockIdx.x / 2);
   }
 }
 
@@ -491,29 +585,25 @@ Q8Operands quantize_q8_typed(const at::Tensor& q, const at::Tensor& k, const at:
         v.stride(2), k_sum.data_ptr<float>(), v_amax.data_ptr<float>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
-  // The statistics' work stays out of the plain pre-pass (a separate instantiation).
-  constexpr int kQ = tc::kQ8QBlock, kK = tc::kQ8Block;
-  auto q_kernel = stats ? quantize_rows<T, D, kQ, true> : quantize_rows<T, D, kQ, false>;
-  auto k_kernel = stats ? quantize_rows<T, D, kK, true> : quantize_rows<T, D, kK, false>;
+  // The statistics' work stays out of the plain pre-pass (separate instantiations).
   if (B * Hq * Lq > 0) {
-    q_kernel<<<B * Hq * q_blocks, rows_threads<D, kQ>(), 0, stream>>>(
-        qp, Hq, Lq, q.stride(0), q.stride(1), q.stride(2), nullptr, r.q.data_ptr<int8_t>(),
-        r.q_scale.data_ptr<float>(), q_blocks, stats_ptr(r.q_stats));
+    const RowsArgs qa{qp, static_cast<int>(Hq), static_cast<int>(Lq), q.stride(0), q.stride(1),
+                      q.stride(2), nullptr, 0, r.q.data_ptr<int8_t>(),
+                      r.q_scale.data_ptr<float>(), q_blocks, stats_ptr(r.q_stats)};
+    auto q_kernel = stats ? quantize_q<T, D, true> : quantize_q<T, D, false>;
+    q_kernel<<<B * Hq * q_blocks, rows_threads<D, tc::kQ8QBlock>(), 0, stream>>>(qa);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   if (B * Hkv * Lk > 0) {
-    const at::Tensor k_mean = at::empty({B * Hkv, D}, f32);
-    k_means<D><<<B * Hkv, D, 0, stream>>>(k_sum.data_ptr<float>(), chunks, Lk,
-                                          k_mean.data_ptr<float>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    k_kernel<<<B * Hkv * k_blocks, rows_threads<D, kK>(), 0, stream>>>(
-        kp, Hkv, Lk, k.stride(0), k.stride(1), k.stride(2), k_mean.data_ptr<float>(),
-        r.k.data_ptr<int8_t>(), r.k_scale.data_ptr<float>(), k_blocks, stats_ptr(r.k_stats));
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    quantize_vt<T, DV><<<B * Hkv * k_blocks, 256, 0, stream>>>(
-        vp, Hkv, Lk, v.stride(0), v.stride(1), v.stride(2), v_amax.data_ptr<float>(), chunks,
-        static_cast<uint8_t*>(r.vt.data_ptr()), r.vt.size(3), r.v_scale.data_ptr<float>(),
-        k_blocks, stats_ptr(r.v_stats));
+    const RowsArgs ka{kp, static_cast<int>(Hkv), static_cast<int>(Lk), k.stride(0), k.stride(1),
+                      k.stride(2), k_sum.data_ptr<float>(), chunks, r.k.data_ptr<int8_t>(),
+                      r.k_scale.data_ptr<float>(), k_blocks, stats_ptr(r.k_stats)};
+    const VtArgs va{vp, static_cast<int>(Hkv), static_cast<int>(Lk), v.stride(0), v.stride(1),
+                    v.stride(2), v_amax.data_ptr<float>(), chunks,
+                    static_cast<uint8_t*>(r.vt.data_ptr()), r.vt.size(3),
+                    r.v_scale.data_ptr<float>(), k_blocks, stats_ptr(r.v_stats)};
+    auto kv_kernel = stats ? quantize_kv<T, D, DV, true> : quantize_kv<T, D, DV, false>;
+    kv_kernel<<<2 * B * Hkv * k_blocks, kVtThreads, 0, stream>>>(ka, va);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   return r;
