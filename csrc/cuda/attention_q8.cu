@@ -150,27 +150,58 @@ struct RowsArgs {
   float* stats;        // kStats: [bh][blk][2][D]
 };
 
+// A reduce-scatter of per-channel sums over the lanes of a warp that hold the same kN channels
+// of other rows (lanes equal modulo 32 / kN): each level exchanges half of the kHalf * 2 sums a
+// lane carries across one lane bit (16 first) and keeps the other half, summed; after the last
+// (kHalf = 1) sq[0] and err[0] are the totals of the group's channel lane / (32 / kN). The
+// halves are picked by bit masks: the compiler may turn a select between two array elements
+// into an indexed load, which puts the arrays in local memory.
+template <int kHalf, int kN>
+__device__ __forceinline__ void scatter_halves(float (&sq)[kN], float (&err)[kN], int lane) {
+  constexpr int m = 32 * kHalf / kN;
+  const uint32_t upper = (lane & m) != 0 ? 0xffffffffu : 0u;  // this lane keeps the upper half
+  auto pick = [upper](float hi, float lo) {
+    return __uint_as_float((__float_as_uint(hi) & upper) | (__float_as_uint(lo) & ~upper));
+  };
+#pragma unroll
+  for (int j = 0; j < kHalf; ++j) {
+    const float sq_send = pick(sq[j], sq[j + kHalf]);
+    const float err_send = pick(err[j], err[j + kHalf]);
+    sq[j] = pick(sq[j + kHalf], sq[j]) + __shfl_xor_sync(0xffffffff, sq_send, m);
+    err[j] = pick(err[j + kHalf], err[j]) + __shfl_xor_sync(0xffffffff, err_send, m);
+  }
+  if constexpr (kHalf > 1) scatter_halves<kHalf / 2>(sq, err, lane);
+}
+
 // Block `item` (= bh * blocks + blk) of kBlock rows (64 for Q, 128 for K) of Q or K (kSmooth:
 // K, smoothed by its mean) to int8 in one pass: D / 32 lanes per row, each holding 32
 // consecutive channels (kPasses rows per thread in registers), so that the butterfly of the
 // Hadamard rotation runs over index bits 1..16 inside a thread and the higher bits across
 // lanes, in the order of adaattn.precision.hadamard_rotate; the block's amax, then
-// codes = round(x * (1 / scale)). The CTA's rows_threads<D, kBlock>() threads call it.
+// codes = round(x * (1 / scale)). The CTA's kRowsThreads threads call it.
 //
 // kStats (precision="auto"): per channel, the block's sums of x^2 and of the squared rounding
 // error (code * scale - x)^2 of the rotated rows, at stats[bh][blk][0 / 1][D]: the statistics
 // of adaattn.precision.estimate_precision_error (K's variance over the keys is its mean square
 // once smoothed).
-template <typename T, int D, int kBlock, bool kSmooth, bool kStats>
-__device__ __forceinline__ void quantize_rows_block(const RowsArgs& a, int64_t item) {
+template <int D, int kRowsThreads, bool kStats>
+constexpr int rows_smem_bytes() {
+  return 4 * (D + kRowsThreads / 32 + (kStats ? kRowsThreads / 32 * 2 * D : 0));
+}
+
+template <typename T, int D, int kBlock, int kRowsThreads, bool kSmooth, bool kStats>
+__device__ __forceinline__ void quantize_rows_block(const RowsArgs& a, int64_t item,
+                                                    unsigned char* smem) {
   static_assert(D == 64 || D == 128, "D in {64, 128}");
-  constexpr int kRowsThreads = rows_threads<D, kBlock>();
   constexpr int kLanesPerRow = D / 32;
   constexpr int kRowsPerPass = kRowsThreads / kLanesPerRow;
   constexpr int kPasses = kBlock / kRowsPerPass;
   static_assert(kPasses * kRowsPerPass == kBlock, "whole passes");
   constexpr int kWarps = kRowsThreads / 32;
-  __shared__ float warp_amax[kWarps];
+  // Shared memory (rows_smem_bytes): K's mean, the warps' maxima, the warps' statistics.
+  float* const block_mean = reinterpret_cast<float*>(smem);
+  float* const warp_amax = block_mean + D;
+  float(*const warp_stats)[2][D] = reinterpret_cast<float(*)[2][D]>(warp_amax + kWarps);
   const int blk = static_cast<int>(item % a.blocks);
   const int64_t bh = item / a.blocks;
   const int64_t b = bh / a.heads, h = bh % a.heads;
@@ -195,7 +226,6 @@ __device__ __forceinline__ void quantize_rows_block(const RowsArgs& a, int64_t i
   // K's per-channel mean from column_partials' chunks, summed in order, in shared memory and
   // read where it is subtracted: held in registers it would keep 32 of them live beside the
   // rows.
-  __shared__ __align__(16) float block_mean[kSmooth ? D : 1];
   if constexpr (kSmooth) {
     for (int c = threadIdx.x; c < D; c += kRowsThreads) {
       const float* partial = a.k_sum + bh * a.chunks * D + c;
@@ -270,30 +300,33 @@ __device__ __forceinline__ void quantize_rows_block(const RowsArgs& a, int64_t i
   if (threadIdx.x == 0) a.scales[item] = scale;
   const float inv = __frcp_rn(scale);
   if constexpr (kStats) {
-    // Rows past the block's end hold 0 (code 0): they add nothing. Channel by channel, so that
-    // two sums are live beside the block's values, not 64 (which would halve the occupancy):
-    // over this thread's rows, then over the lanes holding the same channels.
-    __shared__ float warp_stats[kWarps][2][D];
+    // Rows past the block's end hold 0 (code 0): they add nothing. In groups of kShare
+    // channels (kShare lanes hold the same channels of other rows): summed over this thread's
+    // rows, then reduce-scattered over those lanes (log2(kShare) exchanges of halving width
+    // rather than a full tree per channel), so that 2 kShare sums are live beside the block's
+    // values, not 64.
+    constexpr int kShare = 32 / kLanesPerRow;
+    const int rank = lane / kLanesPerRow;
 #pragma unroll
-    for (int e = 0; e < 32; ++e) {
-      float sq = 0.f, err = 0.f;
+    for (int group = 0; group < 32 / kShare; ++group) {
+      const int g0 = group * kShare;
+      float sq[kShare], err[kShare];
 #pragma unroll
-      for (int i = 0; i < kPasses; ++i) {
-        const float x = v[i][e];
-        const float code = __fsub_rn(__fadd_rn(__fmul_rn(x, inv), 12582912.f), 12582912.f);
-        const float d = __fsub_rn(__fmul_rn(code, scale), x);
-        sq = __fmaf_rn(x, x, sq);
-        err = __fmaf_rn(d, d, err);
-      }
+      for (int j = 0; j < kShare; ++j) {
+        sq[j] = 0.f;
+        err[j] = 0.f;
 #pragma unroll
-      for (int m = kLanesPerRow; m < 32; m <<= 1) {
-        sq += __shfl_xor_sync(0xffffffff, sq, m);
-        err += __shfl_xor_sync(0xffffffff, err, m);
+        for (int i = 0; i < kPasses; ++i) {
+          const float x = v[i][g0 + j];
+          const float code = __fsub_rn(__fadd_rn(__fmul_rn(x, inv), 12582912.f), 12582912.f);
+          const float d = __fsub_rn(__fmul_rn(code, scale), x);
+          sq[j] = __fmaf_rn(x, x, sq[j]);
+          err[j] = __fmaf_rn(d, d, err[j]);
+        }
       }
-      if (lane < kLanesPerRow) {
-        warp_stats[warp][0][part * 32 + e] = sq;
-        warp_stats[warp][1][part * 32 + e] = err;
-      }
+      scatter_halves<kShare / 2>(sq, err, lane);
+      warp_stats[warp][0][part * 32 + g0 + rank] = sq[0];
+      warp_stats[warp][1][part * 32 + g0 + rank] = err[0];
     }
     __syncthreads();
     for (int i = threadIdx.x; i < 2 * D; i += kRowsThreads) {
@@ -356,14 +389,23 @@ struct VtArgs {
 // CTA's kVtThreads threads call it.
 // kStats: per channel the tile's sums of v^2 and of the squared rounding error
 // (e4m3(v / scale) * scale - v)^2, at stats[bh][tile][0 / 1][DV].
-constexpr int kVtThreads = 256;
-template <typename T, int DV, bool kStats>
-__device__ __forceinline__ void quantize_vt_tile(const VtArgs& a, int64_t item) {
+template <typename T, int DV, int kVtThreads, bool kStats>
+constexpr int vt_smem_bytes() {
+  return static_cast<int>(sizeof(T)) * tc::kQ8Block * DV +
+         4 * (2 * DV + (kStats ? kVtThreads / DV * 2 * DV : 0));
+}
+
+template <typename T, int DV, int kVtThreads, bool kStats>
+__device__ __forceinline__ void quantize_vt_tile(const VtArgs& a, int64_t item,
+                                                 unsigned char* smem) {
   static_assert(DV * tc::kQ8Block / 32 % kVtThreads == 0 && kVtThreads % DV == 0,
                 "whole items per thread, each thread one channel");
-  __shared__ float tile_stats[kStats ? kVtThreads / DV : 1][2][DV];
-  __shared__ float channel_inv[DV], channel_scale[DV];
-  __shared__ __align__(16) T tile_v[tc::kQ8Block][DV];
+  // Shared memory (vt_smem_bytes): the tile, the channels' inverse scales and scales, the
+  // statistics' partial sums.
+  T(*const tile_v)[DV] = reinterpret_cast<T(*)[DV]>(smem);
+  float* const channel_inv = reinterpret_cast<float*>(smem + sizeof(T) * tc::kQ8Block * DV);
+  float* const channel_scale = channel_inv + DV;
+  float(*const tile_stats)[2][DV] = reinterpret_cast<float(*)[2][DV]>(channel_scale + DV);
   const int tile = static_cast<int>(item % a.tiles);
   const int64_t bh = item / a.tiles;
   const int64_t b = bh / a.heads_kv, h = bh % a.heads_kv;
@@ -464,19 +506,26 @@ __device__ __forceinline__ void quantize_vt_tile(const VtArgs& a, int64_t item) 
 // Q's blocks of 64 rows, a CTA each.
 template <typename T, int D, bool kStats>
 __global__ void __launch_bounds__(rows_threads<D, tc::kQ8QBlock>()) quantize_q(const RowsArgs q) {
-  quantize_rows_block<T, D, tc::kQ8QBlock, false, kStats>(q, blockIdx.x);
+  constexpr int kThreads = rows_threads<D, tc::kQ8QBlock>();
+  __shared__ __align__(16) unsigned char smem[rows_smem_bytes<D, kThreads, kStats>()];
+  quantize_rows_block<T, D, tc::kQ8QBlock, kThreads, false, kStats>(q, blockIdx.x, smem);
 }
 
 // K's blocks of 128 rows and V^T's 128-key tiles (as many) in one launch, alternating CTAs: the
 // rotation's arithmetic (K) and the transposition's memory traffic (V) share the SMs rather
 // than follow each other.
 template <typename T, int D, int DV, bool kStats>
-__global__ void __launch_bounds__(kVtThreads) quantize_kv(const RowsArgs k, const VtArgs v) {
-  static_assert(rows_threads<D, tc::kQ8Block>() == kVtThreads, "one CTA size");
+__global__ void __launch_bounds__(rows_threads<D, tc::kQ8Block>())
+    quantize_kv(const RowsArgs k, const VtArgs v) {
+  // Two passes of rows a thread at D = 128: one pass (512 threads, 64 registers) ran slower.
+  constexpr int kThreads = rows_threads<D, tc::kQ8Block>();
+  constexpr int kRowsBytes = rows_smem_bytes<D, kThreads, kStats>();
+  constexpr int kVtBytes = vt_smem_bytes<T, DV, kThreads, kStats>();
+  __shared__ __align__(16) unsigned char smem[kRowsBytes > kVtBytes ? kRowsBytes : kVtBytes];
   if (blockIdx.x % 2 == 0) {
-    quantize_rows_block<T, D, tc::kQ8Block, true, kStats>(k, blockIdx.x / 2);
+    quantize_rows_block<T, D, tc::kQ8Block, kThreads, true, kStats>(k, blockIdx.x / 2, smem);
   } else {
-    quantize_vt_tile<T, DV, kStats>(v, blockIdx.x / 2);
+    quantize_vt_tile<T, DV, kThreads, kStats>(v, blockIdx.x / 2, smem);
   }
 }
 
@@ -603,7 +652,7 @@ Q8Operands quantize_q8_typed(const at::Tensor& q, const at::Tensor& k, const at:
                     static_cast<uint8_t*>(r.vt.data_ptr()), r.vt.size(3),
                     r.v_scale.data_ptr<float>(), k_blocks, stats_ptr(r.v_stats)};
     auto kv_kernel = stats ? quantize_kv<T, D, DV, true> : quantize_kv<T, D, DV, false>;
-    kv_kernel<<<2 * B * Hkv * k_blocks, kVtThreads, 0, stream>>>(ka, va);
+    kv_kernel<<<2 * B * Hkv * k_blocks, rows_threads<D, tc::kQ8Block>(), 0, stream>>>(ka, va);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   return r;
