@@ -2,13 +2,13 @@
 // default scheme (int8-e4m3-hadamard) does, and the launch of the 8-bit Hopper forward
 // (tc/fwd_q8_sm90.h). The pre-pass reads each operand once more than the forward would (K
 // twice: its per-channel mean is needed before any block of it is quantised) and writes half
-// the bytes, in three launches:
-//   1. column_partials: per (b, kv head, chunk of keys) the per-channel sums of K and the
-//      per-channel maxima of |V| (no atomics: the next kernels reduce the chunks in order);
-//   2. quantize_q: per (b, head, block of 64 Q rows) the rotation by the normalised Hadamard
-//      matrix (a butterfly), one int8 scale per block (amax / 127; codes round(x * (1 /
-//      scale)), to nearest even);
-//   3. quantize_kv: per (b, kv head, 128 keys) two CTAs: K minus its mean, rotated and
+// the bytes, in two launches:
+//   1. quantize_q_partials: per (b, kv head, chunk of keys) the per-channel sums of K and the
+//      per-channel maxima of |V| (no atomics: the next kernels reduce the chunks in order),
+//      and per (b, head, block of 64 Q rows) the rotation by the normalised Hadamard matrix (a
+//      butterfly), one int8 scale per block (amax / 127; codes round(x * (1 / scale)), to
+//      nearest even);
+//   2. quantize_kv: per (b, kv head, 128 keys) two CTAs: K minus its mean, rotated and
 //      quantised as Q is, and V / (amax_c / 448) to e4m3, written transposed and with the keys
 //      of each 16 in the order the kernel's P operand reads them.
 #include <ATen/ATen.h>
@@ -28,7 +28,6 @@ namespace adaattn {
 namespace {
 
 constexpr int kPartialRows = 256;  // keys per column_partials CTA
-constexpr int kPartialThreads = 256;
 
 template <typename T>
 __device__ __forceinline__ float to_float(T x) {
@@ -47,27 +46,43 @@ __device__ __forceinline__ float nan_max(float a, float b) {
   return r;
 }
 
+// The operands of column_partials_block: k [B, heads_kv, len, D] and v [..., DV] (16-bit, strides
+// in elements) to k_sum [bh][chunks][D] and v_amax [bh][chunks][DV].
+struct PartialArgs {
+  const void* k;
+  const void* v;
+  int heads_kv, len, chunks;
+  int64_t k_bs, k_hs, k_rs, v_bs, v_hs, v_rs;
+  float* k_sum;
+  float* v_amax;
+};
+
+template <int D, int DV, int kThreads>
+constexpr int partials_smem_bytes() {
+  return 4 * kThreads / ((D > DV ? D : DV) / 8) * (D > DV ? D : DV);
+}
+
 // Per-channel sums of K and maxima of |V| over keys [chunk * kPartialRows, ...) of (b, kv head)
-// bh: k_sum[bh][chunk][D], v_amax[bh][chunk][Dv]. A NaN in V makes its channel's max NaN.
-// Eight CTAs per SM (32 registers) keep enough loads in flight.
-template <typename T, int D, int DV>
-__global__ void __launch_bounds__(kPartialThreads, 8) column_partials(
-    const T* __restrict__ k, const T* __restrict__ v, int heads_kv, int len,
-    int64_t k_bs, int64_t k_hs, int64_t k_rs, int64_t v_bs, int64_t v_hs, int64_t v_rs,
-    float* __restrict__ k_sum, float* __restrict__ v_amax) {
+// bh, item = bh * chunks + chunk: k_sum[bh][chunk][D], v_amax[bh][chunk][Dv]. A NaN in V makes
+// its channel's max NaN. The CTA's kThreads threads call it.
+template <typename T, int D, int DV, int kThreads>
+__device__ __forceinline__ void column_partials_block(const PartialArgs& a, int64_t item,
+                                                      unsigned char* smem) {
   constexpr int kCols = D > DV ? D : DV;
   constexpr int kLanes = kCols / 8;  // threads per row, 8 channels each
-  constexpr int kRowsPar = kPartialThreads / kLanes;
-  __shared__ float red[kRowsPar][kCols];
-  const int bh = blockIdx.x, chunk = blockIdx.y, chunks = gridDim.y;
-  const int b = bh / heads_kv, h = bh % heads_kv;
+  constexpr int kRowsPar = kThreads / kLanes;
+  float(*const red)[kCols] = reinterpret_cast<float(*)[kCols]>(smem);  // [kRowsPar][kCols]
+  const int64_t bh = item / a.chunks;
+  const int chunk = static_cast<int>(item % a.chunks);
+  const int64_t b = bh / a.heads_kv, h = bh % a.heads_kv;
   const int c0 = (threadIdx.x % kLanes) * 8;
   const int r0 = threadIdx.x / kLanes;
-  const int row_end = min(len, (chunk + 1) * kPartialRows);
+  const int row_end = min(a.len, (chunk + 1) * kPartialRows);
   for (int pass = 0; pass < 2; ++pass) {
     const int width = pass == 0 ? D : DV;
-    const T* base = pass == 0 ? k + b * k_bs + h * k_hs : v + b * v_bs + h * v_hs;
-    const int64_t rs = pass == 0 ? k_rs : v_rs;
+    const T* base = pass == 0 ? static_cast<const T*>(a.k) + b * a.k_bs + h * a.k_hs
+                              : static_cast<const T*>(a.v) + b * a.v_bs + h * a.v_hs;
+    const int64_t rs = pass == 0 ? a.k_rs : a.v_rs;
     float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
     if (c0 < width) {
       for (int r = chunk * kPartialRows + r0; r < row_end; r += kRowsPar) {
@@ -84,14 +99,13 @@ __global__ void __launch_bounds__(kPartialThreads, 8) column_partials(
       for (int e = 0; e < 8; ++e) red[r0][c0 + e] = acc[e];
     }
     __syncthreads();
-    for (int c = threadIdx.x; c < width; c += kPartialThreads) {
+    for (int c = threadIdx.x; c < width; c += kThreads) {
       float x = red[0][c];
       for (int r = 1; r < kRowsPar; ++r) {
         const float y = red[r][c];
         x = pass == 0 ? x + y : nan_max(x, y);
       }
-      float* dst = pass == 0 ? k_sum + (static_cast<int64_t>(bh) * chunks + chunk) * D
-                             : v_amax + (static_cast<int64_t>(bh) * chunks + chunk) * DV;
+      float* dst = pass == 0 ? a.k_sum + item * D : a.v_amax + item * DV;
       dst[c] = x;
     }
     __syncthreads();
@@ -503,12 +517,27 @@ __device__ __forceinline__ void quantize_vt_tile(const VtArgs& a, int64_t item,
   }
 }
 
-// Q's blocks of 64 rows, a CTA each.
-template <typename T, int D, bool kStats>
-__global__ void __launch_bounds__(rows_threads<D, tc::kQ8QBlock>()) quantize_q(const RowsArgs q) {
+// Q's blocks of 64 rows and the column sums of K and V (per chunk of keys) in one launch, the
+// column sums' CTAs spread evenly among Q's: Q's rotation is issue-bound, the column sums'
+// reads memory-bound, and the SMs run both at once.
+template <typename T, int D, int DV, bool kStats>
+__global__ void __launch_bounds__(rows_threads<D, tc::kQ8QBlock>())
+    quantize_q_partials(const RowsArgs q, const PartialArgs p, int64_t q_items,
+                        int64_t p_items) {
   constexpr int kThreads = rows_threads<D, tc::kQ8QBlock>();
-  __shared__ __align__(16) unsigned char smem[rows_smem_bytes<D, kThreads, kStats>()];
-  quantize_rows_block<T, D, tc::kQ8QBlock, kThreads, false, kStats>(q, blockIdx.x, smem);
+  constexpr int kRowsBytes = rows_smem_bytes<D, kThreads, kStats>();
+  constexpr int kPartialBytes = partials_smem_bytes<D, DV, kThreads>();
+  __shared__ __align__(16) unsigned char smem[kRowsBytes > kPartialBytes ? kRowsBytes
+                                                                         : kPartialBytes];
+  // CTA i is the column sums' when the count floor(i * p_items / n) steps at i; the count
+  // before it is its item, i less that count Q's.
+  const int64_t items = q_items + p_items, i = blockIdx.x;
+  const int64_t p_before = i * p_items / items;
+  if ((i + 1) * p_items / items > p_before) {
+    column_partials_block<T, D, DV, kThreads>(p, p_before, smem);
+  } else {
+    quantize_rows_block<T, D, tc::kQ8QBlock, kThreads, false, kStats>(q, i - p_before, smem);
+  }
 }
 
 // K's blocks of 128 rows and V^T's 128-key tiles (as many) in one launch, alternating CTAs: the
@@ -627,21 +656,25 @@ Q8Operands quantize_q8_typed(const at::Tensor& q, const at::Tensor& k, const at:
   const T* kp = static_cast<const T*>(k.data_ptr());
   const T* vp = static_cast<const T*>(v.data_ptr());
   at::Tensor k_sum, v_amax;
-  if (B * Hkv * Lk > 0) {
+  const int64_t p_items = B * Hkv * Lk > 0 ? B * Hkv * chunks : 0;
+  const int64_t q_items = B * Hq * Lq > 0 ? B * Hq * q_blocks : 0;
+  if (p_items > 0) {
     k_sum = at::empty({B * Hkv, chunks, D}, f32);
     v_amax = at::empty({B * Hkv, chunks, DV}, f32);
-    column_partials<T, D, DV><<<dim3(B * Hkv, chunks), kPartialThreads, 0, stream>>>(
-        kp, vp, Hkv, Lk, k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
-        v.stride(2), k_sum.data_ptr<float>(), v_amax.data_ptr<float>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   // The statistics' work stays out of the plain pre-pass (separate instantiations).
-  if (B * Hq * Lq > 0) {
+  if (p_items + q_items > 0) {
     const RowsArgs qa{qp, static_cast<int>(Hq), static_cast<int>(Lq), q.stride(0), q.stride(1),
                       q.stride(2), nullptr, 0, r.q.data_ptr<int8_t>(),
                       r.q_scale.data_ptr<float>(), q_blocks, stats_ptr(r.q_stats)};
-    auto q_kernel = stats ? quantize_q<T, D, true> : quantize_q<T, D, false>;
-    q_kernel<<<B * Hq * q_blocks, rows_threads<D, tc::kQ8QBlock>(), 0, stream>>>(qa);
+    const PartialArgs pa{kp, vp, static_cast<int>(Hkv), static_cast<int>(Lk), chunks,
+                         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
+                         v.stride(2), p_items > 0 ? k_sum.data_ptr<float>() : nullptr,
+                         p_items > 0 ? v_amax.data_ptr<float>() : nullptr};
+    auto kernel =
+        stats ? quantize_q_partials<T, D, DV, true> : quantize_q_partials<T, D, DV, false>;
+    kernel<<<tc::grid_size(q_items + p_items), rows_threads<D, tc::kQ8QBlock>(), 0, stream>>>(
+        qa, pa, q_items, p_items);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   if (B * Hkv * Lk > 0) {
