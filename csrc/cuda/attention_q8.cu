@@ -559,8 +559,8 @@ __global__ void __launch_bounds__(rows_threads<D, tc::kQ8Block>(), D == 128 ? 3 
   }
 }
 
-// Sum over the D threads of a CTA (D / 32 warps, D <= 1024) into every thread.
-template <int D>
+// Sum over the kThreads threads of a CTA (kThreads / 32 warps, at most 1024) into every thread.
+template <int kThreads>
 __device__ __forceinline__ float cta_sum(float x, float* scratch) {
 #pragma unroll
   for (int m = 16; m > 0; m >>= 1) x += __shfl_xor_sync(0xffffffff, x, m);
@@ -569,60 +569,103 @@ __device__ __forceinline__ float cta_sum(float x, float* scratch) {
   __syncthreads();
   x = 0.f;
 #pragma unroll
-  for (int w = 0; w < D / 32; ++w) x += scratch[w];
+  for (int w = 0; w < kThreads / 32; ++w) x += scratch[w];
   return x;
 }
 
-// One CTA per (b, query head), a thread per channel: whether the head runs 8-bit. Its scales
-// must be finite (q's blocks, its kv head's key blocks and value channels); with `tol` (stats
-// non-null) the estimate of estimate_precision_error from the pre-pass's per-block sums,
+// Slices of the blocks a choose_q8_heads CTA sums per channel (kChooseSlices * D threads): the
+// sums are chains of dependent loads, which one thread per channel waited out one by one.
+constexpr int kChooseSlices = 4;
+
+// One CTA per (b, query head), kChooseSlices threads per channel: whether the head runs 8-bit.
+// Its scales must be finite (q's blocks, its kv head's key blocks and value channels); with
+// `tol` (stats non-null) the estimate of estimate_precision_error from the pre-pass's per-block
+// sums,
 //   sqrt(scale^2 sum_c (E[dq_c^2] E[k_c^2] + E[q_c^2] E[dk_c^2]) + eps_v^2 + eps_p^2),
 // E the mean over the sequence (K is smoothed: its mean square is its variance), eps_v^2 =
 // sum_c E[dv_c^2] / sum_c E[v_c^2] (0 for zero values), must be <= tol (a NaN estimate is not).
 template <int D>
-__global__ void __launch_bounds__(D) choose_q8_heads(
+__global__ void __launch_bounds__(kChooseSlices * D) choose_q8_heads(
     const float* __restrict__ q_scale, int q_blocks, const float* __restrict__ k_scale,
     const float* __restrict__ v_scale, int k_blocks, const float* __restrict__ q_stats,
     const float* __restrict__ k_stats, const float* __restrict__ v_stats, int heads_q,
     int heads_kv, int len_q, int len_k, float scale2, float eps_p2, float tol,
     bool* __restrict__ run_q8) {
-  __shared__ float scratch[D / 32];
-  const int bh = blockIdx.x, c = threadIdx.x;
+  constexpr int kThreads = kChooseSlices * D;
+  __shared__ float scratch[kThreads / 32];
+  __shared__ float slice_sums[kChooseSlices][6][D];
+  const int bh = blockIdx.x, c = threadIdx.x % D, slice = threadIdx.x / D;
   const int b = bh / heads_q, h = bh % heads_q;
   const int bkv = b * heads_kv + h / (heads_q / heads_kv);
-  bool finite = isfinite(v_scale[static_cast<int64_t>(bkv) * D + c]);
-  for (int i = c; i < q_blocks; i += D) {
+  bool finite = slice > 0 || isfinite(v_scale[static_cast<int64_t>(bkv) * D + c]);
+  for (int i = threadIdx.x; i < q_blocks; i += kThreads) {
     finite &= isfinite(q_scale[static_cast<int64_t>(bh) * q_blocks + i]);
   }
-  for (int i = c; i < k_blocks; i += D) {
+  for (int i = threadIdx.x; i < k_blocks; i += kThreads) {
     finite &= isfinite(k_scale[static_cast<int64_t>(bkv) * k_blocks + i]);
   }
   finite = __syncthreads_and(finite);
   bool ok = finite;
   if (q_stats != nullptr) {
-    // Sums of block rows (x^2, err^2) at channel c, in block order.
-    auto sums = [c](const float* stats, int64_t head, int blocks, float (&out)[2]) {
-      out[0] = out[1] = 0.f;
-      for (int i = 0; i < blocks; ++i) {
-        const float* row = stats + ((head * blocks + i) * 2) * D + c;
-        out[0] += row[0];
-        out[1] += row[D];
+    // This slice's sums of block rows (x^2, err^2) at channel c, in block order, eight loads
+    // of each in flight.
+    auto sums = [c, slice](const float* stats, int64_t head, int blocks, float* out) {
+      const int first = blocks * slice / kChooseSlices;
+      const int last = blocks * (slice + 1) / kChooseSlices;
+      const float* rows = stats + head * blocks * 2 * D + c;
+      float sq = 0.f, err = 0.f;
+      int i = first;
+      for (; i + 8 <= last; i += 8) {
+        float x[8], e[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+          x[u] = rows[(i + u) * 2 * D];
+          e[u] = rows[(i + u) * 2 * D + D];
+        }
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+          sq += x[u];
+          err += e[u];
+        }
       }
+      for (; i < last; ++i) {
+        sq += rows[i * 2 * D];
+        err += rows[i * 2 * D + D];
+      }
+      out[0] = sq;
+      out[1] = err;
     };
-    float qs[2], ks[2], vs[2];
-    sums(q_stats, bh, q_blocks, qs);
-    sums(k_stats, bkv, k_blocks, ks);
-    sums(v_stats, bkv, k_blocks, vs);
+    float* mine = &slice_sums[slice][0][0];
+    float part[6];
+    sums(q_stats, bh, q_blocks, part);
+    sums(k_stats, bkv, k_blocks, part + 2);
+    sums(v_stats, bkv, k_blocks, part + 4);
+#pragma unroll
+    for (int j = 0; j < 6; ++j) mine[j * D + c] = part[j];
+    __syncthreads();
+    // The slices' sums in slice order, by the first slice's threads (the others add 0).
+    float qs[2] = {0.f, 0.f}, ks[2] = {0.f, 0.f}, vs[2] = {0.f, 0.f};
+    if (slice == 0) {
+#pragma unroll
+      for (int s = 0; s < kChooseSlices; ++s) {
+        qs[0] += slice_sums[s][0][c];
+        qs[1] += slice_sums[s][1][c];
+        ks[0] += slice_sums[s][2][c];
+        ks[1] += slice_sums[s][3][c];
+        vs[0] += slice_sums[s][4][c];
+        vs[1] += slice_sums[s][5][c];
+      }
+    }
     const float inv_q = len_q > 0 ? 1.f / static_cast<float>(len_q) : 0.f;
     const float inv_k = len_k > 0 ? 1.f / static_cast<float>(len_k) : 0.f;
-    const float score =
-        cta_sum<D>(qs[1] * inv_q * (ks[0] * inv_k) + qs[0] * inv_q * (ks[1] * inv_k), scratch);
-    const float v_energy = cta_sum<D>(vs[0] * inv_k, scratch);
-    const float v_err = cta_sum<D>(vs[1] * inv_k, scratch);
+    const float score = cta_sum<kThreads>(
+        qs[1] * inv_q * (ks[0] * inv_k) + qs[0] * inv_q * (ks[1] * inv_k), scratch);
+    const float v_energy = cta_sum<kThreads>(vs[0] * inv_k, scratch);
+    const float v_err = cta_sum<kThreads>(vs[1] * inv_k, scratch);
     const float eps_v2 = v_energy > 0.f ? v_err / v_energy : 0.f;
     ok = finite && sqrtf(scale2 * score + eps_v2 + eps_p2) <= tol;
   }
-  if (c == 0) run_q8[bh] = ok;
+  if (threadIdx.x == 0) run_q8[bh] = ok;
 }
 
 template <typename T, int D, int DV>
@@ -739,7 +782,7 @@ at::Tensor choose_q8_heads_cuda(const Q8Operands& ops, std::optional<double> fp8
   const double eps_p2 = std::pow(4.0, -3.0) / 12.0 * (3.0 / (8.0 * std::log(2.0)));
   auto stats_ptr = [stats](const at::Tensor& t) { return stats ? t.data_ptr<float>() : nullptr; };
   auto kernel = dim == 128 ? choose_q8_heads<128> : choose_q8_heads<64>;
-  kernel<<<tc::grid_size(batch * heads_q), static_cast<int>(dim), 0,
+  kernel<<<tc::grid_size(batch * heads_q), kChooseSlices * static_cast<int>(dim), 0,
            at::cuda::getCurrentCUDAStream()>>>(
       ops.q_scale.data_ptr<float>(), static_cast<int>(ops.q_scale.size(2)),
       ops.k_scale.data_ptr<float>(), ops.v_scale.data_ptr<float>(),
