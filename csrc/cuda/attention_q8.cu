@@ -27,7 +27,7 @@
 namespace adaattn {
 namespace {
 
-constexpr int kPartialRows = 256;  // keys per column_partials CTA
+constexpr int kPartialRows = 256;  // keys per column-sums CTA (column_partials_block)
 
 template <typename T>
 __device__ __forceinline__ float to_float(T x) {
@@ -57,6 +57,7 @@ struct PartialArgs {
   float* v_amax;
 };
 
+// Shared memory of column_partials_block: each row lane's sums, [rows in flight][channels].
 template <int D, int DV, int kThreads>
 constexpr int partials_smem_bytes() {
   return 4 * kThreads / ((D > DV ? D : DV) / 8) * (D > DV ? D : DV);
@@ -198,6 +199,7 @@ __device__ __forceinline__ void scatter_halves(float (&sq)[kN], float (&err)[kN]
 // error (code * scale - x)^2 of the rotated rows, at stats[bh][blk][0 / 1][D]: the statistics
 // of adaattn.precision.estimate_precision_error (K's variance over the keys is its mean square
 // once smoothed).
+// Shared memory of quantize_rows_block: K's mean, the warps' maxima and (kStats) their sums.
 template <int D, int kRowsThreads, bool kStats>
 constexpr int rows_smem_bytes() {
   return 4 * (D + kRowsThreads / 32 + (kStats ? kRowsThreads / 32 * 2 * D : 0));
@@ -403,6 +405,8 @@ struct VtArgs {
 // CTA's kVtThreads threads call it.
 // kStats: per channel the tile's sums of v^2 and of the squared rounding error
 // (e4m3(v / scale) * scale - v)^2, at stats[bh][tile][0 / 1][DV].
+// Shared memory of quantize_vt_tile: the 16-bit tile, the channels' inverse scales and scales,
+// and (kStats) the threads' sums.
 template <typename T, int DV, int kVtThreads, bool kStats>
 constexpr int vt_smem_bytes() {
   return static_cast<int>(sizeof(T)) * tc::kQ8Block * DV +
