@@ -145,7 +145,7 @@ __device__ __forceinline__ uint32_t low_bytes(uint32_t a, uint32_t b, uint32_t c
   return r;
 }
 
-// Threads of a quantize_rows CTA for blocks of kBlock rows: every row's lanes, at most 256.
+// Threads of a quantize_rows_block CTA for blocks of kBlock rows: every row's lanes, at most 256.
 template <int D, int kBlock>
 constexpr int rows_threads() {
   return kBlock * (D / 32) < 256 ? kBlock * (D / 32) : 256;
@@ -157,7 +157,7 @@ struct RowsArgs {
   const void* x;
   int heads, len;
   int64_t bs, hs, rs;
-  const float* k_sum;  // K: column_partials' per-channel sums [bh][chunks][D], for its mean
+  const float* k_sum;  // K: the column sums [bh][chunks][D] (column_partials_block), its mean
   int chunks;
   int8_t* out;
   float* scales;
@@ -239,7 +239,7 @@ __device__ __forceinline__ void quantize_rows_block(const RowsArgs& a, int64_t i
                                 : make_uint4(0, 0, 0, 0);
     }
   }
-  // K's per-channel mean from column_partials' chunks, summed in order, in shared memory and
+  // K's per-channel mean from the column sums' chunks, summed in order, in shared memory and
   // read where it is subtracted: held in registers it would keep 32 of them live beside the
   // rows.
   if constexpr (kSmooth) {
@@ -390,7 +390,7 @@ struct VtArgs {
   const void* v;
   int heads_kv, len;
   int64_t bs, hs, rs;
-  const float* v_amax;  // column_partials' per-channel maxima of |V| [bh][chunks][DV]
+  const float* v_amax;  // the column maxima of |V| [bh][chunks][DV] (column_partials_block)
   int chunks;
   uint8_t* vt;
   int64_t padded_len;
