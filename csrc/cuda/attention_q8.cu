@@ -29,14 +29,7 @@ namespace {
 
 constexpr int kPartialRows = 256;  // keys per column-sums CTA (column_partials_block)
 
-template <typename T>
-__device__ __forceinline__ float to_float(T x) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    return __bfloat162float(x);
-  } else {
-    return __half2float(x);
-  }
-}
+using tc::to_float;
 
 // max(a, b) that carries a NaN of either (fmaxf drops NaN; a NaN must reach the scale): one
 // instruction (max.NaN, sm_80+) where a compare and select would take three.
@@ -547,8 +540,9 @@ __global__ void __launch_bounds__(rows_threads<D, tc::kQ8QBlock>())
 // K's blocks of 128 rows and V^T's 128-key tiles (as many) in one launch, alternating CTAs: the
 // rotation's arithmetic (K) and the transposition's memory traffic (V) share the SMs rather
 // than follow each other. Three CTAs per SM at D = 128 (80 registers, 16-28 bytes of spills)
-// ran 11% faster than two (107-128 registers), four at D = 64 (64 registers); one pass of rows
-// a thread at D = 128 (512 threads, 64 registers) ran slower.
+// keep more loads in flight than the two that 107-128 registers allow (11% faster; four at
+// D = 64, 64 registers); one row a thread at D = 128 (512 threads) would repeat each thread's
+// fixed work per row and costs more than its occupancy gains (docs/lab/fp8-kernel.md).
 template <typename T, int D, int DV, bool kStats>
 __global__ void __launch_bounds__(rows_threads<D, tc::kQ8Block>(), D == 128 ? 3 : 4)
     quantize_kv(const RowsArgs k, const VtArgs v) {
@@ -577,8 +571,9 @@ __device__ __forceinline__ float cta_sum(float x, float* scratch) {
   return x;
 }
 
-// Slices of the blocks a choose_q8_heads CTA sums per channel (kChooseSlices * D threads): the
-// sums are chains of dependent loads, which one thread per channel waited out one by one.
+// Slices of the blocks a choose_q8_heads CTA sums per channel (kChooseSlices * D threads): each
+// channel's sum is a chain of loads, and four threads per channel keep four times as many in
+// flight.
 constexpr int kChooseSlices = 4;
 
 // One CTA per (b, query head), kChooseSlices threads per channel: whether the head runs 8-bit.
@@ -733,7 +728,8 @@ Q8Operands quantize_q8_typed(const at::Tensor& q, const at::Tensor& k, const at:
                     static_cast<uint8_t*>(r.vt.data_ptr()), r.vt.size(3),
                     r.v_scale.data_ptr<float>(), k_blocks, stats_ptr(r.v_stats)};
     auto kv_kernel = stats ? quantize_kv<T, D, DV, true> : quantize_kv<T, D, DV, false>;
-    kv_kernel<<<2 * B * Hkv * k_blocks, rows_threads<D, tc::kQ8Block>(), 0, stream>>>(ka, va);
+    kv_kernel<<<tc::grid_size(2 * B * Hkv * k_blocks), rows_threads<D, tc::kQ8Block>(), 0,
+                stream>>>(ka, va);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   return r;
