@@ -7,13 +7,29 @@ import torch
 from . import _checks as C
 from ._ops import ops
 
+_Tensor = torch.Tensor
+
+
+def _tensors(*values) -> bool:
+    for value in values:
+        if not isinstance(value, _Tensor):
+            return False
+    return True
+
+
+def _optional_tensors(*values) -> bool:
+    for value in values:
+        if value is not None and not isinstance(value, _Tensor):
+            return False
+    return True
+
 
 def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             k: Optional[torch.Tensor] = None, v: Optional[torch.Tensor] = None,
                             *, cache_seqlens: torch.Tensor,
                             block_table: Optional[torch.Tensor] = None, causal: bool = True,
                             window=(-1, -1), softmax_scale: Optional[float] = None,
-                            softcap: float = 0, return_lse: bool = False, num_splits: int = 0,
+                            softcap: float = 0.0, return_lse: bool = False, num_splits: int = 0,
                             k_scale: Optional[torch.Tensor] = None,
                             v_scale: Optional[torch.Tensor] = None,
                             alibi_slopes: Optional[torch.Tensor] = None,
@@ -84,18 +100,31 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         RuntimeError: tensors on different devices.
         Every message starts ``adaattn.flash_attn_with_kvcache:`` and names the argument.
     """
+    # A decode step's host time is on its critical path (single calls wait for it): the common
+    # arguments are checked inline, the helpers (which build the messages) run only off that path.
     op = "flash_attn_with_kvcache"
-    C.tensors(op, q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens)
-    C.optional_tensors(op, k=k, v=v, block_table=block_table, k_scale=k_scale, v_scale=v_scale,
-                       alibi_slopes=alibi_slopes, sinks=sinks, rel_bias=rel_bias)
-    return_lse = C.boolean(op, "return_lse", return_lse)
+    if not (_tensors(q, k_cache, v_cache, cache_seqlens)
+            and _optional_tensors(k, v, block_table, k_scale, v_scale, alibi_slopes, sinks,
+                                  rel_bias)):
+        C.tensors(op, q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens)
+        C.optional_tensors(op, k=k, v=v, block_table=block_table, k_scale=k_scale,
+                           v_scale=v_scale, alibi_slopes=alibi_slopes, sinks=sinks,
+                           rel_bias=rel_bias)
+    if return_lse is not True and return_lse is not False:
+        C.boolean(op, "return_lse", return_lse)
+    if causal is not True and causal is not False:
+        C.boolean(op, "causal", causal)
     left, right = C.window_pair(op, window)
+    if softmax_scale is not None:
+        softmax_scale = C.optional_float(op, "softmax_scale", softmax_scale)
+    if type(softcap) is not float:
+        softcap = C.softcap_value(op, softcap)
+    if type(num_splits) is not int or num_splits < 0:
+        C.num_splits_value(op, num_splits)
     out, lse = ops.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
-                                           C.optional_float(op, "softmax_scale", softmax_scale),
-                                           C.boolean(op, "causal", causal), left, right,
-                                           C.softcap_value(op, softcap),
-                                           C.num_splits_value(op, num_splits), k_scale, v_scale,
-                                           alibi_slopes, sinks, rel_bias)
+                                           softmax_scale, causal, left, right, softcap,
+                                           num_splits, k_scale, v_scale, alibi_slopes, sinks,
+                                           rel_bias)
     return (out, lse) if return_lse else out
 
 
@@ -132,14 +161,19 @@ def lazy_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             ``adaattn.lazy_attn_with_kvcache:``.
     """
     op = "lazy_attn_with_kvcache"
-    C.tensors(op, q=q, k_cache=k_cache, v_cache=v_cache, tau=tau, bias=bias,
-              cache_seqlens=cache_seqlens)
-    C.optional_tensors(op, k=k, v=v, block_table=block_table)
-    return_lse = C.boolean(op, "return_lse", return_lse)
+    if not (_tensors(q, k_cache, v_cache, tau, bias, cache_seqlens)
+            and _optional_tensors(k, v, block_table)):
+        C.tensors(op, q=q, k_cache=k_cache, v_cache=v_cache, tau=tau, bias=bias,
+                  cache_seqlens=cache_seqlens)
+        C.optional_tensors(op, k=k, v=v, block_table=block_table)
+    if return_lse is not True and return_lse is not False:
+        C.boolean(op, "return_lse", return_lse)
+    if softmax_scale is not None:
+        softmax_scale = C.optional_float(op, "softmax_scale", softmax_scale)
+    if type(num_splits) is not int or num_splits < 0:
+        C.num_splits_value(op, num_splits)
     out, lse = ops.lazy_attn_with_kvcache(q, k_cache, v_cache, k, v, tau, bias, cache_seqlens,
-                                          block_table,
-                                          C.optional_float(op, "softmax_scale", softmax_scale),
-                                          C.num_splits_value(op, num_splits))
+                                          block_table, softmax_scale, num_splits)
     return (out, lse) if return_lse else out
 
 
