@@ -5,6 +5,7 @@
 //   ADAATTN_BWD_TWO_PASS=1|0   force / forbid the Hopper two-pass backward (A/B runs)
 //   ADAATTN_CHECK_INPUTS=1     validate cu_seqlens values on CUDA too (costs a device sync)
 //   ADAATTN_HEAD_MAJOR=1       head-major CTA order for every tensor-core launch (A/B runs)
+//   ADAATTN_FWD_TMA=0          cp.async loads instead of TMA in the Hopper forward (A/B runs)
 #pragma once
 
 #include <cstdlib>
@@ -23,6 +24,7 @@ inline bool disable_sm90() { return flag("ADAATTN_DISABLE_SM90") == 1; }
 inline int bwd_two_pass() { return flag("ADAATTN_BWD_TWO_PASS"); }
 inline bool check_inputs() { return flag("ADAATTN_CHECK_INPUTS") == 1; }
 inline bool head_major() { return flag("ADAATTN_HEAD_MAJOR") == 1; }
+inline bool fwd_tma() { return flag("ADAATTN_FWD_TMA") != 0; }
 
 }  // namespace env
 }  // namespace adaattn

@@ -13,6 +13,7 @@
 #include "../../core/params.h"
 #include "softmax_frag.h"
 #include "tiles.h"
+#include "tma.h"
 #include "wgmma.h"
 
 namespace adaattn {
@@ -55,9 +56,20 @@ struct Sm90FwdTraits
                 "output staging fits over Q, K and V");
 };
 
+// Tensor maps of q, k and v for the producer's TMA loads (tma.h; boxes of kBlockM query rows, of
+// kBlockN key rows), where the launcher could encode them: dense rows of one length (no packed
+// sequences, seqlens or cache), so that rows past the tensor, which TMA zero-fills, are all the
+// rows past the attended ones. Otherwise `enabled` is false and 128 producer threads copy with
+// cp.async.
+struct Sm90FwdMaps {
+  CUtensorMap q, k, v;
+  bool enabled;
+};
+
 // The Hopper forward. Consumer warpgroups run the mainloop of fwd_sm80.h on wgmma; a
-// producer warpgroup loads Q, K and V with cp.async (every row layout of the flash family loads
-// as the SM80 kernels do) and they meet at mbarriers, never at a CTA barrier: load group j goes
+// producer warpgroup loads Q, K and V (by TMA from one thread where `maps` are enabled; else
+// with cp.async from all 128, every row layout of the flash family loading as the SM80 kernels
+// do) and they meet at mbarriers, never at a CTA barrier: load group j goes
 // to stage j % 2, `full[j % 2]` completes when it has landed, `empty[j % 2]` when both consumers
 // are done with it, which lets group j + 2 in. The producer gives its registers to the consumers
 // (setmaxnreg).
@@ -75,7 +87,8 @@ struct Sm90FwdTraits
 //   groups n..2n-1 hold K_i and V_i for the weight pass, which skips the A V product of a
 //   warpgroup's 64 x 128 tile whose weights are all zero (a warpgroup vote).
 template <typename Traits, typename T, int DK, int DV, typename Variant, bool kStats>
-__global__ void __launch_bounds__(Traits::kThreads, 1) fwd_sm90_kernel(const AttnParams p) {
+__global__ void __launch_bounds__(Traits::kThreads, 1)
+    fwd_sm90_kernel(const AttnParams p, const __grid_constant__ Sm90FwdMaps maps) {
 #ifdef ADAATTN_SM90A_DEVICE
   using Mod = typename Variant::Mod;
   using Transform = typename Variant::Transform;
@@ -111,7 +124,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_sm90_kernel(const Att
   const int b = tile.b, h = tile.h, h_kv = tile.h_kv, m0 = tile.m0;
   const SeqLens lens = tile.lens;
   const int valid_q = lens.rows_q - m0;
-  sm90::init_load_ring(full, empty, kConsumerThreads);
+  sm90::init_load_ring(full, empty, kConsumerThreads, maps.enabled ? 1 : 128);
 
   // Block lists are walked for normalised transforms only (fwd_sm80.h says why).
   auto with_tiles = [&](auto&& body) {
@@ -125,27 +138,57 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_sm90_kernel(const Att
   if (warp >= kConsumerThreads / 32) {
     sm90::regs_dealloc<Traits::kProducerRegs>();
     const int ptid = tid - kConsumerThreads;
-    const T* q = q_rows<T>(p, lens, b, h, m0);
-    const T* k = k_rows<T>(p, lens, b, h_kv, 0);
-    const T* v = v_rows<T>(p, lens, b, h_kv, 0);
-    auto load_k = [&](int stage, int n) {
-      sm90::load_tile_gmma<BN, DK, 128>(sK + stage * Traits::kKElems,
-                                        k + static_cast<int64_t>(n) * BN * p.k_row_stride,
-                                        p.k_row_stride, lens.rows_k - n * BN, ptid, p.head_dim);
-    };
-    // Values past the attended keys (padding) are zero-filled: their weights are 0, and 0 times
-    // whatever the padding holds (NaN) must not reach the rows.
-    auto load_v = [&](int stage, int n) {
-      sm90::load_tile_gmma<BN, DV, 128>(sV + stage * Traits::kVElems,
-                                        v + static_cast<int64_t>(n) * BN * p.v_row_stride,
-                                        p.v_row_stride, lens.k - n * BN, ptid, p.head_dim_v);
-    };
     with_tiles([&](const auto& tiles) {
       // No key tiles: the consumers write zeros over sQ without waiting, so nothing may load.
       if (tiles.count == 0) return;
       const int lse_groups = kLsePass && p.lse_pass != LsePass::kGiven ? tiles.count : 0;
       const int groups = !kLsePass ? tiles.count + 1
                                    : lse_groups + (p.lse_pass == LsePass::kOnly ? 0 : tiles.count);
+      // The launcher encodes maps only for tiles of whole 64-column blocks (not 32-wide ones).
+      if constexpr (DK % 64 == 0) {
+        if (maps.enabled) {
+          // One thread issues every load (the groups of the cp.async loop below); `full`
+          // completes on its arrival and the group's bytes.
+          if (ptid != 0) return;
+          constexpr uint32_t kQBytes = kBlockM * DK * sizeof(T);
+          constexpr uint32_t kKBytes = BN * DK * sizeof(T), kVBytes = BN * DV * sizeof(T);
+          for (int j = 0; j < groups; ++j) {
+            if (j >= 2) sm90::mbar_wait(&empty[j % 2], ((j - 2) >> 1) & 1);
+            uint64_t* const bar = &full[j % 2];
+            const bool with_k = kLsePass || j < tiles.count;
+            const bool with_v = kLsePass ? j >= lse_groups : j > 0;
+            sm90::mbar_arrive_expect_tx(bar, (j == 0 ? kQBytes : 0) + (with_k ? kKBytes : 0) +
+                                                 (with_v ? kVBytes : 0));
+            if (j == 0) sm90::load_tile_tma<kBlockM, DK>(sQ, &maps.q, m0, h, b, bar);
+            const int i = kLsePass && j >= lse_groups ? j - lse_groups : j;
+            if (with_k) {
+              sm90::load_tile_tma<BN, DK>(sK + (j % 2) * Traits::kKElems, &maps.k,
+                                          tiles.at(i) * BN, h_kv, b, bar);
+            }
+            if (with_v) {
+              const int n = kLsePass ? i : i - 1, stage = kLsePass ? j % 2 : (j - 1) % 2;
+              sm90::load_tile_tma<BN, DV>(sV + stage * Traits::kVElems, &maps.v,
+                                          tiles.at(n) * BN, h_kv, b, bar);
+            }
+          }
+          return;
+        }
+      }
+      const T* q = q_rows<T>(p, lens, b, h, m0);
+      const T* k = k_rows<T>(p, lens, b, h_kv, 0);
+      const T* v = v_rows<T>(p, lens, b, h_kv, 0);
+      auto load_k = [&](int stage, int n) {
+        sm90::load_tile_gmma<BN, DK, 128>(sK + stage * Traits::kKElems,
+                                          k + static_cast<int64_t>(n) * BN * p.k_row_stride,
+                                          p.k_row_stride, lens.rows_k - n * BN, ptid, p.head_dim);
+      };
+      // Values past the attended keys (padding) are zero-filled: their weights are 0, and 0
+      // times whatever the padding holds (NaN) must not reach the rows.
+      auto load_v = [&](int stage, int n) {
+        sm90::load_tile_gmma<BN, DV, 128>(sV + stage * Traits::kVElems,
+                                          v + static_cast<int64_t>(n) * BN * p.v_row_stride,
+                                          p.v_row_stride, lens.k - n * BN, ptid, p.head_dim_v);
+      };
       for (int j = 0; j < groups; ++j) {
         if (j >= 2) sm90::mbar_wait(&empty[j % 2], ((j - 2) >> 1) & 1);
         if (j == 0) {

@@ -102,6 +102,28 @@ AttnParams in_cta_order(const AttnParams& p, int block_rows, int ctas_per_sm) {
   return ordered;
 }
 
+// The Hopper forward's TMA maps (Sm90FwdMaps), where its operands are dense rows of one length
+// and the maps encode; disabled (cp.async) otherwise.
+template <typename Traits, typename T, int DK, int DV>
+Sm90FwdMaps fwd_sm90_maps(const AttnParams& p) {
+  Sm90FwdMaps maps{};
+  maps.enabled = false;
+  if constexpr (DK % 64 == 0) {
+    const bool dense_rows = p.cu_seqlens_q == nullptr && p.cu_seqlens_k == nullptr &&
+                            p.seqlens == nullptr && p.cache_seqlens == nullptr;
+    if (!dense_rows || !env::fwd_tma()) return maps;
+    constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
+    maps.enabled =
+        encode_operand_map(&maps.q, p.q, kBf16, p.head_dim, p.len_q, p.heads_q, p.batch,
+                           p.q_row_stride, p.q_head_stride, p.q_batch_stride, Traits::kBlockM) &&
+        encode_operand_map(&maps.k, p.k, kBf16, p.head_dim, p.len_k, p.heads_kv, p.batch,
+                           p.k_row_stride, p.k_head_stride, p.k_batch_stride, Traits::kBlockN) &&
+        encode_operand_map(&maps.v, p.v, kBf16, p.head_dim_v, p.len_k, p.heads_kv, p.batch,
+                           p.v_row_stride, p.v_head_stride, p.v_batch_stride, Traits::kBlockN);
+  }
+  return maps;
+}
+
 template <typename Traits, typename T, int DK, int DV, typename Variant>
 void launch_fwd_sm90_traits(const AttnParams& p_in) {
   const AttnParams p = in_cta_order<false>(p_in, Traits::kBlockM, 1);
@@ -111,7 +133,8 @@ void launch_fwd_sm90_traits(const AttnParams& p_in) {
   }
   set_smem(kernel, Traits::kSmemBytes);
   const int grid = grid_size(tile_slots<false>(p, Traits::kBlockM) * p.heads_q);
-  kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, current_stream()>>>(p);
+  kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, current_stream()>>>(
+      p, fwd_sm90_maps<Traits, T, DK, DV>(p));
   check_launch();
 }
 

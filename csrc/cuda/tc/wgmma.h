@@ -233,17 +233,21 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, int parity) {
 }
 
 // The mbarriers of a warp-specialised kernel's load ring: `full[s]` completes when the 128
-// producer threads have arrived (stage s landed), `empty[s]` when lane 0 of every consumer warp
-// has (stage s free). Thread 0 initialises them; the CTA barrier makes them visible.
+// producer threads have arrived (stage s landed; with TMA, the one issuing thread and the copies'
+// bytes), `empty[s]` when lane 0 of every consumer warp has (stage s free). Thread 0 initialises
+// them; the CTA barrier makes them visible.
 template <int kStages>
 __device__ __forceinline__ void init_load_ring(uint64_t (&full)[kStages],
                                                uint64_t (&empty)[kStages],
-                                               int consumer_threads) {
+                                               int consumer_threads, int producer_arrivals = 128) {
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(&full[s], 128);
+      mbar_init(&full[s], producer_arrivals);
       mbar_init(&empty[s], consumer_threads / 32);
     }
+    // One arrival: a TMA producer's (tma.h), whose copies the copy engine counts into `full`;
+    // it must see the barriers initialised.
+    if (producer_arrivals == 1) ADAATTN_SM90_ASM("fence.mbarrier_init.release.cluster;");
   }
   __syncthreads();
 }
